@@ -1,0 +1,11 @@
+"""Kiln: an open, Python-first inference compiler."""
+
+__version__ = "0.1.0"
+
+from . import ops as _ops  # noqa: F401,E402  (fills the operator registry)
+from .engine.builder import build  # noqa: E402
+from .engine.config import BuildConfig, Profile  # noqa: E402
+from .engine.serialize import load  # noqa: E402
+from .errors import KilnError  # noqa: E402
+
+__all__ = ["BuildConfig", "KilnError", "Profile", "build", "load", "__version__"]

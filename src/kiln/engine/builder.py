@@ -1,0 +1,146 @@
+"""The builder: ONNX model in, Engine out.
+
+    load + check -> kiln Graph -> optimization passes -> profiles
+    -> placement (host shape arithmetic vs device work) -> layer precision
+    -> validation run of every profile on the target (measures the arena)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from contextlib import nullcontext
+
+import onnx
+import torch
+
+from ..errors import ConfigError, UnsupportedError
+from ..ir.from_onnx import model_to_graph
+from ..ir.graph import Graph
+from ..ops.registry import unsupported_reason
+from .. import passes
+from . import placement, precision
+from .config import BuildConfig, Profile, fmt_shape
+from .engine import Engine
+from .target import resolve, versions
+
+
+class ProfileWarning(UserWarning):
+    pass
+
+
+def _check_supported(graph: Graph) -> None:
+    blocked = [(n, r) for n in graph.walk() if (r := unsupported_reason(n))]
+    if blocked:
+        listed = "; ".join(f"node '{n.label}': {r}" for n, r in blocked[:10])
+        more = f" (and {len(blocked) - 10} more)" if len(blocked) > 10 else ""
+        raise UnsupportedError(
+            f"the model cannot be built: {len(blocked)} node(s) use operators or attributes Kiln does not "
+            f"support: {listed}{more}. Run `kiln check` for the full operator report."
+        )
+
+
+def resolve_profiles(graph: Graph, config: BuildConfig) -> list[Profile]:
+    """Complete and validate profiles: every input gets min/opt/max, static dims must match."""
+    profiles = list(config.profiles) or [Profile({k: (s, s, s) for k, s in config.shapes.items()})]
+    names = [v.name for v in graph.inputs]
+    out = []
+    for idx, prof in enumerate(profiles):
+        unknown = [k for k in prof.shapes if k not in names]
+        if unknown:
+            raise ConfigError(f"profile {idx} names input(s) {unknown}, which the model does not have; its inputs are {names}.")
+        shapes = {}
+        for v in graph.inputs:
+            if v.name in prof.shapes:
+                lo, opt, hi = prof.shapes[v.name]
+                if not (len(lo) == len(opt) == len(hi)):
+                    raise ConfigError(f"profile {idx}, input '{v.name}': min/opt/max shapes have different ranks.")
+                if v.shape is not None and len(v.shape) != len(lo):
+                    raise ConfigError(
+                        f"profile {idx}, input '{v.name}': shape {fmt_shape(lo)} has rank {len(lo)}, "
+                        f"but the model's input has rank {len(v.shape)} ({_dims(v.shape)})."
+                    )
+                for axis in range(len(lo)):
+                    if not lo[axis] <= opt[axis] <= hi[axis]:
+                        raise ConfigError(
+                            f"profile {idx}, input '{v.name}' axis {axis}: need min <= opt <= max, got "
+                            f"{lo[axis]}, {opt[axis]}, {hi[axis]}."
+                        )
+                    d = v.shape[axis] if v.shape is not None else None
+                    if isinstance(d, int) and not lo[axis] == hi[axis] == d:
+                        raise ConfigError(
+                            f"profile {idx}, input '{v.name}' axis {axis} is fixed at {d} in the model, "
+                            f"but the profile asks for {lo[axis]}..{hi[axis]}."
+                        )
+                shapes[v.name] = (tuple(lo), tuple(opt), tuple(hi))
+            elif v.shape is None:
+                raise ConfigError(f"input '{v.name}' has no shape in the model; give one with --shapes or --optShapes.")
+            else:
+                dims = tuple(d if isinstance(d, int) else 1 for d in v.shape)
+                if v.is_dynamic:
+                    dyn = [a for a, d in enumerate(v.shape) if not isinstance(d, int)]
+                    warnings.warn(
+                        f"input '{v.name}' has dynamic axes {dyn} ({_dims(v.shape)}) but no profile covers them; "
+                        f"building for {fmt_shape(dims)} (min=opt=max). Pass --minShapes/--optShapes/--maxShapes "
+                        "to cover the shapes you will run.", ProfileWarning, stacklevel=3)
+                shapes[v.name] = (dims, dims, dims)
+        out.append(Profile(shapes))
+    return out
+
+
+def _dims(shape) -> str:
+    return "x".join(str(d) if d is not None else "?" for d in shape)
+
+
+def _random_input(shape, dtype, device):
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
+    if dtype == torch.bool:
+        return torch.rand(shape, device=device) > 0.5
+    return torch.randint(0, 2, shape, dtype=dtype, device=device)
+
+
+def build(model, config: BuildConfig | None = None) -> Engine:
+    """Build an engine. `model`: an onnx.ModelProto, a path to an .onnx file, or a kiln Graph."""
+    from ..frontend.onnx_loader import load_onnx
+    from ..tools.progress import build_progress
+
+    config = config or BuildConfig()
+    start = time.perf_counter()
+    target = resolve(config.device)
+    with (build_progress() if config.progress else nullcontext()) as bar:
+        step = (lambda msg: bar.step(msg)) if bar else (lambda msg: None)
+        step("loading model")
+        if isinstance(model, Graph):
+            graph = model
+        else:
+            proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
+            graph = model_to_graph(proto)
+        _check_supported(graph)
+        profiles = resolve_profiles(graph, config)
+        passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
+        step("placement and precision")
+        capturable = placement.assign(graph)
+        precision.assign(graph, config.precision)
+        engine = Engine(
+            graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
+            capturable=capturable, versions=versions(),
+        )
+        if config.validate:
+            for i, prof in enumerate(profiles):
+                step(f"validating profile {i} on {target.describe()}")
+                engine.arena_bytes.append(_validate(engine, i, prof))
+    engine.build_seconds = time.perf_counter() - start
+    return engine
+
+
+def _validate(engine: Engine, index: int, prof: Profile) -> int | None:
+    """Run the engine once at the profile's opt and max shapes; returns the activation peak at max."""
+    ctx = engine.create_execution_context(profile=index, cuda_graphs=False)
+    dtypes = {v.name: v.dtype for v in engine.inputs}
+    for pick in (1, 2):  # opt, then max
+        feeds = {k: _random_input(s[pick], dtypes[k] or torch.float32, engine.target.device) for k, s in prof.shapes.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ctx.run(feeds, copy_outputs=False)
+    return ctx.stats.peak_activation_bytes

@@ -1,0 +1,107 @@
+"""Build options (trtexec's vocabulary) and optimization profiles."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+Shape = tuple[int, ...]
+
+
+@dataclass
+class Profile:
+    """min/opt/max shape per input. Kernels are tuned for opt; runs outside min..max are refused."""
+
+    shapes: dict[str, tuple[Shape, Shape, Shape]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {k: {"min": list(a), "opt": list(b), "max": list(c)} for k, (a, b, c) in self.shapes.items()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Profile":
+        return cls({k: (tuple(v["min"]), tuple(v["opt"]), tuple(v["max"])) for k, v in d.items()})
+
+
+@dataclass
+class BuildConfig:
+    fp16: bool = False
+    bf16: bool = False
+    tf32: bool = False
+    # Either explicit profiles, or `shapes` (one fixed shape per input) as a shortcut.
+    profiles: list[Profile] = field(default_factory=list)
+    shapes: dict[str, Shape] = field(default_factory=dict)
+    workspace_bytes: int | None = None
+    device: str = "auto"  # "auto" (a GPU if there is one), "cuda", "cuda:N" or "cpu"
+    cuda_graphs: bool = True
+    progress: bool = True
+    validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
+
+    @property
+    def precision(self) -> str:
+        if self.fp16:
+            return "float16"
+        if self.bf16:
+            return "bfloat16"
+        if self.tf32:
+            return "tf32"
+        return "float32"
+
+    def to_json(self) -> dict:
+        return {
+            "precision": self.precision, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
+            "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
+        }
+
+
+def parse_dims(text: str, what: str) -> Shape:
+    text = text.strip()
+    if text == "":
+        return ()  # a scalar input
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"{what}: '{text}' is not a shape; write dimensions joined by 'x', e.g. 1x3x224x224.") from None
+    if any(d < 0 for d in dims):
+        raise ConfigError(f"{what}: '{text}' has a negative dimension.")
+    return dims
+
+
+def parse_shapes(text: str, flag: str) -> dict[str, Shape]:
+    """'x:1x3x224x224,mask:1x128' -> {'x': (1, 3, 224, 224), 'mask': (1, 128)}."""
+    out: dict[str, Shape] = {}
+    if not text:
+        return out
+    for item in re.split(r",(?=[^,]*:)", text):
+        if ":" not in item:
+            raise ConfigError(f"{flag}: '{item}' should be NAME:DIMS, e.g. input:1x3x224x224.")
+        name, dims = item.rsplit(":", 1)
+        name = name.strip().strip("'\"")
+        out[name] = parse_dims(dims, f"{flag} for input '{name}'")
+    return out
+
+
+def profile_from_flags(min_s: str, opt_s: str, max_s: str) -> Profile:
+    mins, opts, maxs = (parse_shapes(min_s, "--minShapes"), parse_shapes(opt_s, "--optShapes"),
+                        parse_shapes(max_s, "--maxShapes"))
+    names = list(dict.fromkeys([*mins, *opts, *maxs]))
+    shapes = {}
+    for n in names:
+        given = [s for s in (mins.get(n), opts.get(n), maxs.get(n)) if s is not None]
+        lo, mid, hi = mins.get(n, given[0]), opts.get(n), maxs.get(n, given[-1])
+        shapes[n] = (lo, mid if mid is not None else hi, hi)
+    return Profile(shapes)
+
+
+def parse_mem_pool(text: str) -> int:
+    """'workspace:4096' (MiB, as trtexec) or 'workspace:4G' -> bytes."""
+    m = re.fullmatch(r"\s*workspace\s*:\s*([0-9.]+)\s*([KMG]?)\s*", text, re.I)
+    if not m:
+        raise ConfigError(f"--memPoolSize: '{text}' should look like workspace:4096 (MiB) or workspace:4G.")
+    scale = {"": 2**20, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def fmt_shape(s) -> str:
+    return "x".join(str(d) for d in s) if len(s) else "scalar"

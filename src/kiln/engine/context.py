@@ -1,0 +1,263 @@
+"""ExecutionContext: runs an engine on inputs, one CUDA graph per input shape.
+
+On a GPU the first run at a new input shape is eager: it computes the shape
+arithmetic (host nodes) on the CPU and uploads what the device needs. Then the
+device work is captured once as a CUDA graph; later runs at that shape copy the
+inputs into the graph's static buffers and replay it, with no Python per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import InputError, ShapeError
+from ..ir import dtypes
+from ..ir.dtypes import FLOAT_TYPES
+from ..ops.registry import lookup
+from .interpreter import call_node, run_node
+
+
+class NonFiniteInputWarning(UserWarning):
+    pass
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: dict[str, torch.Tensor]
+    outputs: list[torch.Tensor]
+    pool_bytes: int
+
+
+@dataclass
+class _Stats:
+    peak_activation_bytes: int = 0
+    pool_bytes: dict = field(default_factory=dict)
+
+
+def _liveness(graph, keep: set[str]) -> dict[int, list[str]]:
+    """Values to drop after node i (their last reader), except `keep`."""
+    last: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            if name:
+                last[name] = i
+        for name in node.outputs:
+            if name:
+                last.setdefault(name, i)
+    free: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            free.setdefault(i, []).append(name)
+    return free
+
+
+class ExecutionContext:
+    def __init__(self, engine, profile: int = 0, cuda_graphs: bool | None = None):
+        self.engine = engine
+        self.device = engine.target.device
+        self._weights = engine.weights_on_target()
+        self._entries = [lookup(n.op_type, n.domain) for n in engine.graph.nodes]
+        keep = set(self._weights) | {v.name for v in engine.inputs} | {v.name for v in engine.outputs}
+        self._free_after = _liveness(engine.graph, keep)
+        use_graphs = engine.build_config.get("cuda_graphs", True) if cuda_graphs is None else cuda_graphs
+        self.uses_cuda_graphs = bool(use_graphs and engine.capturable and self.device.type == "cuda")
+        self._captured: dict[tuple, _Captured] = {}
+        self._weight_uploads: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, tuple] = {}
+        self.stats = _Stats()
+        self.set_optimization_profile(profile)
+
+    # --- profiles and shapes --------------------------------------------------
+    def set_optimization_profile(self, index: int) -> None:
+        n = self.engine.num_optimization_profiles
+        if not 0 <= index < n:
+            raise ShapeError(f"optimization profile {index} does not exist; this engine has {n} (0..{n - 1}).")
+        self.profile = index
+
+    def set_input_shape(self, name: str, shape) -> None:
+        self.check_shape(name, tuple(shape))
+        self._shapes[name] = tuple(shape)
+
+    def check_shape(self, name: str, shape: tuple) -> None:
+        binding = next((v for v in self.engine.inputs if v.name == name), None)
+        if binding is None:
+            raise InputError(f"'{name}' is not an input of this engine; its inputs are {[v.name for v in self.engine.inputs]}.")
+        lo, _, hi = self.engine.get_profile_shape(self.profile, name)
+        if len(shape) != len(lo):
+            raise ShapeError(
+                f"input '{name}' has rank {len(shape)} (shape {list(shape)}) but the engine expects rank "
+                f"{len(lo)} (profile {self.profile}: min {list(lo)}, max {list(hi)})."
+            )
+        for axis, (d, a, b) in enumerate(zip(shape, lo, hi)):
+            if not a <= d <= b:
+                if a == b:
+                    raise ShapeError(
+                        f"input '{name}' axis {axis} is {d}, but the engine was built for exactly {a} there "
+                        f"(profile {self.profile}); rebuild with a profile that covers {d}."
+                    )
+                raise ShapeError(
+                    f"input '{name}' axis {axis} is {d}, outside optimization profile {self.profile}'s range "
+                    f"[{a}, {b}]; choose another profile or rebuild with --minShapes/--maxShapes covering {d}."
+                )
+
+    # --- running --------------------------------------------------------------
+    def _normalize(self, feeds) -> tuple[dict[str, torch.Tensor], bool]:
+        names = [v.name for v in self.engine.inputs]
+        if not isinstance(feeds, dict):
+            feeds = list(feeds) if isinstance(feeds, (list, tuple)) else [feeds]
+            if len(feeds) != len(names):
+                raise InputError(f"the engine takes {len(names)} inputs {names}, but {len(feeds)} were given.")
+            feeds = dict(zip(names, feeds))
+        unknown = [k for k in feeds if k not in names]
+        if unknown:
+            raise InputError(f"unknown input(s) {unknown}; this engine's inputs are {names}.")
+        missing = [k for k in names if k not in feeds]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; this engine's inputs are {names}.")
+        as_numpy = False
+        out = {}
+        for v in self.engine.inputs:
+            x = feeds[v.name]
+            if isinstance(x, np.ndarray) or np.isscalar(x):
+                as_numpy = True
+                x = np.asarray(x)
+                if x.dtype.kind in "OUS":
+                    raise InputError(f"input '{v.name}' holds {x.dtype} values; the engine expects {dtypes.name_of(v.dtype)}.")
+                x = dtypes.to_torch(x)
+            elif not isinstance(x, torch.Tensor):
+                raise InputError(f"input '{v.name}' is a {type(x).__name__}; pass a torch tensor or a numpy array.")
+            if v.dtype is not None and x.dtype != v.dtype:
+                raise InputError(
+                    f"input '{v.name}' is {dtypes.name_of(x.dtype)} but the engine expects "
+                    f"{dtypes.name_of(v.dtype)}; convert it before running."
+                )
+            self.check_shape(v.name, tuple(x.shape))
+            if x.device.type == "cpu" and x.dtype in FLOAT_TYPES and x.numel() and not torch.isfinite(x).all():
+                warnings.warn(f"input '{v.name}' contains NaN or Inf values; outputs will likely be NaN.",
+                              NonFiniteInputWarning, stacklevel=3)
+            out[v.name] = x
+        return out, as_numpy
+
+    def run(self, feeds, copy_outputs: bool = True):
+        """Run the engine. feeds: dict name -> tensor/array, or a list in input order.
+        Returns a dict name -> output (numpy if the inputs were numpy)."""
+        inputs, as_numpy = self._normalize(feeds)
+        with self._numerics():
+            if self.uses_cuda_graphs:
+                outs = self._replay(inputs)
+            else:
+                outs = self._eager(inputs)
+        if copy_outputs or as_numpy:
+            outs = [t.clone() for t in outs]
+        result = {v.name: t for v, t in zip(self.engine.outputs, outs)}
+        if as_numpy:
+            return {k: dtypes.to_numpy(t) for k, t in result.items()}
+        return result
+
+    __call__ = run
+
+    def _numerics(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        tf32 = self.engine.build_config.get("tf32", False)
+        return _tf32(tf32)
+
+    def _eager(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        env = dict(self._weights)
+        env.update({k: x.to(self.device) for k, x in inputs.items()})
+        uploads = self._weight_uploads
+        self._forward(env, uploads, run_host=True)
+        return self._collect(env, uploads)
+
+    def _forward(self, env: dict, uploads: dict, run_host: bool) -> None:
+        dev = self.device
+        live = peak = 0
+        for i, (node, entry) in enumerate(zip(self.engine.graph.nodes, self._entries)):
+            if node.placement == "host":
+                if run_host:
+                    run_node(node, env)
+                continue
+            args = []
+            for pos, name in enumerate(node.inputs):
+                t = env[name] if name else None
+                if t is not None and t.device != dev and pos not in entry.host_inputs:
+                    up = uploads.get(name)
+                    if up is None:
+                        up = uploads[name] = t.to(dev)
+                    t = up
+                args.append(t)
+            outs = call_node(node, args, env)
+            for name, t in zip(node.outputs, outs):
+                if name:
+                    env[name] = t
+                    if isinstance(t, torch.Tensor):
+                        live += t.numel() * t.element_size()
+            peak = max(peak, live)
+            for name in self._free_after.get(i, ()):
+                t = env.pop(name, None)
+                if isinstance(t, torch.Tensor) and t.device == dev and name not in uploads:
+                    live -= t.numel() * t.element_size()
+        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, peak)
+
+    def _collect(self, env: dict, uploads: dict) -> list[torch.Tensor]:
+        outs = []
+        for v in self.engine.outputs:
+            t = env[v.name]
+            if t.device != self.device:
+                t = uploads.get(v.name) if v.name in uploads else t.to(self.device)
+            if v.dtype is not None and t.dtype != v.dtype and t.dtype in FLOAT_TYPES and v.dtype in FLOAT_TYPES:
+                t = t.to(v.dtype)  # FP16/BF16 engines keep the model's output types
+            outs.append(t)
+        return outs
+
+    def _replay(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        key = (self.profile, tuple(tuple(x.shape) for x in inputs.values()))
+        cap = self._captured.get(key)
+        if cap is None:
+            cap = self._captured[key] = self._capture(inputs)
+        for name, x in inputs.items():
+            cap.inputs[name].copy_(x, non_blocking=True)
+        cap.graph.replay()
+        return cap.outputs
+
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> _Captured:
+        static = {k: torch.empty(x.shape, dtype=x.dtype, device=self.device) for k, x in inputs.items()}
+        for k, x in inputs.items():
+            static[k].copy_(x)
+        uploads = dict(self._weight_uploads)
+        env = dict(self._weights)
+        env.update(static)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(env, uploads, run_host=True)  # warm-up: host values, uploads, library handles
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        host = {o: env[o] for n in self.engine.graph.nodes if n.placement == "host" for o in n.outputs if o}
+        env = dict(self._weights)
+        env.update(static)
+        env.update(host)
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved(self.device)
+        with torch.cuda.graph(graph):
+            self._forward(env, uploads, run_host=False)
+            outs = self._collect(env, uploads)
+        pool = torch.cuda.memory_reserved(self.device) - before
+        self.stats.pool_bytes[str(list(inputs.values())[0].shape if inputs else ())] = pool
+        return _Captured(graph, static, outs, pool)
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old

@@ -1,0 +1,89 @@
+"""Runs a graph's nodes in order with each op's torch implementation.
+
+The same loop serves the CPU target, the eager GPU path, and CUDA-graph capture
+(the runtime records the device work this loop issues once, then replays it).
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from typing import Iterable, MutableMapping
+
+import torch
+
+from ..errors import KilnError
+from ..ir.dtypes import FLOAT_TYPES
+from ..ir.graph import Graph, Node
+from ..ops.registry import lookup
+
+_LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _cast_for(node: Node, entry, args: list):
+    """Cast float inputs to the layer's compute precision (FP16/BF16 layers)."""
+    low = _LOW.get(node.precision)
+    if low is None or entry.keeps_input_types:
+        return args
+    return [
+        a.to(low)
+        if isinstance(a, torch.Tensor) and a.dtype in FLOAT_TYPES and a.dtype != low and i not in entry.host_inputs
+        else a
+        for i, a in enumerate(args)
+    ]
+
+
+def call_node(node: Node, args: list, env: MutableMapping | None = None) -> tuple:
+    """Run one node's implementation on its input tensors; returns its outputs as a tuple."""
+    entry = lookup(node.op_type, node.domain)
+    if entry is None:
+        raise KilnError(f"node '{node.label}': operator {node.domain or 'ai.onnx'}::{node.op_type} is not implemented.")
+    args = _cast_for(node, entry, args)
+    kwargs = {"scope": env if env is not None else {}} if entry.uses_scope else {}
+    try:
+        out = entry.impl(node, *args, **kwargs)
+    except KilnError:
+        raise
+    except Exception as e:  # torch's own message says what was wrong with the shapes/values
+        shapes = ", ".join(
+            f"{n}:{tuple(a.shape)}/{str(a.dtype).removeprefix('torch.')}" if isinstance(a, torch.Tensor) else f"{n}:-"
+            for n, a in zip(node.inputs, args)
+        )
+        raise KilnError(f"node '{node.label}' ({node.op_type}) failed on inputs [{shapes}]: {e}") from e
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def run_node(node: Node, env: MutableMapping[str, torch.Tensor]) -> None:
+    try:
+        args = [env[name] if name else None for name in node.inputs]
+    except KeyError as e:
+        raise KilnError(f"node '{node.label}' ({node.op_type}) reads tensor {e}, which nothing produces.") from None
+    outs = call_node(node, args, env)
+    for name, t in zip(node.outputs, outs):
+        if name:
+            env[name] = t
+
+
+def execute(nodes: Iterable[Node], env: MutableMapping[str, torch.Tensor],
+            free_after: dict[int, list[str]] | None = None) -> None:
+    """Run nodes in order, reading and writing `env`.
+
+    free_after[i] lists values whose last reader is node i: dropping them lets the
+    allocator reuse their memory (this is what keeps the activation arena small).
+    """
+    for i, node in enumerate(nodes):
+        run_node(node, env)
+        if free_after:
+            for name in free_after.get(i, ()):
+                env.pop(name, None)
+
+
+def run_subgraph(graph: Graph, feeds: dict[str, torch.Tensor], scope: MutableMapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Run a control-flow body: its own inputs and initializers, then the enclosing scope."""
+    local: dict[str, torch.Tensor] = dict(graph.initializers)
+    local.update(feeds)
+    env = ChainMap(local, scope)
+    execute(graph.nodes, env)
+    try:
+        return [env[v.name] for v in graph.outputs]
+    except KeyError as e:
+        raise KilnError(f"subgraph '{graph.name}' output {e} is never produced.") from None

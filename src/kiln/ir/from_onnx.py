@@ -1,0 +1,112 @@
+"""ONNX ModelProto -> kiln Graph."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import numpy_helper
+
+from ..errors import ModelError, UnsupportedError
+from . import dtypes
+from .graph import Graph, Node, Value
+
+
+def tensor_to_torch(t: onnx.TensorProto, where: str):
+    if t.data_type == onnx.TensorProto.STRING:
+        raise UnsupportedError(f"{where} is a string tensor; Kiln supports numeric tensors only.")
+    if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
+        raise ModelError(
+            f"{where} keeps its data in an external file that was not loaded; load the model "
+            "with its external data (kiln.frontend.load_onnx does this)."
+        )
+    try:
+        array = numpy_helper.to_array(t)
+    except Exception as e:  # malformed raw_data length, unknown type...
+        raise ModelError(f"{where} cannot be decoded: {e}") from None
+    if t.data_type in (onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2):
+        import torch
+
+        bits = dtypes.to_torch(array.view("uint8"))
+        return bits.view(dtypes.onnx_to_torch(t.data_type))
+    if t.data_type == onnx.TensorProto.BFLOAT16:
+        import torch
+
+        return dtypes.to_torch(array.astype("float32")).to(torch.bfloat16)
+    try:
+        return dtypes.to_torch(array)
+    except TypeError as e:
+        raise UnsupportedError(f"{where}: {e}") from None
+
+
+def _value(vi: onnx.ValueInfoProto) -> Value:
+    tt = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type"):
+        return Value(vi.name, None, None)
+    try:
+        dtype = dtypes.onnx_to_torch(tt.elem_type) if tt.elem_type else None
+    except KeyError as e:
+        raise UnsupportedError(f"graph value '{vi.name}' has element type {e}, which Kiln does not support.") from None
+    shape = None
+    if tt.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        )
+    return Value(vi.name, dtype, shape)
+
+
+def _attr(a: onnx.AttributeProto, node_label: str, opsets: dict[str, int]):
+    A = onnx.AttributeProto
+    if a.type == A.FLOAT:
+        return a.f
+    if a.type == A.INT:
+        return a.i
+    if a.type == A.STRING:
+        return a.s.decode("utf-8", errors="replace")
+    if a.type == A.TENSOR:
+        return tensor_to_torch(a.t, f"attribute '{a.name}' of node '{node_label}'")
+    if a.type == A.GRAPH:
+        return graph_from_onnx(a.g, opsets)
+    if a.type == A.FLOATS:
+        return list(a.floats)
+    if a.type == A.INTS:
+        return list(a.ints)
+    if a.type == A.STRINGS:
+        return [s.decode("utf-8", errors="replace") for s in a.strings]
+    if a.type == A.TENSORS:
+        return [tensor_to_torch(t, f"attribute '{a.name}' of node '{node_label}'") for t in a.tensors]
+    if a.type == A.GRAPHS:
+        return [graph_from_onnx(g, opsets) for g in a.graphs]
+    raise UnsupportedError(
+        f"attribute '{a.name}' of node '{node_label}' has type {A.AttributeType.Name(a.type)}, "
+        "which Kiln does not support."
+    )
+
+
+def graph_from_onnx(g: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
+    inits = {}
+    for t in g.initializer:
+        inits[t.name] = tensor_to_torch(t, f"initializer '{t.name}'")
+    if len(g.sparse_initializer):
+        raise UnsupportedError(f"graph '{g.name}' has sparse initializers, which Kiln does not support.")
+    nodes = []
+    for i, n in enumerate(g.node):
+        label = n.name or f"{n.op_type}_{i}"
+        node = Node(
+            op_type=n.op_type,
+            inputs=list(n.input),
+            outputs=list(n.output),
+            attrs={a.name: _attr(a, label, opsets) for a in n.attribute},
+            name=n.name or label,
+            domain=n.domain if n.domain != "ai.onnx" else "",
+        )
+        node.opset = opsets.get(node.domain, opsets.get("", 17))
+        nodes.append(node)
+    # Old exporters list initializers among the inputs; they are weights, not bindings.
+    inputs = [_value(v) for v in g.input if v.name not in inits]
+    outputs = [_value(v) for v in g.output]
+    return Graph(nodes=nodes, inputs=inputs, outputs=outputs, initializers=inits, name=g.name or "graph", opsets=opsets)
+
+
+def model_to_graph(model: onnx.ModelProto) -> Graph:
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+    opsets.setdefault("", 1)
+    return graph_from_onnx(model.graph, opsets)

@@ -1,0 +1,85 @@
+"""Kiln's graph: what passes rewrite and the runtime executes.
+
+A deliberately small IR: nodes keep ONNX's op_type/domain/attributes (decoded to
+Python values, tensors as torch tensors, subgraphs as Graph), so the fused graph
+converts back to an ONNX graph anyone can open (fused ops live in the "kiln"
+domain, like onnxruntime's com.microsoft contrib ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Dim = int | str | None  # int: static; str: named dynamic axis; None: unnamed dynamic axis
+
+
+@dataclass
+class Value:
+    """A graph input or output: name, element type and (possibly dynamic) shape."""
+
+    name: str
+    dtype: torch.dtype | None
+    shape: tuple[Dim, ...] | None
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.shape is None or any(not isinstance(d, int) for d in self.shape)
+
+
+@dataclass
+class Node:
+    op_type: str
+    inputs: list[str]  # "" marks an omitted optional input
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    domain: str = ""
+    opset: int = 17  # opset version of the node's domain in its model
+    # Set by the builder and kept in the engine:
+    precision: str = "float32"  # compute precision chosen for this layer
+    placement: str = "device"  # "device" or "host" (shape arithmetic, see engine/placement.py)
+    sources: list[str] = field(default_factory=list)  # ONNX nodes fused into this one
+    tactic: str = "reference"
+    note: str = ""  # why a layer deviates from the requested precision, etc.
+    # Set when the engine is loaded onto a device; not serialized.
+    device: torch.device = field(default=torch.device("cpu"), repr=False, compare=False)
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.op_type}({', '.join(self.outputs)})"
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    inputs: list[Value]
+    outputs: list[Value]
+    initializers: dict[str, torch.Tensor] = field(default_factory=dict)
+    name: str = "graph"
+    opsets: dict[str, int] = field(default_factory=lambda: {"": 17})
+
+    def producers(self) -> dict[str, Node]:
+        return {o: n for n in self.nodes for o in n.outputs if o}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        uses: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                if i:
+                    uses.setdefault(i, []).append(n)
+        return uses
+
+    def walk(self):
+        """Every node, including those inside subgraphs (If/Loop/Scan bodies)."""
+        for n in self.nodes:
+            yield n
+            for v in n.attrs.values():
+                for g in v if isinstance(v, list) else [v]:
+                    if isinstance(g, Graph):
+                        yield from g.walk()

@@ -1,0 +1,19 @@
+"""ONNX operators, one module per family. Importing this package fills the registry."""
+
+from . import (  # noqa: F401  (each import registers its family's ops)
+    activation,
+    control_flow,
+    elementwise,
+    image,
+    indexing,
+    nn,
+    norm,
+    quant,
+    random,
+    reduce,
+    rnn,
+    shape,
+)
+from .registry import OpEntry, claimed_ops, entries, lookup, register, unsupported_reason
+
+__all__ = ["OpEntry", "claimed_ops", "entries", "lookup", "register", "unsupported_reason"]

@@ -1,0 +1,5 @@
+"""activation ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""control_flow ops."""
+
+import torch
+
+from .registry import register

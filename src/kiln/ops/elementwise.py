@@ -1,0 +1,5 @@
+"""elementwise ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""image ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""indexing ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""nn ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""norm ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""quant ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""random ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""reduce ops."""
+
+import torch
+
+from .registry import register

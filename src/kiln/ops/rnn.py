@@ -1,0 +1,5 @@
+"""rnn ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,5 @@
+"""shape ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,59 @@
+"""Constant folding: evaluate, once at build time, every node whose inputs are all weights."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from ..ir.graph import Graph, Node
+from ..ops.registry import lookup
+from ..engine.interpreter import call_node
+
+# Folding must not turn a small graph into a huge file (e.g. ConstantOfShape of a big shape).
+MAX_FOLDED_ELEMENTS = 1 << 24
+
+
+def constant_value(node: Node) -> torch.Tensor:
+    """The tensor a Constant node holds, whichever attribute carries it."""
+    a = node.attrs
+    if "value" in a:
+        return a["value"]
+    if "value_float" in a:
+        return torch.tensor(a["value_float"], dtype=torch.float32)
+    if "value_floats" in a:
+        return torch.tensor(a["value_floats"], dtype=torch.float32)
+    if "value_int" in a:
+        return torch.tensor(a["value_int"], dtype=torch.int64)
+    if "value_ints" in a:
+        return torch.tensor(a["value_ints"], dtype=torch.int64)
+    raise UnsupportedError(
+        f"Constant node '{node.label}' carries {sorted(a) or 'no value'}; Kiln supports numeric "
+        "value/value_float(s)/value_int(s) constants."
+    )
+
+
+def _foldable(node: Node, consts: dict) -> bool:
+    entry = lookup(node.op_type, node.domain)
+    if entry is None or entry.nondeterministic or entry.uses_scope:
+        return False
+    if entry.shape_only:  # Shape of a weight is known; Shape of an activation is not
+        return all(i in consts for i in node.inputs if i)
+    return bool(node.inputs) and all(i in consts for i in node.inputs if i)
+
+
+def run(graph: Graph) -> None:
+    consts = graph.initializers
+    kept = []
+    for node in graph.nodes:
+        if node.op_type == "Constant" and node.domain == "":
+            consts[node.outputs[0]] = constant_value(node)
+            continue
+        if _foldable(node, consts):
+            outs = call_node(node, [consts[i] if i else None for i in node.inputs])
+            if all(isinstance(t, torch.Tensor) and t.numel() <= MAX_FOLDED_ELEMENTS for t in outs):
+                for name, t in zip(node.outputs, outs):
+                    if name:
+                        consts[name] = t
+                continue
+        kept.append(node)
+    graph.nodes = kept
