@@ -125,6 +125,8 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         engine = Engine(
             graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
             capturable=capturable, versions=versions(),
+            findings=[{"kind": "precision", "layer": n.name, "requested": config.precision,
+                       "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
         if config.validate:
             for i, prof in enumerate(profiles):

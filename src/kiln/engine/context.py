@@ -168,14 +168,22 @@ class ExecutionContext:
         tf32 = self.engine.build_config.get("tf32", False)
         return _tf32(tf32)
 
-    def _eager(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def run_layerwise(self, feeds, observer) -> dict:
+        """Run eagerly (no CUDA graph), calling observer(node, outputs) after every device layer
+        and observer(node, None) just before it. Used by layer-wise compare and per-layer profiling."""
+        inputs, _ = self._normalize(feeds)
+        with self._numerics():
+            outs = self._eager(inputs, observer)
+        return {v.name: t for v, t in zip(self.engine.outputs, outs)}
+
+    def _eager(self, inputs: dict[str, torch.Tensor], observer=None) -> list[torch.Tensor]:
         env = dict(self._weights)
         env.update({k: x.to(self.device) for k, x in inputs.items()})
         uploads = self._weight_uploads
-        self._forward(env, uploads, run_host=True)
+        self._forward(env, uploads, run_host=True, observer=observer)
         return self._collect(env, uploads)
 
-    def _forward(self, env: dict, uploads: dict, run_host: bool) -> None:
+    def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None) -> None:
         dev = self.device
         live = peak = 0
         for i, (node, entry) in enumerate(zip(self.engine.graph.nodes, self._entries)):
@@ -192,7 +200,11 @@ class ExecutionContext:
                         up = uploads[name] = t.to(dev)
                     t = up
                 args.append(t)
+            if observer:
+                observer(node, None)
             outs = call_node(node, args, env)
+            if observer:
+                observer(node, outs)
             for name, t in zip(node.outputs, outs):
                 if name:
                     env[name] = t

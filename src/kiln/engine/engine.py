@@ -24,6 +24,9 @@ class Engine:
     arena_bytes: list[int | None] = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     build_seconds: float | None = None
+    # Builder findings the inspector shows, e.g. {"kind": "fusion-missed", "pattern": ..., "nodes": [...],
+    # "reason": ...} or {"kind": "precision", "layer": ..., "reason": ...}.
+    findings: list[dict] = field(default_factory=list)
     _device_weights: dict | None = field(default=None, repr=False)
 
     # --- bindings -------------------------------------------------------------

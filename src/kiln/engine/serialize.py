@@ -51,6 +51,7 @@ def manifest_of(engine: Engine) -> dict:
         "capturable": engine.capturable,
         "profiles": [p.to_json() for p in engine.profiles],
         "arena_bytes": engine.arena_bytes,
+        "findings": engine.findings,
         "bindings": engine.bindings(),
         "layers": [
             {"name": n.name, "op_type": n.op_type, "domain": n.domain, **{f: getattr(n, f) for f in _LAYER_FIELDS}}
@@ -175,7 +176,7 @@ def load(path, device: str = "auto") -> Engine:
     return Engine(
         graph=graph, profiles=[Profile.from_json(p) for p in m["profiles"]], target=target,
         build_config=m["build_config"], capturable=m["capturable"], arena_bytes=m.get("arena_bytes", []),
-        versions=m["versions"], build_seconds=m.get("build_seconds"),
+        versions=m["versions"], build_seconds=m.get("build_seconds"), findings=m.get("findings", []),
     )
 
 

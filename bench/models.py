@@ -1,0 +1,42 @@
+"""The standard benchmark models (../shared/BENCHMARKS.md), random weights, nothing downloaded."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resnet50():
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None).eval()
+    return model, ("x",), lambda batch, g: {"x": torch.randn(batch, 3, 224, 224, generator=g)}
+
+
+class _BertLastHidden(torch.nn.Module):
+    """BERT-base returning last_hidden_state only (a plain tensor output exports cleanly)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig()  # bert-base: 12 layers, hidden 768, 12 heads
+        config._attn_implementation = "sdpa"
+        self.bert = BertModel(config, add_pooling_layer=False).eval()
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def bert_base(seq: int = 128):
+    model = _BertLastHidden().eval()
+
+    def inputs(batch, g):
+        ids = torch.randint(0, 30522, (batch, seq), generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[:, seq * 3 // 4:] = 0  # padded tail, like real traffic
+        return {"input_ids": ids, "attention_mask": mask}
+
+    return model, ("input_ids", "attention_mask"), inputs
+
+
+MODELS = {"resnet50": resnet50, "bert-base": bert_base}

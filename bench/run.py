@@ -1,0 +1,267 @@
+"""Same-run latency and accuracy table (../shared/BENCHMARKS.md).
+
+For each model and batch: PyTorch eager FP32 and FP16 (channels_last for CNNs),
+torch.compile (max-autotune-no-cudagraphs, reduce-overhead) at FP16, and Kiln
+engines at FP32/FP16/BF16 built from the model's ONNX export. Each Kiln engine is
+also compared with onnxruntime (CPU, FP32) on the same inputs.
+
+    python bench/run.py --out bench/results --models resnet50,bert-base --batches 1,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import kiln  # noqa: E402
+from bench.models import MODELS  # noqa: E402
+
+PEAK_FLOPS = 790e12  # measured dense bf16 matmul on the H200 here (BENCHMARKS.md)
+PEAK_BYTES = 4.3e12  # measured device copy bandwidth
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(seconds):
+    def handler(signum, frame):
+        raise Timeout(f"timed out after {seconds} s")
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.alarm(seconds)
+
+
+def time_fn(fn, input_sets, iterations: int, warmup: int = 20) -> dict:
+    """CUDA-event timing, one event pair per call, rotating input sets; ms."""
+    for i in range(warmup):
+        fn(input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iterations):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn(input_sets[i % len(input_sets)])
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    t = np.array(times)
+    return {"median_ms": float(np.median(t)), "p90_ms": float(np.percentile(t, 90)),
+            "p99_ms": float(np.percentile(t, 99)), "min_ms": float(t.min()), "runs": iterations}
+
+
+def count_flops(model, inputs: dict) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(**inputs)
+    return float(fc.get_total_flops())
+
+
+def ort_outputs(onnx_path: str, feeds: dict) -> np.ndarray:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+    return sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+
+
+def error_stats(got: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> dict:
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    return {
+        "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+        "rel_l2": float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30)),
+        "atol": atol, "rtol": rtol,
+        "passed": bool(np.all(diff <= atol + rtol * np.abs(ref))) and bool(np.isfinite(got).all()),
+    }
+
+
+TOL = {"fp32": (1e-3, 1e-3), "fp16": (1e-2, 1e-2), "bf16": (5e-2, 5e-2)}
+
+
+def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Path) -> None:
+    make = MODELS[name]
+    model, input_names, make_inputs = make()
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    cpu_sets = {b: [make_inputs(b, g) for _ in range(4)] for b in batches}
+    print(f"[{name}] exporting to ONNX", flush=True)
+    t0 = time.perf_counter()
+    batch_dim = torch.export.Dim("batch", min=1, max=max(batches))
+    example = make_inputs(2, g)
+    dyn = {k: {0: batch_dim} for k in input_names}
+    onnx_model, _ = kiln.from_torch(model, tuple(example.values()), dynamic_shapes=dyn, opset=18)
+    onnx_path = str(onnx_dir / f"{name}.onnx")
+    import onnx
+
+    onnx.save(onnx_model, onnx_path)
+    export_s = time.perf_counter() - t0
+
+    def shape_of(k, b):
+        return tuple(cpu_sets[b][0][k].shape)
+
+    lo, hi = min(batches), max(batches)
+    profile = kiln.Profile({k: (shape_of(k, lo), shape_of(k, hi), shape_of(k, hi)) for k in input_names})
+    engines = {}
+    for prec in args.precisions:
+        t0 = time.perf_counter()
+        cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False,
+                               fp16=prec == "fp16", bf16=prec == "bf16")
+        engines[prec] = (kiln.build(onnx_path, cfg), time.perf_counter() - t0)
+        print(f"[{name}] built kiln {prec} in {engines[prec][1]:.1f} s", flush=True)
+
+    for b in batches:
+        row = {"model": name, "batch": b, "export_s": export_s, "results": {}, "accuracy": {}}
+        sets32 = [{k: v.to(dev) for k, v in s.items()} for s in cpu_sets[b]]
+        half = lambda s: {k: (v.half() if v.is_floating_point() else v) for k, v in s.items()}  # noqa: E731
+        sets16 = [half(s) for s in sets32]
+        cl = name == "resnet50"
+        m32 = model.to(dev).float()
+        row["flops"] = count_flops(m32, sets32[0])
+        weight_bytes16 = sum(p.numel() * 2 for p in m32.parameters())
+        io_bytes = sum(v.numel() * v.element_size() for v in sets16[0].values())
+        row["floor_ms"] = 1000 * max(row["flops"] / PEAK_FLOPS, (weight_bytes16 + io_bytes) / PEAK_BYTES)
+        ref = ort_outputs(onnx_path, cpu_sets[b][0])
+
+        with torch.no_grad():
+            row["results"]["eager_fp32"] = time_fn(lambda s: m32(**s), sets32, args.iterations)
+            m16 = m32.half()
+            if cl:
+                m16 = m16.to(memory_format=torch.channels_last)
+                sets16 = [{k: v.contiguous(memory_format=torch.channels_last) for k, v in s.items()} for s in sets16]
+            row["results"]["eager_fp16"] = time_fn(lambda s: m16(**s), sets16, args.iterations)
+            for mode in ([] if args.skip_compile else ["max-autotune-no-cudagraphs", "reduce-overhead"]):
+                key = f"compile_{mode}_fp16"
+                try:
+                    torch._dynamo.reset()
+                    _alarm(args.compile_timeout)
+                    cm = torch.compile(m16, mode=mode)
+                    t0 = time.perf_counter()
+                    for s in sets16[:2]:
+                        cm(**s)
+                    torch.cuda.synchronize()
+                    signal.alarm(0)
+                    r = time_fn(lambda s: cm(**s), sets16, args.iterations)
+                    r["compile_s"] = time.perf_counter() - t0
+                    row["results"][key] = r
+                except Exception as e:  # a crashing or timing-out mode is reported as such
+                    signal.alarm(0)
+                    row["results"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"[{name} b{b}] {key}: {row['results'][key]}", flush=True)
+            model.float()  # m16 converted the module in place; restore for the next batch
+
+        for prec, (engine, build_s) in engines.items():
+            ctx = engine.create_execution_context()
+            r = time_fn(lambda s: ctx.run(s, copy_outputs=False), sets32, args.iterations)
+            r["build_s"] = build_s
+            r["arena_bytes"] = engine.arena_bytes
+            row["results"][f"kiln_{prec}"] = r
+            got = next(iter(ctx.run(sets32[0]).values())).float().cpu().numpy()
+            row["accuracy"][f"kiln_{prec}"] = error_stats(got, ref, *TOL[prec])
+        eager = row["results"]["eager_fp32"]["median_ms"]
+        eager16 = row["results"]["eager_fp16"]["median_ms"]
+        compiled = [v["median_ms"] for k, v in row["results"].items() if k.startswith("compile") and "median_ms" in v]
+        for k, v in row["results"].items():
+            if "median_ms" in v:
+                v["vs_eager_fp32"] = v["median_ms"] / eager
+                v["vs_eager_fp16"] = v["median_ms"] / eager16
+                v["vs_best_compile"] = v["median_ms"] / min(compiled) if compiled else None
+                v["vs_floor"] = v["median_ms"] / row["floor_ms"]
+        results.append(row)
+        print(f"[{name} b{b}] " + json.dumps({k: round(v.get("median_ms", -1), 3) for k, v in row["results"].items()}), flush=True)
+        print(f"[{name} b{b}] accuracy " + json.dumps(row["accuracy"]), flush=True)
+        del m16
+        torch.cuda.empty_cache()
+
+
+def environment(argv) -> dict:
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:
+        smi = "n/a"
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "kiln": kiln.__version__,
+        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": "python bench/run.py " + " ".join(argv),
+    }
+
+
+def to_markdown(env: dict, results: list) -> str:
+    lines = [f"# Kiln benchmark on {env['gpu']}", "",
+             f"- date: {env['date']}", f"- command: `{env['command']}`",
+             f"- nvidia-smi: {env['nvidia_smi']}",
+             f"- torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, kiln {env['kiln']}",
+             "- median of CUDA-event timings per call, rotating 4 input sets; ratios are same-run.",
+             f"- floor = max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, FP16 weight+IO bytes / {PEAK_BYTES / 1e12:.1f} TB/s)",
+             ""]
+    for row in results:
+        lines += [f"## {row['model']}, batch {row['batch']} ({row['flops'] / 1e9:.1f} GFLOP, floor {row['floor_ms']:.3f} ms)", "",
+                  "| runner | median ms | p90 ms | p99 ms | vs eager FP32 | vs eager FP16 | vs best compile | vs floor |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, v in row["results"].items():
+            if "median_ms" not in v:
+                lines.append(f"| {k} | {v.get('error', 'n/a')} | | | | | | |")
+                continue
+            bc = f"{v['vs_best_compile']:.2f}x" if v.get("vs_best_compile") else "n/a"
+            lines.append(f"| {k} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['p99_ms']:.3f} | "
+                         f"{v['vs_eager_fp32']:.2f}x | {v['vs_eager_fp16']:.2f}x | {bc} | {v['vs_floor']:.1f}x |")
+        lines += ["", "| engine vs onnxruntime (CPU FP32) | max abs | rel L2 | atol/rtol | result |", "|---|---|---|---|---|"]
+        for k, a in row["accuracy"].items():
+            lines.append(f"| {k} | {a['max_abs']:.2e} | {a['rel_l2']:.2e} | {a['atol']}/{a['rtol']} | "
+                         f"{'PASSED' if a['passed'] else 'FAILED'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--models", default="resnet50,bert-base")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--precisions", default="fp32,fp16,bf16")
+    p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--compile-timeout", type=int, default=240)
+    p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--name", default=None, help="results file stem (default: GPU name)")
+    args = p.parse_args(argv)
+    args.precisions = args.precisions.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(argv)
+    results: list = []
+    stem = args.name or env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+    onnx_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    for name in args.models.split(","):
+        try:
+            bench_model(name, [int(b) for b in args.batches.split(",")], args, results, onnx_dir)
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            results.append({"model": name, "error": f"{type(e).__name__}: {e}"})
+        ok = [r for r in results if "error" not in r]
+        (out / f"{stem}.json").write_text(json.dumps({"environment": env, "results": results}, indent=2))
+        (out / f"{stem}.md").write_text(to_markdown(env, ok))
+    print(to_markdown(env, [r for r in results if "error" not in r]))
+
+
+if __name__ == "__main__":
+    main()

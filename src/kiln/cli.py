@@ -1,0 +1,257 @@
+"""The `kiln` command. Spelling follows trtexec (--onnx=, --saveEngine=, --fp16, --minShapes= ...)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from .errors import ConfigError, InputError, KilnError
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+# --- shared option groups -----------------------------------------------------
+def _add_build_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--onnx", metavar="FILE", help="ONNX model to build (default: Kiln's embedded tiny CNN)")
+    p.add_argument("--fp16", action="store_true", help="allow FP16 layers (FP32 accumulation)")
+    p.add_argument("--bf16", action="store_true", help="allow BF16 layers")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls and convolutions")
+    p.add_argument("--minShapes", action="append", default=[], metavar="SPEC",
+                   help="x:1x3x224x224,... ; repeat --minShapes/--optShapes/--maxShapes to add profiles")
+    p.add_argument("--optShapes", action="append", default=[], metavar="SPEC")
+    p.add_argument("--maxShapes", action="append", default=[], metavar="SPEC")
+    p.add_argument("--memPoolSize", metavar="workspace:MiB", help="workspace cap for tactics, e.g. workspace:4096")
+    p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
+    p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", default="", metavar="SPEC", help="runtime input shapes, x:2x3x224x224,...")
+    p.add_argument("--profile", type=int, default=0, help="optimization profile to run with")
+    p.add_argument("--loadInputs", metavar="FILE", help="inputs: a .npz keyed by input name, or name:file.npy,...")
+    p.add_argument("--exportOutput", metavar="FILE", help="save outputs of the first run (.npz)")
+    p.add_argument("--iterations", type=int, default=100, help="timed runs (at least)")
+    p.add_argument("--duration", type=float, default=0.0, help="time for at least this many seconds")
+    p.add_argument("--warmUp", type=float, default=200.0, help="warm-up time in ms")
+
+
+def _config_from_args(a) -> "BuildConfig":
+    from .engine.config import BuildConfig, parse_mem_pool, profile_from_flags
+
+    counts = {len(a.minShapes), len(a.optShapes), len(a.maxShapes)} - {0}
+    if len(counts) > 1:
+        raise ConfigError("give --minShapes, --optShapes and --maxShapes the same number of times (once per profile).")
+    n = max(counts) if counts else 0
+    pick = lambda xs, i: xs[i] if xs else ""  # noqa: E731
+    profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
+    return BuildConfig(
+        fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
+        workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
+        cuda_graphs=not a.noCudaGraph,
+    )
+
+
+# --- kiln build ---------------------------------------------------------------
+def cmd_build(a) -> int:
+    from .engine.builder import build
+    from .engine.config import Profile
+
+    config = _config_from_args(a)
+    if a.onnx:
+        model, source = a.onnx, a.onnx
+    else:
+        from .models import DEFAULT_PROFILE, tiny_cnn
+
+        model, source = tiny_cnn(), "Kiln's embedded tiny CNN (3x32x32 -> 10 classes)"
+        if not config.profiles:
+            config.profiles = [Profile(dict(DEFAULT_PROFILE))]
+    if config.device == "auto" and not torch.cuda.is_available():
+        err.print("[yellow]note:[/] no CUDA GPU found: building for the CPU target (reference kernels). "
+                  "Latency figures below are CPU figures, not GPU ones.")
+    engine = build(model, config)
+    _print_build_summary(engine, source)
+    if a.saveEngine:
+        engine.save(a.saveEngine)
+        out.print(f"Engine saved to {a.saveEngine} ({Path(a.saveEngine).stat().st_size / 2**20:.2f} MiB)")
+    if a.skipInference:
+        return 0
+    return _run_and_report(engine, a)
+
+
+def _print_build_summary(engine, source: str) -> None:
+    from .engine.config import fmt_shape
+
+    g = engine.graph
+    out.print(f"Built {source}")
+    out.print(f"  target: {engine.target.describe()}   precision: {engine.precision}   "
+              f"build time: {engine.build_seconds:.2f} s")
+    host = sum(n.placement == "host" for n in g.nodes)
+    out.print(f"  layers: {len(g.nodes)} ({host} shape-arithmetic layers on the host)   "
+              f"weights: {engine.weight_bytes / 2**20:.2f} MiB   "
+              f"CUDA graph: {'yes' if engine.capturable else 'no (value-dependent shapes or control flow)'}")
+    for i, p in enumerate(engine.profiles):
+        shapes = ", ".join(f"{k}: {fmt_shape(a)}..{fmt_shape(c)} (opt {fmt_shape(b)})" for k, (a, b, c) in p.shapes.items())
+        arena = engine.arena_bytes[i] if i < len(engine.arena_bytes) else None
+        out.print(f"  profile {i}: {shapes}" + (f"   activations at max: {arena / 2**20:.2f} MiB" if arena else ""))
+    kept = [n for n in g.nodes if n.note]
+    for n in kept:
+        out.print(f"  [yellow]{n.name}[/]: {n.note}")
+
+
+# --- kiln run -----------------------------------------------------------------
+def _load_inputs(spec: str, engine) -> dict[str, np.ndarray]:
+    names = [v.name for v in engine.inputs]
+    if spec.endswith(".npz") and ":" not in spec.rsplit("/", 1)[-1]:
+        if not Path(spec).is_file():
+            raise InputError(f"--loadInputs: file '{spec}' does not exist.")
+        with np.load(spec, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    else:
+        data = {}
+        for item in spec.split(","):
+            if ":" not in item:
+                raise InputError(f"--loadInputs: '{item}' should be NAME:FILE.npy or a .npz file.")
+            name, f = item.rsplit(":", 1)
+            if not Path(f).is_file():
+                raise InputError(f"--loadInputs: file '{f}' for input '{name}' does not exist.")
+            data[name] = np.load(f, allow_pickle=False)
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise InputError(f"--loadInputs: {unknown} are not inputs of this engine; its inputs are {names}.")
+    for k, x in data.items():
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            warnings.warn(f"input '{k}' from {spec} contains NaN or Inf values; outputs will likely be NaN.")
+    return data
+
+
+def _random_inputs(engine, shapes: dict, profile: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    feeds = {}
+    for v in engine.inputs:
+        shape = shapes.get(v.name, engine.get_profile_shape(profile, v.name)[1])
+        dtype = v.dtype or torch.float32
+        if dtype.is_floating_point:
+            feeds[v.name] = torch.randn(shape, generator=g).to(dtype)
+        elif dtype == torch.bool:
+            feeds[v.name] = torch.rand(shape, generator=g) > 0.5
+        else:
+            feeds[v.name] = torch.randint(0, 2, shape, generator=g).to(dtype)
+    return feeds
+
+
+def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    folder = Path(path).parent
+    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=folder if str(folder) else ".")
+    os.close(fd)
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _run_and_report(engine, a) -> int:
+    from .engine.config import parse_shapes
+    from .ir import dtypes
+    from .tools.timing import render, time_context
+
+    shapes = parse_shapes(a.shapes, "--shapes")
+    unknown = [k for k in shapes if k not in {v.name for v in engine.inputs}]
+    if unknown:
+        raise InputError(f"--shapes: {unknown} are not inputs of this engine; its inputs are {[v.name for v in engine.inputs]}.")
+    ctx = engine.create_execution_context(profile=a.profile)
+    if a.loadInputs:
+        loaded = _load_inputs(a.loadInputs, engine)
+        missing = [v.name for v in engine.inputs if v.name not in loaded]
+        feeds = dict(_random_inputs(engine, shapes, a.profile, 0)) if missing else {}
+        feeds.update({k: dtypes.to_torch(x) for k, x in loaded.items()})
+        input_sets = [feeds]
+    else:
+        input_sets = [_random_inputs(engine, shapes, a.profile, seed) for seed in range(4)]
+    dev = engine.target.device
+    input_sets = [{k: x.to(dev) for k, x in s.items()} for s in input_sets]
+    for name, x in input_sets[0].items():
+        ctx.check_shape(name, tuple(x.shape))
+    first = ctx.run(input_sets[0])
+    if a.exportOutput:
+        _save_npz(a.exportOutput, {k: dtypes.to_numpy(t) for k, t in first.items()})
+        out.print(f"Outputs saved to {a.exportOutput}")
+    shape_text = ", ".join(f"{k}: {list(x.shape)}" for k, x in input_sets[0].items())
+    out.print(f"Running on {engine.target.describe()} with {shape_text} (profile {a.profile}, "
+              f"{'CUDA graph replay' if ctx.uses_cuda_graphs else 'layer by layer'})")
+    t = time_context(ctx, input_sets, iterations=a.iterations, warmup_ms=a.warmUp, duration_s=a.duration)
+    first_shape = next(iter(input_sets[0].values())).shape if input_sets[0] else (1,)
+    t.batch = first_shape[0] if len(first_shape) else 1
+    render(t, out)
+    return 0
+
+
+def cmd_run(a) -> int:
+    if bool(a.loadEngine) == bool(a.onnx):
+        raise ConfigError("kiln run needs exactly one of --loadEngine=FILE or --onnx=FILE.")
+    if a.loadEngine:
+        from .engine.serialize import load
+
+        engine = load(a.loadEngine, device=a.device)
+        if a.noCudaGraph:
+            engine.build_config["cuda_graphs"] = False
+    else:
+        from .engine.builder import build
+
+        engine = build(a.onnx, _config_from_args(a))
+    return _run_and_report(engine, a)
+
+
+# --- main ---------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Compile ONNX/PyTorch models into verified GPU engines.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build an engine (like trtexec --onnx= --saveEngine=) and time it")
+    _add_build_options(b)
+    b.add_argument("--saveEngine", metavar="FILE", help="write the engine here")
+    b.add_argument("--skipInference", action="store_true", help="build only; do not time the engine")
+    _add_run_options(b)
+    b.set_defaults(func=cmd_build)
+
+    r = sub.add_parser("run", help="run and time an engine (--loadEngine=) or an ONNX model (--onnx=)")
+    _add_build_options(r)
+    r.add_argument("--loadEngine", metavar="FILE")
+    _add_run_options(r)
+    r.set_defaults(func=cmd_run)
+
+    from .frontend import check as check_cmd
+
+    check_cmd.add_check_command(sub)
+    return p
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    err.print(f"[yellow]warning:[/] {message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    warnings.showwarning = _show_warning
+    try:
+        return args.func(args) or 0
+    except KilnError as e:
+        err.print(f"[red]error:[/] {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Cast ops."""
+
+import torch
+
+from .registry import register

@@ -1,0 +1,123 @@
+"""The engine file: round trip, atomic writes, and refusal of bad or foreign files."""
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.engine import serialize
+from kiln.errors import EngineFileError
+
+from ..models import mlp, mlp_reference
+
+CPU = dict(device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return kiln.build(mlp(), kiln.BuildConfig(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})], **CPU))
+
+
+def test_round_trip_keeps_results_and_stamp(engine, tmp_path):
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    loaded = kiln.load(path)
+    x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
+    y = loaded.create_execution_context().run({"x": x})["y"]
+    np.testing.assert_allclose(y, mlp_reference(mlp(), x), rtol=1e-5, atol=1e-5)
+    m = serialize.read_manifest(path)
+    assert m["target"]["kind"] == "cpu"
+    assert {"kiln", "torch", "triton", "cuda", "onnx"} <= set(m["versions"])
+    assert m["profiles"][0]["x"] == {"min": [1, 8], "opt": [4, 8], "max": [16, 8]}
+    assert [b["name"] for b in m["bindings"]] == ["x", "y"]
+    assert set(m["checksums"]) == {"graph.onnx", "weights.safetensors"}
+    with zipfile.ZipFile(path) as z:  # no pickle anywhere: only JSON, ONNX and safetensors
+        assert sorted(z.namelist()) == ["graph.onnx", "manifest.json", "weights.safetensors"]
+
+
+def test_save_is_atomic(engine, tmp_path, monkeypatch):
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(serialize.os, "replace", boom)
+    with pytest.raises(OSError):
+        engine.save(path)
+    assert path.read_bytes() == before  # the old engine is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["mlp.kiln"]  # no temp file left behind
+
+
+def test_truncated_file_is_refused(engine, tmp_path):
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(EngineFileError, match="truncated, corrupted"):
+        kiln.load(path)
+
+
+def test_corrupted_weights_fail_checksum(engine, tmp_path):
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    w = bytearray(members["weights.safetensors"])
+    w[-1] ^= 0xFF
+    members["weights.safetensors"] = bytes(w)
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+    with pytest.raises(EngineFileError, match="checksum of weights.safetensors"):
+        kiln.load(path)
+
+
+def test_foreign_files_are_refused(tmp_path):
+    onnx_file = tmp_path / "model.onnx"
+    onnx_file.write_bytes(mlp().SerializeToString())
+    with pytest.raises(EngineFileError, match="not a Kiln engine"):
+        kiln.load(onnx_file)
+    other_zip = tmp_path / "other.zip"
+    with zipfile.ZipFile(other_zip, "w") as z:
+        z.writestr("hello.txt", "hi")
+    with pytest.raises(EngineFileError, match="no manifest.json"):
+        kiln.load(other_zip)
+    with pytest.raises(EngineFileError, match="does not exist"):
+        kiln.load(tmp_path / "missing.kiln")
+
+
+def _rewrite_manifest(path, **changes):
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    m = json.loads(members["manifest.json"])
+    for k, v in changes.items():
+        m[k] = v
+    members["manifest.json"] = json.dumps(m).encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+
+
+def test_engine_for_another_gpu_is_refused(engine, tmp_path):
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    _rewrite_manifest(path, target={"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB", "capability": "8.0"})
+    with pytest.raises(EngineFileError, match=r"built for NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
+        kiln.load(path)
+
+
+def test_engine_from_another_format_version_is_refused(engine, tmp_path):
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    _rewrite_manifest(path, format_version=99)
+    with pytest.raises(EngineFileError, match="format 99"):
+        kiln.load(path)
+
+
+def test_save_into_missing_folder_is_a_clear_error(engine, tmp_path):
+    with pytest.raises(EngineFileError, match="does not exist"):
+        engine.save(tmp_path / "nope" / "mlp.kiln")

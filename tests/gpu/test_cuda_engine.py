@@ -1,0 +1,86 @@
+"""GPU engines: CUDA-graph replay, arena, precision, the GPU stamp. Skipped without CUDA."""
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln.errors import EngineFileError
+from kiln.models import DEFAULT_PROFILE, tiny_cnn
+
+from ..models import mlp, mlp_reference, reshape_by_shape
+
+pytestmark = pytest.mark.gpu
+
+
+def _cfg(**kw):
+    return kiln.BuildConfig(device="cuda", progress=False, **kw)
+
+
+def test_cuda_graph_replay_matches_cpu_engine_at_every_shape():
+    model = tiny_cnn()
+    prof = [kiln.Profile(dict(DEFAULT_PROFILE))]
+    gpu = kiln.build(model, _cfg(profiles=prof))
+    cpu = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof))
+    assert gpu.capturable
+    g_ctx, c_ctx = gpu.create_execution_context(), cpu.create_execution_context()
+    assert g_ctx.uses_cuda_graphs
+    for batch in (1, 5, 32, 5):  # shape 5 twice: the second run replays the captured graph
+        x = torch.randn(batch, 3, 32, 32)
+        got = g_ctx.run({"image": x.cuda()})["probs"]
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), c_ctx.run({"image": x})["probs"], rtol=1e-4, atol=1e-5)
+    assert len(g_ctx._captured) == 3
+    assert all(c.pool_bytes >= 0 for c in g_ctx._captured.values())
+    assert gpu.arena_bytes[0] > 0
+
+
+def test_replay_reads_new_inputs_each_time():
+    eng = kiln.build(mlp(), _cfg(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})]))
+    ctx = eng.create_execution_context()
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((4, 8)).astype(np.float32)
+        np.testing.assert_allclose(ctx.run({"x": x})["y"], mlp_reference(mlp(), x), rtol=1e-4, atol=1e-4)
+
+
+def test_host_shape_arithmetic_is_outside_the_graph():
+    eng = kiln.build(reshape_by_shape(), _cfg(profiles=[kiln.Profile({"x": ((1, 3, 4), (2, 3, 4), (8, 3, 4))})]))
+    ctx = eng.create_execution_context()
+    for n in (1, 8, 3):
+        x = torch.randn(n, 3, 4, device="cuda")
+        torch.testing.assert_close(ctx.run({"x": x})["y"], torch.relu(x.reshape(n, 12)))
+
+
+@pytest.mark.parametrize("prec", ["fp16", "bf16", "tf32"])
+def test_reduced_precision_engines_stay_close(prec):
+    model = tiny_cnn()
+    prof = [kiln.Profile(dict(DEFAULT_PROFILE))]
+    ref = kiln.build(model, _cfg(profiles=prof)).create_execution_context()
+    low = kiln.build(model, _cfg(profiles=prof, **{prec: True})).create_execution_context()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    tol = {"fp16": 1e-2, "bf16": 3e-2, "tf32": 1e-2}[prec]
+    torch.testing.assert_close(low.run({"image": x})["probs"], ref.run({"image": x})["probs"], rtol=tol, atol=tol)
+
+
+def test_engine_is_stamped_with_this_gpu_and_refused_elsewhere(tmp_path):
+    eng = kiln.build(mlp(), _cfg(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})]))
+    path = tmp_path / "mlp.kiln"
+    eng.save(path)
+    loaded = kiln.load(path)
+    assert loaded.target.kind == "cuda" and loaded.target.name == torch.cuda.get_device_name()
+    major, minor = torch.cuda.get_device_capability()
+    assert loaded.target.capability == f"{major}.{minor}"
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    m = json.loads(members["manifest.json"])
+    m["target"]["capability"] = "7.5"
+    m["versions"]["torch"] = "1.0.0"
+    members["manifest.json"] = json.dumps(m).encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+    with pytest.raises(EngineFileError, match="compute capability 7.5"):
+        kiln.load(path)
