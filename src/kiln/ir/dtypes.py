@@ -66,7 +66,7 @@ def to_torch(array) -> torch.Tensor:
         return torch.from_numpy(a.astype(np.int64)).to(getattr(torch, a.dtype.name))
     if a.dtype.kind in "OUS":
         raise TypeError(f"string tensors are not supported (dtype {a.dtype})")
-    return torch.from_numpy(np.ascontiguousarray(a).copy())
+    return torch.from_numpy(np.array(a, copy=True, order="C"))  # ascontiguousarray would make 0-d arrays 1-d
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -1,5 +1,177 @@
-"""indexing ops."""
+"""Indexing ops: Gather/Scatter families, OneHot, TopK, NonZero, Compress, Unique...
+
+ONNX allows negative indices (counted from the end) nearly everywhere; torch
+does not, so every index tensor is normalized first.
+"""
+
+import math
 
 import torch
 
 from .registry import register
+
+
+def _axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def _wrap(index: torch.Tensor, dim) -> torch.Tensor:
+    """int64 indices with negatives counted from the end (`dim` may be a tensor, per position)."""
+    index = index.to(torch.int64)
+    return torch.where(index < 0, index + dim, index)
+
+
+# --- gathers ---------------------------------------------------------------------
+
+@register("Gather")
+def gather(node, x, indices):
+    axis = _axis(node.attr("axis", 0), x.dim())
+    idx = _wrap(indices, x.shape[axis])
+    out = x.index_select(axis, idx.reshape(-1).to(x.device))
+    return out.reshape(x.shape[:axis] + idx.shape + x.shape[axis + 1:])
+
+
+@register("GatherElements", since=11)
+def gather_elements(node, x, indices):
+    axis = _axis(node.attr("axis", 0), x.dim())
+    return torch.gather(x, axis, _wrap(indices, x.shape[axis]))
+
+
+def _flat_positions(shape, indices: torch.Tensor) -> torch.Tensor:
+    """Row-major offsets of the index tuples in indices' last axis within `shape`."""
+    dims = torch.tensor(shape, dtype=torch.int64, device=indices.device)
+    idx = _wrap(indices, dims)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return (idx * torch.tensor(strides, dtype=torch.int64, device=indices.device)).sum(-1)
+
+
+@register("GatherND", since=11)
+def gather_nd(node, x, indices):
+    b = node.attr("batch_dims", 0)
+    k = indices.shape[-1]
+    batch = math.prod(x.shape[:b])
+    # Rows of x addressed by the index tuples, per batch entry: (batch, positions, *rest).
+    rest = x.shape[b + k:]
+    rows = x.reshape(batch, math.prod(x.shape[b:b + k]), *rest)
+    flat = _flat_positions(x.shape[b:b + k], indices.reshape(batch, -1, k))
+    out = rows[torch.arange(batch, device=x.device)[:, None], flat]
+    return out.reshape(*indices.shape[:-1], *rest)
+
+
+# --- scatters --------------------------------------------------------------------
+
+_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def _check_reduction(node):
+    r = node.attr("reduction", "none")
+    if r != "none" and r not in _REDUCE:
+        return f"{node.op_type} reduction '{r}' is not supported (Kiln supports none, {', '.join(_REDUCE)})"
+    return None
+
+
+def _scatter(x, axis, index, updates, reduction):
+    if reduction == "none":
+        return torch.scatter(x, axis, index, updates)
+    return torch.scatter_reduce(x, axis, index, updates, _REDUCE[reduction], include_self=True)
+
+
+@register("ScatterElements", since=11, check=_check_reduction)
+def scatter_elements(node, x, indices, updates):
+    axis = _axis(node.attr("axis", 0), x.dim())
+    return _scatter(x, axis, _wrap(indices, x.shape[axis]), updates, node.attr("reduction", "none"))
+
+
+@register("Scatter", since=9)
+def scatter(node, x, indices, updates):
+    axis = _axis(node.attr("axis", 0), x.dim())
+    return torch.scatter(x, axis, _wrap(indices, x.shape[axis]), updates)
+
+
+@register("ScatterND", since=11, check=_check_reduction)
+def scatter_nd(node, x, indices, updates):
+    k = indices.shape[-1]
+    rest = x.shape[k:]
+    rows = x.reshape(math.prod(x.shape[:k]), math.prod(rest))
+    flat = _flat_positions(x.shape[:k], indices.reshape(-1, k))
+    # Scatter whole rows along axis 0 (torch.scatter works for every dtype; index_put does not).
+    src = updates.reshape(flat.numel(), rows.shape[1])
+    index = flat[:, None].expand(src.shape)
+    return _scatter(rows, 0, index, src, node.attr("reduction", "none")).reshape(x.shape)
+
+
+# --- one-hot, top-k, sequences -----------------------------------------------------
+
+# Float indices keep their exact values (an FP16 layer would round them).
+@register("OneHot", host_inputs=(1,), keeps_input_types=True, since=9)
+def one_hot(node, indices, depth, values):
+    depth = int(depth.item())
+    idx = indices.to(torch.int64)
+    idx = torch.where(idx < 0, idx + depth, idx)  # out-of-range indices give an all-"off" row
+    axis = _axis(node.attr("axis", -1), indices.dim() + 1)
+    classes = torch.arange(depth, device=idx.device).reshape([depth] + [1] * (indices.dim() - axis))
+    hot = idx.unsqueeze(axis) == classes
+    return torch.where(hot, values[1], values[0])
+
+
+@register("TopK", host_inputs=(1,))
+def top_k(node, x, k=None):
+    k = int(k.item()) if node.opset >= 10 else node.attr("k")
+    axis = _axis(node.attr("axis", -1), x.dim())
+    largest = bool(node.attr("largest", 1))
+    # A stable sort keeps equal values in index order, as ONNX requires (torch.topk does not).
+    _, order = torch.sort(x, dim=axis, descending=largest, stable=True)
+    order = order.narrow(axis, 0, k)
+    return torch.gather(x, axis, order), order
+
+
+@register("ReverseSequence", since=10)
+def reverse_sequence(node, x, lengths):
+    b_axis, t_axis = node.attr("batch_axis", 1), node.attr("time_axis", 0)
+    t = torch.arange(x.shape[t_axis], device=x.device)
+    lens = lengths.to(torch.int64).to(x.device)
+    shape = [1] * x.dim()
+    shape[t_axis], shape[b_axis] = -1, 1
+    t = t.reshape(shape)
+    shape[t_axis], shape[b_axis] = 1, -1
+    lens = lens.reshape(shape)
+    # Within each sequence's length, time step i reads from length-1-i.
+    src = torch.where(t < lens, lens - 1 - t, t)
+    return torch.gather(x, t_axis, src.expand(x.shape))
+
+
+# --- value-dependent output shapes ---------------------------------------------------
+
+@register("NonZero", data_dependent=True, since=9)
+def non_zero(node, x):
+    return torch.nonzero(x != 0).T.contiguous()
+
+
+@register("Compress", data_dependent=True, since=9)
+def compress(node, x, condition):
+    axis = node.attr("axis")
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    axis = _axis(axis, x.dim())
+    # A condition shorter than the axis selects among the leading elements only.
+    keep = torch.nonzero(condition[: x.shape[axis]]).reshape(-1)
+    return x.index_select(axis, keep.to(x.device))
+
+
+@register("Unique", data_dependent=True, since=11)
+def unique(node, x):
+    axis = node.attr("axis")
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    axis = _axis(axis, x.dim())
+    y, inverse, counts = torch.unique(x, sorted=True, return_inverse=True, return_counts=True, dim=axis)
+    n = x.shape[axis]
+    first = torch.full((y.shape[axis],), n, dtype=torch.int64, device=x.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(n, device=x.device), "amin")
+    if not node.attr("sorted", 1):
+        # Unsorted: unique values in order of first occurrence.
+        order = torch.argsort(first)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=x.device)
+        y, first, counts, inverse = y.index_select(axis, order), first[order], counts[order], rank[inverse]
+    return y, first, inverse, counts
