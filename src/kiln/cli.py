@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import ConfigError, InputError, KilnError
 
@@ -87,6 +88,14 @@ def cmd_build(a) -> int:
     return _run_and_report(engine, a)
 
 
+def _graph_text(engine) -> str:
+    if engine.target.kind != "cuda":
+        return "n/a (CPU target)"
+    if not engine.capturable:
+        return "no (value-dependent shapes, control flow or random ops: runs layer by layer)"
+    return "one per input shape" if engine.build_config.get("cuda_graphs", True) else "disabled (--noCudaGraph)"
+
+
 def _print_build_summary(engine, source: str) -> None:
     from .engine.config import fmt_shape
 
@@ -97,7 +106,7 @@ def _print_build_summary(engine, source: str) -> None:
     host = sum(n.placement == "host" for n in g.nodes)
     out.print(f"  layers: {len(g.nodes)} ({host} shape-arithmetic layers on the host)   "
               f"weights: {engine.weight_bytes / 2**20:.2f} MiB   "
-              f"CUDA graph: {'yes' if engine.capturable else 'no (value-dependent shapes or control flow)'}")
+              f"CUDA graph: {_graph_text(engine)}")
     for i, p in enumerate(engine.profiles):
         shapes = ", ".join(f"{k}: {fmt_shape(a)}..{fmt_shape(c)} (opt {fmt_shape(b)})" for k, (a, b, c) in p.shapes.items())
         arena = engine.arena_bytes[i] if i < len(engine.arena_bytes) else None
@@ -230,14 +239,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_options(r)
     r.set_defaults(func=cmd_run)
 
-    from .frontend import check as check_cmd
+    try:  # TEMP until the frontend lands
+        from .frontend import check as check_cmd
 
-    check_cmd.add_check_command(sub)
+        check_cmd.add_check_command(sub)
+    except ImportError:
+        pass
     return p
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    err.print(f"[yellow]warning:[/] {message}")
+    err.print(f"[yellow]warning:[/] {escape(str(message))}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except KilnError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         return e.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -21,7 +21,7 @@ def tiny_cnn(seed: int = 0, opset: int = 17) -> onnx.ModelProto:
 
     def weight(name, *shape, scale=None):
         fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
-        w = rng.standard_normal(shape).astype(np.float32) * (scale or np.sqrt(2.0 / fan_in))
+        w = (rng.standard_normal(shape) * (scale or np.sqrt(2.0 / fan_in))).astype(np.float32)
         inits.append(numpy_helper.from_array(w, name))
         return name
 

@@ -221,3 +221,248 @@ def upsample(node, x, scales=None):
     scales = node.attr("scales") if node.opset < 9 else _scalars(scales)
     return _resize(node, x, None, scales, None, mode=node.attr("mode", "nearest"), ctm="asymmetric",
                    nearest_mode="simple")
+
+
+# ----------------------------------------------------------------------------- GridSample / AffineGrid
+
+_GRID_MODES = {"bilinear": "linear", "bicubic": "cubic", "linear": "linear", "cubic": "cubic", "nearest": "nearest"}
+
+
+def _reflect(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """Fold coordinates outside [lo, hi] back in by repeated reflection at the borders."""
+    span = hi - lo
+    if span <= 0:
+        return torch.full_like(x, lo)
+    below, above = x < lo, x > hi
+    dx = torch.where(below, lo - x, torch.where(above, x - hi, torch.zeros_like(x)))
+    n = torch.trunc(dx / span)
+    r = dx - n * span
+    even = torch.remainder(n, 2) == 0
+    from_lo, from_hi = lo + r, hi - r
+    return torch.where(below, torch.where(even, from_lo, from_hi),
+                       torch.where(above, torch.where(even, from_hi, from_lo), x))
+
+
+def _grid_taps(coord: torch.Tensor, mode: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(integer position, weight) pairs that interpolate along one axis."""
+    if mode == "nearest":
+        return [(coord, torch.ones_like(coord))]
+    base = torch.floor(coord)
+    t = coord - base
+    if mode == "linear":
+        return [(base, 1 - t), (base + 1, t)]
+    return [(base + k, _cubic_kernel(t - k, -0.75)) for k in (-1, 0, 1, 2)]
+
+
+@register("GridSample", check=lambda n: None if n.attr("mode", "bilinear") in _GRID_MODES
+          and n.attr("padding_mode", "zeros") in ("zeros", "border", "reflection")
+          else f"GridSample mode '{n.attr('mode')}' / padding_mode '{n.attr('padding_mode')}' is not supported",
+          since=16)
+def grid_sample(node, x, grid):
+    mode = _GRID_MODES[node.attr("mode", "bilinear")]
+    padding = node.attr("padding_mode", "zeros")
+    align = bool(node.attr("align_corners", 0))
+    n, c, *dims = x.shape
+    out_spatial = grid.shape[1:-1]
+    acc_dtype = torch.promote_types(x.dtype if x.dtype in _FLOAT_TYPES else torch.float32, torch.float32)
+    coord_dtype = torch.float64 if torch.float64 in (x.dtype, grid.dtype) else torch.float32
+    g = grid.to(coord_dtype).reshape(n, -1, len(dims))
+
+    per_axis = []  # per input axis: list of (flat offset, weight) taps
+    stride = 1
+    strides = []
+    for d in reversed(dims):
+        strides.insert(0, stride)
+        stride *= d
+    for i, d in enumerate(dims):
+        v = g[..., len(dims) - 1 - i]  # grid's last axis lists coordinates innermost-first (x, y, z)
+        v = (v + 1) / 2 * (d - 1) if align else ((v + 1) * d - 1) / 2
+        lo, hi = (0.0, d - 1.0) if align else (-0.5, d - 0.5)
+        if mode == "nearest":
+            v = torch.round(v)  # half to even, as PyTorch and ONNX's reference do, before padding
+        outside = (v < lo) | (v > hi)
+        if padding == "border":
+            v = torch.where(outside, v.clamp(0, d - 1), v)
+        elif padding == "reflection":
+            v = torch.where(outside, _reflect(v, lo, hi), v)
+        taps = []
+        for pos, w in _grid_taps(v, mode):
+            if padding == "zeros":
+                w = torch.where((pos < 0) | (pos > d - 1), torch.zeros_like(w), w)
+            elif padding == "reflection":
+                pos = torch.trunc(_reflect(pos, lo, hi))
+            pos = pos.clamp(0, d - 1).long()
+            taps.append((pos * strides[i], w))
+        per_axis.append(taps)
+
+    flat = x.reshape(n, c, -1)
+    out = torch.zeros(n, c, g.shape[1], dtype=acc_dtype, device=x.device)
+    for combo in itertools.product(*per_axis):
+        idx = sum(p for p, _ in combo)
+        w = math.prod(w for _, w in combo)
+        vals = flat.gather(2, idx.unsqueeze(1).expand(n, c, -1))
+        out += w.unsqueeze(1).to(acc_dtype) * vals.to(acc_dtype)
+    return _back_to(out, x.dtype).reshape(n, c, *out_spatial)
+
+
+@register("AffineGrid", host_inputs=(1,), since=20)
+def affine_grid(node, theta, size):
+    return F.affine_grid(theta, size.tolist(), align_corners=bool(node.attr("align_corners", 0)))
+
+
+# ----------------------------------------------------------------------------- DepthToSpace / SpaceToDepth
+
+@register("DepthToSpace", check=lambda n: None if n.attr("mode", "DCR") in ("DCR", "CRD")
+          else f"DepthToSpace mode '{n.attr('mode')}' is not supported")
+def depth_to_space(node, x):
+    b = node.attr("blocksize")
+    n, c, h, w = x.shape
+    if node.attr("mode", "DCR") == "DCR":
+        y = x.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
+    else:
+        y = x.reshape(n, c // (b * b), b, b, h, w).permute(0, 1, 4, 2, 5, 3)
+    return y.reshape(n, c // (b * b), h * b, w * b)
+
+
+@register("SpaceToDepth", check=lambda n: None if n.attr("mode", "DCR") in ("DCR", "CRD")
+          else f"SpaceToDepth mode '{n.attr('mode')}' is not supported")
+def space_to_depth(node, x):
+    b = node.attr("blocksize")
+    n, c, h, w = x.shape
+    y = x.reshape(n, c, h // b, b, w // b, b)
+    y = y.permute(0, 3, 5, 1, 2, 4) if node.attr("mode", "DCR") == "DCR" else y.permute(0, 1, 3, 5, 2, 4)
+    return y.reshape(n, c * b * b, h // b, w // b)
+
+
+# ----------------------------------------------------------------------------- Col2Im / CenterCropPad
+
+@register("Col2Im", host_inputs=(1, 2), since=18)
+def col2im(node, x, image_shape, block_shape):
+    image = image_shape.tolist()
+    kernel = block_shape.tolist()
+    nd = len(image)
+    dil = node.attr("dilations") or [1] * nd
+    strides = node.attr("strides") or [1] * nd
+    pads = node.attr("pads") or [0] * (2 * nd)
+    blocks = [(image[i] + pads[i] + pads[nd + i] - dil[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+              for i in range(nd)]
+    dev = x.device
+    # Output position of every (kernel offset, block) column entry, built up axis by axis (row-major).
+    flat = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    for i in range(nd):
+        k = torch.arange(kernel[i], device=dev)[:, None]
+        b = torch.arange(blocks[i], device=dev)[None, :]
+        pos = b * strides[i] - pads[i] + k * dil[i]  # [k_i, b_i]
+        ok = (pos >= 0) & (pos < image[i])
+        flat = (flat[:, None, :, None] * image[i] + pos[None, :, None, :]).reshape(flat.shape[0] * kernel[i], -1)
+        valid = (valid[:, None, :, None] & ok[None, :, None, :]).reshape(flat.shape)
+    total = math.prod(image)
+    index = torch.where(valid, flat, total).reshape(-1)  # padding lands in a spare slot, dropped below
+    n = x.shape[0]
+    c = x.shape[1] // math.prod(kernel)
+    src = x.reshape(n, c, -1)
+    out = torch.zeros(n, c, total + 1, dtype=x.dtype, device=dev).index_add_(2, index, src)
+    return out[..., :total].reshape(n, c, *image)
+
+
+@register("CenterCropPad", host_inputs=(1,), since=18)
+def center_crop_pad(node, x, shape):
+    target = shape.tolist()
+    axes = node.attr("axes") or list(range(x.dim()))
+    out_shape = list(x.shape)
+    src = [slice(None)] * x.dim()
+    dst = [slice(None)] * x.dim()
+    for a, size in zip(axes, target):
+        a %= x.dim()
+        dim = x.shape[a]
+        out_shape[a] = size
+        if size < dim:  # crop: the extra element of an odd difference comes off the end
+            start = (dim - size) // 2
+            src[a] = slice(start, start + size)
+        elif size > dim:
+            start = (size - dim) // 2
+            dst[a] = slice(start, start + dim)
+    out = x.new_zeros(out_shape)
+    out[tuple(dst)] = x[tuple(src)]
+    return out
+
+
+# ----------------------------------------------------------------------------- RoiAlign / MaxRoiPool
+
+def _roi_samples(start, bin_size, grid, n_bins: int, n_grid: int, size: int):
+    """Sample positions of RoiAlign along one axis, with their bilinear taps.
+
+    start/bin_size/grid: [R] per ROI. Returns per [R, n_bins, n_grid]: low and high
+    tap index, their weights, and whether the sample is in the ROI's grid and on the map.
+    """
+    dt = start.dtype
+    b = torch.arange(n_bins, dtype=dt, device=start.device)[None, :, None]
+    i = torch.arange(n_grid, dtype=dt, device=start.device)[None, None, :]
+    bs, g = bin_size[:, None, None], grid[:, None, None]
+    pos = start[:, None, None] + b * bs + (i + 0.5) * bs / g.clamp(min=1).to(dt)
+    use = (i < g) & (pos >= -1.0) & (pos <= size)
+    pos = pos.clamp(min=0)
+    low = torch.floor(pos).clamp(max=size - 1)
+    pos = torch.where(low >= size - 1, low, pos)  # samples past the last row use it alone
+    high = torch.where(low >= size - 1, low, low + 1)
+    frac = pos - low
+    return low.long(), high.long(), 1 - frac, frac, use
+
+
+@register("RoiAlign", data_dependent=True, since=10,
+          check=lambda n: None if n.attr("mode", "avg") in ("avg", "max") and n.attr(
+              "coordinate_transformation_mode", "half_pixel") in ("half_pixel", "output_half_pixel")
+          else "RoiAlign mode / coordinate_transformation_mode is not supported")
+def roi_align(node, x, rois, batch_indices):
+    oh, ow = node.attr("output_height", 1), node.attr("output_width", 1)
+    ratio = node.attr("sampling_ratio", 0)
+    half_pixel = node.attr("coordinate_transformation_mode",
+                           "half_pixel" if node.opset >= 16 else "output_half_pixel") == "half_pixel"
+    n, c, h, w = x.shape
+    r = rois.shape[0]
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    box = rois.to(dt) * node.attr("spatial_scale", 1.0) - (0.5 if half_pixel else 0.0)
+    x0, y0, x1, y1 = box.unbind(1)
+    roi_w, roi_h = x1 - x0, y1 - y0
+    if not half_pixel:  # the legacy mode forces malformed ROIs to 1x1
+        roi_w, roi_h = roi_w.clamp(min=1), roi_h.clamp(min=1)
+    bin_h, bin_w = roi_h / oh, roi_w / ow
+    if ratio > 0:
+        gh = gw = torch.full((r,), ratio, dtype=torch.long, device=x.device)
+        n_gh = n_gw = ratio
+    else:  # adaptive: ceil(bin size) samples per bin, so the sample count depends on the ROI values
+        gh, gw = torch.ceil(bin_h).clamp(min=0).long(), torch.ceil(bin_w).clamp(min=0).long()
+        n_gh = max(int(gh.max()), 1) if r else 1
+        n_gw = max(int(gw.max()), 1) if r else 1
+    ylo, yhi, wyl, wyh, yuse = _roi_samples(y0, bin_h, gh, oh, n_gh, h)
+    xlo, xhi, wxl, wxh, xuse = _roi_samples(x0, bin_w, gw, ow, n_gw, w)
+
+    def grid(t_y, t_x):  # [R, oh, gh] x [R, ow, gw] -> [R, oh, gh, ow, gw]
+        return t_y[:, :, :, None, None], t_x[:, None, None, :, :]
+
+    ys, xs = grid(yuse, xuse)
+    on_map = ys & xs
+    table = x.permute(0, 2, 3, 1).reshape(n * h * w, c)  # one row of channels per pixel
+    base = batch_indices.long().reshape(r, 1, 1, 1, 1) * (h * w)
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    taps = []
+    for ty, wy in ((ylo, wyl), (yhi, wyh)):
+        for tx, wx in ((xlo, wxl), (xhi, wxh)):
+            iy, ix = grid(ty, tx)
+            my, mx = grid(wy, wx)
+            weight = torch.where(on_map, my * mx, torch.zeros((), dtype=dt, device=x.device))
+            vals = table[(base + iy * w + ix).reshape(-1)].reshape(*weight.shape, c)
+            taps.append(weight.unsqueeze(-1).to(acc_dtype) * vals.to(acc_dtype))
+    if node.attr("mode", "avg") == "avg":
+        count = (gh * gw).clamp(min=1).to(acc_dtype).reshape(r, 1, 1, 1)
+        out = sum(taps).sum(dim=(2, 4)) / count
+    else:
+        # ONNX's max mode takes, per sample, the largest weighted tap (not the interpolated value).
+        in_grid = (ys & xs) | ~on_map  # off-map samples count as 0; padding samples do not count
+        in_grid = (torch.arange(n_gh, device=x.device)[None, None, :, None, None] < gh.reshape(r, 1, 1, 1, 1)) & (
+            torch.arange(n_gw, device=x.device)[None, None, None, None, :] < gw.reshape(r, 1, 1, 1, 1))
+        best = torch.stack(taps).amax(0).masked_fill(~in_grid.unsqueeze(-1), float("-inf"))
+        out = best.amax(dim=(2, 4))
+        out = torch.where(torch.isinf(out) & (out < 0), torch.zeros_like(out), out)  # ROIs with no samples
+    return out.permute(0, 3, 1, 2).to(x.dtype)

@@ -304,29 +304,6 @@ def global_lp_pool(node, x):
     return torch.linalg.vector_norm(_acc(x), ord=p, dim=dims, keepdim=True).to(x.dtype)
 
 
-def _check_unpool(node):
-    if not node.attr("kernel_shape"):
-        return "MaxUnpool needs the kernel_shape attribute"
-    return None
-
-
-@register("MaxUnpool", host_inputs=(2,), check=_check_unpool)
-def max_unpool(node, x, indices, output_shape=None):
-    n = x.dim() - 2
-    if output_shape is not None:
-        shape = [int(d) for d in output_shape.tolist()]
-    else:
-        kernel = list(node.attr("kernel_shape"))
-        strides = _ints(node, "strides", n, 1)
-        pads = _ints(node, "pads", 2 * n, 0)
-        shape = list(x.shape[:2]) + [(x.shape[2 + i] - 1) * strides[i] - pads[i] - pads[n + i] + kernel[i]
-                                     for i in range(n)]
-    # Indices address the flattened tensor MaxPool read, which has the output's shape.
-    y = torch.zeros(math.prod(shape), dtype=x.dtype, device=x.device)
-    y[indices.reshape(-1)] = x.reshape(-1)
-    return y.reshape(shape)
-
-
 @register("LRN")
 def lrn(node, x):
     size = node.attr("size")

@@ -1,0 +1,165 @@
+"""Hand tests for nn.py: geometry ONNX's node cases leave out, integer and FP16 paths, restrictions.
+
+References are onnxruntime (same ONNX semantics) or plain numpy.
+"""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.errors import UnsupportedError
+
+_TYPES = {np.dtype("float32"): TensorProto.FLOAT, np.dtype("float16"): TensorProto.FLOAT16,
+          np.dtype("int32"): TensorProto.INT32, np.dtype("int64"): TensorProto.INT64,
+          np.dtype("uint32"): TensorProto.UINT32, np.dtype("uint8"): TensorProto.UINT8}
+
+
+def _model(op, feeds, n_out=1, opset=22, out_types=None, **attrs):
+    names = list(feeds)
+    outs = [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, names, outs, name=f"{op.lower()}_under_test", **attrs)
+    out_types = out_types or [_TYPES[next(iter(feeds.values())).dtype]] * n_out
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
+        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _kiln(model, feeds, **config):
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, **config))
+    return list(engine.create_execution_context().run(feeds).values())
+
+
+def _ort(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _against_ort(op, feeds, n_out=1, opset=22, rtol=1e-5, atol=1e-5, **attrs):
+    model = _model(op, feeds, n_out, opset, **attrs)
+    got, want = _kiln(model, feeds), _ort(model, feeds)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    return got
+
+
+rng = np.random.default_rng(0)
+
+
+def _randn(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_conv_asymmetric_pads_groups_dilations():
+    feeds = {"x": _randn(2, 4, 9, 8), "w": _randn(6, 2, 3, 2), "b": _randn(6)}
+    _against_ort("Conv", feeds, group=2, dilations=[2, 1], strides=[2, 3], pads=[0, 2, 3, 1])
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+def test_conv_auto_pad_1d_and_3d(auto_pad):
+    _against_ort("Conv", {"x": _randn(1, 2, 10), "w": _randn(3, 2, 4)}, auto_pad=auto_pad, strides=[3])
+    _against_ort("Conv", {"x": _randn(1, 2, 5, 6, 7), "w": _randn(2, 2, 2, 3, 2)}, auto_pad=auto_pad,
+                 strides=[2, 1, 2])
+
+
+def test_conv_transpose_general_path():
+    # Unequal pads and output_padding >= stride is outside what torch's conv_transpose takes directly.
+    feeds = {"x": _randn(1, 4, 5, 4), "w": _randn(4, 3, 3, 3), "b": _randn(6)}
+    _against_ort("ConvTranspose", feeds, group=2, strides=[2, 2], dilations=[2, 1], pads=[0, 1, 2, 0],
+                 output_padding=[1, 1])
+
+
+def test_conv_transpose_output_shape_same_lower():
+    feeds = {"x": _randn(1, 2, 4, 5), "w": _randn(2, 3, 3, 3)}
+    _against_ort("ConvTranspose", feeds, strides=[2, 2], auto_pad="SAME_LOWER")
+    _against_ort("ConvTranspose", feeds, strides=[2, 2], output_shape=[9, 12])
+
+
+@pytest.mark.parametrize("ceil_mode", [0, 1])
+def test_max_pool_indices_with_pads(ceil_mode):
+    # pads larger than half the kernel force the explicit-padding path; indices must ignore the padding.
+    x = _randn(2, 3, 7, 6)
+    model = _model("MaxPool", {"x": x}, n_out=2, out_types=[TensorProto.FLOAT, TensorProto.INT64],
+                   kernel_shape=[2, 3], strides=[2, 2], pads=[1, 2, 0, 1], ceil_mode=ceil_mode)
+    (y, idx), (wy, widx) = _kiln(model, {"x": x}), _ort(model, {"x": x})
+    np.testing.assert_array_equal(y, wy)
+    np.testing.assert_array_equal(idx, widx)
+    np.testing.assert_array_equal(x.reshape(-1)[idx], y)
+
+
+def test_max_pool_indices_storage_order_column_major():
+    x = _randn(1, 2, 6, 5)
+    model = _model("MaxPool", {"x": x}, n_out=2, out_types=[TensorProto.FLOAT, TensorProto.INT64],
+                   kernel_shape=[3, 2], strides=[2, 2], storage_order=1)
+    (_, idx), (_, widx) = _kiln(model, {"x": x}), _ort(model, {"x": x})
+    np.testing.assert_array_equal(idx, widx)
+
+
+def test_max_pool_int_with_padding_never_selects_pad():
+    x = rng.integers(-100, -50, size=(1, 1, 5, 5)).astype(np.int32)
+    model = _model("MaxPool", {"x": x}, opset=22, kernel_shape=[3, 3], pads=[2, 2, 2, 2])
+    (y,) = _kiln(model, {"x": x})
+    assert y.dtype == np.int32 and y.shape == (1, 1, 7, 7)
+    assert y.max() < -49  # the padding value is the type's minimum, not 0
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_average_pool_dilated_asymmetric(include_pad):
+    _against_ort("AveragePool", {"x": _randn(1, 2, 9, 8)}, kernel_shape=[3, 2], strides=[2, 1],
+                 dilations=[2, 3], pads=[1, 0, 2, 1], count_include_pad=include_pad)
+
+
+def test_global_lp_pool():
+    _against_ort("GlobalLpPool", {"x": _randn(2, 3, 4, 5)}, p=3, rtol=1e-4)
+
+
+def test_lp_pool_fp16_does_not_overflow():
+    # 20**4 * 4 = 640000 overflows FP16 (max 65504); LpPool sums its powers in FP32.
+    x = np.full((1, 1, 4, 4), 20.0, dtype=np.float32)
+    model = _model("LpPool", {"x": x}, kernel_shape=[2, 2], p=4)
+    (y,) = _kiln(model, {"x": x}, fp16=True)
+    np.testing.assert_allclose(y.astype(np.float32), np.full((1, 1, 3, 3), 20.0 * 4 ** 0.25), rtol=1e-3)
+
+
+def test_lrn_even_size():
+    # torch's local_response_norm centres even windows differently from ONNX.
+    _against_ort("LRN", {"x": _randn(2, 6, 3, 3)}, size=4, alpha=0.5, beta=0.75, bias=1.5)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint32"])
+def test_matmul_integer_types(dtype):
+    a = rng.integers(0, 50, size=(2, 3, 4)).astype(dtype)
+    b = rng.integers(0, 50, size=(4, 5)).astype(dtype)
+    (y,) = _kiln(_model("MatMul", {"a": a, "b": b}, opset=13), {"a": a, "b": b})
+    assert y.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(y, a @ b)
+
+
+def test_gemm_integer_and_column_bias():
+    a = rng.integers(-9, 9, size=(4, 3)).astype(np.int64)
+    b = rng.integers(-9, 9, size=(5, 3)).astype(np.int64)
+    c = rng.integers(-9, 9, size=(4, 1)).astype(np.int64)
+    feeds = {"a": a, "b": b, "c": c}
+    (y,) = _kiln(_model("Gemm", feeds, opset=13, transB=1), feeds)
+    np.testing.assert_array_equal(y, a @ b.T + c)
+    f = {k: v.astype(np.float32) for k, v in feeds.items()}
+    _against_ort("Gemm", f, opset=13, transB=1, alpha=0.5, beta=2.0)
+
+
+def test_einsum_ellipsis_broadcast():
+    _against_ort("Einsum", {"a": _randn(2, 3, 4), "b": _randn(3, 4, 5)}, equation="...ij,ijk->...k", opset=12,
+                 rtol=1e-4)
+
+
+def test_unsupported_geometry_is_reported_with_node_name():
+    x = _randn(1, 1, 2, 2, 2, 2)
+    model = _model("MaxPool", {"x": x}, kernel_shape=[1, 1, 1, 1])
+    with pytest.raises(UnsupportedError, match="maxpool_under_test.*4-D MaxPool"):
+        _kiln(model, {"x": x})
+    model = _model("Conv", {"x": _randn(1, 1, 4), "w": _randn(1, 1, 2)}, auto_pad="SAME")
+    with pytest.raises(UnsupportedError, match="conv_under_test.*auto_pad 'SAME'"):
+        _kiln(model, {})
