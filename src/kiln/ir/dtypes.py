@@ -100,7 +100,7 @@ def to_torch(array) -> torch.Tensor:
         return torch.from_numpy(a.astype(np.int64)).to(getattr(torch, a.dtype.name))
     if a.dtype.kind in "OUS":
         raise TypeError(f"string tensors are not supported (dtype {a.dtype})")
-    if a.dtype.kind == "V":  # ml_dtypes (what onnx.numpy_helper returns for bfloat16, float8, int4...)
+    if a.dtype.type.__module__ == "ml_dtypes":  # onnx.numpy_helper's bfloat16, float8, int4...
         return _from_ml_dtypes(np.ascontiguousarray(a))
     return torch.from_numpy(np.ascontiguousarray(a).copy())
 

@@ -63,6 +63,8 @@ class Graph:
     initializers: dict[str, torch.Tensor] = field(default_factory=dict)
     name: str = "graph"
     opsets: dict[str, int] = field(default_factory=lambda: {"": 17})
+    # What the passes noticed but could not do (e.g. a fusion that did not fire, and why).
+    findings: list[dict] = field(default_factory=list)
 
     def producers(self) -> dict[str, Node]:
         return {o: n for n in self.nodes for o in n.outputs if o}

@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     cast,
     control_flow,
     elementwise,
+    fused,
     image,
     indexing,
     nn,

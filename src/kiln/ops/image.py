@@ -444,7 +444,8 @@ def roi_align(node, x, rois, batch_indices):
     ys, xs = grid(yuse, xuse)
     on_map = ys & xs
     table = x.permute(0, 2, 3, 1).reshape(n * h * w, c)  # one row of channels per pixel
-    base = batch_indices.long().reshape(r, 1, 1, 1, 1) * (h * w)
+    # Clamped: an out-of-range index must not fault a device gather.
+    base = batch_indices.long().clamp(0, n - 1).reshape(r, 1, 1, 1, 1) * (h * w)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     taps = []
     for ty, wy in ((ylo, wyl), (yhi, wyh)):
@@ -459,10 +460,133 @@ def roi_align(node, x, rois, batch_indices):
         out = sum(taps).sum(dim=(2, 4)) / count
     else:
         # ONNX's max mode takes, per sample, the largest weighted tap (not the interpolated value).
-        in_grid = (ys & xs) | ~on_map  # off-map samples count as 0; padding samples do not count
-        in_grid = (torch.arange(n_gh, device=x.device)[None, None, :, None, None] < gh.reshape(r, 1, 1, 1, 1)) & (
-            torch.arange(n_gw, device=x.device)[None, None, None, None, :] < gw.reshape(r, 1, 1, 1, 1))
+        # Off-map samples count as 0; the padding beyond a ROI's own grid does not count.
+        in_grid = (torch.arange(n_gh, device=x.device).reshape(1, 1, -1, 1, 1) < gh.reshape(r, 1, 1, 1, 1)) & (
+            torch.arange(n_gw, device=x.device).reshape(1, 1, 1, 1, -1) < gw.reshape(r, 1, 1, 1, 1))
         best = torch.stack(taps).amax(0).masked_fill(~in_grid.unsqueeze(-1), float("-inf"))
         out = best.amax(dim=(2, 4))
         out = torch.where(torch.isinf(out) & (out < 0), torch.zeros_like(out), out)  # ROIs with no samples
     return out.permute(0, 3, 1, 2).to(x.dtype)
+
+
+def _range_max_table(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sparse table along `dim`: level k holds the max of the 2**k elements starting at each index."""
+    size = t.shape[dim]
+    levels = [t]
+    while (2 << (len(levels) - 1)) <= size:
+        prev, half = levels[-1], 1 << (len(levels) - 1)
+        # Entries whose window would run past the end are never queried; any value will do there.
+        ahead = torch.cat([prev.narrow(dim, half, size - half), prev.narrow(dim, size - half, half)], dim)
+        levels.append(torch.maximum(prev, ahead))
+    return torch.stack(levels)
+
+
+def _level(length: torch.Tensor, levels: int) -> torch.Tensor:
+    """floor(log2(length)) for lengths >= 1, below `levels`."""
+    return sum(((length >= (1 << k)).long() for k in range(1, levels)), torch.zeros_like(length))
+
+
+@register("MaxRoiPool", check=lambda n: None if len(n.attr("pooled_shape") or []) == 2
+          else "MaxRoiPool needs a 2-D pooled_shape")
+def max_roi_pool(node, x, rois):
+    ph, pw = node.attr("pooled_shape")
+    scale = node.attr("spatial_scale", 1.0)
+    n, c, h, w = x.shape
+    r = rois.shape[0]
+    f = rois.float()
+
+    def round_half_away(v):  # C's round(), which Caffe/onnxruntime use for ROI corners
+        return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+    batch = f[:, 0].long().clamp(0, n - 1)  # an out-of-range index must not fault a device gather
+    x0, y0, x1, y1 = (round_half_away(f[:, k] * scale) for k in range(1, 5))
+
+    def bins(start, end, count, size):
+        bin_size = (end - start + 1).clamp(min=1) / count
+        i = torch.arange(count, dtype=torch.float32, device=x.device)
+        lo = torch.floor(i * bin_size[:, None]) + start[:, None]
+        hi = torch.ceil((i + 1) * bin_size[:, None]) + start[:, None]
+        return lo.clamp(0, size).long(), hi.clamp(0, size).long()
+
+    hs, he = bins(y0, y1, ph, h)  # [R, ph]
+    ws, we = bins(x0, x1, pw, w)  # [R, pw]
+    # A 2-D sparse table answers every bin's max with four lookups, whatever the bin sizes.
+    table = _range_max_table(_range_max_table(x.permute(0, 2, 3, 1), 1), 3)  # [Lw, Lh, N, H, W, C]
+    lw, lh = table.shape[:2]
+    rows = table.reshape(-1, c)
+    len_h, len_w = (he - hs).clamp(min=1), (we - ws).clamp(min=1)
+    kh, kw = _level(len_h, lh), _level(len_w, lw)
+    top = [hs, (he - (1 << kh)).clamp(min=0)]
+    left = [ws, (we - (1 << kw)).clamp(min=0)]
+    plane = ((kw[:, None, :] * lh + kh[:, :, None]) * n + batch[:, None, None]) * (h * w)  # [R, ph, pw]
+    out = None
+    for t in top:
+        for l in left:
+            idx = plane + (t[:, :, None] * w + l[:, None, :]).clamp(max=h * w - 1)
+            v = rows[idx.reshape(-1)].reshape(r, ph, pw, c)
+            out = v if out is None else torch.maximum(out, v)
+    empty = ((he <= hs)[:, :, None] | (we <= ws)[:, None, :]).unsqueeze(-1)
+    out = out.masked_fill(empty, 0)
+    return out.permute(0, 3, 1, 2)
+
+
+# ----------------------------------------------------------------------------- NonMaxSuppression
+
+def _box_corners(boxes: torch.Tensor, center_point_box: int):
+    """(x_min, y_min, x_max, y_max) per box; corner boxes may list either corner first."""
+    if center_point_box:
+        cx, cy, bw, bh = boxes.unbind(-1)
+        return cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2
+    y_a, x_a, y_b, x_b = boxes.unbind(-1)
+    return torch.minimum(x_a, x_b), torch.minimum(y_a, y_b), torch.maximum(x_a, x_b), torch.maximum(y_a, y_b)
+
+
+def _greedy_keep(over: torch.Tensor) -> torch.Tensor:
+    """Greedy NMS on score-ordered boxes: keep[j] unless an earlier kept box suppresses it.
+
+    over[i, j]: box i (earlier) suppresses box j. Iterating keep = no kept earlier box
+    suppresses j fixes one more leading box per step and stops at the greedy answer,
+    usually in a few steps rather than one per box.
+    """
+    over = torch.triu(over, diagonal=1)
+    keep = torch.ones(over.shape[0], dtype=torch.bool, device=over.device)
+    while True:
+        new = ~(over & keep[:, None]).any(0)
+        if torch.equal(new, keep):
+            return keep
+        keep = new
+
+
+@register("NonMaxSuppression", host_inputs=(2, 3, 4), data_dependent=True, since=10,
+          keep_fp32="IoU thresholds and score ordering need FP32 box coordinates and scores")
+def non_max_suppression(node, boxes, scores, max_output=None, iou_threshold=None, score_threshold=None):
+    dev = boxes.device
+    limit = max(int(_scalars(max_output)[0]), 0) if _scalars(max_output) else 0
+    iou_thr = torch.tensor(_scalars(iou_threshold)[0] if _scalars(iou_threshold) else 0.0, dtype=boxes.dtype,
+                           device=dev)
+    score_thr = _scalars(score_threshold)
+    x0, y0, x1, y1 = _box_corners(boxes, node.attr("center_point_box", 0))
+    area = (x1 - x0) * (y1 - y0)
+    picked = []
+    for b in range(boxes.shape[0] if limit else 0):
+        for cls in range(scores.shape[1]):
+            s = scores[b, cls]
+            cand = torch.arange(s.shape[0], device=dev)
+            if score_thr is not None:
+                cand = cand[s > torch.tensor(score_thr[0], dtype=s.dtype, device=dev)]
+            order = cand[torch.sort(s[cand], descending=True, stable=True).indices]  # ties: lower index first
+            if order.numel() == 0:
+                continue
+            bx0, by0, bx1, by1, ba = (t[b, order] for t in (x0, y0, x1, y1, area))
+            iw = torch.minimum(bx1[:, None], bx1[None]) - torch.maximum(bx0[:, None], bx0[None])
+            ih = torch.minimum(by1[:, None], by1[None]) - torch.maximum(by0[:, None], by0[None])
+            inter = iw * ih
+            union = ba[:, None] + ba[None] - inter
+            # Degenerate pairs (no overlap, empty boxes) never suppress, as in ONNX's reference.
+            valid = (iw > 0) & (ih > 0) & (inter > 0) & (ba[:, None] > 0) & (ba[None] > 0) & (union > 0)
+            over = valid & (inter / torch.where(valid, union, torch.ones_like(union)) > iou_thr)
+            kept = order[_greedy_keep(over)][:limit]
+            picked.append(torch.stack([torch.full_like(kept, b), torch.full_like(kept, cls), kept], 1))
+    if not picked:
+        return torch.zeros(0, 3, dtype=torch.long, device=dev)
+    return torch.cat(picked)

@@ -1,14 +1,35 @@
 """The graph optimization pipeline, in the order it runs.
 
 Each pass is one module with `run(graph) -> None` (it rewrites the graph in
-place) and one test: graph before/after, numerics unchanged.
+place) and one test: graph before/after, numerics unchanged. Fused layers are
+nodes of the "kiln" domain (src/kiln/ops/fused.py) that remember their source
+nodes; a fusion that was expected but could not fire is recorded in
+graph.findings with the reason, for the inspector.
 """
 
-from . import dead_code, fold_constants
+from . import (
+    dead_code,
+    fold_batchnorm,
+    fold_constants,
+    fuse_attention,
+    fuse_conv,
+    fuse_gemm,
+    fuse_skip_layernorm,
+    merge_parallel_gemms,
+    remove_noops,
+)
 
 PIPELINE = [
     fold_constants,  # Constant nodes and constant-only subgraphs become weights
+    remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
     dead_code,  # nodes nothing reads, weights nothing uses
+    fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
+    fuse_conv,  # Conv + bias + residual Add + activation
+    fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
+    merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
+    fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
+    fuse_skip_layernorm,  # residual Add + LayerNorm
+    dead_code,  # weights the rewrites replaced
 ]
 
 

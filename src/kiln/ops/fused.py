@@ -1,0 +1,88 @@
+"""Kiln's fused layers (domain "kiln"), produced by the fusion passes.
+
+Each has a torch reference implementation here (the ground truth, runs on CPU);
+faster implementations are tactics (src/kiln/tactics/) timed on the GPU at build.
+A fused node keeps its source ONNX nodes in node.sources for the inspector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .registry import lookup, register
+
+KILN = "kiln"
+
+
+def activation(name: str, x: torch.Tensor, params=()) -> torch.Tensor:
+    """The activations fusion can absorb into a GEMM or convolution epilogue."""
+    if not name:
+        return x
+    if name == "Relu":
+        return torch.relu(x)
+    if name == "LeakyRelu":
+        return F.leaky_relu(x, params[0] if params else 0.01)
+    if name == "Clip":
+        return torch.clamp(x, params[0], params[1])
+    if name == "Sigmoid":
+        return torch.sigmoid(x)
+    if name == "Silu":
+        return F.silu(x)
+    if name == "HardSwish":
+        return F.hardswish(x)
+    if name == "GeluErf":
+        return F.gelu(x)
+    if name == "GeluTanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "Tanh":
+        return torch.tanh(x)
+    raise ValueError(f"unknown fused activation {name!r}")
+
+
+@register("FusedConv", domain=KILN)
+def fused_conv(node, x, w, b=None, z=None):
+    """act(conv(x, w) + b + z): Conv + bias + optional residual Add + optional activation."""
+    y = lookup("Conv").impl(node, x, w, b)
+    if z is not None:
+        y = y + z
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+@register("FusedGemm", domain=KILN)
+def fused_gemm(node, x, w, b=None):
+    """act(x @ w + b) with w stored [K, N]; x may have leading batch dims."""
+    y = torch.matmul(x, w)
+    if b is not None:
+        y = y + b
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+@register("Attention", domain=KILN)
+def attention(node, q, k, v, mask=None):
+    """softmax(q @ k^T * scale + mask) @ v, as one layer (SDPA/flash class).
+
+    k arrives already transposed ([.., D, S]) when node.attr("k_transposed"): the
+    exporter's own transpose is left in place and undone here as a free view.
+    nan_guard: exporters zero the probabilities of rows whose keys are all masked.
+    """
+    if node.attr("k_transposed", 0):
+        k = k.transpose(-1, -2)
+    scale = node.attr("scale", 1.0 / math.sqrt(q.shape[-1]))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    if node.attr("nan_guard", 0):
+        probs = torch.nan_to_num(probs, nan=0.0)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+@register("SkipLayerNorm", domain=KILN)
+def skip_layer_norm(node, a, b, gamma, beta=None):
+    """LayerNorm(a + b) over the last axis; second output is the sum (residual stream)."""
+    s = a + b
+    y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
+    return y, s

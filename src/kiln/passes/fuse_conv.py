@@ -1,0 +1,40 @@
+"""Conv + bias + residual Add + activation -> one kiln::FusedConv layer.
+
+ResNet's bottleneck ends in conv -> (folded BN) -> Add(shortcut) -> Relu: one
+layer, one cuDNN call (cudnn_convolution_add_relu) instead of three kernels.
+"""
+
+from __future__ import annotations
+
+from ..ir.graph import Graph, Node
+from . import activations
+from .rewrite import View, fused_name, miss, replace
+
+
+def run(graph: Graph) -> None:
+    view = View(graph)
+    for conv in [n for n in graph.nodes if n.op_type == "Conv" and n.domain == ""]:
+        out = conv.outputs[0]
+        group, residual = [conv], None
+        add = view.sole_reader(out)
+        if add is not None and add.op_type == "Add" and add.domain == "":
+            other = view.other_input(add, out)
+            if other and other != out and view.const(other) is None:  # a tensor shortcut, not a bias
+                group.append(add)
+                residual, out = other, add.outputs[0]
+        act = activations.match(view, out)
+        if act is not None:
+            group += act.nodes
+            out = act.output
+        elif len(view.consumers.get(out, [])) > 1 and any(
+                u.op_type in ("Relu", "Sigmoid", "Clip", "LeakyRelu") for u in view.consumers[out]):
+            miss(graph, "Conv + activation", group, f"output {out} has {view.readers(out)} readers")
+        if len(group) == 1:
+            continue
+        inputs = list(conv.inputs) + [""] * (3 - len(conv.inputs))
+        if residual:
+            inputs.append(residual)
+        attrs = dict(conv.attrs, activation=act.name if act else "", activation_params=act.params if act else [])
+        fused = Node("FusedConv", inputs, [out], attrs, name=fused_name(group), domain="kiln")
+        replace(graph, group, fused)
+        view.refresh()

@@ -1,0 +1,74 @@
+"""Small helpers the passes share: who produces and reads a value, constants, replacing nodes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import Graph, Node
+
+
+class View:
+    """Producer/consumer maps of a graph, rebuilt after each rewrite."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.refresh()
+
+    def refresh(self) -> None:
+        g = self.graph
+        self.producer = g.producers()
+        self.consumers = g.consumers()
+        self.outputs = {v.name for v in g.outputs}
+        # Values read inside subgraphs count as extra readers.
+        for n in g.nodes:
+            for v in n.attrs.values():
+                for sub in v if isinstance(v, list) else [v]:
+                    if isinstance(sub, Graph):
+                        for inner in sub.walk():
+                            for i in inner.inputs:
+                                self.consumers.setdefault(i, []).append(n)
+
+    def readers(self, value: str) -> int:
+        return len(self.consumers.get(value, [])) + (value in self.outputs)
+
+    def sole_reader(self, value: str) -> Node | None:
+        """The only node reading `value`, if it is not also a graph output."""
+        users = self.consumers.get(value, [])
+        return users[0] if len(users) == 1 and value not in self.outputs else None
+
+    def const(self, value: str) -> torch.Tensor | None:
+        return self.graph.initializers.get(value)
+
+    def scalar(self, value: str) -> float | None:
+        t = self.const(value)
+        return float(t.reshape(-1)[0]) if t is not None and t.numel() == 1 else None
+
+    def other_input(self, node: Node, value: str) -> str | None:
+        """For a binary node reading `value`, the name of its other input."""
+        if len(node.inputs) != 2 or value not in node.inputs:
+            return None
+        return node.inputs[1] if node.inputs[0] == value else node.inputs[0]
+
+
+def replace(graph: Graph, old: list[Node], new: Node) -> None:
+    """Replace `old` nodes by `new`, placed where the last of them was (its inputs exist by then)."""
+    ids = {id(n) for n in old}
+    last = max(i for i, n in enumerate(graph.nodes) if id(n) in ids)
+    new.sources = [s for n in old for s in (n.sources or [n.name])]
+    new.opset = old[0].opset
+    nodes = []
+    for i, n in enumerate(graph.nodes):
+        if i == last:
+            nodes.append(new)
+        if id(n) not in ids:
+            nodes.append(n)
+    graph.nodes = nodes
+
+
+def fused_name(nodes: list[Node]) -> str:
+    return " + ".join(s for n in nodes for s in (n.sources or [n.name]))
+
+
+def miss(graph: Graph, pattern: str, nodes: list[Node], reason: str) -> None:
+    graph.findings.append({"kind": "fusion-missed", "pattern": pattern,
+                           "nodes": [n.name for n in nodes], "reason": reason})

@@ -1,0 +1,481 @@
+"""`kiln compare REF ENGINE`: the engine's outputs against a reference, Polygraphy style.
+
+REF is the ONNX model run by onnxruntime on the CPU (the API also takes a
+torch.nn.Module, or MODULE:FACTORY on the command line). Both run on the same
+inputs: seeded random ones at a profile's opt shape, a .npz, or a folder of
+.npz samples. Per output: absolute and relative error (max, mean, median, p99),
+NaN/Inf checks, an error histogram, the minimum tolerance that would pass, and
+a PASSED/FAILED line. An element passes when |engine - ref| <= atol + rtol * |ref|
+(numpy.allclose's rule). --layerwise also compares every engine layer output
+that exists in the ONNX graph and names the first layer whose error leaves the
+tolerance: where accuracy is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, InputError
+from ..ir import dtypes
+from . import common
+
+# Default (atol, rtol) by the engine's build precision.
+DEFAULT_TOLERANCES = {
+    "float32": (1e-5, 1e-4),
+    "tf32": (1e-3, 1e-3),
+    "float16": (1e-2, 1e-2),
+    "bfloat16": (3e-2, 3e-2),  # 8 significant bits: about 4x FP16's rounding error
+    "fp8": (1e-1, 1e-1),
+    "int8": (1e-1, 1e-1),
+    "int4": (2e-1, 2e-1),
+}
+
+
+def engine_precision(engine) -> str:
+    """The build precision that sets default tolerances (the loosest of the enabled modes)."""
+    cfg = engine.build_config
+    for key in ("int4", "int8", "fp8"):
+        if cfg.get(key) or cfg.get("precision") == key:
+            return key
+    return cfg.get("precision", "float32")
+
+
+def default_tolerances(engine) -> tuple[float, float]:
+    return DEFAULT_TOLERANCES.get(engine_precision(engine), DEFAULT_TOLERANCES["float32"])
+
+
+# --- statistics --------------------------------------------------------------------------------------
+
+
+def _stats(x: np.ndarray) -> dict:
+    if x.size == 0:
+        return {"max": 0.0, "mean": 0.0, "median": 0.0, "p99": 0.0}
+    return {"max": float(np.max(x)), "mean": float(np.mean(x)), "median": float(np.median(x)),
+            "p99": float(np.percentile(x, 99))}
+
+
+def error_histogram(absdiff: np.ndarray, exact: int = 0) -> list[dict]:
+    """Counts of absolute error per decade: [{"lo", "hi", "count"}]; lo=0 for exact matches."""
+    bins = []
+    if exact:
+        bins.append({"lo": 0.0, "hi": 0.0, "count": int(exact)})
+    nz = absdiff[absdiff > 0]
+    if nz.size:
+        lo = math.floor(math.log10(float(nz.min())))
+        hi = math.floor(math.log10(float(nz.max()))) + 1
+        clipped = hi - lo > 12
+        lo = hi - 12 if clipped else lo
+        edges = [10.0 ** k for k in range(lo, hi + 1)]
+        if clipped:
+            edges[0] = 0.0  # the first bin also holds everything smaller
+        edges[0] = min(edges[0], float(nz.min()))
+        edges[-1] = max(edges[-1], float(nz.max()))
+        counts, _ = np.histogram(nz, bins=edges)
+        for a, b, c in zip(edges[:-1], edges[1:], counts):
+            bins.append({"lo": float(a), "hi": float(b), "count": int(c)})
+    return bins
+
+
+def render_histogram(bins: list[dict], width: int = 40) -> list[str]:
+    if not bins:
+        return []
+    top = max(b["count"] for b in bins) or 1
+    lines = []
+    for b in bins:
+        label = "exact (0)" if b["hi"] == 0 else f"[{b['lo']:.0e}, {b['hi']:.0e})" if b["lo"] else f"(0, {b['hi']:.0e})"
+        bar = "#" * (math.ceil(width * b["count"] / top) if b["count"] else 0)
+        lines.append(f"{label:>18} | {b['count']:>9} | {bar}")
+    return lines
+
+
+@dataclass
+class OutputResult:
+    name: str
+    passed: bool
+    atol: float
+    rtol: float
+    shape: list | None = None
+    engine_dtype: str | None = None
+    reference_dtype: str | None = None
+    elements: int = 0
+    mismatches: int = 0
+    abs_err: dict = field(default_factory=dict)
+    rel_err: dict = field(default_factory=dict)
+    rel_excluded: int = 0  # elements where the reference is 0 (relative error undefined)
+    min_atol: float | None = None  # the smallest atol that passes at this rtol
+    min_rtol: float | None = None  # the smallest rtol that passes at this atol
+    engine_nan: int = 0
+    engine_inf: int = 0
+    ref_nan: int = 0
+    ref_inf: int = 0
+    nonfinite_mismatch: int = 0
+    worst: dict | None = None
+    histogram: list = field(default_factory=list)
+    reference_stats: dict = field(default_factory=dict)
+    engine_stats: dict = field(default_factory=dict)
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _as_f64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = dtypes.to_numpy(x.float() if x.dtype.is_floating_point else x)
+    x = np.asarray(x)
+    if x.dtype == np.bool_:
+        x = x.astype(np.int8)
+    return x.astype(np.float64)
+
+
+def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol: float) -> OutputResult:
+    """Error statistics of engine outputs against reference outputs (one array per sample)."""
+    res = OutputResult(name=name, passed=False, atol=atol, rtol=rtol)
+    refs, outs = [], []
+    for i, (r, o) in enumerate(zip(ref_list, out_list)):
+        r_shape, o_shape = list(np.shape(r)), list(np.shape(o))
+        res.shape = o_shape
+        res.engine_dtype = _dtype_name(o)
+        res.reference_dtype = _dtype_name(r)
+        if r_shape != o_shape:
+            res.reason = (f"shape differs: the engine returns {common.fmt_shape(o_shape)}, the reference "
+                          f"{common.fmt_shape(r_shape)}" + (f" (sample {i})" if len(ref_list) > 1 else ""))
+            return res
+        refs.append(_as_f64(r).ravel())
+        outs.append(_as_f64(o).ravel())
+    ref = np.concatenate(refs) if refs else np.zeros(0)
+    out = np.concatenate(outs) if outs else np.zeros(0)
+    res.elements = int(ref.size)
+    res.engine_nan, res.engine_inf = int(np.isnan(out).sum()), int(np.isinf(out).sum())
+    res.ref_nan, res.ref_inf = int(np.isnan(ref).sum()), int(np.isinf(ref).sum())
+    fin_r, fin_o = np.isfinite(ref), np.isfinite(out)
+    both = fin_r & fin_o
+    same_nonfinite = ~fin_r & ~fin_o & ((np.isnan(ref) & np.isnan(out)) | (ref == out))
+    res.nonfinite_mismatch = int((~both & ~same_nonfinite).sum())
+    r, o = ref[both], out[both]
+    if r.size:
+        res.reference_stats = {"mean": float(r.mean()), "std": float(r.std()), "min": float(r.min()), "max": float(r.max())}
+        res.engine_stats = {"mean": float(o.mean()), "std": float(o.std()), "min": float(o.min()), "max": float(o.max())}
+    absdiff = np.abs(o - r)
+    mag = np.abs(r)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(mag > 0, absdiff / np.where(mag > 0, mag, 1), 0.0)
+    zero_ref = mag == 0
+    res.rel_excluded = int((zero_ref & (absdiff > 0)).sum())
+    res.abs_err = _stats(absdiff)
+    res.rel_err = _stats(rel[~zero_ref])
+    bad = absdiff > atol + rtol * mag
+    res.mismatches = int(bad.sum()) + res.nonfinite_mismatch
+    if absdiff.size:
+        res.min_atol = float(np.max(np.maximum(absdiff - rtol * mag, 0)))
+        need = absdiff > atol
+        if (need & zero_ref).any():
+            res.min_rtol = math.inf
+        elif need.any():
+            res.min_rtol = float(np.max((absdiff[need] - atol) / mag[need]))
+        else:
+            res.min_rtol = 0.0
+        excess = absdiff - (atol + rtol * mag)
+        k = int(np.argmax(excess))
+        idx_full = np.flatnonzero(both)[k]
+        per = int(np.prod(res.shape)) if res.shape else 1
+        sample, flat = divmod(int(idx_full), max(per, 1))
+        res.worst = {"index": [int(i) for i in np.unravel_index(flat, res.shape)] if res.shape else [],
+                     "sample": sample, "engine": float(o[k]), "reference": float(r[k]),
+                     "abs_err": float(absdiff[k])}
+    res.histogram = error_histogram(absdiff, exact=int((absdiff == 0).sum()))
+    if res.nonfinite_mismatch:
+        res.reason = (f"{res.nonfinite_mismatch} element(s) are NaN/Inf in one of engine and reference but not "
+                      f"the other (engine: {res.engine_nan} NaN, {res.engine_inf} Inf; reference: {res.ref_nan} NaN, "
+                      f"{res.ref_inf} Inf)")
+    elif res.mismatches:
+        res.reason = (f"{res.mismatches}/{res.elements} elements ({100 * res.mismatches / max(res.elements, 1):.3g}%) "
+                      f"exceed the tolerance")
+    res.passed = res.mismatches == 0
+    return res
+
+
+def _dtype_name(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return dtypes.name_of(x.dtype)
+    return str(np.asarray(x).dtype)
+
+
+# --- the comparison ----------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerResult:
+    index: int
+    layer: str
+    op_type: str
+    precision: str
+    tensor: str
+    passed: bool
+    max_abs: float
+    max_rel: float
+    mismatches: int
+    elements: int
+
+
+@dataclass
+class CompareResult:
+    reference: str
+    engine_target: str
+    precision: str
+    samples: int
+    outputs: list[OutputResult]
+    layers: list[LayerResult] = field(default_factory=list)
+    layers_skipped: int = 0
+    first_bad_layer: LayerResult | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outputs)
+
+    def to_json(self) -> dict:
+        return {
+            "passed": self.passed, "reference": self.reference, "engine_target": self.engine_target,
+            "precision": self.precision, "samples": self.samples,
+            "outputs": [o.to_json() for o in self.outputs],
+            "layers": [asdict(x) for x in self.layers], "layers_skipped": self.layers_skipped,
+            "first_bad_layer": asdict(self.first_bad_layer) if self.first_bad_layer else None,
+        }
+
+
+def tolerances_for(engine, names: list[str], atol=None, rtol=None, per_atol=None, per_rtol=None) -> dict:
+    """{output: (atol, rtol)} from the precision defaults, a global override and per-output overrides."""
+    da, dr = default_tolerances(engine)
+    per_atol, per_rtol = per_atol or {}, per_rtol or {}
+    for flag, per in (("--atol", per_atol), ("--rtol", per_rtol)):
+        unknown = [k for k in per if k not in names]
+        if unknown:
+            raise ConfigError(f"{flag}: {unknown} are not outputs of the engine; its outputs are {names}.")
+    return {n: (per_atol.get(n, da if atol is None else atol), per_rtol.get(n, dr if rtol is None else rtol))
+            for n in names}
+
+
+def compare(reference, engine, samples: list[dict] | None = None, *, seed: int = 0, profile: int = 0,
+            shapes: dict | None = None, atol: float | None = None, rtol: float | None = None,
+            per_output_atol: dict | None = None, per_output_rtol: dict | None = None,
+            layerwise: bool = False, device: str = "auto") -> CompareResult:
+    """Run `reference` and `engine` on the same inputs and compare every output.
+
+    reference: path to .onnx, onnx.ModelProto, torch.nn.Module or 'module:factory'.
+    engine: an Engine or a .kiln path. samples: list of {input: array}; default one seeded random sample.
+    """
+    engine = common.load_engine(engine, device)
+    names_out = [v.name for v in engine.outputs]
+    tol = tolerances_for(engine, names_out, atol, rtol, per_output_atol, per_output_rtol)
+    extra = None
+    if layerwise and not isinstance(reference, (torch.nn.Module, common.TorchReference, common.OnnxReference)):
+        def extra(proto):  # engine layer outputs that are also tensors of the ONNX graph
+            available = set(common.onnx_node_outputs(proto))
+            return [o for n in engine.graph.nodes if n.placement == "device" for o in n.outputs
+                    if o in available and o not in names_out]
+    ref = common.make_reference(reference, engine, extra_outputs=extra)
+    common.check_bindings(ref, engine)
+    if samples is None:
+        samples = [common.random_feeds(engine, profile, seed, shapes)]
+    if not samples:
+        raise InputError("no input samples to compare on.")
+    ctx = engine.create_execution_context(profile=profile)
+    ref_outs, eng_outs = {n: [] for n in names_out}, {n: [] for n in names_out}
+    for i, feeds in enumerate(samples):
+        common.check_feeds_in_profile(engine, feeds, profile, f"sample {i}" if len(samples) > 1 else "input")
+        _check_dtypes(engine, feeds)
+        r = ref.run(feeds, names_out)
+        e = ctx.run(feeds)
+        for n in names_out:
+            ref_outs[n].append(r[n])
+            eng_outs[n].append(e[n])
+    outputs = [compare_arrays(n, ref_outs[n], eng_outs[n], *tol[n]) for n in names_out]
+    result = CompareResult(reference=ref.describe(), engine_target=engine.target.describe(),
+                           precision=engine_precision(engine), samples=len(samples), outputs=outputs)
+    if layerwise:
+        _layerwise(result, ref, engine, samples[0], profile, list(getattr(ref, "extra_outputs", [])), tol)
+    return result
+
+
+def _check_dtypes(engine, feeds):
+    for v in engine.inputs:
+        x = feeds[v.name]
+        got = dtypes.name_of(x.dtype) if isinstance(x, torch.Tensor) else str(np.asarray(x).dtype)
+        want = dtypes.name_of(v.dtype) if v.dtype is not None else None
+        if want and got != want:
+            raise InputError(f"input '{v.name}' is {got} in the given data but the engine expects {want}; "
+                             "convert it before comparing.")
+
+
+def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, extra: list[str], tol: dict) -> None:
+    if not isinstance(ref, common.OnnxReference):
+        raise ConfigError("--layerwise needs an ONNX reference (intermediate tensors are matched by name in the "
+                          "ONNX graph); a PyTorch module has no named intermediate tensors.")
+    default = default_tolerances(engine)
+    a0 = min((t[0] for t in tol.values()), default=default[0])
+    r0 = min((t[1] for t in tol.values()), default=default[1])
+    wanted = set(extra) | set(tol)
+    ref_vals = ref.run(feeds, [o.name for o in ref.outputs] + extra) if wanted else {}
+    captured: dict[str, tuple] = {}
+
+    def observer(node, outs):
+        if outs is None:
+            return
+        for name, t in zip(node.outputs, outs):
+            if name in wanted and isinstance(t, torch.Tensor):
+                captured[name] = (node, t.detach().to("cpu", copy=True))
+
+    ctx = engine.create_execution_context(profile=profile, cuda_graphs=False)
+    ctx.run_layerwise(feeds, observer)
+    idx = {id(n): i for i, n in enumerate(engine.graph.nodes)}
+    skipped = 0
+    for i, node in enumerate(engine.graph.nodes):
+        if node.placement != "device":
+            continue
+        outs = [o for o in node.outputs if o in captured and o in ref_vals]
+        if not outs:
+            skipped += 1
+            continue
+        for o in outs:
+            n, t = captured[o]
+            a, r = tol.get(o, (a0, r0))
+            cmp = compare_arrays(o, [ref_vals[o]], [t], a, r)
+            lr = LayerResult(index=idx[id(n)], layer=layer_name(n), op_type=n.op_type, precision=n.precision,
+                             tensor=o, passed=cmp.passed, max_abs=cmp.abs_err.get("max", math.nan),
+                             max_rel=cmp.rel_err.get("max", math.nan), mismatches=cmp.mismatches,
+                             elements=cmp.elements)
+            if cmp.reason.startswith("shape differs"):
+                lr.max_abs = lr.max_rel = math.nan
+            result.layers.append(lr)
+            if not lr.passed and result.first_bad_layer is None:
+                result.first_bad_layer = lr
+    result.layers_skipped = skipped
+
+
+def layer_name(node) -> str:
+    """A fused layer's name joins its source ONNX nodes with ' + ' (TensorRT's habit)."""
+    return " + ".join(node.sources) if node.sources else (node.name or node.label)
+
+
+# --- text report -------------------------------------------------------------------------------------
+
+
+def _g(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.4g}"
+
+
+def render(result: CompareResult, con, histogram: bool = True) -> None:
+    con.print(f"[I] Reference: {result.reference}")
+    con.print(f"[I] Engine:    {result.engine_target}, precision {result.precision}; "
+              f"{result.samples} input sample(s)")
+    for o in result.outputs:
+        con.print(f"[I] Comparing output '{o.name}' (engine {o.engine_dtype} {common.fmt_shape(o.shape or [])}, "
+                  f"reference {o.reference_dtype})")
+        con.print(f"[I]     Tolerance: atol={o.atol:g}, rtol={o.rtol:g} (pass when |engine - ref| <= atol + rtol*|ref|)")
+        if o.reason.startswith("shape differs"):
+            con.print(f"[E]     FAILED | Output: '{o.name}' | {o.reason}")
+            continue
+        if o.reference_stats:
+            rs, es = o.reference_stats, o.engine_stats
+            con.print(f"[I]     Reference: mean={rs['mean']:.5g}, std-dev={rs['std']:.5g}, range=[{rs['min']:.5g}, {rs['max']:.5g}]")
+            con.print(f"[I]     Engine:    mean={es['mean']:.5g}, std-dev={es['std']:.5g}, range=[{es['min']:.5g}, {es['max']:.5g}]")
+        a, r = o.abs_err, o.rel_err
+        con.print(f"[I]     Absolute error: max={_g(a.get('max'))}, mean={_g(a.get('mean'))}, "
+                  f"median={_g(a.get('median'))}, p99={_g(a.get('p99'))}")
+        con.print(f"[I]     Relative error: max={_g(r.get('max'))}, mean={_g(r.get('mean'))}, "
+                  f"median={_g(r.get('median'))}, p99={_g(r.get('p99'))}"
+                  + (f" ({o.rel_excluded} element(s) where the reference is 0 left out)" if o.rel_excluded else ""))
+        con.print(f"[I]     NaN/Inf: engine {o.engine_nan} NaN, {o.engine_inf} Inf; reference {o.ref_nan} NaN, "
+                  f"{o.ref_inf} Inf")
+        con.print(f"[I]     Minimum tolerance that would pass: atol >= {_g(o.min_atol)} (at rtol={o.rtol:g}) "
+                  f"or rtol >= {_g(o.min_rtol)} (at atol={o.atol:g})")
+        if histogram and o.histogram:
+            con.print("[I]     Absolute error histogram:")
+            for line in render_histogram(o.histogram):
+                con.print(f"[I]       {line}")
+        if o.passed:
+            con.print(f"[I]     PASSED | Output: '{o.name}' | Difference is within tolerance "
+                      f"(atol={o.atol:g}, rtol={o.rtol:g})")
+        else:
+            w = o.worst or {}
+            worst = (f"; worst at index {tuple(w['index'])}" + (f" of sample {w['sample']}" if result.samples > 1 else "")
+                     + f": engine={w['engine']:.6g}, reference={w['reference']:.6g}") if w and not o.nonfinite_mismatch else ""
+            con.print(f"[E]     FAILED | Output: '{o.name}' | {o.reason}{worst}")
+    if result.layers or result.layers_skipped:
+        con.print(f"[I] Layer-wise: {len(result.layers)} layer output(s) compared, {result.layers_skipped} layer(s) "
+                  "without a tensor of the same name in the ONNX graph (fused internals) skipped")
+        for lr in result.layers:
+            mark = "ok  " if lr.passed else "FAIL"
+            con.print(f"[I]   {mark} #{lr.index:<4} {lr.layer} ({lr.op_type}, {lr.precision}) -> '{lr.tensor}': "
+                      f"max abs {_g(lr.max_abs)}, max rel {_g(lr.max_rel)}")
+        if result.first_bad_layer:
+            b = result.first_bad_layer
+            con.print(f"[E] First layer whose error leaves tolerance: #{b.index} {b.layer} ({b.op_type}, "
+                      f"{b.precision}) output '{b.tensor}': {b.mismatches}/{b.elements} elements out of tolerance, "
+                      f"max abs error {_g(b.max_abs)}. Layers before it are within tolerance.")
+        else:
+            con.print("[I] Every compared layer output is within tolerance.")
+    names = [o.name for o in result.outputs]
+    if result.passed:
+        con.print(f"[I] PASSED | All outputs matched | Outputs: {names}")
+    else:
+        bad = [o.name for o in result.outputs if not o.passed]
+        con.print(f"[E] FAILED | Mismatched outputs: {bad} | Outputs: {names}")
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def add_command(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "compare", help="compare an engine's outputs with the ONNX model run by onnxruntime (Polygraphy style)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reference", metavar="REF", help="the ONNX model (run by onnxruntime), or MODULE:FACTORY for a "
+                   "PyTorch module")
+    p.add_argument("engine", metavar="ENGINE", help="the engine file (.kiln)")
+    p.add_argument("--loadInputs", metavar="PATH", help="inputs: a .npz keyed by input name, a folder of .npz "
+                   "samples, or NAME:FILE.npy,...")
+    p.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    p.add_argument("--samples", type=int, default=1, help="number of random input samples (default 1)")
+    p.add_argument("--shapes", default="", metavar="SPEC", help="random input shapes, x:4x3x224x224,...")
+    p.add_argument("--profile", type=int, default=0, help="optimization profile to run with")
+    p.add_argument("--atol", action="append", metavar="[OUT:]TOL", help="absolute tolerance; repeat or use "
+                   "OUT:TOL for one output (default by precision: fp32 1e-5, fp16 1e-2, bf16 3e-2, int8 1e-1)")
+    p.add_argument("--rtol", action="append", metavar="[OUT:]TOL", help="relative tolerance (same forms)")
+    p.add_argument("--layerwise", action="store_true", help="also compare every layer output that exists in the "
+                   "ONNX graph; report the first one out of tolerance")
+    p.add_argument("--no-histogram", action="store_true", help="leave out the error histograms")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (where the engine runs)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    con = common.console()
+    engine = common.load_engine(args.engine, args.device)
+    atol, per_atol = common.parse_named_floats(args.atol, "--atol")
+    rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
+    shapes = common.parse_shapes_arg(args.shapes, engine)
+    if args.loadInputs:
+        samples = common.load_samples(args.loadInputs, [v.name for v in engine.inputs])
+    else:
+        if args.samples < 1:
+            raise ConfigError("--samples must be at least 1.")
+        samples = [common.random_feeds(engine, args.profile, args.seed + i, shapes) for i in range(args.samples)]
+    result = compare(args.reference, engine, samples, profile=args.profile, atol=atol, rtol=rtol,
+                     per_output_atol=per_atol, per_output_rtol=per_rtol, layerwise=args.layerwise)
+    render(result, con, histogram=not args.no_histogram)
+    if args.json:
+        common.atomic_write_json(args.json, result.to_json())
+        con.print(f"[I] Results written to {args.json}")
+    return 0 if result.passed else 1
