@@ -31,6 +31,9 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optShapes", action="append", default=[], metavar="SPEC")
     p.add_argument("--maxShapes", action="append", default=[], metavar="SPEC")
     p.add_argument("--memPoolSize", metavar="workspace:MiB", help="workspace cap for tactics, e.g. workspace:4096")
+    p.add_argument("--builderOptimizationLevel", type=int, default=3, choices=range(6), metavar="0..5",
+                   help="tactic search breadth: 0 reference kernels, 1-2 library tactics, 3 +Triton (default), 4-5 more configs")
+    p.add_argument("--timingCacheFile", metavar="FILE", help="reuse and update tactic timings in this JSON file")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
 
@@ -57,7 +60,8 @@ def _config_from_args(a) -> "BuildConfig":
     return BuildConfig(
         fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
-        cuda_graphs=not a.noCudaGraph,
+        cuda_graphs=not a.noCudaGraph, optimization_level=a.builderOptimizationLevel,
+        timing_cache=a.timingCacheFile,
     )
 
 
@@ -111,9 +115,24 @@ def _print_build_summary(engine, source: str) -> None:
         shapes = ", ".join(f"{k}: {fmt_shape(a)}..{fmt_shape(c)} (opt {fmt_shape(b)})" for k, (a, b, c) in p.shapes.items())
         arena = engine.arena_bytes[i] if i < len(engine.arena_bytes) else None
         out.print(f"  profile {i}: {shapes}" + (f"   activations at max: {arena / 2**20:.2f} MiB" if arena else ""))
-    kept = [n for n in g.nodes if n.note]
-    for n in kept:
-        out.print(f"  [yellow]{n.name}[/]: {n.note}")
+    fused = [n for n in g.nodes if n.domain == "kiln"]
+    if fused:
+        kinds = sorted({n.op_type for n in fused})
+        out.print(f"  fused layers: {len(fused)} ({', '.join(kinds)})")
+    if engine.tactics:
+        chosen = {}
+        for t in engine.tactics:
+            chosen[t["chosen"]] = chosen.get(t["chosen"], 0) + 1
+        cache = engine.build_config.get("timing_cache") or {}
+        out.print(f"  tactics timed for {len(engine.tactics)} layers: "
+                  + ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1]))
+                  + (f"   timing cache: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses" if cache.get("path") else ""))
+        capped = {name: why for t in engine.tactics for name, why in t["excluded"].items() if "workspace" in why}
+        for name, why in sorted(capped.items()):
+            out.print(f"  [yellow]workspace cap excluded {name}[/]: {escape(why)}")
+    for n in g.nodes:
+        if n.note:
+            out.print(f"  [yellow]{escape(n.name)}[/]: {escape(n.note)}")
 
 
 # --- kiln run -----------------------------------------------------------------

@@ -167,3 +167,25 @@ def test_unsupported_geometry_is_reported_with_node_name():
     model = _model("Conv", {"x": _randn(1, 1, 4), "w": _randn(1, 1, 2)}, auto_pad="SAME")
     with pytest.raises(UnsupportedError, match="conv_under_test.*auto_pad 'SAME'"):
         _kiln(model, {})
+
+
+def test_deform_conv_groups_strides_mask():
+    # ONNX's cases use one group and no stride/dilation; onnx's reference evaluator covers the rest.
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {"x": _randn(2, 4, 6, 5), "w": _randn(6, 2, 2, 3), "offset": _randn(2, 2 * 2 * 6, 3, 2),
+             "b": _randn(6), "mask": rng.random((2, 2 * 6, 3, 2)).astype(np.float32)}
+    model = _model("DeformConv", feeds, opset=19, group=2, offset_group=2, strides=[2, 2], dilations=[2, 1],
+                   pads=[1, 0, 0, 1])
+    (y,) = _kiln(model, feeds)
+    (want,) = ReferenceEvaluator(model).run(None, feeds)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_deform_conv_zero_offsets_is_conv():
+    x, w = _randn(1, 3, 7, 7), _randn(4, 3, 3, 3)
+    offset = np.zeros((1, 18, 3, 3), dtype=np.float32)
+    (y,) = _kiln(_model("DeformConv", {"x": x, "w": w, "offset": offset}, opset=19, strides=[2, 2]),
+                 {"x": x, "w": w, "offset": offset})
+    (want,) = _kiln(_model("Conv", {"x": x, "w": w}, strides=[2, 2]), {"x": x, "w": w})
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

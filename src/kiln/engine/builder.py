@@ -19,7 +19,7 @@ from ..ir.from_onnx import model_to_graph
 from ..ir.graph import Graph
 from ..ops.registry import unsupported_reason
 from .. import passes
-from . import placement, precision
+from . import layout, placement, precision
 from .config import BuildConfig, Profile, fmt_shape
 from .engine import Engine
 from .target import resolve, versions
@@ -128,12 +128,40 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             findings=[{"kind": "precision", "layer": n.name, "requested": config.precision,
                        "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
+        engine.channels_last = layout.channels_last_weights(graph, target.kind)
+        if target.kind == "cuda" and config.optimization_level > 0:
+            engine.tactics = _select_tactics(engine, profiles, config, step)
         if config.validate:
             for i, prof in enumerate(profiles):
                 step(f"validating profile {i} on {target.describe()}")
                 engine.arena_bytes.append(_validate(engine, i, prof))
     engine.build_seconds = time.perf_counter() - start
     return engine
+
+
+def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig, step) -> list[dict]:
+    from ..tactics.cache import TimingCache
+    from ..tactics.select import Selector
+
+    cache = TimingCache(config.timing_cache)
+    count = [0]
+
+    def on_layer(node):
+        count[0] += 1
+        step(f"tactic timing: layer {count[0]} ({node.op_type})")
+
+    sel = Selector(engine, config.optimization_level, config.workspace_bytes, cache, on_layer)
+    in_types = {v.name: v.dtype for v in engine.inputs}
+    for i, prof in enumerate(profiles):
+        ctx = engine.create_execution_context(profile=i, cuda_graphs=False)
+        feeds = {k: _random_input(s[1], in_types[k] or torch.float32, engine.target.device) for k, s in prof.shapes.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ctx.run_with_inputs_hook(feeds, sel.visit)
+    report = sel.assign()
+    cache.save()
+    engine.build_config["timing_cache"] = {"path": config.timing_cache, "hits": cache.hits, "misses": cache.misses}
+    return report
 
 
 def _validate(engine: Engine, index: int, prof: Profile) -> int | None:

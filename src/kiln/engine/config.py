@@ -37,6 +37,10 @@ class BuildConfig:
     cuda_graphs: bool = True
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
+    # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also
+    # generated Triton kernels; 4-5: more Triton configurations. Higher = longer build.
+    optimization_level: int = 3
+    timing_cache: str | None = None  # JSON file of tactic timings reused across builds
 
     @property
     def precision(self) -> str:
@@ -52,6 +56,7 @@ class BuildConfig:
         return {
             "precision": self.precision, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
+            "optimization_level": self.optimization_level,
         }
 
 

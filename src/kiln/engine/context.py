@@ -176,14 +176,21 @@ class ExecutionContext:
             outs = self._eager(inputs, observer)
         return {v.name: t for v, t in zip(self.engine.outputs, outs)}
 
-    def _eager(self, inputs: dict[str, torch.Tensor], observer=None) -> list[torch.Tensor]:
+    def run_with_inputs_hook(self, feeds, on_args) -> dict:
+        """Eager run calling on_args(node, args) with each device layer's actual inputs (tactic timing)."""
+        inputs, _ = self._normalize(feeds)
+        with self._numerics():
+            outs = self._eager(inputs, on_args=on_args)
+        return {v.name: t for v, t in zip(self.engine.outputs, outs)}
+
+    def _eager(self, inputs: dict[str, torch.Tensor], observer=None, on_args=None) -> list[torch.Tensor]:
         env = dict(self._weights)
         env.update({k: x.to(self.device) for k, x in inputs.items()})
         uploads = self._weight_uploads
-        self._forward(env, uploads, run_host=True, observer=observer)
+        self._forward(env, uploads, run_host=True, observer=observer, on_args=on_args)
         return self._collect(env, uploads)
 
-    def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None) -> None:
+    def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None, on_args=None) -> None:
         dev = self.device
         live = peak = 0
         for i, (node, entry) in enumerate(zip(self.engine.graph.nodes, self._entries)):
@@ -200,6 +207,8 @@ class ExecutionContext:
                         up = uploads[name] = t.to(dev)
                     t = up
                 args.append(t)
+            if on_args:
+                on_args(node, args)
             if observer:
                 observer(node, None)
             outs = call_node(node, args, env)

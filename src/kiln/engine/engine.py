@@ -27,6 +27,10 @@ class Engine:
     # Builder findings the inspector shows, e.g. {"kind": "fusion-missed", "pattern": ..., "nodes": [...],
     # "reason": ...} or {"kind": "precision", "layer": ..., "reason": ...}.
     findings: list[dict] = field(default_factory=list)
+    # Per layer with candidates: timings of each tactic, those excluded and why, the one chosen.
+    tactics: list[dict] = field(default_factory=list)
+    # Convolution weights stored channels-last on the device (NHWC: Tensor Core friendly).
+    channels_last: list[str] = field(default_factory=list)
     _device_weights: dict | None = field(default=None, repr=False)
 
     # --- bindings -------------------------------------------------------------
@@ -81,8 +85,10 @@ class Engine:
         if self._device_weights is None:
             dev = self.target.device
             host = self.host_weight_names()
+            nhwc = set(self.channels_last)
             self._device_weights = {
-                k: (t if k in host else t.to(dev)) for k, t in self.graph.initializers.items()
+                k: (t if k in host else t.to(dev, memory_format=torch.channels_last) if k in nhwc else t.to(dev))
+                for k, t in self.graph.initializers.items()
             }
             for node in self.graph.walk():
                 node.device = dev if node.placement == "device" else torch.device("cpu")

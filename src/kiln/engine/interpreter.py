@@ -15,11 +15,12 @@ from ..errors import KilnError
 from ..ir.dtypes import FLOAT_TYPES
 from ..ir.graph import Graph, Node
 from ..ops.registry import lookup
+from ..tactics import implementation
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _cast_for(node: Node, entry, args: list):
+def cast_for(node: Node, entry, args: list):
     """Cast float inputs to the layer's compute precision (FP16/BF16 layers)."""
     low = _LOW.get(node.precision)
     if low is None or entry.keeps_input_types:
@@ -37,10 +38,11 @@ def call_node(node: Node, args: list, env: MutableMapping | None = None) -> tupl
     entry = lookup(node.op_type, node.domain)
     if entry is None:
         raise KilnError(f"node '{node.label}': operator {node.domain or 'ai.onnx'}::{node.op_type} is not implemented.")
-    args = _cast_for(node, entry, args)
+    args = cast_for(node, entry, args)
     kwargs = {"scope": env if env is not None else {}} if entry.uses_scope else {}
+    fn = (node.tactic != "reference" and implementation(node)) or entry.impl
     try:
-        out = entry.impl(node, *args, **kwargs)
+        out = fn(node, *args, **kwargs)
     except KilnError:
         raise
     except Exception as e:  # torch's own message says what was wrong with the shapes/values

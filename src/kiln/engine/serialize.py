@@ -52,6 +52,8 @@ def manifest_of(engine: Engine) -> dict:
         "profiles": [p.to_json() for p in engine.profiles],
         "arena_bytes": engine.arena_bytes,
         "findings": engine.findings,
+        "tactics": engine.tactics,
+        "channels_last": engine.channels_last,
         "bindings": engine.bindings(),
         "layers": [
             {"name": n.name, "op_type": n.op_type, "domain": n.domain, **{f: getattr(n, f) for f in _LAYER_FIELDS}}
@@ -177,6 +179,7 @@ def load(path, device: str = "auto") -> Engine:
         graph=graph, profiles=[Profile.from_json(p) for p in m["profiles"]], target=target,
         build_config=m["build_config"], capturable=m["capturable"], arena_bytes=m.get("arena_bytes", []),
         versions=m["versions"], build_seconds=m.get("build_seconds"), findings=m.get("findings", []),
+        tactics=m.get("tactics", []), channels_last=m.get("channels_last", []),
     )
 
 

@@ -1,5 +1,17 @@
-"""Model frontends: ONNX files and PyTorch modules."""
+"""Model frontends: ONNX files and PyTorch modules, and `kiln check`.
 
+    load_onnx(path | bytes | ModelProto) -> onnx.ModelProto     (external data loaded, validated)
+    check_model(model, upgrade_opset=None) -> CheckReport        (checker, shape inference, op support)
+    from_torch(module, example_inputs, dynamic_shapes=...) -> (onnx.ModelProto, ProfileHints)
+"""
+
+from .check import add_check_command, check_model, run_check
 from .onnx_loader import load_onnx
+from .opset import RECOMMENDED_OPSET, upgrade_opset
+from .report import CheckReport
+from .torch_export import DynamicAxis, ProfileHints, from_torch
 
-__all__ = ["load_onnx"]
+__all__ = [
+    "RECOMMENDED_OPSET", "CheckReport", "DynamicAxis", "ProfileHints", "add_check_command", "check_model",
+    "from_torch", "load_onnx", "run_check", "upgrade_opset",
+]

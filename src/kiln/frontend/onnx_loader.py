@@ -34,6 +34,11 @@ class LoadedModel:
     def has_external_data(self) -> bool:
         return bool(self.external)
 
+    @property
+    def label(self) -> str:
+        """The model as error messages name it: the quoted path, or a phrase."""
+        return f"'{self.name}'" if self.path is not None else self.name
+
 
 def load_onnx(source, *, base_dir: str | os.PathLike | None = None, load_external_data: bool = True) -> onnx.ModelProto:
     """Load an ONNX model with its external data.

@@ -79,7 +79,12 @@ def upgrade_opset(model: onnx.ModelProto, target: int) -> UpgradeResult:
         converted = onnx.version_converter.convert_version(model, target)
     except Exception as e:  # the converter raises RuntimeError/ValidationError with C++ assertion text
         return UpgradeResult(target, source, False, error=f"onnx.version_converter failed: {_clean(str(e))}")
-    return UpgradeResult(target, source, True, changes=describe_changes(model, converted, source, target), model=converted)
+    changes = describe_changes(model, converted, source, target)
+    need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), ignore_unknown=True)
+    if converted.ir_version < need_ir:  # the converter leaves the IR version alone; old IR + new opset is invalid
+        changes.insert(1, f"IR version {converted.ir_version} -> {need_ir} (the oldest that supports the new opset)")
+        converted.ir_version = need_ir
+    return UpgradeResult(target, source, True, changes=changes, model=converted)
 
 
 def describe_changes(before: onnx.ModelProto, after: onnx.ModelProto, source: int, target: int) -> list[str]:

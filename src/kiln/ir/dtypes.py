@@ -101,8 +101,8 @@ def to_torch(array) -> torch.Tensor:
     if a.dtype.kind in "OUS":
         raise TypeError(f"string tensors are not supported (dtype {a.dtype})")
     if a.dtype.type.__module__ == "ml_dtypes":  # onnx.numpy_helper's bfloat16, float8, int4...
-        return _from_ml_dtypes(np.ascontiguousarray(a))
-    return torch.from_numpy(np.ascontiguousarray(a).copy())
+        return _from_ml_dtypes(np.array(a, order="C"))  # ascontiguousarray would make 0-d arrays 1-d
+    return torch.from_numpy(np.array(a, copy=True, order="C"))  # ascontiguousarray would make 0-d arrays 1-d
 
 
 def _from_ml_dtypes(a: np.ndarray) -> torch.Tensor:

@@ -136,14 +136,31 @@ def _hardmax(x, dim):
     return torch.zeros_like(x).scatter_(dim, x.argmax(dim, keepdim=True), 1)
 
 
+# FP16/BF16: ONNX defines Softmax as Exp(x - max) / ReduceSum(...), each step
+# rounded to the tensor type; torch's fused kernels round once at the end and
+# differ from that by an ulp or two, so low precision runs the steps.
+def _softmax(x, dim):
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return torch.softmax(x, dim)
+    e = torch.exp(x - x.amax(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
+
+
+def _log_softmax(x, dim):
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return torch.log_softmax(x, dim)
+    y = x - x.amax(dim, keepdim=True)
+    return y - torch.log(torch.exp(y).sum(dim, keepdim=True))
+
+
 @register("Softmax")
 def softmax(node, x):
-    return _along_axis(node, x, lambda t, d: torch.softmax(t, d))
+    return _along_axis(node, x, _softmax)
 
 
 @register("LogSoftmax")
 def log_softmax(node, x):
-    return _along_axis(node, x, lambda t, d: torch.log_softmax(t, d))
+    return _along_axis(node, x, _log_softmax)
 
 
 @register("Hardmax")

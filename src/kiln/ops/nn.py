@@ -136,6 +136,54 @@ def conv_transpose(node, x, w, b=None):
     return y
 
 
+def _check_deform_conv(node):
+    kernel = node.attr("kernel_shape")
+    if kernel and len(kernel) != 2:
+        return f"{len(kernel)}-D DeformConv is not supported (2-D only)"
+    return None
+
+
+def _bilinear_gather(planes, py, px):
+    """Sample planes (N, G, C, H, W) at float positions py/px (N, G, P), zero outside: (N, G, C, P)."""
+    n, g, c, h, w = planes.shape
+    flat = planes.reshape(n, g, c, h * w)
+    y0, x0 = py.floor(), px.floor()
+    out = 0
+    for dy in (0, 1):
+        for dx in (0, 1):
+            yi, xi = y0 + dy, x0 + dx
+            weight = (1 - (py - yi).abs()) * (1 - (px - xi).abs())
+            weight = weight * ((yi >= 0) & (yi < h) & (xi >= 0) & (xi < w))
+            idx = (yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1)).long()
+            vals = flat.gather(3, idx.unsqueeze(2).expand(n, g, c, idx.shape[-1]))
+            out = out + vals * weight.unsqueeze(2).to(planes.dtype)
+    return out
+
+
+@register("DeformConv", check=_check_deform_conv)
+def deform_conv(node, x, w, offset, b=None, mask=None):
+    if x.dim() != 4:
+        raise ValueError(f"DeformConv supports 2-D input (rank 4), got rank {x.dim()}")
+    n, c, h, wd = x.shape
+    oc, _, kh, kw = w.shape
+    oh, ow = offset.shape[2:]
+    groups, og = node.attr("group", 1), node.attr("offset_group", 1)
+    (sh, sw), (dh, dw) = _ints(node, "strides", 2, 1), _ints(node, "dilations", 2, 1)
+    ph, pw = _ints(node, "pads", 4, 0)[:2]
+    # Sampling positions (N, offset_group, kH, kW, oH, oW): the regular grid plus the learned offsets.
+    off = offset.float().reshape(n, og, kh, kw, 2, oh, ow)
+    ar = lambda size, step, start=0: torch.arange(size, device=x.device, dtype=torch.float32) * step + start
+    py = ar(kh, dh).view(kh, 1, 1, 1) + ar(oh, sh, -ph).view(1, 1, oh, 1) + off[:, :, :, :, 0]
+    px = ar(kw, dw).view(1, kw, 1, 1) + ar(ow, sw, -pw).view(1, 1, 1, ow) + off[:, :, :, :, 1]
+    cols = _bilinear_gather(x.reshape(n, og, c // og, h, wd), py.reshape(n, og, -1), px.reshape(n, og, -1))
+    if mask is not None:
+        cols = cols * mask.reshape(n, og, 1, -1).to(x.dtype)
+    # im2col layout (N, group, C/group * kH*kW, oH*oW) times the weights per group.
+    cols = cols.reshape(n, groups, (c // groups) * kh * kw, oh * ow)
+    y = torch.matmul(w.reshape(groups, oc // groups, -1), cols).reshape(n, oc, oh, ow)
+    return y if b is None else y + b.reshape(1, -1, 1, 1)
+
+
 # ------------------------------------------------------------------- pooling
 
 

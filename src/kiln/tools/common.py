@@ -29,7 +29,10 @@ from ..ir import dtypes
 def console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, markup=False, emoji=False)
+    con = Console(stderr=stderr, highlight=False, soft_wrap=True, markup=False, emoji=False)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con.width = 200  # files and pipes: room for the layer tables
+    return con
 
 
 def atomic_write_bytes(path, data: bytes) -> None:

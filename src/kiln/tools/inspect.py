@@ -17,6 +17,7 @@ beside TensorRT's field names.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -152,7 +153,7 @@ def measure_tensors(engine) -> dict[str, dict]:
 
             def record(name, t, p=p, pick=pick):
                 entry = found.setdefault(name, {"dtype": None, "shapes": [None] * n})
-                entry["dtype"] = dtypes.name_of(t.dtype) if t.dtype in dtypes._NAMES else str(t.dtype)
+                entry["dtype"] = _dtype_name(t.dtype)
                 if entry["shapes"][p] is None:
                     entry["shapes"][p] = {}
                 entry["shapes"][p][pick] = [int(d) for d in t.shape]
@@ -203,11 +204,12 @@ def _merge_findings(engine_findings: list[dict], graph_findings: list[dict]) -> 
 def inspect_engine(engine, measure: bool = True, device: str = "auto") -> Inspection:
     """Inspect an Engine or a .kiln path. An engine that cannot run here (built for another GPU) is
     inspected from its manifest, without shapes."""
-    source = "engine (in memory)" if not isinstance(engine, (str, bytes)) and not hasattr(engine, "__fspath__") else str(engine)
+    is_path = isinstance(engine, (str, os.PathLike))
+    source = str(engine) if is_path else "engine (in memory)"
     try:
         engine = common.load_engine(engine, device)
     except EngineFileError as e:
-        if isinstance(engine, (str,)) or hasattr(engine, "__fspath__"):
+        if is_path:
             from ..engine.serialize import read_manifest
 
             try:
@@ -263,6 +265,13 @@ def inspect_engine(engine, measure: bool = True, device: str = "auto") -> Inspec
         bindings=engine.bindings(), profiles=[p.to_json() for p in engine.profiles], findings=found,
         arena_bytes=list(engine.arena_bytes), weight_bytes=engine.weight_bytes, versions=dict(engine.versions),
         measured=bool(tensors))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return dtypes.name_of(dtype)
+    except KeyError:
+        return str(dtype).removeprefix("torch.")
 
 
 def _itemsize(dtype: str) -> int:

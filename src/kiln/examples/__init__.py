@@ -1,0 +1,1 @@
+"""Runnable examples: small real models for the tools and their tests."""

@@ -1,0 +1,434 @@
+"""`kiln check`: validate a model and report what Kiln can build, before a long build.
+
+    check_model(model_or_path, upgrade_opset=None) -> CheckReport
+
+1. load (a bad file is a ModelError right away; external data is validated, not read)
+2. opsets: recommend >= 17; with upgrade_opset=N convert with onnx.version_converter
+3. onnx.checker, then strict shape inference (check_type, strict_mode, data_prop).
+   Together they are onnx's "full check"; inference runs as its own step so its
+   error is reported once and names the node. Models with external data (any
+   model over 2 GB) are checked through their path, as protobuf cannot hold them.
+4. structure: node inputs nothing provides, graph inputs/outputs (dynamic axes
+   are the axes a build profile must cover), element types Kiln lacks
+5. the operator table: every node (subgraphs too) against the op registry
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from onnx import AttributeProto, TensorProto
+
+from ..errors import ConfigError, KilnError, ModelError
+from ..ir import dtypes
+from ..ir.graph import Node
+from . import external_data
+from .onnx_loader import PROTOBUF_LIMIT, read_model
+from .opset import opset_advice, opset_versions, upgrade_opset as convert_opset
+from .report import CheckReport, MissingInput, OpSupport, Step, TensorInfo
+
+
+def check_model(model, upgrade_opset: int | None = None, *, base_dir=None) -> CheckReport:
+    """Check an ONNX model (a path, bytes or onnx.ModelProto) and report whether Kiln can build it.
+
+    Raises ModelError when the model cannot be loaded at all (missing file, not
+    ONNX, bad external data); everything else is reported in the CheckReport.
+    The caller's ModelProto is never modified.
+    """
+    loaded = read_model(model, base_dir=base_dir, load_external_data=False)
+    proto = loaded.model
+    report = CheckReport(
+        model=loaded.name,
+        ir_version=proto.ir_version,
+        producer=" ".join(p for p in (proto.producer_name, proto.producer_version) if p),
+        opsets=opset_versions(proto),
+        base_dir=loaded.base_dir,
+    )
+    report.warnings += opset_advice(proto)
+    converted = False
+    if upgrade_opset is not None:
+        report.upgrade = convert_opset(proto, upgrade_opset)
+        if report.upgrade.ok and report.upgrade.model is not proto:
+            proto, converted = report.upgrade.model, True
+            report.opsets = opset_versions(proto)
+            report.ir_version = proto.ir_version
+            report.warnings = opset_advice(proto)
+    report.checked_model = proto
+
+    inferred = None
+    with _checkable(loaded, proto, converted) as (mem, path):
+        report.checker = _run_checker(mem, path)
+        report.shape_inference, inferred = _run_shape_inference(mem, path)
+
+    # Attribute and subgraph tensors are decoded for the op checks; weights are not read.
+    if any(external_data.is_external(s.tensor) and not s.top_level_initializer for s in external_data.iter_tensors(proto)):
+        proto = _copy(proto)
+        external_data.load(proto, loaded.base_dir, loaded.label, skip_top_level_initializers=True)
+
+    _structure(report, proto, inferred)
+    report.operators = _operator_table(proto, report)
+    return report
+
+
+# ---------------------------------------------------------------- onnx.checker and shape inference
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def _too_big(model: onnx.ModelProto) -> bool:
+    try:
+        return model.ByteSize() > PROTOBUF_LIMIT
+    except Exception:  # protobuf refuses to even measure a message over 2 GB
+        return True
+
+
+@contextlib.contextmanager
+def _checkable(loaded, proto: onnx.ModelProto, converted: bool) -> Iterator[tuple[onnx.ModelProto | None, Path | None]]:
+    """Yield (model, None) for in-memory checks or (None, path) when onnx must read a file."""
+    if external_data.has_external_data(proto):
+        if loaded.path is not None and not converted:
+            yield None, loaded.path  # the original file: onnx reads it and its external data itself
+            return
+        # An upgraded model, or an in-memory one with external data: bring its weights in.
+        proto = _copy(proto)
+        external_data.load(proto, loaded.base_dir, loaded.label)
+    if not _too_big(proto):
+        yield proto, None
+        return
+    with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
+        yield None, save_with_external_data(proto, Path(tmp) / "model.onnx")
+
+
+def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> Path:
+    """Write the model with its large tensors in `<name>.data` beside it, without copying it in memory.
+
+    The model is left as it was (its tensors get their bytes back after the write).
+    """
+    data_name = path.name + ".data"
+    moved: list[tuple[TensorProto, bytes]] = []
+    try:
+        with open(path.parent / data_name, "wb") as f:
+            for site in external_data.iter_tensors(model):
+                t = site.tensor
+                if external_data.is_external(t) or len(t.raw_data) < threshold:
+                    continue
+                offset = f.tell()
+                data = t.raw_data
+                f.write(data)
+                moved.append((t, data))
+                t.ClearField("raw_data")
+                t.data_location = TensorProto.EXTERNAL
+                for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(data)))):
+                    e = t.external_data.add()
+                    e.key, e.value = k, v
+        try:
+            path.write_bytes(model.SerializeToString())
+        except Exception as e:
+            raise ModelError(f"the model cannot be serialized even with its weights moved out: {e}") from None
+    finally:
+        for t, data in moved:
+            del t.external_data[:]
+            t.ClearField("data_location")
+            t.raw_data = data
+    return path
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+_NODE_PATTERNS = (
+    re.compile(r"node name: ([^)\n]+)\)"),
+    re.compile(r"[Nn]ame: (\S+) OpType: "),
+    re.compile(r"node name (\S+?)\.(?:\s|$)"),
+    re.compile(r"node '([^']+)'"),
+)
+
+
+def node_in_message(msg: str) -> str | None:
+    """The node an onnx checker / shape inference message names, if any."""
+    for pat in _NODE_PATTERNS:
+        m = pat.search(msg)
+        if m and m.group(1).strip():
+            return m.group(1).strip()
+    return None
+
+
+def _run_checker(mem: onnx.ModelProto | None, path: Path | None) -> Step:
+    try:
+        onnx.checker.check_model(mem if path is None else str(path), full_check=False)
+    except Exception as e:  # ValidationError, or a C++ error for very broken models
+        msg = _one_line(e)
+        return Step("onnx.checker", False, msg, node_in_message(msg))
+    return Step("onnx.checker", True, "passed")
+
+
+def _run_shape_inference(mem: onnx.ModelProto | None, path: Path | None) -> tuple[Step, onnx.ModelProto | None]:
+    name = "shape inference (strict)"
+    try:
+        if path is None:
+            inferred = onnx.shape_inference.infer_shapes(mem, check_type=True, strict_mode=True, data_prop=True)
+        else:
+            with tempfile.TemporaryDirectory(prefix="kiln-infer-") as tmp:
+                out = Path(tmp) / "inferred.onnx"
+                onnx.shape_inference.infer_shapes_path(str(path), str(out), check_type=True, strict_mode=True, data_prop=True)
+                inferred = onnx.load(str(out), load_external_data=False)
+    except Exception as e:  # InferenceError, or a ValidationError for malformed models
+        msg = _one_line(e)
+        return Step(name, False, msg, node_in_message(msg)), None
+    return Step(name, True, "passed"), inferred
+
+
+# ---------------------------------------------------------------- graph structure
+
+
+def _type_name(elem_type: int) -> str:
+    try:
+        return dtypes.name_of(dtypes.onnx_to_torch(elem_type))
+    except KeyError:
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def _tensor_info(vi: onnx.ValueInfoProto) -> tuple[TensorInfo, str | None]:
+    """The value's info, and the reason Kiln cannot bind it (None when it can)."""
+    if not vi.type.HasField("tensor_type"):
+        kind = vi.type.WhichOneof("value") or "untyped"
+        return TensorInfo(vi.name, None, None), f"is a {kind.replace('_type', '')} value; Kiln binds tensors only"
+    tt = vi.type.tensor_type
+    dtype = _type_name(tt.elem_type) if tt.elem_type else None
+    shape = None
+    if tt.HasField("shape"):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+    reason = None
+    if tt.elem_type and not _kiln_type(tt.elem_type):
+        reason = f"has element type {dtype}, which Kiln does not support"
+    return TensorInfo(vi.name, dtype, shape), reason
+
+
+def _structure(report: CheckReport, model: onnx.ModelProto, inferred: onnx.ModelProto | None) -> None:
+    g = model.graph
+    inits = {t.name for t in g.initializer} | {s.values.name for s in g.sparse_initializer}
+    for vi in g.input:
+        if vi.name in inits:  # old exporters list weights among the inputs; they are not bindings
+            continue
+        info, bad = _tensor_info(vi)
+        report.inputs.append(info)
+        if bad:
+            report.other_problems.append(f"graph input '{vi.name}' {bad}.")
+        elif info.shape is None:
+            report.warnings.append(f"graph input '{vi.name}' has no shape; give one at build time (--shapes or a profile).")
+        elif info.dynamic_axes:
+            report.warnings.append(
+                f"graph input '{vi.name}' ({info.dims}) has dynamic axes {info.dynamic_axes}: give them a profile "
+                "(--minShapes/--optShapes/--maxShapes) when building, or they are built at size 1."
+            )
+    outputs = inferred.graph.output if inferred is not None else g.output
+    for vi in outputs:
+        info, bad = _tensor_info(vi)
+        report.outputs.append(info)
+        if bad:
+            report.other_problems.append(f"graph output '{vi.name}' {bad}.")
+    for t in g.initializer:
+        if t.data_type == TensorProto.STRING:
+            report.other_problems.append(f"initializer '{t.name}' is a string tensor; Kiln supports numeric tensors only.")
+        elif t.data_type != TensorProto.UNDEFINED and not _kiln_type(t.data_type):
+            report.other_problems.append(
+                f"initializer '{t.name}' has element type {_type_name(t.data_type)}, which Kiln does not support."
+            )
+    if len(g.sparse_initializer):
+        names = ", ".join(f"'{s.values.name}'" for s in g.sparse_initializer[:5])
+        report.other_problems.append(f"the graph has sparse initializers ({names}), which Kiln does not support.")
+    report.missing_inputs = missing_inputs(g)
+
+
+def _kiln_type(elem_type: int) -> bool:
+    try:
+        dtypes.onnx_to_torch(elem_type)
+    except KeyError:
+        return False
+    return True
+
+
+def _walk(graph: onnx.GraphProto, outer: frozenset[str], prefix: str = "") -> Iterator[tuple[onnx.NodeProto, str, frozenset[str]]]:
+    """(node, label, names visible to it) for every node, subgraphs included.
+
+    A node's label is its name, or op_type_index as kiln.ir names unnamed nodes;
+    subgraph nodes are prefixed with their parent's label and attribute.
+    """
+    visible = set(outer)
+    visible.update(v.name for v in graph.input)
+    visible.update(t.name for t in graph.initializer)
+    visible.update(s.values.name for s in graph.sparse_initializer)
+    visible.update(o for n in graph.node for o in n.output if o)
+    scope = frozenset(visible)
+    for i, n in enumerate(graph.node):
+        label = prefix + (n.name or f"{n.op_type}_{i}")
+        yield n, label, scope
+        for a in n.attribute:
+            if a.type == AttributeProto.GRAPH:
+                yield from _walk(a.g, scope, f"{label}/{a.name}/")
+            elif a.type == AttributeProto.GRAPHS:
+                for j, sub in enumerate(a.graphs):
+                    yield from _walk(sub, scope, f"{label}/{a.name}[{j}]/")
+
+
+def missing_inputs(graph: onnx.GraphProto) -> list[MissingInput]:
+    """Node inputs (and graph outputs) that no node, graph input or initializer provides."""
+    out = []
+    for node, label, scope in _walk(graph, frozenset()):
+        out += [MissingInput(label, i) for i in node.input if i and i not in scope]
+    top = {v.name for v in graph.input} | {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    out += [MissingInput("graph output", o.name) for o in graph.output if o.name not in top]
+    return out
+
+
+# ---------------------------------------------------------------- operator support
+
+
+def _kiln_node(n: onnx.NodeProto, label: str, opsets: dict[str, int]) -> tuple[Node | None, str | None]:
+    """The kiln Node for an ONNX node (attributes decoded), or the reason it cannot be decoded."""
+    from ..ir.from_onnx import _attr  # attribute decoding shared with the builder's importer
+
+    domain = "" if n.domain == "ai.onnx" else n.domain
+    try:
+        attrs = {a.name: _attr(a, label, opsets) for a in n.attribute}
+    except KilnError as e:
+        return None, str(e)
+    node = Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output), attrs=attrs, name=label, domain=domain)
+    node.opset = opsets.get(domain, opsets.get("", 17))
+    return node, None
+
+
+def _operator_table(model: onnx.ModelProto, report: CheckReport) -> list[OpSupport]:
+    from ..ops.registry import unsupported_reason
+
+    opsets = dict(report.opsets)
+    opsets.setdefault("", 1)
+    functions = {(f.domain, f.name) for f in model.functions}
+    rows: dict[tuple[str, str], OpSupport] = {}
+    for n, label, _ in _walk(model.graph, frozenset()):
+        domain = "" if n.domain == "ai.onnx" else n.domain
+        row = rows.setdefault((domain, n.op_type), OpSupport(domain, n.op_type))
+        row.count += 1
+        node, reason = _kiln_node(n, label, opsets)
+        if node is not None:
+            try:
+                reason = unsupported_reason(node)
+            except Exception as e:  # an op's capability check crashed: report, don't hide the node
+                reason = f"{n.op_type}: Kiln's support check failed ({type(e).__name__}: {e})"
+        if reason and (n.domain, n.op_type) in functions:
+            reason = (f"{domain or 'ai.onnx'}::{n.op_type} is a function defined in the model; "
+                      "Kiln does not inline model-local functions")
+        if reason:
+            row.blocking_nodes.append(label)
+            if reason not in row.restrictions:
+                row.restrictions.append(reason)
+    return sorted(rows.values(), key=lambda r: (r.supported, r.domain, r.op_type))
+
+
+# ---------------------------------------------------------------- the CLI subcommand
+
+
+def add_check_command(subparsers) -> argparse.ArgumentParser:
+    """Register `kiln check` on an argparse subparsers object; the handler is run_check."""
+    p = subparsers.add_parser(
+        "check",
+        help="validate an ONNX model and report which operators Kiln can build",
+        description=(
+            "Runs onnx.checker, strict shape inference and Kiln's operator-support report on an ONNX model, "
+            "and lists its inputs with their dynamic axes (the axes a build profile must cover). "
+            "Exit status: 0 buildable, 1 not buildable (or the requested opset upgrade failed), "
+            "2 the model could not be loaded."
+        ),
+    )
+    p.add_argument("model", help="path to the .onnx file (external data is read from its folder)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--upgrade-opset", type=int, metavar="N", default=None,
+                   help="convert the model to ai.onnx opset N with onnx.version_converter, then check the result")
+    p.add_argument("--output", "-o", metavar="PATH", default=None,
+                   help="with --upgrade-opset: write the converted model here")
+    p.set_defaults(func=run_check)
+    return p
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Handler of `kiln check`. Load errors are raised as KilnError (the CLI prints them), or printed as JSON with --json."""
+    from rich.console import Console
+
+    if getattr(args, "output", None) and args.upgrade_opset is None:
+        raise ConfigError("--output writes the upgraded model, so it needs --upgrade-opset N.")
+    try:
+        report = check_model(args.model, upgrade_opset=args.upgrade_opset)
+    except KilnError as e:
+        if args.json:
+            print(json.dumps({"model": str(args.model), "buildable": False, "error": str(e)}, indent=2))
+            return e.exit_code
+        raise
+    saved = None
+    if getattr(args, "output", None) and report.upgrade is not None and report.upgrade.ok:
+        saved = save_model(report, args.output)
+    if args.json:
+        out = report.to_json()
+        if saved is not None:
+            out["opset"]["upgrade"]["saved_to"] = str(saved)
+        print(json.dumps(out, indent=2))
+    else:
+        console = Console()
+        report.render(console)
+        if saved is not None:
+            console.print(f"upgraded model written to {saved}")
+    upgrade_failed = report.upgrade is not None and not report.upgrade.ok
+    return 0 if report.buildable and not upgrade_failed else 1
+
+
+def save_model(report: CheckReport, path) -> Path:
+    """Write the model the report checked (the upgraded one) to `path`, weights included.
+
+    Weights go to `<name>.data` beside it when the model is over 2 GB or kept them external.
+    """
+    path = Path(path)
+    model = report.checked_model
+    if model is None:
+        raise ConfigError("this report holds no model to save.")
+    if path.exists() and path.is_dir():
+        raise ConfigError(f"--output '{path}' is a folder; give a file name such as model.opset17.onnx.")
+    external = external_data.has_external_data(model)
+    if external:
+        model = _copy(model)
+        external_data.load(model, report.base_dir, f"'{report.model}'")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if external or _too_big(model):
+            save_with_external_data(model, path)
+        else:
+            onnx.save_model(model, str(path))
+    except OSError as e:
+        raise ConfigError(f"cannot write '{path}': {e.strerror or e}.") from None
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:  # for `python -m kiln.frontend.check` until the CLI registers it
+    parser = argparse.ArgumentParser(prog="kiln")
+    add_check_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KilnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

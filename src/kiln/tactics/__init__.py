@@ -1,0 +1,53 @@
+"""Tactics: candidate implementations of a layer, timed on the target GPU at build.
+
+Every op's registry entry has a reference implementation (tactic "reference").
+Faster candidates register here with when they apply and how much workspace
+they need; the builder times the applicable ones at each profile's opt shape,
+checks each against the reference once, and keeps the fastest that is right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..ir.graph import Node
+
+
+@dataclass(frozen=True)
+class Tactic:
+    name: str
+    fn: Callable  # same signature as the op's reference implementation
+    applies: Callable[[Node, list], bool]  # given the layer's actual inputs on the target
+    workspace: Callable[[Node, list], int] | None = None  # scratch bytes beyond inputs/outputs
+    level: int = 1  # lowest --builderOptimizationLevel that tries it
+
+
+_TACTICS: dict[tuple[str, str], list[Tactic]] = {}
+_BY_NAME: dict[tuple[str, str, str], Tactic] = {}
+
+
+def tactic(op_type: str, name: str, applies: Callable, domain: str = "kiln", workspace=None, level: int = 1):
+    def deco(fn):
+        t = Tactic(name, fn, applies, workspace, level)
+        _TACTICS.setdefault((domain, op_type), []).append(t)
+        _BY_NAME[(domain, op_type, name)] = t
+        return fn
+
+    return deco
+
+
+def candidates(node: Node) -> list[Tactic]:
+    return _TACTICS.get((node.domain, node.op_type), [])
+
+
+def implementation(node: Node) -> Callable | None:
+    """The chosen tactic's function, or None for the reference implementation."""
+    if node.tactic == "reference":
+        return None
+    t = _BY_NAME.get((node.domain, node.op_type, node.tactic))
+    return t.fn if t else None
+
+
+def load_all() -> None:
+    from . import library, triton_tactics  # noqa: F401  (registering)

@@ -1,0 +1,151 @@
+"""Library tactics: cuDNN, cuBLASLt and SDPA kernels reached through torch ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.fused import activation, attention
+from . import tactic
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+# --- FusedConv ----------------------------------------------------------------
+def _conv2d_geometry(node, x, w):
+    """(stride, padding, dilation, groups) when torch's conv2d takes the node's padding as is."""
+    if x.dim() != 4 or node.attr("auto_pad", "NOTSET") != "NOTSET":
+        return None
+    pads = node.attr("pads") or [0, 0, 0, 0]
+    if pads[0] != pads[2] or pads[1] != pads[3]:
+        return None
+    return (node.attr("strides") or [1, 1], pads[:2], node.attr("dilations") or [1, 1], node.attr("group", 1))
+
+
+def _cuda_conv(node, args, act=None, residual=None):
+    x, w = args[0], args[1]
+    if not x.is_cuda or _conv2d_geometry(node, x, w) is None:
+        return False
+    z = args[3] if len(args) > 3 else None
+    if residual is not None and residual != (z is not None):
+        return False
+    if act is not None and node.attr("activation", "") != act:
+        return False
+    return z is None or tuple(z.shape) == (x.shape[0], w.shape[0], *_out_hw(node, x, w))
+
+
+def _out_hw(node, x, w):
+    s, p, d, _ = _conv2d_geometry(node, x, w)
+    return [(x.shape[2 + i] + 2 * p[i] - d[i] * (w.shape[2 + i] - 1) - 1) // s[i] + 1 for i in range(2)]
+
+
+@tactic("FusedConv", "cudnn_conv_relu", lambda n, a: _cuda_conv(n, a, "Relu", residual=False))
+def cudnn_conv_relu(node, x, w, b=None, z=None):
+    s, p, d, g = _conv2d_geometry(node, x, w)
+    return torch.cudnn_convolution_relu(x, w, b, s, p, d, g)
+
+
+@tactic("FusedConv", "cudnn_conv_add_relu", lambda n, a: _cuda_conv(n, a, "Relu", residual=True))
+def cudnn_conv_add_relu(node, x, w, b=None, z=None):
+    s, p, d, g = _conv2d_geometry(node, x, w)
+    return torch.cudnn_convolution_add_relu(x, w, z.to(x.dtype), 1.0, b, s, p, d, g)
+
+
+@tactic("FusedConv", "cudnn_conv_inplace_epilogue", lambda n, a: _cuda_conv(n, a))
+def conv_inplace_epilogue(node, x, w, b=None, z=None):
+    """cuDNN convolution, then the residual add and activation in place (no extra buffers)."""
+    s, p, d, g = _conv2d_geometry(node, x, w)
+    y = F.conv2d(x, w, b, s, p, d, g)
+    if z is not None:
+        y.add_(z)
+    act = node.attr("activation", "")
+    if act == "Relu":
+        return y.relu_()
+    return activation(act, y, node.attr("activation_params", []))
+
+
+# --- FusedGemm ----------------------------------------------------------------
+def _gemm_ok(node, args, acts):
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    return (x.is_cuda and x.dim() >= 2 and b is not None and node.attr("activation", "") in acts
+            and x.dtype == w.dtype == b.dtype)
+
+
+def _addmm(x, w, b, use_gelu=None):
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_gelu is None:
+        y = torch.addmm(b, x2, w)
+    else:
+        y = torch._addmm_activation(b, x2, w, use_gelu=use_gelu)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+@tactic("FusedGemm", "cublaslt_bias", lambda n, a: _gemm_ok(n, a, ("",)))
+def cublaslt_bias(node, x, w, b=None):
+    return _addmm(x, w, b)
+
+
+@tactic("FusedGemm", "cublaslt_bias_relu", lambda n, a: _gemm_ok(n, a, ("Relu",)))
+def cublaslt_bias_relu(node, x, w, b=None):
+    return _addmm(x, w, b, use_gelu=False)
+
+
+@tactic("FusedGemm", "cublaslt_bias_gelu", lambda n, a: _gemm_ok(n, a, ("GeluTanh",))
+        or (_gemm_ok(n, a, ("GeluErf",)) and a[0].dtype in _LOW))
+def cublaslt_bias_gelu(node, x, w, b=None):
+    """cuBLASLt's GELU epilogue is the tanh form; for erf-GELU it is offered only at FP16/BF16,
+    where the builder's check against the reference decides whether it is close enough."""
+    return _addmm(x, w, b, use_gelu=True)
+
+
+@tactic("FusedGemm", "cublas_then_activation", lambda n, a: _gemm_ok(n, a, ("GeluErf", "GeluTanh", "Silu",
+                                                                             "Sigmoid", "Tanh", "Clip", "LeakyRelu",
+                                                                             "HardSwish")))
+def cublas_then_activation(node, x, w, b=None):
+    return activation(node.attr("activation", ""), _addmm(x, w, b), node.attr("activation_params", []))
+
+
+# --- Attention ----------------------------------------------------------------
+def _sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, backend)
+
+    def run(node, q, k, v, mask=None):
+        if node.attr("k_transposed", 0):
+            k = k.transpose(-1, -2)
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        with sdpa_kernel(chosen):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=node.attr("scale", None))
+        return torch.nan_to_num_(out, nan=0.0) if node.attr("nan_guard", 0) else out
+
+    return run
+
+
+def _attn_ok(node, args, needs_no_mask=False, low_only=False):
+    q = args[0]
+    mask = args[3] if len(args) > 3 else None
+    return q.is_cuda and q.dim() == 4 and (mask is None or not needs_no_mask) and (q.dtype in _LOW or not low_only)
+
+
+def _scores_bytes(node, args):
+    q, v = args[0], args[2]
+    return q.shape[0] * q.shape[1] * q.shape[2] * v.shape[2] * 4 * 2  # fp32 scores and probabilities
+
+
+for _name, _kw in [("FLASH_ATTENTION", dict(needs_no_mask=True, low_only=True)),
+                   ("EFFICIENT_ATTENTION", {}), ("CUDNN_ATTENTION", dict(low_only=True))]:
+    tactic("Attention", f"sdpa_{_name.split('_')[0].lower()}",
+           (lambda kw: lambda n, a: _attn_ok(n, a, **kw))(_kw))(_sdpa(_name))
+
+tactic("Attention", "sdpa_math", lambda n, a: _attn_ok(n, a), workspace=_scores_bytes)(_sdpa("MATH"))
+tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspace=_scores_bytes)(attention)
+
+
+# --- SkipLayerNorm ------------------------------------------------------------
+@tactic("SkipLayerNorm", "add_then_layer_norm", lambda n, a: a[0].is_cuda)
+def add_then_layer_norm(node, a, b, gamma, beta=None):
+    s = a + b
+    return F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5)), s

@@ -1,0 +1,1 @@
+"""Triton tactics (generated kernels from src/kiln/kernels/)."""

@@ -1,0 +1,42 @@
+"""Fixtures for the frontend tests: a stand-in op registry, so the check tests do not
+depend on which ops the op families have registered so far."""
+
+import os
+
+import pytest
+
+from kiln.ops import registry
+from kiln.ops.registry import OpEntry
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes over 20 s on a 2-core CPU machine (run with KILN_SLOW=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("KILN_SLOW"):
+        return
+    skip = pytest.mark.skip(reason="slow (over 20 s on CPU); set KILN_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords and item.path.is_relative_to(os.path.dirname(__file__)):
+            item.add_marker(skip)
+
+
+def _impl(node, *args):
+    raise AssertionError("the check tests never run ops")
+
+
+def _gemm_check(node):
+    return "Gemm with transA=1 is not supported" if node.attr("transA", 0) else None
+
+
+@pytest.fixture
+def fake_ops(monkeypatch):
+    """A registry holding exactly: MatMul, Add, Relu, If, Identity, Gemm (transA=0 only), Reshape, Shape."""
+    entries = {}
+    for op in ("MatMul", "Add", "Relu", "If", "Identity", "Reshape", "Shape", "Constant"):
+        entries[("", op)] = OpEntry(op_type=op, domain="", impl=_impl)
+    entries[("", "Gemm")] = OpEntry(op_type="Gemm", domain="", impl=_impl, check=_gemm_check)
+    entries[("", "Softmax")] = OpEntry(op_type="Softmax", domain="", impl=_impl, since=13)
+    monkeypatch.setattr(registry, "_REGISTRY", entries)
+    return entries
