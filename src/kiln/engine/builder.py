@@ -128,7 +128,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             findings=[{"kind": "precision", "layer": n.name, "requested": config.precision,
                        "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
-        engine.channels_last = layout.channels_last_weights(graph, target.kind)
+        engine.channels_last = layout.channels_last_weights(graph, target.kind, config.precision)
         if target.kind == "cuda" and config.optimization_level > 0:
             engine.tactics = _select_tactics(engine, profiles, config, step)
         if config.validate:

@@ -26,6 +26,10 @@ class NonFiniteInputWarning(UserWarning):
     pass
 
 
+class CaptureFallbackWarning(UserWarning):
+    pass
+
+
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
@@ -64,10 +68,13 @@ class ExecutionContext:
         self._weights = engine.weights_on_target()
         self._entries = [lookup(n.op_type, n.domain) for n in engine.graph.nodes]
         keep = set(self._weights) | {v.name for v in engine.inputs} | {v.name for v in engine.outputs}
+        # Host values are computed once per input shape and reused by the captured graph.
+        keep |= {o for n in engine.graph.nodes if n.placement == "host" for o in n.outputs}
         self._free_after = _liveness(engine.graph, keep)
         use_graphs = engine.build_config.get("cuda_graphs", True) if cuda_graphs is None else cuda_graphs
         self.uses_cuda_graphs = bool(use_graphs and engine.capturable and self.device.type == "cuda")
-        self._captured: dict[tuple, _Captured] = {}
+        self._captured: dict[tuple, _Captured | None] = {}
+        self.capture_failures: list[str] = []
         self._weight_uploads: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple] = {}
         self.stats = _Stats()
@@ -239,13 +246,27 @@ class ExecutionContext:
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         key = (self.profile, tuple(tuple(x.shape) for x in inputs.values()))
-        cap = self._captured.get(key)
-        if cap is None:
-            cap = self._captured[key] = self._capture(inputs)
+        if key not in self._captured:
+            self._captured[key] = self._capture_or_fallback(inputs)
+        cap = self._captured[key]
+        if cap is None:  # this shape could not be captured: layer by layer
+            return self._eager(inputs)
         for name, x in inputs.items():
             cap.inputs[name].copy_(x, non_blocking=True)
         cap.graph.replay()
         return cap.outputs
+
+    def _capture_or_fallback(self, inputs: dict[str, torch.Tensor]) -> _Captured | None:
+        """Fallback instead of failure: a layer that cannot be captured (it copies from host memory,
+        say) makes this shape run layer by layer, with a warning naming the layer."""
+        try:
+            return self._capture(inputs)
+        except Exception as e:
+            torch.cuda.synchronize(self.device)
+            warnings.warn(f"CUDA graph capture failed ({str(e).splitlines()[0][:300]}); this input shape "
+                          "runs layer by layer instead (slower at small batch).", CaptureFallbackWarning)
+            self.capture_failures.append(str(e).splitlines()[0])
+            return None
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> _Captured:
         static = {k: torch.empty(x.shape, dtype=x.dtype, device=self.device) for k, x in inputs.items()}

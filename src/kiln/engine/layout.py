@@ -10,8 +10,9 @@ from __future__ import annotations
 from ..ir.graph import Graph
 
 
-def channels_last_weights(graph: Graph, target_kind: str) -> list[str]:
-    if target_kind != "cuda":
+def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> list[str]:
+    # FP32 convolutions have no Tensor Core path (without TF32): NCHW kernels are as good there.
+    if target_kind != "cuda" or precision == "float32":
         return []
     names = []
     for n in graph.nodes:

@@ -53,10 +53,16 @@ def _unary(op_type, fn, **facts):
     return impl
 
 
+def _int_divisor(b):
+    """Integer x / 0 is undefined in ONNX, but torch raises on CPU (and the build's
+    validation run feeds random 0/1 integers): divide by 1 there instead."""
+    return b.masked_fill(b == 0, 1)
+
+
 def _div(a, b):
     if a.is_floating_point() or b.is_floating_point():
         return torch.div(a, b)
-    return torch.div(a, b, rounding_mode="trunc")  # ONNX integer Div truncates toward zero
+    return torch.div(a, _int_divisor(b), rounding_mode="trunc")  # ONNX integer Div truncates toward zero
 
 
 for _op, _fn in {
@@ -82,6 +88,8 @@ def _check_mod(node):
 @register("Mod", check=_check_mod)
 @_via_int64
 def mod(node, a, b):
+    if not b.is_floating_point():
+        b = _int_divisor(b)
     # fmod=1: C fmod (sign of the dividend); fmod=0: sign of the divisor, like Python's %.
     return torch.fmod(a, b) if node.attr("fmod", 0) else torch.remainder(a, b)
 

@@ -31,7 +31,7 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     """Float type to interpolate `x` in: its own for floats; wide enough for integers."""
     if x.dtype in _FLOAT_TYPES:
         return x.dtype
-    return torch.float32 if x.element_size() <= 2 and x.dtype != torch.uint16 else torch.float64
+    return torch.float32 if x.element_size() <= 2 else torch.float64
 
 
 def _back_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,7 +48,7 @@ def _back_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 _CTMS = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
          "tf_crop_and_resize")
-_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil", "simple")
+_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
 
 
 def _source_coords(ctm: str, n_in: int, n_out: int, scale: float, length: float,
@@ -133,8 +133,7 @@ def _resize_axis(x: torch.Tensor, axis: int, n_out: int, scale: float, length: f
         outside = (coords < 0) | (coords > n_in - 1)
         shape = [1] * x.dim()
         shape[axis] = n_out
-        fill = torch.tensor(node.attr("extrapolation_value", 0.0), dtype=y.dtype, device=y.device)
-        y = torch.where(outside.reshape(shape), fill, y)
+        y = y.masked_fill(outside.reshape(shape), node.attr("extrapolation_value", 0.0))
     return y
 
 
@@ -195,7 +194,7 @@ def _resize_check(node) -> str | None:
     if ctm not in _CTMS:
         return f"Resize coordinate_transformation_mode '{ctm}' is not supported"
     nm = node.attr("nearest_mode", "round_prefer_floor")
-    if nm not in _NEAREST_MODES[:4]:
+    if nm not in _NEAREST_MODES:
         return f"Resize nearest_mode '{nm}' is not supported"
     policy = node.attr("keep_aspect_ratio_policy", "stretch")
     if policy not in ("stretch", "not_larger", "not_smaller"):
@@ -254,10 +253,16 @@ def _grid_taps(coord: torch.Tensor, mode: str) -> list[tuple[torch.Tensor, torch
     return [(base + k, _cubic_kernel(t - k, -0.75)) for k in (-1, 0, 1, 2)]
 
 
-@register("GridSample", check=lambda n: None if n.attr("mode", "bilinear") in _GRID_MODES
-          and n.attr("padding_mode", "zeros") in ("zeros", "border", "reflection")
-          else f"GridSample mode '{n.attr('mode')}' / padding_mode '{n.attr('padding_mode')}' is not supported",
-          since=16)
+def _grid_sample_check(node) -> str | None:
+    mode, padding = node.attr("mode", "bilinear"), node.attr("padding_mode", "zeros")
+    if mode not in _GRID_MODES:
+        return f"GridSample mode '{mode}' is not supported"
+    if padding not in ("zeros", "border", "reflection"):
+        return f"GridSample padding_mode '{padding}' is not supported"
+    return None
+
+
+@register("GridSample", check=_grid_sample_check, since=16)
 def grid_sample(node, x, grid):
     mode = _GRID_MODES[node.attr("mode", "bilinear")]
     padding = node.attr("padding_mode", "zeros")
@@ -269,12 +274,8 @@ def grid_sample(node, x, grid):
     g = grid.to(coord_dtype).reshape(n, -1, len(dims))
 
     per_axis = []  # per input axis: list of (flat offset, weight) taps
-    stride = 1
-    strides = []
-    for d in reversed(dims):
-        strides.insert(0, stride)
-        stride *= d
     for i, d in enumerate(dims):
+        stride = math.prod(dims[i + 1:])
         v = g[..., len(dims) - 1 - i]  # grid's last axis lists coordinates innermost-first (x, y, z)
         v = (v + 1) / 2 * (d - 1) if align else ((v + 1) * d - 1) / 2
         lo, hi = (0.0, d - 1.0) if align else (-0.5, d - 0.5)
@@ -292,7 +293,7 @@ def grid_sample(node, x, grid):
             elif padding == "reflection":
                 pos = torch.trunc(_reflect(pos, lo, hi))
             pos = pos.clamp(0, d - 1).long()
-            taps.append((pos * strides[i], w))
+            taps.append((pos * stride, w))
         per_axis.append(taps)
 
     flat = x.reshape(n, c, -1)
@@ -312,8 +313,12 @@ def affine_grid(node, theta, size):
 
 # ----------------------------------------------------------------------------- DepthToSpace / SpaceToDepth
 
-@register("DepthToSpace", check=lambda n: None if n.attr("mode", "DCR") in ("DCR", "CRD")
-          else f"DepthToSpace mode '{n.attr('mode')}' is not supported")
+def _block_mode_check(node) -> str | None:
+    mode = node.attr("mode", "DCR")
+    return None if mode in ("DCR", "CRD") else f"{node.op_type} mode '{mode}' is not supported (DCR, CRD)"
+
+
+@register("DepthToSpace", check=_block_mode_check)
 def depth_to_space(node, x):
     b = node.attr("blocksize")
     n, c, h, w = x.shape
@@ -324,8 +329,7 @@ def depth_to_space(node, x):
     return y.reshape(n, c // (b * b), h * b, w * b)
 
 
-@register("SpaceToDepth", check=lambda n: None if n.attr("mode", "DCR") in ("DCR", "CRD")
-          else f"SpaceToDepth mode '{n.attr('mode')}' is not supported")
+@register("SpaceToDepth", check=_block_mode_check)
 def space_to_depth(node, x):
     b = node.attr("blocksize")
     n, c, h, w = x.shape
@@ -410,10 +414,18 @@ def _roi_samples(start, bin_size, grid, n_bins: int, n_grid: int, size: int):
     return low.long(), high.long(), 1 - frac, frac, use
 
 
-@register("RoiAlign", data_dependent=True, since=10,
-          check=lambda n: None if n.attr("mode", "avg") in ("avg", "max") and n.attr(
-              "coordinate_transformation_mode", "half_pixel") in ("half_pixel", "output_half_pixel")
-          else "RoiAlign mode / coordinate_transformation_mode is not supported")
+def _roi_align_check(node) -> str | None:
+    mode = node.attr("mode", "avg")
+    if mode not in ("avg", "max"):
+        return f"RoiAlign mode '{mode}' is not supported (avg, max)"
+    ctm = node.attr("coordinate_transformation_mode", "half_pixel")
+    if ctm not in ("half_pixel", "output_half_pixel"):
+        return f"RoiAlign coordinate_transformation_mode '{ctm}' is not supported"
+    return None
+
+
+# The number of samples per bin follows the ROI sizes (sampling_ratio=0) and is read on the host.
+@register("RoiAlign", data_dependent=True, check=_roi_align_check, since=10)
 def roi_align(node, x, rois, batch_indices):
     oh, ow = node.attr("output_height", 1), node.attr("output_width", 1)
     ratio = node.attr("sampling_ratio", 0)
@@ -465,7 +477,7 @@ def roi_align(node, x, rois, batch_indices):
             torch.arange(n_gw, device=x.device).reshape(1, 1, 1, 1, -1) < gw.reshape(r, 1, 1, 1, 1))
         best = torch.stack(taps).amax(0).masked_fill(~in_grid.unsqueeze(-1), float("-inf"))
         out = best.amax(dim=(2, 4))
-        out = torch.where(torch.isinf(out) & (out < 0), torch.zeros_like(out), out)  # ROIs with no samples
+        out = out.masked_fill(out == float("-inf"), 0)  # ROIs with no samples
     return out.permute(0, 3, 1, 2).to(x.dtype)
 
 
@@ -486,8 +498,7 @@ def _level(length: torch.Tensor, levels: int) -> torch.Tensor:
     return sum(((length >= (1 << k)).long() for k in range(1, levels)), torch.zeros_like(length))
 
 
-@register("MaxRoiPool", check=lambda n: None if len(n.attr("pooled_shape") or []) == 2
-          else "MaxRoiPool needs a 2-D pooled_shape")
+@register("MaxRoiPool")
 def max_roi_pool(node, x, rois):
     ph, pw = node.attr("pooled_shape")
     scale = node.attr("spatial_scale", 1.0)
@@ -561,19 +572,26 @@ def _greedy_keep(over: torch.Tensor) -> torch.Tensor:
           keep_fp32="IoU thresholds and score ordering need FP32 box coordinates and scores")
 def non_max_suppression(node, boxes, scores, max_output=None, iou_threshold=None, score_threshold=None):
     dev = boxes.device
-    limit = max(int(_scalars(max_output)[0]), 0) if _scalars(max_output) else 0
-    iou_thr = torch.tensor(_scalars(iou_threshold)[0] if _scalars(iou_threshold) else 0.0, dtype=boxes.dtype,
-                           device=dev)
+    none = torch.zeros(0, 3, dtype=torch.long, device=dev)
+    limit = max(int((_scalars(max_output) or [0])[0]), 0)  # omitted: 0, i.e. select nothing
+    if limit == 0:
+        return none
+    if boxes.dtype in (torch.float16, torch.bfloat16):  # an upstream low-precision layer may hand these over
+        boxes, scores = boxes.float(), scores.float()
+    # Thresholds compare in the boxes' own type, as ONNX's reference does (it matters at the boundary).
+    iou_thr = torch.tensor((_scalars(iou_threshold) or [0.0])[0], dtype=boxes.dtype, device=dev)
     score_thr = _scalars(score_threshold)
+    if score_thr is not None:
+        score_thr = torch.tensor(score_thr[0], dtype=scores.dtype, device=dev)
     x0, y0, x1, y1 = _box_corners(boxes, node.attr("center_point_box", 0))
     area = (x1 - x0) * (y1 - y0)
     picked = []
-    for b in range(boxes.shape[0] if limit else 0):
+    for b in range(boxes.shape[0]):
         for cls in range(scores.shape[1]):
             s = scores[b, cls]
             cand = torch.arange(s.shape[0], device=dev)
             if score_thr is not None:
-                cand = cand[s > torch.tensor(score_thr[0], dtype=s.dtype, device=dev)]
+                cand = cand[s > score_thr]
             order = cand[torch.sort(s[cand], descending=True, stable=True).indices]  # ties: lower index first
             if order.numel() == 0:
                 continue
@@ -587,6 +605,4 @@ def non_max_suppression(node, boxes, scores, max_output=None, iou_threshold=None
             over = valid & (inter / torch.where(valid, union, torch.ones_like(union)) > iou_thr)
             kept = order[_greedy_keep(over)][:limit]
             picked.append(torch.stack([torch.full_like(kept, b), torch.full_like(kept, cls), kept], 1))
-    if not picked:
-        return torch.zeros(0, 3, dtype=torch.long, device=dev)
-    return torch.cat(picked)
+    return torch.cat(picked) if picked else none

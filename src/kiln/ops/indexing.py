@@ -39,10 +39,12 @@ def gather_elements(node, x, indices):
 
 def _flat_positions(shape, indices: torch.Tensor) -> torch.Tensor:
     """Row-major offsets of the index tuples in indices' last axis within `shape`."""
-    dims = torch.tensor(shape, dtype=torch.int64, device=indices.device)
-    idx = _wrap(indices, dims)
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    return (idx * torch.tensor(strides, dtype=torch.int64, device=indices.device)).sum(-1)
+    # Python-int arithmetic per axis: no host-to-device copy, so the layer can be in a CUDA graph.
+    flat = None
+    for i, dim in enumerate(shape):
+        term = _wrap(indices[..., i], dim) * math.prod(shape[i + 1:])
+        flat = term if flat is None else flat + term
+    return flat if flat is not None else torch.zeros(indices.shape[:-1], dtype=torch.int64, device=indices.device)
 
 
 @register("GatherND", since=11)
