@@ -199,3 +199,20 @@ def test_batchwise_layout_transposes_io():
 def test_unknown_activation_is_reported_with_node_name():
     with pytest.raises(UnsupportedError, match="lstm_under_test.*Swish"):
         _kiln("LSTM", _feeds("LSTM", 1), hidden_size=6, activations=["Sigmoid", "Swish", "Tanh"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_cuda_graph_engine_matches_cpu(op):
+    """Recurrent layers keep sequence_lens on the device, so the engine is captured and replayed."""
+    feeds = _feeds(op, 2, peepholes=True, lens=[5, 3, 1])
+    model = _model(op, feeds, hidden_size=6, direction="bidirectional")
+    want = list(kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+                .create_execution_context().run(feeds).values())
+    engine = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False))
+    ctx = engine.create_execution_context()
+    assert ctx.uses_cuda_graphs
+    cuda_feeds = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
+    for _ in range(2):  # capture, then replay
+        got = [t.cpu().numpy() for t in ctx.run(cuda_feeds).values()]
+        _close(got, want, tol=1e-4)

@@ -211,6 +211,34 @@ def parse_shapes_arg(text: str, engine, flag: str = "--shapes") -> dict[str, tup
     return shapes
 
 
+def split_to_profile(engine, samples: list[dict], profile: int) -> list[dict]:
+    """Samples whose batch axis exceeds the profile's max batch, cut into chunks that fit (the last one
+    padded up to the profile's min batch by repeating its last row). Other axes are left as they are."""
+    out = []
+    for s in samples:
+        lo_b, hi_b = 1, None
+        fits_rest = True
+        for name, x in s.items():
+            lo, _, hi = engine.get_profile_shape(profile, name)
+            shape = np.shape(x)
+            if len(shape) != len(lo) or not lo:
+                fits_rest = False
+                break
+            lo_b, hi_b = max(lo_b, lo[0]), hi[0] if hi_b is None else min(hi_b, hi[0])
+        ns = {np.shape(x)[0] for x in s.values() if np.ndim(x)}
+        if not fits_rest or hi_b is None or len(ns) != 1 or next(iter(ns)) <= hi_b:
+            out.append(s)
+            continue
+        n = next(iter(ns))
+        for start in range(0, n, hi_b):
+            part = {k: x[start:start + hi_b] for k, x in s.items()}
+            real = next(iter(part.values())).shape[0]
+            if real < lo_b:
+                part = {k: np.concatenate([x, np.repeat(x[-1:], lo_b - real, axis=0)]) for k, x in part.items()}
+            out.append(part)
+    return out
+
+
 def check_feeds_in_profile(engine, feeds: dict, profile: int, what: str) -> None:
     """The ShapeError the runtime would raise, said up front and naming where the data came from."""
     ctx_like = engine.create_execution_context(profile=profile, cuda_graphs=False)

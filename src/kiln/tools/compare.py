@@ -136,10 +136,11 @@ def _as_f64(x) -> np.ndarray:
 def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol: float) -> OutputResult:
     """Error statistics of engine outputs against reference outputs (one array per sample)."""
     res = OutputResult(name=name, passed=False, atol=atol, rtol=rtol)
-    refs, outs = [], []
+    refs, outs, sample_shapes = [], [], []
     for i, (r, o) in enumerate(zip(ref_list, out_list)):
         r_shape, o_shape = list(np.shape(r)), list(np.shape(o))
-        res.shape = o_shape
+        res.shape = res.shape or o_shape  # the first sample's (samples may differ in batch)
+        sample_shapes.append(o_shape)
         res.engine_dtype = _dtype_name(o)
         res.reference_dtype = _dtype_name(r)
         if r_shape != o_shape:
@@ -182,10 +183,12 @@ def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol:
             res.min_rtol = 0.0
         excess = absdiff - (atol + rtol * mag)
         k = int(np.argmax(excess))
-        idx_full = np.flatnonzero(both)[k]
-        per = int(np.prod(res.shape)) if res.shape else 1
-        sample, flat = divmod(int(idx_full), max(per, 1))
-        res.worst = {"index": [int(i) for i in np.unravel_index(flat, res.shape)] if res.shape else [],
+        idx_full = int(np.flatnonzero(both)[k])
+        ends = np.cumsum([int(np.prod(sh)) for sh in sample_shapes])
+        sample = int(np.searchsorted(ends, idx_full, side="right"))
+        flat = idx_full - (int(ends[sample - 1]) if sample else 0)
+        shp = sample_shapes[sample]
+        res.worst = {"index": [int(i) for i in np.unravel_index(flat, shp)] if shp else [],
                      "sample": sample, "engine": float(o[k]), "reference": float(r[k]),
                      "abs_err": float(absdiff[k])}
     res.histogram = error_histogram(absdiff, exact=int((absdiff == 0).sum()))
@@ -287,7 +290,7 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
     ctx = engine.create_execution_context(profile=profile)
     ref_outs, eng_outs = {n: [] for n in names_out}, {n: [] for n in names_out}
     for i, feeds in enumerate(samples):
-        common.check_feeds_in_profile(engine, feeds, profile, f"sample {i}" if len(samples) > 1 else "input")
+        common.check_feeds_in_profile(engine, feeds, profile, f"input sample {i}" if len(samples) > 1 else "the inputs")
         _check_dtypes(engine, feeds)
         r = ref.run(feeds, names_out)
         e = ctx.run(feeds)
@@ -467,7 +470,8 @@ def run(args) -> int:
     rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
     shapes = common.parse_shapes_arg(args.shapes, engine)
     if args.loadInputs:
-        samples = common.load_samples(args.loadInputs, [v.name for v in engine.inputs])
+        samples = common.split_to_profile(
+            engine, common.load_samples(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
     else:
         if args.samples < 1:
             raise ConfigError("--samples must be at least 1.")

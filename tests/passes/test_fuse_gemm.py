@@ -1,0 +1,38 @@
+import math
+
+import numpy as np
+
+from kiln.passes import fuse_gemm
+
+from .util import check_pass, helper, model, ops, rand
+
+
+def test_matmul_bias_gelu_erf_as_exported():
+    m = model([
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["a"]),
+        helper.make_node("Div", ["a", "sqrt2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["e1"]),
+        helper.make_node("Mul", ["half", "e1"], ["e2"]),
+        helper.make_node("Mul", ["a", "e2"], ["y"]),
+    ], [("x", [2, 3, 8])], [("y", [2, 3, 16])],
+        {"w": rand(8, 16), "b": rand(16, seed=1), "sqrt2": np.float32(math.sqrt(2)),
+         "one": np.float32(1), "half": np.float32(0.5)})
+    _, after = check_pass(fuse_gemm, m, {"x": rand(2, 3, 8, seed=2)}, atol=1e-4)
+    assert ops(after) == ["kiln::FusedGemm"] and after.nodes[0].attrs["activation"] == "GeluErf"
+    assert len(after.nodes[0].sources) == 7
+
+
+def test_gemm_transb_relu_stores_weight_kn():
+    m = model([helper.make_node("Gemm", ["x", "w", "c"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["y"])],
+              [("x", [2, 8])], [("y", [2, 4])], {"w": rand(4, 8), "c": rand(4, seed=1)})
+    _, after = check_pass(fuse_gemm, m, {"x": rand(2, 8, seed=2)}, atol=1e-4)
+    assert ops(after) == ["kiln::FusedGemm"]
+    assert tuple(after.initializers[after.nodes[0].inputs[1]].shape) == (8, 4)
+
+
+def test_plain_matmul_is_left_alone():
+    m = model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 4])], {"w": rand(8, 4)})
+    _, after = check_pass(fuse_gemm, m, {"x": rand(2, 8)})
+    assert ops(after) == ["MatMul"]
