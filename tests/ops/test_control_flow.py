@@ -200,17 +200,28 @@ def test_scan8_batch_and_sequence_lens(direction):
 
 
 @pytest.mark.gpu
-def test_cuda_engine_matches_cpu():
-    """Bodies run on the device: branch weights, iteration counters and masks included."""
-    _needs("Add", "Concat", "Cast", "ReduceSum", "Less", "Identity", "Mul")
+def test_cuda_if_matches_cpu():
+    """The branch's own weight must reach the device too."""
+    _needs("Add", "Concat")
     x = torch.arange(6.0).reshape(2, 3)
     for cond in (True, False):
         feeds = {"cond": torch.tensor(cond), "x": x}
         _same(_kiln(_if_model(), feeds, "cuda"), _kiln(_if_model(), feeds))
+
+
+@pytest.mark.gpu
+def test_cuda_loop_matches_cpu():
+    _needs("Cast", "Add", "ReduceSum", "Less", "Identity")
     loop = _loop_model(True, True)
     feeds = {"M": torch.tensor(10), "cond": torch.tensor(True), "acc0": torch.tensor([1.0, -1.0]),
              "x": torch.tensor([0.5, 2.0]), "limit": torch.tensor(20.0)}
     _same(_kiln(loop, feeds, "cuda"), _kiln(loop, feeds))
+
+
+@pytest.mark.gpu
+def test_cuda_scan8_matches_cpu():
+    """sequence_lens masks and reversal run on the device."""
+    _needs("Add", "Mul")
     body = helper.make_graph(
         [helper.make_node("Add", ["s_in", "x"], ["s_out"]), helper.make_node("Mul", ["s_out", "x"], ["y"])],
         "body", [_vi("s_in", F, [2]), _vi("x", F, [2])], [_vi("s_out", F, [2]), _vi("y", F, [2])])

@@ -32,7 +32,8 @@ def _model(op, feeds, consts=None, opset=19, n_out=1, **attrs):
         [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for k, v in feeds.items()],
         [onnx.ValueInfoProto(name=o) for o in outs],
         [numpy_helper.from_array(v, k) for k, v in consts.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR 10 (opsets <= 21) loads in older onnxruntime builds too.
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
 
 
 def _kiln(model, feeds, **config):

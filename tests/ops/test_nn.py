@@ -4,10 +4,10 @@ References are onnxruntime (same ONNX semantics) or plain numpy.
 """
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 import kiln
 from kiln.errors import UnsupportedError
@@ -26,7 +26,8 @@ def _model(op, feeds, n_out=1, opset=22, out_types=None, **attrs):
         [node], "g",
         [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
         [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR 11 (not onnx's newest) so that older onnxruntime builds load the model too.
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
 
 
 def _kiln(model, feeds, **config):
@@ -76,7 +77,8 @@ def test_conv_transpose_general_path():
 def test_conv_transpose_output_shape_same_lower():
     feeds = {"x": _randn(1, 2, 4, 5), "w": _randn(2, 3, 3, 3)}
     _against_ort("ConvTranspose", feeds, strides=[2, 2], auto_pad="SAME_LOWER")
-    _against_ort("ConvTranspose", feeds, strides=[2, 2], output_shape=[9, 12])
+    _against_ort("ConvTranspose", feeds, strides=[2, 2], output_shape=[9, 12])  # grows: zeros plus bias
+    _against_ort("ConvTranspose", feeds, strides=[2, 2], output_shape=[7, 10])  # shrinks: crops both ends
 
 
 @pytest.mark.parametrize("ceil_mode", [0, 1])
@@ -171,8 +173,6 @@ def test_unsupported_geometry_is_reported_with_node_name():
 
 def test_deform_conv_groups_strides_mask():
     # ONNX's cases use one group and no stride/dilation; onnx's reference evaluator covers the rest.
-    from onnx.reference import ReferenceEvaluator
-
     feeds = {"x": _randn(2, 4, 6, 5), "w": _randn(6, 2, 2, 3), "offset": _randn(2, 2 * 2 * 6, 3, 2),
              "b": _randn(6), "mask": rng.random((2, 2 * 6, 3, 2)).astype(np.float32)}
     model = _model("DeformConv", feeds, opset=19, group=2, offset_group=2, strides=[2, 2], dilations=[2, 1],
@@ -189,3 +189,11 @@ def test_deform_conv_zero_offsets_is_conv():
                  {"x": x, "w": w, "offset": offset})
     (want,) = _kiln(_model("Conv", {"x": x, "w": w}, strides=[2, 2]), {"x": x, "w": w})
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_integer():
+    a = rng.integers(-20, 20, size=(3, 4)).astype(np.int64)
+    b = rng.integers(-20, 20, size=(4, 2)).astype(np.int64)
+    (y,) = _kiln(_model("Einsum", {"a": a, "b": b}, opset=12, equation="ij,jk->ki"), {"a": a, "b": b})
+    assert y.dtype == np.int64
+    np.testing.assert_array_equal(y, (a @ b).T)

@@ -19,7 +19,8 @@ def _model(op, feeds, outs=("y",), opset=22, out_types=None, **attrs):
         [node], "g",
         [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
         [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR 11 (not onnx's newest) so that older onnxruntime builds load the model too.
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
 
 
 def _kiln(model, feeds, **config):

@@ -13,12 +13,13 @@ from .registry import register
 TP = onnx.TensorProto
 
 # float8: largest finite value, |x| from which round-to-nearest-even overflows it,
-# and whether |x| equal to that bound overflows (the max has an odd mantissa).
+# whether |x| equal to that bound overflows (the max has an odd mantissa),
+# mantissa bits and smallest normal exponent.
 _FLOAT8 = {
-    TP.FLOAT8E4M3FN: (448.0, 464.0, False),
-    TP.FLOAT8E4M3FNUZ: (240.0, 248.0, True),
-    TP.FLOAT8E5M2: (57344.0, 61440.0, True),
-    TP.FLOAT8E5M2FNUZ: (57344.0, 61440.0, True),
+    TP.FLOAT8E4M3FN: (448.0, 464.0, False, 3, -6),
+    TP.FLOAT8E4M3FNUZ: (240.0, 248.0, True, 3, -7),
+    TP.FLOAT8E5M2: (57344.0, 61440.0, True, 2, -14),
+    TP.FLOAT8E5M2FNUZ: (57344.0, 61440.0, True, 2, -15),
 }
 # Small floats without Inf/NaN: mantissa bits, smallest normal exponent, largest value.
 _MINIFLOAT = {
@@ -35,18 +36,24 @@ def _floating(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in dtypes.FLOAT_TYPES else x.float()
 
 
+def _round_to_grid(a: torch.Tensor, mantissa_bits: int, min_exp: int) -> torch.Tensor:
+    """a (>= 0) rounded to nearest even on the grid of a float format without range limits."""
+    _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1)
+    step = torch.exp2((e - 1).clamp(min=min_exp).to(a.dtype) - mantissa_bits)
+    return torch.round(a / step) * step  # torch.round: half to even
+
+
 def _to_float8(x: torch.Tensor, to: int, saturate: bool) -> torch.Tensor:
-    big, bound, tie_overflows = _FLOAT8[to]
+    big, bound, tie_overflows, mantissa_bits, min_exp = _FLOAT8[to]
     x = _floating(x)
     y = x.clamp(-big, big)  # NaN stays NaN; the saturating rule
+    if x.dtype == torch.float64:  # torch narrows float64 through float32: round once, here
+        y = torch.copysign(_round_to_grid(y.abs(), mantissa_bits, min_exp), y)
     if not saturate:
         a = x.abs()
         over = a >= bound if tie_overflows else a > bound
-        if to == TP.FLOAT8E5M2:  # the only one of the four with an infinity
-            special = torch.copysign(torch.full_like(x, float("inf")), x)
-        else:
-            special = torch.full_like(x, float("nan"))
-        y = torch.where(over, special, y)
+        special = float("inf") if to == TP.FLOAT8E5M2 else float("nan")  # E5M2 alone has an infinity
+        y = torch.where(over, torch.copysign(torch.full_like(x, special), x), y)
     return y.to(dtypes.onnx_to_torch(to))
 
 
@@ -55,11 +62,8 @@ def round_minifloat(x: torch.Tensor, to: int) -> torch.Tensor:
     These types have no NaN; NaN becomes 0."""
     mantissa_bits, min_exp, big = _MINIFLOAT[to]
     x = x.float() if x.dtype != torch.float64 else x
-    a = x.abs().clamp(max=big)
-    _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1)
-    step = torch.exp2((e - 1).clamp(min=min_exp).to(x.dtype) - mantissa_bits)
-    q = torch.round(a / step) * step  # torch.round: half to even
-    q = torch.where(torch.isnan(x), 0.0, q.clamp(max=big))
+    q = _round_to_grid(x.abs().clamp(max=big), mantissa_bits, min_exp).clamp(max=big)
+    q = torch.where(torch.isnan(x), 0.0, q)
     return torch.copysign(q, x).to(torch.float8_e4m3fn)
 
 

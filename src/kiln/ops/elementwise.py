@@ -11,7 +11,8 @@ _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
 
 def _via_int64(fn):
     """torch has no CPU arithmetic/comparison kernels for uint16/32/64: compute in
-    int64 and cast integer results back (int64 -> uintN wraps modulo 2**N)."""
+    int64 and cast integer results back (int64 -> uintN wraps modulo 2**N). Exact
+    except for uint64 values >= 2**63, which order and divide as negatives."""
 
     @functools.wraps(fn)
     def impl(node, *xs):
@@ -44,8 +45,8 @@ def _binary(op_type, fn):
     return impl
 
 
-def _unary(op_type, fn, **facts):
-    @register(op_type, **facts)
+def _unary(op_type, fn):
+    @register(op_type)
     @_via_int64
     def impl(node, x):
         return fn(x)
@@ -129,7 +130,7 @@ def mean(node, *xs):
 @register("Where")
 @_via_int64
 def where(node, cond, x, y):
-    return torch.where(cond.to(torch.bool), x, y)
+    return torch.where(cond, x, y)
 
 
 @register("Clip")

@@ -28,13 +28,13 @@ def _ints(node, name, n, default):
     return list(v) if v else [default] * n
 
 
-def _check_geometry(node, *, max_dims=3):
+def _check_geometry(node):
     auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad not in _AUTO_PADS:
         return f"auto_pad '{auto_pad}' is not one of {', '.join(_AUTO_PADS)}"
     kernel = node.attr("kernel_shape")
-    if kernel and len(kernel) > max_dims:
-        return f"{len(kernel)}-D {node.op_type} is not supported (1-D to {max_dims}-D)"
+    if kernel and len(kernel) > 3:
+        return f"{len(kernel)}-D {node.op_type} is not supported (1-D to 3-D)"
     return None
 
 
@@ -160,7 +160,7 @@ def _bilinear_gather(planes, py, px):
     return out
 
 
-@register("DeformConv", check=_check_deform_conv)
+@register("DeformConv", check=_check_deform_conv, since=19)
 def deform_conv(node, x, w, offset, b=None, mask=None):
     if x.dim() != 4:
         raise ValueError(f"DeformConv supports 2-D input (rank 4), got rank {x.dim()}")
@@ -172,9 +172,12 @@ def deform_conv(node, x, w, offset, b=None, mask=None):
     ph, pw = _ints(node, "pads", 4, 0)[:2]
     # Sampling positions (N, offset_group, kH, kW, oH, oW): the regular grid plus the learned offsets.
     off = offset.float().reshape(n, og, kh, kw, 2, oh, ow)
-    ar = lambda size, step, start=0: torch.arange(size, device=x.device, dtype=torch.float32) * step + start
-    py = ar(kh, dh).view(kh, 1, 1, 1) + ar(oh, sh, -ph).view(1, 1, oh, 1) + off[:, :, :, :, 0]
-    px = ar(kw, dw).view(1, kw, 1, 1) + ar(ow, sw, -pw).view(1, 1, 1, ow) + off[:, :, :, :, 1]
+
+    def grid(size, step, start=0):
+        return torch.arange(size, device=x.device, dtype=torch.float32) * step + start
+
+    py = grid(kh, dh).view(kh, 1, 1, 1) + grid(oh, sh, -ph).view(1, 1, oh, 1) + off[:, :, :, :, 0]
+    px = grid(kw, dw).view(1, kw, 1, 1) + grid(ow, sw, -pw).view(1, 1, 1, ow) + off[:, :, :, :, 1]
     cols = _bilinear_gather(x.reshape(n, og, c // og, h, wd), py.reshape(n, og, -1), px.reshape(n, og, -1))
     if mask is not None:
         cols = cols * mask.reshape(n, og, 1, -1).to(x.dtype)
@@ -284,20 +287,22 @@ def max_pool(node, x):
     want_indices = len(node.outputs) > 1 and bool(node.outputs[1])
     pool = _MAX_POOL[n]
     eff = [(kernel[i] - 1) * dilations[i] + 1 for i in range(n)]
+    dtype = x.dtype
+    if not dtype.is_floating_point:  # CUDA has no integer pooling; int8/uint8 (ONNX's) are exact in FP32
+        x = x.to(torch.float32 if x.element_size() <= 2 else torch.float64)
     native = _native_pool(x, kernel, strides, dilations, pads, out, lambda i: eff[i] // 2)
     if native is not None:
         padding, ceil_mode = native
         res = pool(x, kernel, strides, padding, dilations, ceil_mode=ceil_mode, return_indices=want_indices)
         pad_begin, padded = [0] * n, list(x.shape[2:])
     else:
-        low = -math.inf if x.dtype.is_floating_point else torch.iinfo(x.dtype).min
-        xp = _pad_to_windows(x, kernel, strides, dilations, pads, out, low)
+        xp = _pad_to_windows(x, kernel, strides, dilations, pads, out, -math.inf)
         res = pool(xp, kernel, strides, 0, dilations, return_indices=want_indices)
         pad_begin, padded = pads[:n], list(xp.shape[2:])
     if not want_indices:
-        return res
+        return res.to(dtype)
     y, idx = res
-    return y, _flat_indices(idx, list(x.shape[2:]), pad_begin, padded, node.attr("storage_order", 0))
+    return y.to(dtype), _flat_indices(idx, list(x.shape[2:]), pad_begin, padded, node.attr("storage_order", 0))
 
 
 @register("AveragePool", check=_check_pool)
@@ -356,13 +361,12 @@ def global_lp_pool(node, x):
 def lrn(node, x):
     size = node.attr("size")
     alpha, beta, bias = node.attr("alpha", 1e-4), node.attr("beta", 0.75), node.attr("bias", 1.0)
-    sq = _acc(x).square()
-    c = x.shape[1]
-    # Mean of squares over channels [c - floor((size-1)/2), c + ceil((size-1)/2)]; avg_pool counts the zero padding.
-    planes = sq.reshape(x.shape[0], 1, c, -1)
-    planes = F.pad(planes, (0, 0, (size - 1) // 2, size // 2))
-    mean = F.avg_pool2d(planes, (size, 1), stride=1).reshape(sq.shape)
-    return (_acc(x) / (bias + alpha * mean).pow(beta)).to(x.dtype)
+    xa = _acc(x)
+    # Mean of squares over channels [c - floor((size-1)/2), c + ceil((size-1)/2)]; avg_pool counts the
+    # zero padding, so it divides by `size` as ONNX does (torch's local_response_norm centres even sizes differently).
+    planes = F.pad(xa.square().reshape(x.shape[0], 1, x.shape[1], -1), (0, 0, (size - 1) // 2, size // 2))
+    mean = F.avg_pool2d(planes, (size, 1), stride=1).reshape(x.shape)
+    return (xa / (bias + alpha * mean).pow(beta)).to(x.dtype)
 
 
 # -------------------------------------------------------------- matrix products
@@ -419,10 +423,13 @@ def _check_einsum(node):
     return None
 
 
-@register("Einsum", check=_check_einsum)
+@register("Einsum", check=_check_einsum, since=12)
 def einsum(node, *operands):
     eq = node.attr("equation").replace(" ", "")
     dtype = operands[0].dtype
+    if not dtype.is_floating_point and operands[0].device.type != "cpu":
+        # cuBLAS has no integer GEMM; FP64 is exact while results stay below 2**53.
+        return torch.einsum(eq, *[t.to(torch.float64) for t in operands]).to(torch.int64).to(dtype)
     if dtype in _UNSIGNED:
         operands = [t.to(torch.int64) for t in operands]
     return torch.einsum(eq, *operands).to(dtype)

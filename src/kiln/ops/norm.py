@@ -1,9 +1,10 @@
 """Normalization layers.
 
-The statistics of LayerNormalization, RMSNormalization and GroupNormalization
-are computed in their `stash_type` (FP32 by default, as ONNX specifies) even
-when the layer runs in FP16/BF16; torch's fused kernels already accumulate in
-FP32, so the FP16 path keeps them and only the explicit stash outputs upcast.
+Statistics are computed in FP32 even when a layer runs in FP16/BF16, as the
+`stash_type` of LayerNormalization, RMSNormalization and GroupNormalization
+asks by default: torch's fused layer_norm and instance_norm kernels already
+accumulate in FP32, the other layers upcast explicitly. Only the statistics are wider, so none of
+these ops needs to keep its whole layer in FP32.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _norm_axes(node, x):
     return axis + x.dim() if axis < 0 else axis
 
 
-@register("LayerNormalization")
+@register("LayerNormalization", since=17)
 def layer_norm(node, x, scale, bias=None):
     axis = _norm_axes(node, x)
     shape = x.shape[axis:]
@@ -82,7 +83,7 @@ def layer_norm(node, x, scale, bias=None):
     return y.to(x.dtype), mean.reshape(keep).to(u), rstd.reshape(keep).to(u)
 
 
-@register("RMSNormalization")
+@register("RMSNormalization", since=23)
 def rms_norm(node, x, scale):
     axis = _norm_axes(node, x)
     shape = x.shape[axis:]
@@ -122,7 +123,7 @@ def lp_norm(node, x):
     return torch.where(norm == 0, 0.0, acc / norm).to(x.dtype)
 
 
-@register("MeanVarianceNormalization")
+@register("MeanVarianceNormalization", since=9)  # opset 1 had other attributes
 def mean_variance_norm(node, x):
     axes = node.attr("axes", [0, 2, 3])
     acc = x.float() if x.dtype in _LOW else x

@@ -324,6 +324,12 @@ def bench(engine, *, samples: list[dict] | None = None, profile: int = 0, shapes
     return res
 
 
+def _speedup(x: float | None) -> str:
+    if x is None:
+        return "speedup n/a"
+    return f"Kiln {x:.2f}x faster" if x >= 1 else f"Kiln {1 / x:.2f}x slower"
+
+
 def _ms(s: dict | None, key="median") -> str:
     return f"{s[key]:.4f} ms" if s else "-"
 
@@ -346,7 +352,7 @@ def render(res: BenchResult, con) -> None:
             if p.ok:
                 extra = f", compile {p.setup_s:.1f} s" if p.setup_s is not None else ""
                 con.print(f"{p.name:<{width}} median {_ms(p.timings['latency_ms'])}, p99 "
-                          f"{_ms(p.timings['latency_ms'], 'p99')}  ->  Kiln is {p.speedup:.2f}x{extra}")
+                          f"{_ms(p.timings['latency_ms'], 'p99')}  ->  {_speedup(p.speedup)}{extra}")
             else:
                 con.print(f"{p.name:<{width}} FAILED: {p.error}")
     if res.layers:

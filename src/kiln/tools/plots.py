@@ -11,7 +11,6 @@ from html import escape
 
 _FONT = "font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;font-size:11px"
 _BAR = "#3b6ea8"
-_BAR_ALT = "#c46a2b"
 _GRID = "#d9dde3"
 _TEXT = "#2b2f36"
 _MARK = "#c0392b"
@@ -121,7 +120,7 @@ def hbars(items: list[tuple[str, float]], title: str, unit: str = "", width: int
         body.append(f'<text x="{label_width - 6}" y="{y + 14}" text-anchor="end" fill="{_TEXT}">'
                     f'<title>{escape(label)}</title>{escape(short)}</text>')
         body.append(f'<rect x="{label_width}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" '
-                    f'fill="{_BAR if i % 2 == 0 else _BAR_ALT}"><title>{escape(label)}: {_fmt(v)}{escape(unit)}'
+                    f'fill="{_BAR}"><title>{escape(label)}: {_fmt(v)}{escape(unit)}'
                     f'</title></rect>')
         body.append(f'<text x="{label_width + w + 4:.1f}" y="{y + 14}" fill="{_TEXT}">{_fmt(v)}{escape(unit)} '
                     f'({100 * v / total:.1f}%)</text>')

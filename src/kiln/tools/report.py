@@ -435,7 +435,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bott
 .meta{color:#57606a;font-size:12.5px}
 section{background:#fff;border:1px solid var(--line);border-radius:8px;padding:14px 18px;margin:14px 0}
 table{border-collapse:collapse;width:100%;font-size:13px}th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);
-vertical-align:top}th{background:#f0f2f5;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+vertical-align:top}th{background:#f0f2f5;font-weight:600}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .badge{display:inline-block;min-width:64px;text-align:center;border-radius:12px;padding:1px 10px;font-weight:700;
 font-size:12px;color:#fff}
 .pass{background:var(--ok)}.fail{background:var(--bad)}.warn{background:var(--warn)}.unknown,.n\\/a{background:var(--unk)}
@@ -452,7 +452,8 @@ def _badge(status: str) -> str:
 
 
 def _table(headers: list[str], rows: list[list], num_cols: tuple[int, ...] = ()) -> str:
-    h = "".join(f"<th>{escape(x)}</th>" for x in headers)
+    num = ' class="num"'
+    h = "".join(f"<th{num if i in num_cols else ''}>{escape(x)}</th>" for i, x in enumerate(headers))
     body = []
     for r in rows:
         cells = []

@@ -1,0 +1,62 @@
+"""The `kiln` command end to end (CPU target): build, run, and user errors without tracebacks."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kiln.cli import main
+
+from .models import mlp, mlp_reference
+
+
+def kiln_cmd(*args, cwd=None):
+    """Run the real console entry point in a subprocess (exit code, stdout, stderr)."""
+    p = subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_build_default_model_on_cpu_says_so(tmp_path):
+    code, out, err = kiln_cmd("build", "--saveEngine=tiny.kiln", "--iterations=5", "--warmUp=10", cwd=tmp_path)
+    assert code == 0, err
+    assert "building for the CPU target" in err
+    assert "Built Kiln's embedded tiny CNN" in out and "Throughput:" in out and "Latency: min =" in out
+    assert (tmp_path / "tiny.kiln").stat().st_size > 0
+
+
+def test_build_then_run_engine_with_inputs_and_exported_outputs(tmp_path, capsys):
+    model_path = tmp_path / "mlp.onnx"
+    model_path.write_bytes(mlp().SerializeToString())
+    engine = tmp_path / "mlp.kiln"
+    assert main(["build", f"--onnx={model_path}", f"--saveEngine={engine}", "--minShapes=x:1x8",
+                 "--optShapes=x:4x8", "--maxShapes=x:16x8", "--skipInference", "--device=cpu"]) == 0
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    out_file = tmp_path / "out.npz"
+    assert main(["run", f"--loadEngine={engine}", f"--loadInputs={tmp_path / 'in.npz'}",
+                 f"--exportOutput={out_file}", "--iterations=3", "--warmUp=1"]) == 0
+    with np.load(out_file) as z:
+        np.testing.assert_allclose(z["y"], mlp_reference(mlp(), x), rtol=1e-5, atol=1e-5)
+    assert "percentile(99%)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--loadEngine=missing.kiln"], "does not exist"),
+    (["build", "--onnx=garbage.onnx"], "garbage.onnx"),
+    (["build", "--minShapes=x:1x8", "--minShapes=x:2x8", "--optShapes=x:4x8"], "same number of times"),
+    (["build", "--memPoolSize=lots"], "workspace:4096"),
+])
+def test_user_errors_are_one_paragraph_without_traceback(tmp_path, args, message):
+    (tmp_path / "garbage.onnx").write_bytes(b"\x08\x07not a protobuf at all")
+    code, out, err = kiln_cmd(*args, cwd=tmp_path)
+    assert code != 0
+    assert "Traceback" not in err and message in err
+
+
+def test_shape_outside_profile_is_refused(tmp_path):
+    model_path = tmp_path / "mlp.onnx"
+    model_path.write_bytes(mlp().SerializeToString())
+    code, _, err = kiln_cmd("run", f"--onnx={model_path}", "--minShapes=x:1x8", "--optShapes=x:2x8",
+                            "--maxShapes=x:4x8", "--shapes=x:9x8", "--device=cpu", cwd=tmp_path)
+    assert code != 0 and "input 'x' axis 0 is 9" in err and "[1, 4]" in err and "Traceback" not in err
