@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run through Triton's interpreter (set before any kernel is defined).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -87,7 +87,8 @@ def test_matches_torch(op, bidirectional, layout):
     y, states = want[0], want[1] if op == "LSTM" else (want[1],)
     feeds = {"X": x.numpy(), **_onnx_weights(mod, order, bidirectional)}
     hs = [h0, c0] if op == "LSTM" else [h0]
-    feeds.update({k: (s.transpose(0, 1) if layout else s).contiguous().numpy() for k, s in zip(["initial_h", "initial_c"], hs)})
+    for name, s in zip(["initial_h", "initial_c"], hs):
+        feeds[name] = (s.transpose(0, 1) if layout else s).contiguous().numpy()
     attrs = dict(hidden_size=H, direction="bidirectional" if bidirectional else "forward", layout=layout)
     if op == "GRU":
         attrs["linear_before_reset"] = 1  # torch applies the reset gate after the recurrent matmul

@@ -104,7 +104,8 @@ def _scan9(node, inputs, scope):
     xs = [x.movedim(a, 0).flip(0) if d else x.movedim(a, 0) for x, a, d in zip(xs, in_axes, in_dirs)]
     states, ys = _scan_loop(body, states, xs, scope)
     # A reverse scan output gets the first iteration's slice last.
-    outs = [_stack(node, acc[::-1] if d else acc, v, a) for acc, a, d, v in zip(ys, out_axes, out_dirs, body.outputs[n:])]
+    outs = [_stack(node, acc[::-1] if d else acc, v, a)
+            for acc, a, d, v in zip(ys, out_axes, out_dirs, body.outputs[n:])]
     return _on_device(node, states + outs)
 
 

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from ..ir.graph import Node
 from .registry import register
 
-# name (lower case, as onnxruntime matches them) -> (fn(x, alpha, beta), default alpha, default beta).
-# A None default means the function takes no such parameter and consumes no value from
-# activation_alpha/activation_beta.
+# name (lower case: names match case-insensitively, as in onnxruntime) -> (fn(x, alpha, beta),
+# default alpha, default beta). A None default means the function takes no such parameter and
+# consumes no value from activation_alpha/beta. Defaults are those of the ONNX operators of the
+# same name, as the spec says (onnxruntime's RNNs use 0 for Affine and ScaledTanh instead).
 _ACTIVATIONS = {
     "relu": (lambda x, a, b: torch.relu(x), None, None),
     "tanh": (lambda x, a, b: torch.tanh(x), None, None),
@@ -43,11 +44,7 @@ def _num_directions(node: Node) -> int:
 
 
 def _activation_names(node: Node) -> list[str]:
-    per_dir = len(_DEFAULT_ACTS[node.op_type])
-    names = node.attr("activations") or _DEFAULT_ACTS[node.op_type] * _num_directions(node)
-    if len(names) == per_dir and _num_directions(node) == 2:
-        names = names * 2  # onnxruntime accepts one set for both directions
-    return names
+    return node.attr("activations") or _DEFAULT_ACTS[node.op_type] * _num_directions(node)
 
 
 def _activations(node: Node) -> list:
