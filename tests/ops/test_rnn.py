@@ -197,9 +197,13 @@ def test_batchwise_layout_transposes_io():
     _close(got, [want[0].transpose(2, 0, 1, 3), want[1].transpose(1, 0, 2), want[2].transpose(1, 0, 2)])
 
 
-def test_unknown_activation_is_reported_with_node_name():
-    with pytest.raises(UnsupportedError, match="lstm_under_test.*Swish"):
-        _kiln("LSTM", _feeds("LSTM", 1), hidden_size=6, activations=["Sigmoid", "Swish", "Tanh"])
+@pytest.mark.parametrize("acts, why", [
+    (["Sigmoid", "Swish", "Tanh"], "Swish"),
+    (["Sigmoid", "Tanh"], "2 activations given, expected 3 per direction"),
+])
+def test_unsupported_activations_are_reported_with_node_name(acts, why):
+    with pytest.raises(UnsupportedError, match=f"lstm_under_test.*{why}"):
+        _kiln("LSTM", _feeds("LSTM", 1), hidden_size=6, activations=acts)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,18 @@ from ..ir.graph import Graph
 from ..ops.registry import lookup
 
 
+def host_values(graph: Graph) -> set[str]:
+    """Names of the values computable on the host (weights and shape arithmetic)."""
+    known = set(graph.initializers)
+    for node in graph.nodes:
+        entry = lookup(node.op_type, node.domain)
+        ins = [i for i in node.inputs if i]
+        pure = not (entry.nondeterministic or entry.uses_scope or entry.data_dependent)
+        if entry.shape_only or (pure and ins and all(i in known for i in ins)):
+            known.update(o for o in node.outputs if o)
+    return known
+
+
 def assign(graph: Graph) -> bool:
     """Mark each node host or device; return True when the device work can be
     captured as one CUDA graph (no value-dependent shapes, no control flow)."""

@@ -13,6 +13,7 @@ from . import (
     fold_constants,
     fuse_attention,
     fuse_conv,
+    fuse_elementwise,
     fuse_gemm,
     fuse_skip_layernorm,
     merge_parallel_gemms,
@@ -29,6 +30,7 @@ PIPELINE = [
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
     fuse_skip_layernorm,  # residual Add + LayerNorm
+    fuse_elementwise,  # remaining chains of elementwise ops -> one generated kernel
     dead_code,  # weights the rewrites replaced
 ]
 

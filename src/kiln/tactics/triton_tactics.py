@@ -19,3 +19,16 @@ def triton_skip_layernorm(node, a, b, gamma, beta=None):
     y, s = layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
                                     node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]))
     return y, s
+
+
+def _elementwise_ok(node, args) -> bool:
+    from ..kernels import elementwise
+
+    return args[0].is_cuda and elementwise.supports(list(args))
+
+
+@tactic("Elementwise", "triton_generated", _elementwise_ok, level=3)
+def triton_elementwise(node, *inputs):
+    from ..kernels import elementwise
+
+    return elementwise.run(node.attr("program"), list(inputs))
