@@ -19,6 +19,7 @@ from ..errors import InputError, ShapeError
 from ..ir import dtypes
 from ..ir.dtypes import FLOAT_TYPES
 from ..ops.registry import lookup
+from ..passes.dead_code import reads
 from .interpreter import call_node, run_node
 
 
@@ -48,9 +49,8 @@ def _liveness(graph, keep: set[str]) -> dict[int, list[str]]:
     """Values to drop after node i (their last reader), except `keep`."""
     last: dict[str, int] = {}
     for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            if name:
-                last[name] = i
+        for name in reads(node):  # including values read inside If/Loop/Scan bodies
+            last[name] = i
         for name in node.outputs:
             if name:
                 last.setdefault(name, i)

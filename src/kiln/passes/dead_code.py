@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..ir.graph import Graph
 
 
-def _reads(node) -> set[str]:
+def reads(node) -> set[str]:
     """Names a node reads, including outer-scope names read inside its subgraphs."""
     names = {i for i in node.inputs if i}
     for v in node.attrs.values():
@@ -22,6 +22,6 @@ def run(graph: Graph) -> None:
     for node in reversed(graph.nodes):
         if any(o in live for o in node.outputs if o):
             kept.append(node)
-            live |= _reads(node)
+            live |= reads(node)
     graph.nodes = kept[::-1]
     graph.initializers = {k: t for k, t in graph.initializers.items() if k in live}
