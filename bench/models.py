@@ -39,4 +39,11 @@ def bert_base(seq: int = 128):
     return model, ("input_ids", "attention_mask"), inputs
 
 
-MODELS = {"resnet50": resnet50, "bert-base": bert_base}
+def vit_b16():
+    import torchvision
+
+    model = torchvision.models.vit_b_16(weights=None).eval()
+    return model, ("x",), lambda batch, g: {"x": torch.randn(batch, 3, 224, 224, generator=g)}
+
+
+MODELS = {"resnet50": resnet50, "bert-base": bert_base, "vit-b16": vit_b16}

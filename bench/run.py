@@ -64,6 +64,33 @@ def time_fn(fn, input_sets, iterations: int, warmup: int = 20) -> dict:
             "p99_ms": float(np.percentile(t, 99)), "min_ms": float(t.min()), "runs": iterations}
 
 
+def layer_profile(ctx, feeds, runs: int = 5) -> dict:
+    """Per-op-type GPU time (layer by layer, CUDA events): where an engine spends its time."""
+    totals: dict[str, float] = {}
+    pending = []
+
+    def observer(node, outs):
+        if outs is None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            pending.append([node, e, None])
+        else:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            pending[-1][2] = e
+
+    for _ in range(runs):
+        pending.clear()
+        ctx.run_layerwise(feeds, observer)
+        torch.cuda.synchronize()
+        for node, e0, e1 in pending:
+            key = f"{node.op_type}:{node.tactic}"
+            totals[key] = totals.get(key, 0.0) + e0.elapsed_time(e1) / runs
+    total = sum(totals.values())
+    return {k: {"ms": round(v, 4), "share": round(v / total, 4)}
+            for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]}
+
+
 def count_flops(model, inputs: dict) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -121,16 +148,22 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
 
     lo, hi = min(batches), max(batches)
     profile = kiln.Profile({k: (shape_of(k, lo), shape_of(k, hi), shape_of(k, hi)) for k in input_names})
-    engines = {}
+    engines, builds = {}, {}
     for prec in args.precisions:
-        t0 = time.perf_counter()
-        cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False,
+        cache = str(onnx_dir / f"{name}-{prec}.timing.json")
+        if os.path.exists(cache):
+            os.remove(cache)
+        cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False, timing_cache=cache,
                                fp16=prec == "fp16", bf16=prec == "bf16", tf32=prec == "tf32")
+        t0 = time.perf_counter()
         engines[prec] = (kiln.build(onnx_path, cfg), time.perf_counter() - t0)
-        print(f"[{name}] built kiln {prec} in {engines[prec][1]:.1f} s", flush=True)
+        t0 = time.perf_counter()
+        kiln.build(onnx_path, cfg)  # again, with the timing cache the first build wrote
+        builds[prec] = {"cold_s": engines[prec][1], "warm_cache_s": time.perf_counter() - t0}
+        print(f"[{name}] built kiln {prec}: {builds[prec]}", flush=True)
 
     for b in batches:
-        row = {"model": name, "batch": b, "export_s": export_s, "results": {}, "accuracy": {}}
+        row = {"model": name, "batch": b, "export_s": export_s, "results": {}, "accuracy": {}, "builds": builds}
         sets32 = [{k: v.to(dev) for k, v in s.items()} for s in cpu_sets[b]]
         half = lambda s: {k: (v.half() if v.is_floating_point() else v) for k, v in s.items()}  # noqa: E731
         sets16 = [half(s) for s in sets32]
@@ -174,7 +207,11 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             r = time_fn(lambda s: ctx.run(s, copy_outputs=False), sets32, args.iterations)
             r["build_s"] = build_s
             r["arena_bytes"] = engine.arena_bytes
+            r["fused_layers"] = sum(n.domain == "kiln" for n in engine.graph.nodes)
+            r["layers"] = len(engine.graph.nodes)
             row["results"][f"kiln_{prec}"] = r
+            if prec == "fp16":
+                r["layer_profile"] = layer_profile(ctx, sets32[0])
             got = next(iter(ctx.run(sets32[0]).values())).float().cpu().numpy()
             row["accuracy"][f"kiln_{prec}"] = error_stats(got, ref, TOL[prec])
         eager = row["results"]["eager_fp32"]["median_ms"]
@@ -231,6 +268,13 @@ def to_markdown(env: dict, results: list) -> str:
             bc = f"{v['vs_best_compile']:.2f}x" if v.get("vs_best_compile") else "n/a"
             lines.append(f"| {k} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['p99_ms']:.3f} | "
                          f"{v['vs_eager_fp32']:.2f}x | {v['vs_eager_fp16']:.2f}x | {bc} | {v['vs_floor']:.1f}x |")
+        prof = row["results"].get("kiln_fp16", {}).get("layer_profile")
+        if prof:
+            lines += ["", "Kiln FP16 per-layer time (layer by layer, top op:tactic): " + ", ".join(
+                f"{k} {v['ms']:.3f} ms ({100 * v['share']:.0f}%)" for k, v in prof.items())]
+        lines += ["", "| Kiln build | cold build s | rebuild with warm timing cache s |", "|---|---|---|"]
+        for k, bl in row.get("builds", {}).items():
+            lines.append(f"| {k} | {bl['cold_s']:.1f} | {bl['warm_cache_s']:.1f} |")
         lines += ["", "| engine vs onnxruntime (CPU FP32) | max abs err | max abs ref | err / range | rel L2 | tol | result |",
                   "|---|---|---|---|---|---|---|"]
         for k, a in row["accuracy"].items():
@@ -244,7 +288,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--models", default="resnet50,bert-base")
+    p.add_argument("--models", default="resnet50,bert-base,vit-b16")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--precisions", default="fp32,tf32,fp16,bf16")
     p.add_argument("--iterations", type=int, default=200)

@@ -1,25 +1,10 @@
 """Fixtures for the frontend tests: a stand-in op registry, so the check tests do not
 depend on which ops the op families have registered so far."""
 
-import os
-
 import pytest
 
 from kiln.ops import registry
 from kiln.ops.registry import OpEntry
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes over 20 s on a 2-core CPU machine (run with KILN_SLOW=1)")
-
-
-def pytest_collection_modifyitems(config, items):
-    if os.environ.get("KILN_SLOW"):
-        return
-    skip = pytest.mark.skip(reason="slow (over 20 s on CPU); set KILN_SLOW=1 to run it")
-    for item in items:
-        if "slow" in item.keywords and item.path.is_relative_to(os.path.dirname(__file__)):
-            item.add_marker(skip)
 
 
 def _impl(node, *args):

@@ -14,7 +14,7 @@ from rich.console import Console
 from kiln.errors import ConfigError, ModelError
 from kiln.frontend import check as check_mod
 from kiln.frontend import check_model
-from kiln.frontend.check import add_check_command, run_check
+from kiln.frontend.check import add_check_command
 from kiln.ops import lookup
 
 from .helpers import graph_model, mlp, save_external, vi
@@ -261,6 +261,8 @@ def test_upgrade_of_external_data_model(fake_ops, tmp_path, capsys):
     assert m.opset_import[0].version == 17
     np.testing.assert_array_equal(numpy_helper.to_array(m.graph.initializer[0]),
                                   numpy_helper.to_array(mlp().graph.initializer[0]))
+    with pytest.raises(ConfigError, match="would overwrite the model being read"):
+        _run_cli(["check", str(path), "--upgrade-opset", "17", "--output", str(path)], capsys)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -157,6 +157,17 @@ def test_external_symlink_inside_is_refused_like_onnx(tmp_path):
         load_onnx(path)
 
 
+def test_external_hard_link_is_refused_like_onnx(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    inner = tmp_path / "model"
+    inner.mkdir()
+    path = save_external(mlp(), inner)
+    os.link(inner / "model.data", outside / "copy.data")
+    with pytest.raises(ModelError, match=r"initializer '[wb]'.*model\.data.*2 hard links"):
+        load_onnx(path)
+
+
 def test_external_symlinked_subfolder_is_refused(tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()

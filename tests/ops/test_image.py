@@ -164,7 +164,7 @@ _GPU_CASES = {  # op: (feeds, host-known arguments, opset, attributes)
     "AffineGrid": ({"theta": _randn(2, 3, 4)}, {"size": np.array([2, 3, 4, 5, 6], np.int64)}, 20, {}),
     "MaxRoiPool": ({"x": _randn(2, 3, 9, 12), "rois": np.array([[0, 1, 1, 6, 4], [1, -3, -2, 4, 3]], np.float32)},
                    None, 12, {"pooled_shape": [3, 2]}),
-    "Col2Im": ({"x": _randn(2, 12, 24)}, {"image": np.array([5, 7]), "block": np.array([2, 2])}, 18,
+    "Col2Im": ({"x": _randn(2, 12, 42)}, {"image": np.array([5, 7]), "block": np.array([2, 2])}, 18,
                {"pads": [1, 0, 1, 1]}),
     "RoiAlign": ({"x": _randn(2, 3, 10, 9), "rois": _ROIS, "batch": np.array([1, 0])}, None, 16,
                  {"output_height": 3, "output_width": 2}),

@@ -78,8 +78,9 @@ def test_gather_nd_batch_dims_slices_and_negative_indices():
     i = np.array([[[-1], [0]], [[2], [-3]]], np.int64)  # batch_dims=1, k=1: whole (4, 5) slices
     y, = _same("GatherND", {"x": x, "i": i}, batch_dims=1)
     assert y.shape == (2, 2, 4, 5)
-    i = np.array([[[0, -1], [2, 3]], [[-2, 0], [1, 1]]], np.int64)  # batch_dims=2 over (2, 3)? no: k=2 of (3, 4)
-    _same("GatherND", {"x": x, "i": i}, batch_dims=1)
+    i = np.array([[[0, -1], [2, 3]], [[-2, 0], [1, 1]]], np.int64)  # k=2: (3, 4) positions, rows of 5
+    y, = _same("GatherND", {"x": x, "i": i}, batch_dims=1)
+    assert y.shape == (2, 2, 5)
 
 
 @pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
@@ -93,10 +94,13 @@ def test_scatter_elements_reductions_with_duplicates_on_axis1(reduction):
 
 
 @pytest.mark.parametrize("reduction", ["add", "mul", "max", "min"])
-def test_scatter_nd_reductions_on_unsigned_rows(reduction):
-    x = rng.integers(0, 9, size=(4, 3, 2)).astype(np.uint32)
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
+def test_scatter_nd_reductions_on_unsigned_rows(reduction, dtype):
+    x = rng.integers(0, 9, size=(4, 3, 2)).astype(dtype)
     i = np.array([[[1], [-1]], [[1], [0]]], np.int64)  # whole (3, 2) rows, row 1 twice
-    u = rng.integers(0, 9, size=(2, 2, 3, 2)).astype(np.uint32)
+    u = rng.integers(0, 9, size=(2, 2, 3, 2)).astype(dtype)
+    if dtype == np.uint64:
+        u[0, 0, 0, 0], u[1, 0, 0, 0] = 2**64 - 1, 2**63  # above int64's range: order must survive
     _same("ScatterND", {"x": x, "i": i, "u": u}, reference="onnx", reduction=reduction)
 
 
@@ -136,7 +140,7 @@ def test_top_k_opset1_attribute():
 def test_one_hot_float_indices_axis0_float_depth():
     feeds = {"i": np.array([[1.0, -1.0], [5.0, 0.0]], np.float32), "d": np.array(4.0, np.float32),
              "v": np.array([-2, 9], np.int64)}
-    y, = _same("OneHot", feeds, out_types=[TensorProto.INT64], axis=0)
+    y, = _same("OneHot", feeds, out_types=[TensorProto.INT64], reference="onnx", axis=0)
     assert y.shape == (4, 2, 2)
 
 
@@ -149,7 +153,7 @@ def test_reverse_sequence_batch_major_with_length_one():
 def test_unique_with_axis_all_outputs(sorted_):
     x = np.array([[2, 1, 2, 0], [1, 3, 1, 3], [2, 1, 2, 0]], np.int64)  # columns 0 and 2 repeat
     types = [TensorProto.INT64] * 4
-    y, first, inverse, counts = _same("Unique", {"x": x}, out_types=types, reference="onnx", axis=1, sorted=sorted_)
+    y, first, inverse, counts = _same("Unique", {"x": x}, out_types=types, axis=1, sorted=sorted_)
     np.testing.assert_array_equal(y[:, inverse], x)
 
 

@@ -9,6 +9,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import kiln
+from kiln.ir import dtypes
 
 _NP = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
        np.dtype(np.float64): TensorProto.DOUBLE, np.dtype(np.int64): TensorProto.INT64,
@@ -30,7 +31,7 @@ def _engine(model, **config):
 
 def _run(model, feeds=None):
     (y,) = _engine(model).create_execution_context().run(feeds or {}).values()
-    return y
+    return dtypes.to_numpy(y) if isinstance(y, torch.Tensor) else y
 
 
 N = 200_000
@@ -56,12 +57,12 @@ def test_seed_makes_runs_and_builds_reproducible():
     seeded = _model("RandomNormal", shape=[64], seed=7.0)
     a = _run(seeded)
     ctx = _engine(seeded).create_execution_context()
-    b, c = ctx.run({})["y"], ctx.run({})["y"]
+    b, c = ctx.run({})["y"].numpy(), ctx.run({})["y"].numpy()
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(b, c)
     assert not np.array_equal(a, _run(_model("RandomNormal", shape=[64], seed=7.5)))  # fractional seeds differ
     unseeded = _engine(_model("RandomNormal", shape=[64])).create_execution_context()
-    assert not np.array_equal(unseeded.run({})["y"], unseeded.run({})["y"])
+    assert not torch.equal(unseeded.run({})["y"], unseeded.run({})["y"])
 
 
 def test_random_ops_are_neither_folded_nor_captured():
@@ -128,9 +129,11 @@ def test_stft_matches_torch(complex_input):
     rng = np.random.default_rng(0)
     signal = rng.standard_normal((2, 64, 2 if complex_input else 1)).astype(np.float32)
     window = torch.hann_window(16, dtype=torch.float32).numpy()
-    step = np.array(5, np.int64)
-    feeds = {"x": signal, "step": step, "w": window}
-    y = _run(_model("STFT", feeds, onesided=0 if complex_input else 1, opset=17), feeds)
+    step = helper.make_tensor("step", TensorProto.INT64, [], [5])  # a frame step is a constant in practice
+    feeds = {"x": signal, "w": window}
+    model = _model("STFT", feeds, onesided=0 if complex_input else 1, opset=17, inits=[step])
+    model.graph.node[0].input[:] = ["x", "step", "w"]
+    y = _run(model, feeds)
     x = torch.from_numpy(signal)
     x = torch.complex(x[..., 0], x[..., 1]) if complex_input else x[..., 0]
     want = torch.stft(x, n_fft=16, hop_length=5, window=torch.from_numpy(window), center=False,
@@ -142,10 +145,11 @@ def test_stft_matches_torch(complex_input):
 def test_mel_weight_matrix_matches_onnx_reference():
     args = [np.array(v, np.int64) for v in (12, 512, 16000)] + [np.array(v, np.float32) for v in (40.0, 7000.0)]
     names = ["bins", "n_fft", "rate", "lo", "hi"]
-    feeds = dict(zip(names, args))
-    model = _model("MelWeightMatrix", feeds, out_type=TensorProto.DOUBLE, output_datatype=TensorProto.DOUBLE, opset=17)
-    y = _run(model, feeds)
-    (want,) = ReferenceEvaluator(model).run(None, feeds)
+    inits = [helper.make_tensor(k, _NP[v.dtype], [], [v.item()]) for k, v in zip(names, args)]
+    model = _model("MelWeightMatrix", out_type=TensorProto.DOUBLE, output_datatype=TensorProto.DOUBLE, opset=17,
+                   inits=inits)
+    y = _run(model)
+    (want,) = ReferenceEvaluator(model).run(None, {})
     assert y.shape == (257, 12) and y.dtype == np.float64
     np.testing.assert_allclose(y, want, atol=1e-12)
     assert (y.max(axis=0) == 1.0).all()  # every filter peaks at 1

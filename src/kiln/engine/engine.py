@@ -92,6 +92,10 @@ class Engine:
             }
             for node in self.graph.walk():
                 node.device = dev if node.placement == "device" else torch.device("cpu")
+                for v in node.attrs.values():  # control-flow bodies keep their own weights
+                    for sub in v if isinstance(v, list) else [v]:
+                        if isinstance(sub, Graph):
+                            sub.initializers = {k: t.to(dev) for k, t in sub.initializers.items()}
         return self._device_weights
 
     def create_execution_context(self, profile: int = 0, cuda_graphs: bool | None = None):

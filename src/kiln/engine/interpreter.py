@@ -21,13 +21,18 @@ _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def cast_for(node: Node, entry, args: list):
-    """Cast float inputs to the layer's compute precision (FP16/BF16 layers)."""
-    low = _LOW.get(node.precision)
-    if low is None or entry.keeps_input_types:
+    """Cast float inputs to the layer's compute precision: FP16/BF16 layers get low-precision
+    inputs, layers kept in FP32 inside a low-precision engine get FP32 ones."""
+    if entry.keeps_input_types:
         return args
+    want = _LOW.get(node.precision)
+    if want is None:
+        if not node.note.startswith("kept FP32"):
+            return args
+        want = torch.float32
     return [
-        a.to(low)
-        if isinstance(a, torch.Tensor) and a.dtype in FLOAT_TYPES and a.dtype != low and i not in entry.host_inputs
+        a.to(want)
+        if isinstance(a, torch.Tensor) and a.dtype in FLOAT_TYPES and a.dtype != want and i not in entry.host_inputs
         else a
         for i, a in enumerate(args)
     ]

@@ -7,7 +7,10 @@
 3. onnx.checker, then strict shape inference (check_type, strict_mode, data_prop).
    Together they are onnx's "full check"; inference runs as its own step so its
    error is reported once and names the node. Models with external data (any
-   model over 2 GB) are checked through their path, as protobuf cannot hold them.
+   model over 2 GB) are checked through their path (onnx.checker.check_model(path),
+   infer_shapes_path), as one protobuf cannot hold them. Data propagation is
+   switched off, and the report says so, when a 1-D tensor exceeds
+   DATA_PROP_MAX_ELEMENTS (onnx would need ~70 bytes per element).
 4. structure: node inputs nothing provides, graph inputs/outputs (dynamic axes
    are the axes a build profile must cover), element types Kiln lacks
 5. the operator table: every node (subgraphs too) against the op registry
@@ -18,7 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -101,14 +106,28 @@ def _checkable(loaded, proto: onnx.ModelProto, converted: bool) -> Iterator[tupl
         if loaded.path is not None and not converted:
             yield None, loaded.path  # the original file: onnx reads it and its external data itself
             return
-        # An upgraded model, or an in-memory one with external data: bring its weights in.
-        proto = _copy(proto)
-        external_data.load(proto, loaded.base_dir, loaded.label)
+        # An upgraded model, or an in-memory one with external data: stage it with its data files.
+        with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
+            yield None, _stage(proto, loaded, Path(tmp))
+        return
     if not _too_big(proto):
         yield proto, None
         return
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
         yield None, save_with_external_data(proto, Path(tmp) / "model.onnx")
+
+
+def _stage(proto: onnx.ModelProto, loaded, folder: Path) -> Path:
+    """Write the (small) model file into `folder` with copies of its external data files beside it."""
+    for ref in external_data.validate(proto, loaded.base_dir, loaded.label):
+        dst = folder / ref.location
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ref.path, dst)  # streams, never holds the weights in memory (onnx refuses hard links)
+    path = folder / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    return path
 
 
 def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> Path:
@@ -413,27 +432,51 @@ def run_check(args: argparse.Namespace) -> int:
 def save_model(report: CheckReport, path) -> Path:
     """Write the model the report checked (the upgraded one) to `path`, weights included.
 
-    Weights go to `<name>.data` beside it when the model is over 2 GB or kept them external.
+    A model that kept its weights in external files (or is over 2 GB) is written
+    with them in `<name>.data` beside it, one tensor at a time.
     """
     path = Path(path)
     model = report.checked_model
     if model is None:
         raise ConfigError("this report holds no model to save.")
-    if path.exists() and path.is_dir():
+    if path.is_dir():
         raise ConfigError(f"--output '{path}' is a folder; give a file name such as model.opset17.onnx.")
-    external = external_data.has_external_data(model)
-    if external:
-        model = _copy(model)
-        external_data.load(model, report.base_dir, f"'{report.model}'")
+    label = f"'{report.model}'"
+    refs = external_data.validate(model, report.base_dir, label)
+    data_path = path.with_name(path.name + ".data")
+    sources = {os.path.realpath(r.path) for r in refs}
+    if Path(report.model).is_file():
+        sources.add(os.path.realpath(report.model))
+    if {os.path.realpath(path), os.path.realpath(data_path)} & sources:
+        raise ConfigError(f"--output '{path}' would overwrite the model being read; choose another file name.")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if external or _too_big(model):
+        if refs:
+            _save_restreamed(model, path, data_path, report.base_dir, label)
+        elif _too_big(model):
             save_with_external_data(model, path)
         else:
             onnx.save_model(model, str(path))
     except OSError as e:
         raise ConfigError(f"cannot write '{path}': {e.strerror or e}.") from None
     return path
+
+
+def _save_restreamed(model: onnx.ModelProto, path: Path, data_path: Path, base_dir, label: str) -> None:
+    """Copy each external tensor's bytes into `data_path` and point a copy of the model at them."""
+    model = _copy(model)  # small: its weights are external
+    with open(data_path, "wb") as f:
+        for site in external_data.iter_tensors(model):
+            if not external_data.is_external(site.tensor):
+                continue
+            data = external_data.read(external_data.resolve(site, base_dir, label))
+            offset = f.tell()
+            f.write(data)
+            del site.tensor.external_data[:]
+            for k, v in (("location", data_path.name), ("offset", str(offset)), ("length", str(len(data)))):
+                e = site.tensor.external_data.add()
+                e.key, e.value = k, v
+    path.write_bytes(model.SerializeToString())
 
 
 def main(argv: list[str] | None = None) -> int:  # for `python -m kiln.frontend.check` until the CLI registers it

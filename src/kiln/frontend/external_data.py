@@ -4,8 +4,8 @@ A model over 2 GB cannot be one protobuf, so its tensors name a file
 (`location`), an `offset` and a `length` instead of holding their bytes. Those
 fields are untrusted input: a location must be a relative path that stays
 inside the model's folder. Absolute paths, '..' and symbolic links are refused
-(onnx itself refuses links too, so a model Kiln accepts also passes
-onnx.checker). A missing file, or an offset/length past the file's end, is an
+(onnx itself refuses symbolic and hard links too, so a model Kiln accepts
+also passes onnx.checker). A missing file, or an offset/length past the file's end, is an
 error naming the tensor.
 """
 
@@ -155,7 +155,13 @@ def resolve(site: TensorSite, base_dir: Path, model_label: str) -> ExternalRef:
         )
     if not path.is_file():
         raise ModelError(f"{site.where} in {model_label} keeps its data in '{path}', which is not a regular file.")
-    size = path.stat().st_size
+    st = path.stat()
+    if st.st_nlink > 1:
+        raise ModelError(
+            refuse + f"'{path}' has {st.st_nlink} hard links, so it may be a file from elsewhere; like onnx, "
+            "Kiln refuses hard-linked external data. Copy the file (cp, not ln) into the model's folder."
+        )
+    size = st.st_size
     offset = _int_field(fields, "offset", site, model_label) or 0
     length = _int_field(fields, "length", site, model_label)
     if offset > size:

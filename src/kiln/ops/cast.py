@@ -15,14 +15,14 @@ TP = onnx.TensorProto
 # float8: largest finite value, |x| from which round-to-nearest-even overflows it,
 # whether |x| equal to that bound overflows (the max has an odd mantissa),
 # mantissa bits and smallest normal exponent.
-_FLOAT8 = {
+FLOAT8_FORMATS = {
     TP.FLOAT8E4M3FN: (448.0, 464.0, False, 3, -6),
     TP.FLOAT8E4M3FNUZ: (240.0, 248.0, True, 3, -7),
     TP.FLOAT8E5M2: (57344.0, 61440.0, True, 2, -14),
     TP.FLOAT8E5M2FNUZ: (57344.0, 61440.0, True, 2, -15),
 }
 # Small floats without Inf/NaN: mantissa bits, smallest normal exponent, largest value.
-_MINIFLOAT = {
+MINIFLOAT_FORMATS = {
     TP.FLOAT4E2M1: (1, 0, 6.0),
     TP.FLOAT6E2M3: (3, 0, 7.5),
     TP.FLOAT6E3M2: (2, -2, 28.0),
@@ -44,7 +44,7 @@ def _round_to_grid(a: torch.Tensor, mantissa_bits: int, min_exp: int) -> torch.T
 
 
 def _to_float8(x: torch.Tensor, to: int, saturate: bool) -> torch.Tensor:
-    big, bound, tie_overflows, mantissa_bits, min_exp = _FLOAT8[to]
+    big, bound, tie_overflows, mantissa_bits, min_exp = FLOAT8_FORMATS[to]
     x = _floating(x)
     y = x.clamp(-big, big)  # NaN stays NaN; the saturating rule
     if x.dtype == torch.float64:  # torch narrows float64 through float32: round once, here
@@ -60,7 +60,7 @@ def _to_float8(x: torch.Tensor, to: int, saturate: bool) -> torch.Tensor:
 def round_minifloat(x: torch.Tensor, to: int) -> torch.Tensor:
     """x rounded (nearest even, saturating) to a FLOAT4/FLOAT6 type, in its float8 carrier.
     These types have no NaN; NaN becomes 0."""
-    mantissa_bits, min_exp, big = _MINIFLOAT[to]
+    mantissa_bits, min_exp, big = MINIFLOAT_FORMATS[to]
     x = x.float() if x.dtype != torch.float64 else x
     q = _round_to_grid(x.abs().clamp(max=big), mantissa_bits, min_exp).clamp(max=big)
     q = torch.where(torch.isnan(x), 0.0, q)
@@ -99,11 +99,11 @@ def cast_to(x: torch.Tensor, to: int, saturate: bool = True, round_mode: str = "
     """x converted to ONNX element type `to` following the Cast spec."""
     if x.dtype in dtypes.FLOAT8_TYPES:
         x = x.float()  # exact, and every conversion below is defined from float32
-    if to in _FLOAT8:
+    if to in FLOAT8_FORMATS:
         return _to_float8(x, to, saturate)
     if to == TP.FLOAT8E8M0:
         return _to_e8m0(x, saturate, round_mode)
-    if to in _MINIFLOAT:
+    if to in MINIFLOAT_FORMATS:
         return round_minifloat(x, to)
     if to in _NARROW_INT:
         return _wrap_int(x, *_NARROW_INT[to])

@@ -16,7 +16,7 @@ def _axis(axis: int, rank: int) -> int:
 
 
 def _wrap(index: torch.Tensor, dim) -> torch.Tensor:
-    """int64 indices with negatives counted from the end (`dim` may be a tensor, per position)."""
+    """int64 indices with negatives counted from the end of an axis of size `dim`."""
     index = index.to(torch.int64)
     return torch.where(index < 0, index + dim, index)
 
@@ -72,10 +72,28 @@ def _check_reduction(node):
     return None
 
 
+_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+_INT64_MIN = -(2**63)
+
+
+def _ordered_int64(t: torch.Tensor) -> torch.Tensor:
+    """Unsigned values as int64 in the same order (uint64: flip the sign bit)."""
+    return t.view(torch.int64) ^ _INT64_MIN if t.dtype == torch.uint64 else t.to(torch.int64)
+
+
+def _from_ordered_int64(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (t ^ _INT64_MIN).view(dtype) if dtype == torch.uint64 else t.to(dtype)
+
+
 def _scatter(x, axis, index, updates, reduction):
     if reduction == "none":
         return torch.scatter(x, axis, index, updates)
-    return torch.scatter_reduce(x, axis, index, updates, _REDUCE[reduction], include_self=True)
+    reduce = _REDUCE[reduction]
+    if x.dtype in _UNSIGNED and reduce in ("amax", "amin"):
+        # torch has no max/min scatter for unsigned types.
+        out = torch.scatter_reduce(_ordered_int64(x), axis, index, _ordered_int64(updates), reduce, include_self=True)
+        return _from_ordered_int64(out, x.dtype)
+    return torch.scatter_reduce(x, axis, index, updates, reduce, include_self=True)
 
 
 @register("ScatterElements", since=11, check=_check_reduction)

@@ -9,7 +9,7 @@ import onnx
 import torch
 
 from ..ir import dtypes
-from .cast import _FLOAT8, _MINIFLOAT, cast_to, round_minifloat
+from .cast import FLOAT8_FORMATS, MINIFLOAT_FORMATS, cast_to, round_minifloat
 from .nn import _check_geometry, conv
 from .registry import register
 
@@ -19,7 +19,7 @@ _INT_RANGES = {
     TP.UINT8: (0, 255), TP.INT8: (-128, 127), TP.UINT16: (0, 65535), TP.INT16: (-32768, 32767),
     TP.UINT4: (0, 15), TP.INT4: (-8, 7), TP.UINT2: (0, 3), TP.INT2: (-2, 1),
 }
-_QUANT_TYPES = set(_INT_RANGES) | set(_FLOAT8) | set(_MINIFLOAT)
+_QUANT_TYPES = set(_INT_RANGES) | set(FLOAT8_FORMATS) | set(MINIFLOAT_FORMATS)
 _FLOAT_OUT = (TP.FLOAT, TP.FLOAT16, TP.BFLOAT16, TP.DOUBLE)
 
 
@@ -46,7 +46,7 @@ def _saturate(q: torch.Tensor, zero_point: torch.Tensor | None, to: int, saturat
         return y.clamp(lo, hi).to(dtypes.onnx_to_torch(to))
     if zero_point is not None:  # float targets: zero point is normally 0, kept for the formula's sake
         q = q + zero_point.to(q.dtype)
-    if to in _MINIFLOAT:  # saturating whatever `saturate` says: these types have no Inf/NaN
+    if to in MINIFLOAT_FORMATS:  # saturating whatever `saturate` says: these types have no Inf/NaN
         return round_minifloat(q, to)
     return cast_to(q, to, saturate)
 
@@ -115,57 +115,49 @@ def dynamic_quantize_linear(node, x):
     return y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)
 
 
-def _centered(x: torch.Tensor, zero_point: torch.Tensor | None, rows: bool = False) -> torch.Tensor:
-    """x - zero_point in float64. `rows`: a 1-D zero point runs along x's rows (axis -2)."""
+def _centered(x: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+    """x - zero_point in float64 (exact for every quantized type)."""
     x = x.to(torch.float64)
-    if zero_point is None:
-        return x
-    zp = zero_point.to(torch.float64)
-    if rows and zp.dim() == 1 and zp.numel() > 1:
-        zp = zp.unsqueeze(-1)
-    return x - zp
+    return x if zero_point is None else x - zero_point.to(torch.float64)
 
 
-def _per_row(v: torch.Tensor) -> torch.Tensor:
-    return v.unsqueeze(-1) if v.dim() == 1 and v.numel() > 1 else v
+def _along(v: torch.Tensor | None, trailing: int) -> torch.Tensor | None:
+    """A 1-D (per-row / per-channel) scale or zero point shaped [n, 1, ...] with
+    `trailing` ones, to broadcast along its axis; single values pass through."""
+    if v is None or v.numel() == 1:
+        return v
+    return v.reshape([-1] + [1] * trailing)
 
 
 @register("MatMulInteger", since=10)
 def matmul_integer(node, a, b, a_zero_point=None, b_zero_point=None):
-    y = torch.matmul(_centered(a, a_zero_point, rows=True), _centered(b, b_zero_point))
+    # a's zero point may be per row, b's per column (which broadcasts as it is).
+    y = torch.matmul(_centered(a, _along(a_zero_point, 1)), _centered(b, b_zero_point))
     return y.to(torch.int32)
-
-
-def _channel_zero_point(zp: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
-    """A per-output-channel (1-D) weight zero point, shaped to broadcast against w."""
-    if zp is None or zp.dim() == 0 or zp.numel() == 1:
-        return zp
-    return zp.reshape([-1] + [1] * (w.dim() - 1))
 
 
 @register("ConvInteger", check=_check_geometry, since=10)
 def conv_integer(node, x, w, x_zero_point=None, w_zero_point=None):
     # Padding adds zeros to x - x_zero_point, i.e. pads x with its zero point.
-    y = conv(node, _centered(x, x_zero_point), _centered(w, _channel_zero_point(w_zero_point, w)))
+    y = conv(node, _centered(x, x_zero_point), _centered(w, _along(w_zero_point, w.dim() - 1)))
     return y.to(torch.int32)
 
 
 @register("QLinearMatMul", keeps_input_types=True, since=10)
 def qlinear_matmul(node, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
-    acc = torch.matmul(_centered(a, a_zero_point, rows=True), _centered(b, b_zero_point))
-    m = _per_row(a_scale) * b_scale / _per_row(y_scale)  # in the scales' type, as ONNX computes it
-    zp = _per_row(y_zero_point) if y_zero_point is not None else None
+    # a's scale and zero point may be per row, b's per column, y's per row.
+    acc = torch.matmul(_centered(a, _along(a_zero_point, 1)), _centered(b, b_zero_point))
+    m = _along(a_scale, 1) * b_scale / _along(y_scale, 1)  # in the scales' type, as ONNX computes it
     to = dtypes.torch_to_onnx((y_zero_point if y_zero_point is not None else a).dtype)
-    return _saturate(acc * m.to(torch.float64), zp, to)
+    return _saturate(acc * m.to(torch.float64), _along(y_zero_point, 1), to)
 
 
 @register("QLinearConv", keeps_input_types=True, check=_check_geometry, since=10)
 def qlinear_conv(node, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
     xc = _centered(x, x_zero_point)
-    wc = _centered(w, _channel_zero_point(w_zero_point, w))
+    wc = _centered(w, _along(w_zero_point, w.dim() - 1))
     acc = conv(node, xc, wc, bias.to(torch.float64) if bias is not None else None)
-    # A 1-D w_scale is per output channel (axis 1 of the result).
-    w_scale = w_scale.reshape([-1] + [1] * (x.dim() - 2)) if w_scale.numel() > 1 else w_scale
-    m = x_scale * w_scale / y_scale  # in the scales' type, as ONNX computes it
+    # w's scale may be per output channel: axis 1 of the result.
+    m = x_scale * _along(w_scale, x.dim() - 2) / y_scale  # in the scales' type, as ONNX computes it
     to = dtypes.torch_to_onnx((y_zero_point if y_zero_point is not None else x).dtype)
     return _saturate(acc * m.to(torch.float64), y_zero_point, to)

@@ -1,4 +1,4 @@
-"""Random generators, and the signal ops: windows, DFT, STFT, mel filter bank.
+"""Random generators, and the signal ops: windows, STFT, mel filter bank.
 
 A random op with a `seed` attribute draws from its own generator seeded with it
 on every run, so its output is reproducible (run to run and engine to engine);
@@ -73,9 +73,11 @@ def random_uniform_like(node, x):
 
 @register("Bernoulli", nondeterministic=True, since=15)
 def bernoulli(node, p):
-    draws = torch.bernoulli(p.to(torch.promote_types(p.dtype, torch.float32)), generator=_generator(node, p.device))
+    # u < p: probabilities outside [0, 1] act as 0 or 1 instead of failing.
+    u = torch.rand(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device,
+                   generator=_generator(node, p.device))
     dtype = node.attr("dtype")
-    return draws.to(dtypes.onnx_to_torch(dtype) if dtype is not None else p.dtype)
+    return (u < p).to(dtypes.onnx_to_torch(dtype) if dtype is not None else p.dtype)
 
 
 @register("Multinomial", nondeterministic=True, since=7)
@@ -93,7 +95,7 @@ def multinomial(node, logits):
 def _window(node, size, terms) -> torch.Tensor:
     """sum_k a_k * cos(2*pi*k*n / N): N = size (periodic) or size - 1 (symmetric)."""
     size = int(size)
-    denom = size if node.attr("periodic", 1) else size - 1
+    denom = max(size if node.attr("periodic", 1) else size - 1, 1)  # a 1-point window is its n = 0 value
     phase = torch.arange(size, dtype=torch.float64, device=node.device) * (2 * math.pi / denom)
     w = sum(a * torch.cos(k * phase) for k, a in enumerate(terms))
     return w.to(dtypes.onnx_to_torch(node.attr("output_datatype", TP.FLOAT)))
@@ -114,39 +116,13 @@ def blackman_window(node, size):
     return _window(node, size, (0.42, -0.5, 0.08))
 
 
-# ---------------------------------------------------------- Fourier transforms
+# ------------------------------------------------------------------ spectra
 
 
 def _as_complex(x: torch.Tensor) -> torch.Tensor:
     """[..., 1] (real) or [..., 2] (real, imaginary) -> a real or complex tensor without that axis."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return x[..., 0] if x.shape[-1] == 1 else torch.complex(x[..., 0], x[..., 1])
-
-
-def _as_pairs(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if y.is_complex():
-        return torch.stack([y.real, y.imag], dim=-1).to(dtype)
-    return y.unsqueeze(-1).to(dtype)
-
-
-@register("DFT", host_inputs=(1, 2), since=17)
-def dft(node, x, dft_length=None, axis=None):
-    if node.opset < 20:
-        axis = node.attr("axis", 1)
-    axis = (int(axis) if axis is not None else -2) % x.dim()  # counts the trailing real/imaginary axis
-    inverse, onesided = node.attr("inverse", 0), node.attr("onesided", 0)
-    if dft_length is not None:
-        n = int(dft_length)
-    else:  # an inverse one-sided input holds n // 2 + 1 bins of an even-length signal
-        n = 2 * (x.shape[axis] - 1) if inverse and onesided else x.shape[axis]
-    signal = _as_complex(x)
-    if inverse:
-        y = torch.fft.irfft(signal, n=n, dim=axis) if onesided else torch.fft.ifft(signal, n=n, dim=axis)
-    else:
-        y = torch.fft.fft(signal, n=n, dim=axis)
-        if onesided:
-            y = y.narrow(axis, 0, n // 2 + 1)
-    return _as_pairs(y, x.dtype)
 
 
 @register("STFT", host_inputs=(1, 3), since=17)
@@ -162,7 +138,7 @@ def stft(node, signal, frame_step, window=None, frame_length=None):
     y = torch.fft.fft(frames, n=length, dim=-1)
     if node.attr("onesided", 1):
         y = y[..., : length // 2 + 1]
-    return _as_pairs(y, signal.dtype)
+    return torch.stack([y.real, y.imag], dim=-1).to(signal.dtype)
 
 
 @register("MelWeightMatrix", host_inputs=(0, 1, 2, 3, 4), since=17)

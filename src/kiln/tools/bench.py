@@ -252,7 +252,8 @@ def run_peers(module: torch.nn.Module, engine, input_sets: list[dict], engine_ti
                 fn = _call_module(compiled, names)
                 first = sets[0] if not h2d else {k: x.to(device) for k, x in sets[0].items()}
                 t0 = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the compiler's own deprecation chatter
                     _with_timeout(compile_timeout, lambda: (fn(first), _sync(device)))
                 res.setup_s = time.perf_counter() - t0
             with torch.inference_mode():

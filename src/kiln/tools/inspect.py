@@ -354,12 +354,12 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
         in_types = sorted({t.dtype for t in x.inputs if t.dtype})
         out_types = sorted({t.dtype for t in x.outputs if t.dtype})
         prec = x.precision if x.placement == "device" else "host"
-        if in_types or out_types:
+        if x.placement == "device" and (in_types or out_types):
             prec += f" ({'/'.join(in_types) or '?'} -> {'/'.join(out_types) or '?'})"
         act = max((a for a in x.activation_bytes if a is not None), default=None)
         table.add_row(
             str(x.index), x.name, x.layer_type, x.tactic, prec,
-            "; ".join(f"{t.name} {compact_range(t.shapes)}" for t in x.inputs) or "-",
+            "; ".join(f"{t.name} {'(host)' if t.kind == 'host' else compact_range(t.shapes)}" for t in x.inputs) or "-",
             "; ".join(f"{t.name} {compact_range(t.shapes)}" for t in x.outputs) or "-",
             f"{x.weight_count:,}" if x.weights else "-", common.fmt_bytes(act) if act else "-")
     con.print(table)

@@ -1,0 +1,203 @@
+"""Flash-attention forward: softmax(q @ k^T * scale + mask) @ v without the [S, S] matrix in memory.
+
+One program per (BLOCK_M queries, batch*head). It walks the keys BLOCK_N at a time with
+the online softmax (running row max m and row sum l, FP32 accumulator rescaled when
+the max grows), in base 2 (exp2 with log2(e) folded into the scale).
+
+Layouts through strides: q [B, H, Sq, D]; k [B, H, Sk, D] or already transposed
+[B, H, D, Sk] (kiln::Attention's k_transposed); v [B, H, Sk, Dv]; leading dims
+broadcast (an MQA/GQA-style k with H=1 gets stride 0). The additive mask may have
+any shape broadcastable to [B, H, Sq, Sk]: broadcast dims are read with stride 0.
+A row whose every key is masked (-inf) has l == 0: the result is 0 with nan_guard
+(the exporter's Where(IsNaN) guard) and NaN (0/0) without, like the reference.
+Head dims up to 128 (32, 64, 80, 96, 128 in the models that matter; D is padded to
+a power of two inside the kernel and masked).
+
+Reference: kiln.ops.fused.attention; `reference` below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_scale,
+                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                      smb, smh, smm, smn, sob, soh, som, sod,
+                      HAS_MASK: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
+    m_ok = rm < SQ
+
+    q = tl.load(q_ptr + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :] * sqd,
+                mask=m_ok[:, None] & (rd[None, :] < D), other=0.0)
+    k_base = k_ptr + b * skb + h * skh + rd[:, None] * skd  # k^T tile [BLOCK_D, BLOCK_N]
+    v_base = v_ptr + b * svb + h * svh + rdv[None, :] * svd  # v tile [BLOCK_N, BLOCK_DV]
+    if HAS_MASK:
+        mask_base = m_ptr + b * smb + h * smh + rm[:, None] * smm
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for start_n in range(0, SK, BLOCK_N):
+        cols = start_n + rn
+        n_ok = cols < SK
+        kt = tl.load(k_base + cols[None, :] * skn, mask=(rd[:, None] < D) & n_ok[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
+        if HAS_MASK:
+            s += tl.load(mask_base + cols[None, :] * smn, mask=m_ok[:, None] & n_ok[None, :],
+                         other=0.0).to(tl.float32) * 1.4426950408889634
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys so far masked: nothing to subtract
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & (rdv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+
+    if NAN_GUARD:
+        out = tl.where((l_i > 0.0)[:, None], acc / l_i[:, None], 0.0)
+    else:
+        out = acc / l_i[:, None]  # 0/0 = NaN for fully masked rows, like softmax over all -inf
+    tl.store(o_ptr + b * sob + h * soh + rm[:, None] * som + rdv[None, :] * sod, out.to(o_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (rdv[None, :] < DV))
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+    def smem_bytes(self, d: int, dv: int, itemsize: int) -> int:
+        bd, bdv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
+        return (self.block_m * bd + self.num_stages * self.block_n * (bd + bdv)) * itemsize
+
+
+CONFIGS: list[tuple[FlashConfig, int]] = [
+    (FlashConfig(128, 64, 8, 3), 3),
+    (FlashConfig(64, 64, 4, 3), 3),
+    (FlashConfig(128, 128, 8, 2), 4),
+    (FlashConfig(64, 32, 4, 4), 4),
+    (FlashConfig(32, 64, 4, 3), 5),
+]
+
+
+def _shapes(q, k, v, k_transposed: bool):
+    """(lead dims, Sq, Sk, D, Dv) or None when the operands do not line up."""
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
+        return None
+    kd, ks = (k.shape[-2], k.shape[-1]) if k_transposed else (k.shape[-1], k.shape[-2])
+    if kd != q.shape[-1] or ks != v.shape[-2]:
+        return None
+    try:
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        return None
+    if tuple(lead) != tuple(q.shape[:-2]):
+        return None
+    return tuple(lead), q.shape[-2], ks, q.shape[-1], v.shape[-1]
+
+
+def supports(q, k, v, mask=None, k_transposed: bool = False) -> bool:
+    """Same-dtype FP16/BF16/FP32 q, k, v of rank 3 or 4, head dims in HEAD_DIMS, a broadcastable mask."""
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if not (q.device == k.device == v.device) or min(q.numel(), k.numel(), v.numel()) == 0:
+        return False
+    geo = _shapes(q, k, v, k_transposed)
+    if geo is None:
+        return False
+    lead, sq, sk, d, dv = geo
+    if d not in HEAD_DIMS or dv not in HEAD_DIMS:
+        return False
+    bh = math.prod(lead)
+    if bh > 65535 or max(q.numel(), k.numel(), v.numel(), bh * sq * dv) > _INT32_MAX:
+        return False
+    if mask is not None:
+        if mask.device != q.device or not mask.dtype.is_floating_point:
+            return False
+        try:
+            if torch.broadcast_shapes(mask.shape, (*lead, sq, sk)) != torch.Size((*lead, sq, sk)):
+                return False
+        except RuntimeError:
+            return False
+        if bh * sq * sk > _INT32_MAX:  # the broadcast mask's offsets stay below 2**31
+            return False
+    return True
+
+
+def _as4d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(0)
+
+
+def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed: bool = False,
+                    nan_guard: bool = False, precision: str = "float32", config: FlashConfig = CONFIGS[0][0],
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q @ k^T * scale + mask) @ v; returns a contiguous [.., Sq, Dv] tensor of q's dtype."""
+    lead, sq, sk, d, dv = _shapes(q, k, v, k_transposed)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    o = out if out is not None else torch.empty((*lead, sq, dv), dtype=q.dtype, device=q.device)
+    q4, k4, v4, o4 = _as4d(q), _as4d(k), _as4d(v), _as4d(o)
+    B, H = q4.shape[0], q4.shape[1]
+    k4 = k4.expand(B, H, *k4.shape[2:])
+    v4 = v4.expand(B, H, *v4.shape[2:])
+    skb, skh = k4.stride(0), k4.stride(1)
+    skn, skd = (k4.stride(3), k4.stride(2)) if k_transposed else (k4.stride(2), k4.stride(3))
+    if mask is not None:
+        m4 = mask.expand(*lead, sq, sk)
+        m4 = _as4d(m4)
+        ms = m4.stride()
+    else:
+        m4, ms = q4, (0, 0, 0, 0)
+    from .gemm import dot_precision
+
+    grid = (triton.cdiv(sq, config.block_m), B * H)
+    _flash_fwd_kernel[grid](
+        q4, k4, v4, m4, o4, H, sq, sk, d, dv, scale * _LOG2E,
+        *q4.stride(), skb, skh, skn, skd, *v4.stride(), *ms, *o4.stride(),
+        HAS_MASK=mask is not None, NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return o
+
+
+def reference(q, k, v, mask=None, scale=None, k_transposed=False, nan_guard=False):
+    """kiln.ops.fused.attention's semantics in FP32, returned in q's dtype."""
+    if k_transposed:
+        k = k.transpose(-1, -2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    if nan_guard:
+        probs = torch.nan_to_num(probs, nan=0.0)
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -1,0 +1,228 @@
+"""Implicit-GEMM 2-D convolution with a fused epilogue: y = act(conv(x, w) + b + z).
+
+The convolution is a GEMM of [output pixels, KH*KW*C] x [KH*KW*C, OC] whose left
+operand is never materialized: each program owns a tile of output pixels (n, oh, ow)
+and a tile of output channels, and gathers the input patch for its K slice straight
+from x. Two ways to walk K:
+- by channel blocks (C >= 32): for each (kh, kw), BLOCK_K input channels at a time;
+  with NHWC activations (channels-last) each pixel's channel slice is contiguous.
+- flat (small C, e.g. a stem conv on RGB): K = (kh, kw, c) flattened and gathered
+  element-wise, so a 7x7 conv on 3 channels does not pad every tap to a full block.
+x, w and z are read through their strides (any memory format); the output is
+channels-last ([N, OH, OW, OC] in memory, returned as an NCHW-shaped view). Bias,
+residual z (broadcastable to the output) and the activation are applied before the
+single store. groups == 1 only.
+
+Reference: kiln.ops.fused.fused_conv; `reference` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import ACTIVATIONS, DTYPES, _params, dot_precision, epilogue
+
+_INT32_MAX = 2**31 - 1
+FLAT_BELOW_C = 32  # input channels below which K is walked flat
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
+                 C, H, W, OC, OH, OW, M, KW, KTOT,
+                 sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw,
+                 stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
+                 HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+                 FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(OC, BLOCK_N)
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixel index (n, oh, ow) flattened
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel
+    rk = tl.arange(0, BLOCK_K)
+    pix = rm % M  # rows past the edge compute a valid pixel; the store masks them
+    oc = rn % OC
+    ow = pix % OW
+    oh = (pix // OW) % OH
+    n = pix // (OW * OH)
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    x_base = x_ptr + n * sxn
+    w_base = w_ptr + oc * swo
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FLAT:
+        for k0 in range(0, KTOT, BLOCK_K):
+            kk = k0 + rk  # flattened (kh, kw, c), c fastest
+            c = kk % C
+            tap = kk // C
+            kh = tap // KW
+            kw = tap % KW
+            ih = ih0[:, None] + kh[None, :] * dil_h
+            iw = iw0[:, None] + kw[None, :] * dil_w
+            ok = (kk[None, :] < KTOT) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
+            b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
+                        mask=(kk < KTOT)[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+    else:
+        c_blocks = tl.cdiv(C, BLOCK_K)
+        for it in range(0, KTOT // C * c_blocks):  # (kh, kw, channel block), channel block fastest
+            tap = it // c_blocks
+            c = (it % c_blocks) * BLOCK_K + rk
+            kh = tap // KW
+            kw = tap % KW
+            ih = ih0 + kh * dil_h
+            iw = iw0 + kw * dil_w
+            pix_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            c_ok = c < C
+            a = tl.load((x_base + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc,
+                        mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
+            b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
+                        mask=c_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + oc).to(tl.float32)[None, :]
+    if HAS_Z:
+        z_off = (n * szn + oh * szh + ow * szw)[:, None] + (oc * szc)[None, :]
+        acc += tl.load(z_ptr + z_off).to(tl.float32)
+    acc = epilogue(acc, ACT, p0, p1)
+    # channels-last output: [N, OH, OW, OC] row-major, i.e. pixel-major with OC contiguous
+    y_ptrs = y_ptr + rm[:, None] * OC + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < OC))
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    block_m: int  # output pixels per tile
+    block_n: int  # output channels per tile
+    block_k: int  # reduction slice (input channels per tap, or flattened (kh, kw, c))
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+    def smem_bytes(self, itemsize: int) -> int:
+        return self.num_stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
+
+
+CONFIGS: list[tuple[ConvConfig, int]] = [
+    (ConvConfig(128, 128, 64, 8, 3), 3),
+    (ConvConfig(64, 64, 64, 4, 4), 3),
+    (ConvConfig(128, 64, 64, 4, 3), 4),
+    (ConvConfig(64, 128, 64, 4, 3), 4),
+    (ConvConfig(128, 128, 32, 4, 4), 5),
+    (ConvConfig(256, 64, 32, 8, 3), 5),
+]
+
+
+def geometry(node, x: torch.Tensor, w: torch.Tensor):
+    """(strides, dilations, pads [top, left, bottom, right], (OH, OW)) for a 2-D ONNX Conv node, or None."""
+    from ..ops.nn import _conv_pads
+
+    if x.dim() != 4 or w.dim() != 4:
+        return None
+    strides = list(node.attr("strides") or [1, 1])
+    dilations = list(node.attr("dilations") or [1, 1])
+    if len(strides) != 2 or len(dilations) != 2 or min(strides) < 1 or min(dilations) < 1:
+        return None
+    kernel = list(w.shape[2:])
+    pads = list(_conv_pads(node, list(x.shape[2:]), kernel, strides, dilations))
+    if len(pads) != 4 or min(pads) < 0:
+        return None
+    out = [(x.shape[2 + i] + pads[i] + pads[2 + i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+           for i in range(2)]
+    if min(out) < 1:
+        return None
+    return strides, dilations, pads, tuple(out)
+
+
+def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None) -> bool:
+    """2-D, groups == 1, same-dtype FP16/BF16/FP32 x and w, a residual broadcastable to the output."""
+    if node.attr("group", 1) != 1 or node.attr("activation", "") not in ACTIVATIONS:
+        return False
+    if x.dim() != 4 or w.dim() != 4 or x.dtype != w.dtype or x.dtype not in DTYPES or w.shape[1] != x.shape[1]:
+        return False
+    if x.device != w.device or x.numel() == 0 or w.numel() == 0:
+        return False
+    if b is not None and (b.numel() != w.shape[0] or not b.dtype.is_floating_point or b.device != x.device):
+        return False
+    geo = geometry(node, x, w)
+    if geo is None:
+        return False
+    out_shape = (x.shape[0], w.shape[0], *geo[3])
+    if z is not None:
+        if not z.dtype.is_floating_point or z.device != x.device:
+            return False
+        try:
+            if torch.broadcast_shapes(z.shape, out_shape) != torch.Size(out_shape):
+                return False
+        except RuntimeError:
+            return False
+    n_out = out_shape[0] * out_shape[1] * out_shape[2] * out_shape[3]
+    return max(x.numel(), w.numel(), n_out, z.numel() if z is not None else 0) <= _INT32_MAX
+
+
+def block_k_for(config: ConvConfig, channels: int) -> tuple[int, bool]:
+    """(BLOCK_K, flat): walk K flat for few channels, else by channel blocks no wider than C needs."""
+    if channels < FLAT_BELOW_C:
+        return config.block_k, True
+    return min(config.block_k, triton.next_power_of_2(channels)), False
+
+
+def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
+           config: ConvConfig = CONFIGS[0][0], out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(conv2d(x, w) + b + z) with the node's ONNX attributes; channels-last output of x's dtype.
+
+    `out`, if given, is the [N, OH, OW, OC] contiguous buffer to write into.
+    """
+    strides, dilations, pads, (OH, OW) = geometry(node, x, w)
+    N, C, H, W = x.shape
+    OC, _, KH, KW = w.shape
+    M = N * OH * OW
+    y = out if out is not None else torch.empty((N, OH, OW, OC), dtype=x.dtype, device=x.device)
+    act = node.attr("activation", "")
+    p0, p1 = _params(act, node.attr("activation_params", []))
+    if b is not None:
+        b = b.reshape(-1)
+        if b.stride(0) != 1:
+            b = b.contiguous()
+    zs = (0, 0, 0, 0)
+    if z is not None:
+        z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
+        zs = z.stride()
+    block_k, flat = block_k_for(config, C)
+    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)
+    _conv_kernel[grid](
+        x, w, b if b is not None else w, z if z is not None else w, y,
+        C, H, W, OC, OH, OW, M, KW, KH * KW * C,
+        *x.stride(), *w.stride(), *zs,
+        strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
+        HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision),
+        FLAT=flat, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y.permute(0, 3, 1, 2)
+
+
+def reference(node, x, w, b=None, z=None):
+    """kiln's FusedConv reference computed in FP32, returned in x's dtype."""
+    from ..ops.fused import fused_conv
+
+    return fused_conv(node, x.float(), w.float(), b.float() if b is not None else None,
+                      z.float() if z is not None else None).to(x.dtype)

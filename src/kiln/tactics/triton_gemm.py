@@ -1,0 +1,142 @@
+"""Triton tactics for the heavy fused layers: GEMM, implicit-GEMM convolution, flash attention.
+
+Each kernel configuration (tile sizes, warps, pipeline stages) is its own tactic, so
+the builder's timer picks the configuration per layer and shape on the target GPU:
+  FusedGemm  triton_gemm_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/gemm.py
+  FusedConv  triton_conv_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/conv.py
+  Attention  triton_flash_m<BM>_n<BN>_w<warps>_s<stages>     kiln/kernels/attention.py
+A few configurations per layer type from level 3, more at levels 4-5 (see each kernel's
+CONFIGS). applies() refuses what a kernel cannot run: non-CUDA tensors, other dtypes,
+grouped or non-2-D convolutions, unsupported head dims, a configuration whose pipeline
+would not fit in the GPU's shared memory, or a tile far larger than the problem
+(more than 4x the padded M or N: a smaller configuration always covers it).
+FP32 layers run tl.dot with exact FP32 products unless the layer precision is "tf32".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import tactic
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 101376)
+
+
+def _fits(x: torch.Tensor, smem_bytes: int) -> bool:
+    return smem_bytes <= _smem_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def _not_oversized(block: int, extent: int) -> bool:
+    """A tile no more than 4x the problem's extent rounded up to a power of two (at least 16)."""
+    p = 16
+    while p < extent:
+        p *= 2
+    return block <= 4 * p
+
+
+# --- FusedGemm ------------------------------------------------------------------
+def _gemm_applies(config):
+    def applies(node, args) -> bool:
+        from ..kernels import gemm
+
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else None
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda):
+            return False
+        if not gemm.supports(x, w, b, node.attr("activation", "")):
+            return False
+        m = x.numel() // x.shape[-1]
+        return (_fits(x, config.smem_bytes(x.element_size())) and _not_oversized(config.block_m, m)
+                and _not_oversized(config.block_n, w.shape[1]))
+
+    return applies
+
+
+def _gemm_run(config):
+    def run(node, x, w, b=None):
+        from ..kernels import gemm
+
+        return gemm.gemm(x, w, b, node.attr("activation", ""), node.attr("activation_params", []),
+                         config=config, precision=node.precision)
+
+    return run
+
+
+# --- FusedConv ------------------------------------------------------------------
+def _conv_applies(config):
+    def applies(node, args) -> bool:
+        from ..kernels import conv
+
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else None
+        z = args[3] if len(args) > 3 else None
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda):
+            return False
+        if not conv.supports(node, x, w, b, z):
+            return False
+        oh, ow = conv.geometry(node, x, w)[3]
+        return (_fits(x, config.smem_bytes(x.element_size())) and _not_oversized(config.block_m, x.shape[0] * oh * ow)
+                and _not_oversized(config.block_n, w.shape[0]))
+
+    return applies
+
+
+def _conv_run(config):
+    def run(node, x, w, b=None, z=None):
+        from ..kernels import conv
+
+        return conv.conv2d(node, x, w, b, z, config=config)
+
+    return run
+
+
+# --- Attention ------------------------------------------------------------------
+def _flash_applies(config):
+    def applies(node, args) -> bool:
+        from ..kernels import attention
+
+        q, k, v = args[0], args[1], args[2]
+        mask = args[3] if len(args) > 3 else None
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not q.is_cuda:
+            return False
+        if not attention.supports(q, k, v, mask, bool(node.attr("k_transposed", 0))):
+            return False
+        return (_fits(q, config.smem_bytes(q.shape[-1], v.shape[-1], q.element_size()))
+                and _not_oversized(config.block_m, q.shape[-2]))
+
+    return applies
+
+
+def _flash_run(config):
+    def run(node, q, k, v, mask=None):
+        from ..kernels import attention
+
+        return attention.flash_attention(q, k, v, mask, node.attr("scale", None), bool(node.attr("k_transposed", 0)),
+                                         bool(node.attr("nan_guard", 0)), precision=node.precision, config=config)
+
+    return run
+
+
+def _register() -> None:
+    from ..kernels import attention, conv, gemm
+
+    for cfg, level in gemm.CONFIGS:
+        tactic("FusedGemm", f"triton_gemm_{cfg.name}", _gemm_applies(cfg), level=level)(_gemm_run(cfg))
+    for cfg, level in conv.CONFIGS:
+        tactic("FusedConv", f"triton_conv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
+    for cfg, level in attention.CONFIGS:
+        tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=level)(_flash_run(cfg))
+
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # no Triton here: these tactics are not offered
+    pass
+else:
+    _register()

@@ -1,0 +1,109 @@
+import os
+
+import pytest
+import torch
+
+from kiln.ir.graph import Node
+from kiln.kernels import gemm
+from kiln.ops.fused import fused_gemm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SMALL = gemm.GemmConfig(16, 16, 16, 4, 1, group_m=2)  # several tiles, a K remainder and a swizzle group edge
+PARAMS = {"LeakyRelu": [0.2], "Clip": [-0.5, 0.7]}
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter's exp
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("act", gemm.ACTIVATIONS)
+def test_every_epilogue_matches_reference(act):
+    x, w, b = _rand(37, 45, seed=1), _rand(45, 29, seed=2), _rand(29, seed=3)
+    y = gemm.gemm(x, w, b, act, PARAMS.get(act, []), config=SMALL)
+    torch.testing.assert_close(y, gemm.reference(x, w, b, act, PARAMS.get(act, [])), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 17, 70), (70, 32, 17), (33, 64, 48)])  # K a multiple of BLOCK_K or not
+def test_odd_sizes_without_bias(M, K, N):
+    x, w = _rand(M, K, seed=M), _rand(K, N, seed=N)
+    torch.testing.assert_close(gemm.gemm(x, w, None, "", config=SMALL), gemm.reference(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_batched_input_and_strided_operands():
+    x = _rand(2, 5, 90, seed=4)[..., ::2]  # [2, 5, 45], K stride 2: reshape copies, strides are honoured
+    w = _rand(29, 45, seed=5).t()  # [45, 29] seen through a transposed view
+    b = _rand(1, 29, seed=6)  # [1, N] bias, as some exporters keep it
+    y = gemm.gemm(x, w, b, "Relu", config=SMALL)
+    assert y.shape == (2, 5, 29)
+    torch.testing.assert_close(y, gemm.reference(x, w, b, "Relu"), atol=1e-4, rtol=1e-4)
+
+
+def test_fp16_inputs():
+    x, w, b = (_rand(*s, seed=i, dtype=torch.float16) for i, s in enumerate([(37, 45), (45, 29), (29,)]))
+    y = gemm.gemm(x, w, b, "GeluTanh", config=SMALL)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, gemm.reference(x, w, b, "GeluTanh"), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter multiplies bf16 operands as raw uint16")
+def test_bf16_inputs():
+    x, w, b = (_rand(*s, seed=i, dtype=torch.bfloat16) for i, s in enumerate([(37, 45), (45, 29), (29,)]))
+    y = gemm.gemm(x, w, b, "Silu", config=SMALL)
+    torch.testing.assert_close(y, gemm.reference(x, w, b, "Silu"), atol=5e-2, rtol=5e-2)
+
+
+def test_every_output_element_is_written():
+    x, w, b = _rand(37, 45, seed=7), _rand(45, 29, seed=8), _rand(29, seed=9)
+    out = torch.full((37, 29), float("nan"), device=DEV)
+    y = gemm.gemm(x, w, b, "", config=SMALL, out=out)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
+    torch.testing.assert_close(out, gemm.reference(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_tf32_only_when_the_layer_asks():
+    assert gemm.dot_precision(torch.float32, "float32") == "ieee"
+    assert gemm.dot_precision(torch.float32, "tf32") == "tf32"
+    assert gemm.dot_precision(torch.float16, "float16") == "ieee"  # ignored for 16-bit operands
+
+
+def test_supports_refuses_what_the_kernel_cannot_do():
+    x, w, b = torch.randn(4, 8), torch.randn(8, 3), torch.randn(3)
+    assert gemm.supports(x, w, b, "Relu") and gemm.supports(x, w, None, "")
+    assert not gemm.supports(x, w, b, "Softplus")  # an activation the epilogue lacks
+    assert not gemm.supports(x.double(), w.double(), b, "")
+    assert not gemm.supports(x.half(), w, b, "")  # mixed operand dtypes
+    assert not gemm.supports(x, torch.randn(7, 3), b, "")  # K mismatch
+    assert not gemm.supports(x, w, torch.randn(4), "")  # bias of the wrong length
+    assert not gemm.supports(torch.randn(8), w, b, "")  # 1-D x
+
+
+# --- the registered tactics -------------------------------------------------------
+def _gemm_tactics():
+    from kiln.tactics import _TACTICS, triton_gemm  # noqa: F401  (registers)
+
+    return [t for t in _TACTICS[("kiln", "FusedGemm")] if t.name.startswith("triton_gemm_")]
+
+
+def test_tactic_names_and_levels():
+    tactics = _gemm_tactics()
+    assert 3 <= sum(t.level == 3 for t in tactics) <= 4 and all(3 <= t.level <= 5 for t in tactics)
+    assert "triton_gemm_128x128x64_w4_s3" in {t.name for t in tactics}
+    assert len({t.name for t in tactics}) == len(tactics)
+
+
+def test_every_tactic_matches_the_layer_reference():
+    node = Node("FusedGemm", ["x", "w", "b"], ["y"], {"activation": "GeluErf", "activation_params": []},
+                domain="kiln")
+    x, w, b = _rand(2, 9, 45, seed=10), _rand(45, 70, seed=11), _rand(70, seed=12)
+    want = fused_gemm(node, x, w, b)
+    tried = 0
+    for t in _gemm_tactics():
+        ok = t.applies(node, [x, w, b])
+        assert not ok or x.is_cuda, t.name  # CPU tensors are refused; the interpreter runs every config
+        if ok or not x.is_cuda:
+            torch.testing.assert_close(t.fn(node, x, w, b), want, atol=1e-4, rtol=1e-4, msg=t.name)
+            tried += 1
+    assert tried >= 3
