@@ -263,7 +263,7 @@ def to_markdown(env: dict, results: list) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for k, v in row["results"].items():
             if "median_ms" not in v:
-                lines.append(f"| {k} | {v.get('error', 'n/a')} | | | | | | |")
+                lines.append(f"| {k} | {v.get('error', 'n/a').splitlines()[0]} | | | | | | |")
                 continue
             bc = f"{v['vs_best_compile']:.2f}x" if v.get("vs_best_compile") else "n/a"
             lines.append(f"| {k} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['p99_ms']:.3f} | "

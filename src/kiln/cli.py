@@ -258,12 +258,16 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_options(r)
     r.set_defaults(func=cmd_run)
 
-    try:  # TEMP until the frontend lands
-        from .frontend import check as check_cmd
+    from .frontend import check as check_cmd
+    from .tools import bench as bench_tool
+    from .tools import compare as compare_tool
+    from .tools import inspect as inspect_tool
+    from .tools import report as report_tool
+    from .tools import verify as verify_tool
 
-        check_cmd.add_check_command(sub)
-    except ImportError:
-        pass
+    check_cmd.add_check_command(sub)
+    for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool):
+        tool.add_command(sub)
     return p
 
 

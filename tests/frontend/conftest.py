@@ -17,7 +17,8 @@ def _gemm_check(node):
 
 @pytest.fixture
 def fake_ops(monkeypatch):
-    """A registry holding exactly: MatMul, Add, Relu, If, Identity, Gemm (transA=0 only), Reshape, Shape."""
+    """A registry holding exactly: MatMul, Add, Relu, If, Identity, Reshape, Shape, Constant,
+    Gemm (transA=0 only) and Softmax (opset 13 and newer)."""
     entries = {}
     for op in ("MatMul", "Add", "Relu", "If", "Identity", "Reshape", "Shape", "Constant"):
         entries[("", op)] = OpEntry(op_type=op, domain="", impl=_impl)

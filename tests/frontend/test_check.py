@@ -47,7 +47,7 @@ def test_buildable_model(fake_ops):
     assert any("'x'" in w and "dynamic axes [0]" in w for w in r.warnings)  # a profile will be needed
     j = r.to_json()
     assert json.loads(json.dumps(j)) == j  # plain JSON
-    assert j["buildable"] is True and j["opsets"] == {"ai.onnx": 17}
+    assert j["buildable"] is True and j["opsets"] == {"ai.onnx": 17} and j["opset"]["meets_recommendation"]
     assert j["inputs"][0] == {"name": "x", "dtype": "float32", "shape": ["batch", 64], "dynamic_axes": [0]}
     out = _render(r)
     assert "BUILDABLE" in out and "MatMul" in out and "batch x 64" in out
@@ -188,6 +188,9 @@ def test_upgrade_failure_is_reported(fake_ops):
     assert not r.upgrade.ok and "downgrade" in r.upgrade.error
     r = check_model(mlp(opset=17), upgrade_opset=999)
     assert not r.upgrade.ok and "not a valid target" in r.upgrade.error
+    frob = graph_model([helper.make_node("Frobnicate", ["x"], ["y"], name="frob")], [vi("x", [2])], [vi("y", [2])], opset=11)
+    r = check_model(frob, upgrade_opset=17)
+    assert not r.upgrade.ok and "'frob' (Frobnicate)" in r.upgrade.error
     r = check_model(os.path.join(LIGHT, "light_squeezenet.onnx"), upgrade_opset=9)
     assert r.upgrade.ok and "nothing to convert" in r.upgrade.changes[0]
 

@@ -227,3 +227,20 @@ def test_external_bad_offset_field(tmp_path):
 
 def test_errors_are_kiln_errors():
     assert issubclass(ModelError, KilnError)
+
+
+def test_builder_reads_external_data_through_the_loader(tmp_path):
+    import kiln
+    from kiln.ops import lookup
+
+    missing = [op for op in ("MatMul", "Add", "Relu") if lookup(op) is None]
+    if missing:
+        pytest.skip(f"ops not registered yet: {', '.join(missing)}")
+    m = mlp()
+    w = _weights(m)
+    path = save_external(m, tmp_path)  # (moves m's weights out)
+    engine = kiln.build(path, kiln.BuildConfig(device="cpu", progress=False,
+                                               profiles=[kiln.Profile({"x": ((1, 64), (2, 64), (4, 64))})]))
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    got = engine.create_execution_context().run({"x": x})["y"]
+    np.testing.assert_allclose(got, np.maximum(x @ w["w"] + w["b"], 0), rtol=1e-5, atol=1e-5)

@@ -151,3 +151,23 @@ def test_resnet18_export():  # ~10 s on 2 CPU cores once the exporter is warm (n
     with torch.no_grad():
         want = module(x4).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_build_from_export_with_hinted_profile(mlp_export):
+    import kiln
+    from kiln.ops import lookup
+
+    module, model, hints = mlp_export
+    ops = {n.op_type for n in model.graph.node}
+    missing = sorted(op for op in ops if lookup(op) is None)
+    if missing:
+        pytest.skip(f"ops not registered yet: {', '.join(missing)}")
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[hints.to_profile()]))
+    ctx = engine.create_execution_context()
+    module.eval()
+    x, bias = torch.randn(9, 8), torch.randn(9, 4)
+    with torch.no_grad():
+        want = module(x, bias)
+    module.train()
+    got = ctx.run({"features": x, "bias": bias})["logits"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

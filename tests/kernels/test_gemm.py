@@ -66,7 +66,8 @@ def test_every_output_element_is_written():
 def test_tf32_only_when_the_layer_asks():
     assert gemm.dot_precision(torch.float32, "float32") == "ieee"
     assert gemm.dot_precision(torch.float32, "tf32") == "tf32"
-    assert gemm.dot_precision(torch.float16, "float16") == "ieee"  # ignored for 16-bit operands
+    assert gemm.dot_precision(torch.float32, "float16") == "ieee"  # an FP32 layer kept in an FP16 build
+    assert gemm.dot_precision(torch.float16, "float16") == "tf32"  # Triton's default; moot for 16-bit operands
 
 
 def test_supports_refuses_what_the_kernel_cannot_do():

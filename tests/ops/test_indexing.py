@@ -8,7 +8,7 @@ shapes in an engine. References: onnxruntime, ONNX's reference evaluator, or num
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import kiln

@@ -249,3 +249,16 @@ def test_int4_weight_dequantizes_from_its_carrier():
                        inputs=["w", "s", "z"]), {"s": scale})
     assert y.tolist() == [[-4.0, -0.5, 0.0], [0.0, 8.0, 12.0]]
     assert torch.equal(dtypes.to_torch(np.array([-8, 7], ml_dtypes.int4)), torch.tensor([-8, 7], dtype=torch.int8))
+
+
+def test_zero_point_computed_in_the_graph_is_pinned_by_type_inference():
+    nodes = [helper.make_node("Cast", ["zf"], ["z"], to=TensorProto.INT4),
+             helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT4, None)],
+                              [helper.make_tensor("zf", TensorProto.FLOAT, [], [1.0]),
+                               helper.make_tensor("s", TensorProto.FLOAT, [], [1.0])])
+    model = dtypes.pin_narrow_types(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert helper.get_attribute_value(model.graph.node[1].attribute[0]) == TensorProto.INT4
+    (y,) = _run(model, {"x": np.array([-20.0, 0.0, 20.0], np.float32)})
+    assert y.tolist() == [-8, 1, 7]

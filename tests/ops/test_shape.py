@@ -215,7 +215,7 @@ def test_constant_of_shape_scalar_and_int_value():
     shape = np.array([], dtype=np.int64)
     value = numpy_helper.from_array(np.array([3], np.int32))
     got, = _kiln(_single("ConstantOfShape", {}, {"shape": shape}, out_type=TensorProto.INT32, value=value), {})
-    got = np.asarray(got)  # no numpy feeds, so the engine answers with torch tensors
+    got = got.cpu().numpy()  # no numpy feeds, so the engine answers with torch tensors
     assert got.shape == () and got.dtype == np.int32 and got == 3
 
 
@@ -238,3 +238,23 @@ def test_transpose_default_perm_and_flatten_negative_axis():
     assert y.shape == (4, 3, 2)
     y, = _same_as_ort(_single("Flatten", {"x": x}, axis=-1), {"x": x})
     assert y.shape == (6, 4)
+
+
+def test_dropout_inference_mask_types_and_training_refused():
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    for opset, mask_type in ((7, TensorProto.FLOAT), (13, TensorProto.BOOL)):
+        attrs = {"ratio": 0.3} if opset < 12 else {}  # the ratio became an input in opset 12
+        node = helper.make_node("Dropout", ["x"], ["y", "mask"], **attrs)
+        outputs = {"y": TensorProto.FLOAT, "mask": mask_type}
+        model = _model([node], {"x": (TensorProto.FLOAT, x.shape)}, outputs, opset=opset)
+        y, mask = _kiln(model, {"x": x})
+        np.testing.assert_array_equal(y, x)
+        assert mask.all() and mask.dtype == (np.float32 if opset < 12 else np.bool_)
+    node = helper.make_node("Dropout", ["x", "r", "t"], ["y"])
+    model = _model([node], {"x": (TensorProto.FLOAT, x.shape), "t": (TensorProto.BOOL, [])}, {"y": TensorProto.FLOAT},
+                   {"r": np.array(0.5, np.float32)})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, validate=False, shapes={"x": x.shape}))
+    ctx = engine.create_execution_context()
+    np.testing.assert_array_equal(ctx.run({"x": x, "t": np.array(False)})["y"], x)
+    with pytest.raises(kiln.KilnError, match="training mode"):
+        ctx.run({"x": x, "t": np.array(True)})

@@ -125,8 +125,8 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         engine = Engine(
             graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
             capturable=capturable, versions=versions(),
-            findings=[{"kind": "precision", "layer": n.name, "requested": config.precision,
-                       "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
+            findings=graph.findings + [{"kind": "precision", "layer": n.name, "requested": config.precision,
+                                        "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
         engine.channels_last = layout.channels_last_weights(graph, target.kind, config.precision)
         if target.kind == "cuda" and config.optimization_level > 0:

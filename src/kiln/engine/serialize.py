@@ -25,6 +25,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..errors import EngineFileError
+from ..ir import dtypes
 from ..ir.from_onnx import model_to_graph
 from ..ir.to_onnx import graph_to_model
 from .config import Profile
@@ -62,14 +63,24 @@ def manifest_of(engine: Engine) -> dict:
     }
 
 
+# safetensors cannot read these back: stored as raw bytes, the manifest remembers the type.
+_STORED_AS_BYTES = (torch.float8_e8m0fnu,)
+
+
 def to_bytes(engine: Engine) -> dict[str, bytes]:
     graph = engine.graph
-    weights = {k: t.detach().cpu().contiguous().clone() for k, t in graph.initializers.items()}
+    weights, as_bytes = {}, {}
+    for k, t in graph.initializers.items():
+        t = t.detach().cpu().contiguous().clone()
+        if t.dtype in _STORED_AS_BYTES:
+            as_bytes[k], t = dtypes.name_of(t.dtype), t.view(torch.uint8)
+        weights[k] = t
     members = {
         "graph.onnx": graph_to_model(graph, with_initializers=False).SerializeToString(),
         "weights.safetensors": st_save(weights) if weights else b"",
     }
     manifest = manifest_of(engine)
+    manifest["weights_stored_as_bytes"] = as_bytes
     manifest["checksums"] = {k: _sha(v) for k, v in members.items()}
     return {"manifest.json": json.dumps(manifest, indent=2).encode(), **members}
 
@@ -88,6 +99,9 @@ def save(engine: Engine, path) -> None:
                     z.writestr(name, data)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an engine is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -168,6 +182,8 @@ def load(path, device: str = "auto") -> Engine:
         weights = st_load(members["weights.safetensors"]) if members["weights.safetensors"] else {}
     except Exception as e:
         raise EngineFileError(f"'{path}' cannot be decoded: {e}") from None
+    for k, name in m.get("weights_stored_as_bytes", {}).items():
+        weights[k] = weights[k].view(dtypes.from_name(name))
     graph.initializers = dict(weights)
     layers = m["layers"]
     if len(layers) != len(graph.nodes):

@@ -136,17 +136,19 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     The model is left as it was (its tensors get their bytes back after the write).
     """
     data_name = path.name + ".data"
-    moved: list[tuple[TensorProto, bytes]] = []
+    moved: list[tuple[TensorProto, bytes, bool]] = []
     try:
         with open(path.parent / data_name, "wb") as f:
             for site in external_data.iter_tensors(model):
                 t = site.tensor
-                if external_data.is_external(t) or len(t.raw_data) < threshold:
+                if external_data.is_external(t):
+                    continue
+                data = t.raw_data  # read once: protobuf makes a new bytes object per access
+                if len(data) < threshold:
                     continue
                 offset = f.tell()
-                data = t.raw_data
                 f.write(data)
-                moved.append((t, data))
+                moved.append((t, data, t.HasField("data_location")))
                 t.ClearField("raw_data")
                 t.data_location = TensorProto.EXTERNAL
                 for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(data)))):
@@ -157,9 +159,11 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
         except Exception as e:
             raise ModelError(f"the model cannot be serialized even with its weights moved out: {e}") from None
     finally:
-        for t, data in moved:
+        for t, data, had_location in moved:
             del t.external_data[:]
             t.ClearField("data_location")
+            if had_location:
+                t.data_location = TensorProto.DEFAULT
             t.raw_data = data
     return path
 

@@ -180,17 +180,20 @@ def resolve(site: TensorSite, base_dir: Path, model_label: str) -> ExternalRef:
     return ExternalRef(where=site.where, location=location, path=path, offset=offset, length=length)
 
 
-_PACKED_4BIT = {
-    getattr(TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, n)
+# Sub-byte types are packed: bits per element (onnx stores them densely in raw_data).
+_PACKED_BITS = {
+    getattr(TensorProto, name): bits
+    for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+    if hasattr(TensorProto, name)
 }
 
 
 def _expected_bytes(t: TensorProto) -> int | None:
     n = math.prod(t.dims)
-    if t.data_type in _PACKED_4BIT:
-        return (n + 1) // 2
-    if t.data_type in (TensorProto.UNDEFINED, TensorProto.STRING):
-        return None
+    if t.data_type in _PACKED_BITS:
+        return (n * _PACKED_BITS[t.data_type] + 7) // 8
+    if t.data_type in (TensorProto.UNDEFINED, TensorProto.STRING) or "FLOAT6" in TensorProto.DataType.Name(t.data_type):
+        return None  # variable-size or packing Kiln does not model: left to the decoder
     try:
         return n * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
     except Exception:  # a type numpy cannot describe: leave the check to the decoder

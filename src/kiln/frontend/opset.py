@@ -75,6 +75,15 @@ def upgrade_opset(model: onnx.ModelProto, target: int) -> UpgradeResult:
         )
     if target == source:
         return UpgradeResult(target, source, True, changes=[f"already at opset {source}: nothing to convert"], model=model)
+    unknown = [(n.name or n.op_type, n.op_type) for n in _walk_nodes(model.graph)
+               if n.domain in ("", "ai.onnx") and _since(n.op_type, source) is None]
+    if unknown:
+        listed = ", ".join(f"'{name}' ({op})" for name, op in unknown[:5])
+        return UpgradeResult(
+            target, source, False,
+            error=f"node(s) {listed} use operators that ai.onnx opset {source} does not define, so "
+            "onnx.version_converter cannot convert them.",
+        )
     try:
         converted = onnx.version_converter.convert_version(model, target)
     except Exception as e:  # the converter raises RuntimeError/ValidationError with C++ assertion text

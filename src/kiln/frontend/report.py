@@ -155,6 +155,7 @@ class CheckReport:
             },
             "opset": {
                 "recommended": RECOMMENDED_OPSET,
+                "meets_recommendation": self.opsets.get("", 0) >= RECOMMENDED_OPSET,
                 "upgrade": self.upgrade.to_json() if self.upgrade else None,
             },
             "inputs": [i.to_json() for i in self.inputs],

@@ -161,6 +161,18 @@ def _mentions_narrow(model: onnx.ModelProto, types: dict[str, int]) -> bool:
     return any(a.name == "to" and a.i in NARROW for n in casts for a in n.attribute)
 
 
+def _type_source(n: onnx.NodeProto) -> str | None:
+    """The input whose element type sets this node's output type, for the two ops
+    where that type can be narrow: QuantizeLinear's zero point, CastLike's `like`."""
+    if n.domain not in ("", "ai.onnx"):
+        return None
+    if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2]:
+        return None if any(a.name == "output_dtype" and a.i for a in n.attribute) else n.input[2]
+    if n.op_type == "CastLike" and len(n.input) > 1:
+        return n.input[1]
+    return None
+
+
 def pin_narrow_types(model: onnx.ModelProto) -> onnx.ModelProto:
     """Make explicit the narrow output types ONNX derives from an input's type.
 
@@ -174,24 +186,28 @@ def pin_narrow_types(model: onnx.ModelProto) -> onnx.ModelProto:
     _declared_types(model.graph, types)
     if not _mentions_narrow(model, types):
         return model
-    try:  # intermediate values' types (e.g. a zero point computed by a Cast)
-        _declared_types(onnx.shape_inference.infer_shapes(model).graph, types)
-    except Exception:  # inference is a best effort; declared types still apply
-        pass
+    nodes = list(_nodes(model.graph))
+    sources = [_type_source(n) for n in nodes]
+    if any(src and src not in types for src in sources):
+        try:  # intermediate values' types (e.g. a zero point computed by a Cast)
+            _declared_types(onnx.shape_inference.infer_shapes(model).graph, types)
+        except Exception:  # inference is a best effort; declared types still apply
+            pass
+    pins = [(i, types[src]) for i, src in enumerate(sources) if src and types.get(src) in NARROW]
+    if not pins:
+        return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for n in _nodes(out.graph):
-        if n.domain not in ("", "ai.onnx"):
-            continue
-        if n.op_type == "QuantizeLinear" and len(n.input) > 2 and types.get(n.input[2]) in NARROW:
-            if not any(a.name == "output_dtype" and a.i for a in n.attribute):
-                kept = [a for a in n.attribute if a.name != "output_dtype"]
-                del n.attribute[:]
-                n.attribute.extend(kept)
-                n.attribute.append(onnx.helper.make_attribute("output_dtype", types[n.input[2]]))
-        elif n.op_type == "CastLike" and len(n.input) > 1 and types.get(n.input[1]) in NARROW:
+    copied = list(_nodes(out.graph))
+    for i, elem_type in pins:
+        n = copied[i]
+        if n.op_type == "QuantizeLinear":
+            kept = [a for a in n.attribute if a.name != "output_dtype"]
+            del n.attribute[:]
+            n.attribute.extend(kept)
+            n.attribute.append(onnx.helper.make_attribute("output_dtype", elem_type))
+        else:
             n.op_type = "Cast"
-            to = types[n.input[1]]
             del n.input[1:]
-            n.attribute.append(onnx.helper.make_attribute("to", to))
+            n.attribute.append(onnx.helper.make_attribute("to", elem_type))
     return out

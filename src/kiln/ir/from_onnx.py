@@ -107,6 +107,7 @@ def graph_from_onnx(g: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
 
 
 def model_to_graph(model: onnx.ModelProto) -> Graph:
+    model = dtypes.pin_narrow_types(model)  # int4/float4 values live in wider torch types: keep the ONNX type
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     opsets.setdefault("", 1)
     return graph_from_onnx(model.graph, opsets)

@@ -18,7 +18,7 @@ def torch_to_tensor(t: torch.Tensor, name: str = "") -> onnx.TensorProto:
         proto = numpy_helper.from_array(t.view(torch.int16).numpy().view("uint16"), name)
         proto.data_type = onnx.TensorProto.BFLOAT16
         return proto
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if t.dtype in dtypes.FLOAT8_TYPES:
         proto = onnx.TensorProto(name=name, dims=list(t.shape), data_type=dtypes.torch_to_onnx(t.dtype))
         proto.raw_data = t.view(torch.uint8).numpy().tobytes()
         return proto

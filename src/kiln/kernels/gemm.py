@@ -130,8 +130,11 @@ CONFIGS: list[tuple[GemmConfig, int]] = [
 
 
 def dot_precision(dtype: torch.dtype, precision: str) -> str:
-    """tl.dot's input_precision: TF32 only for FP32 layers built with TF32 allowed."""
-    return "tf32" if dtype == torch.float32 and precision == "tf32" else "ieee"
+    """tl.dot's input_precision: exact FP32 products ("ieee") for FP32 operands unless the layer allows TF32.
+
+    16-bit operands get Triton's default ("tf32"), which only concerns FP32 operands.
+    """
+    return "ieee" if dtype == torch.float32 and precision != "tf32" else "tf32"
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str) -> bool:

@@ -92,11 +92,8 @@ def skip_layer_norm(node, a, b, gamma, beta=None):
 # An Elementwise node carries a small program: one instruction per fused ONNX node,
 # "OP DST A B..." where operands are inputs (i0, i1...), temporaries (t0...) or
 # inline constants (c<float>). The last temporary is the output.
-UNARY = {"Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Exp": torch.exp, "Log": torch.log,
-         "Sqrt": torch.sqrt, "Neg": torch.neg, "Abs": torch.abs, "Erf": torch.erf, "Reciprocal": torch.reciprocal}
-BINARY = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul,
-          "Div": lambda a, b: a / b if a.is_floating_point() else torch.div(a, b, rounding_mode="trunc"),
-          "Max": torch.maximum, "Min": torch.minimum}
+UNARY = {"Relu", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Neg", "Abs", "Erf", "Reciprocal"}
+BINARY = {"Add", "Sub", "Mul", "Div", "Max", "Min"}
 
 
 def parse_program(program: list[str]) -> list[tuple[str, str, list[str]]]:
@@ -105,14 +102,15 @@ def parse_program(program: list[str]) -> list[tuple[str, str, list[str]]]:
 
 @register("Elementwise", domain=KILN)
 def elementwise(node, *inputs):
+    """Runs the program with each op's own registry implementation (same types, same semantics)."""
+    from ..ir.graph import Node
+
     env = {f"i{k}": x for k, x in enumerate(inputs)}
     dtype = next((x.dtype for x in inputs if x.dtype.is_floating_point), inputs[0].dtype)
-
-    def val(a):
-        return torch.tensor(float(a[1:]), dtype=dtype) if a.startswith("c") else env[a]
-
     out = None
     for op, dst, args in parse_program(node.attr("program")):
-        vals = [val(a) for a in args]
-        out = env[dst] = UNARY[op](vals[0]) if op in UNARY else BINARY[op](vals[0], vals[1])
-    return out.to(dtype)
+        vals = [torch.tensor(float(a[1:]), dtype=dtype, device=inputs[0].device) if a.startswith("c") else env[a]
+                for a in args]
+        step = Node(op, list(args), [dst], opset=node.opset, device=node.device)
+        out = env[dst] = lookup(op).impl(step, *vals)
+    return out

@@ -11,6 +11,27 @@ import torch
 from .registry import register
 
 
+# torch has few kernels for uint16/32/64 (fewer on CUDA): data movement and wrap-around
+# arithmetic run on a same-width signed view (same bits), ordering on a sign-flipped one.
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def signed_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
+
+
+def order_key(t: torch.Tensor) -> torch.Tensor:
+    """Values that compare like t's: unsigned ones as signed with the sign bit flipped."""
+    if t.dtype not in _SIGNED:
+        return t
+    signed = _SIGNED[t.dtype]
+    return t.view(signed) ^ torch.iinfo(signed).min
+
+
+def from_order_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (key ^ torch.iinfo(key.dtype).min).view(dtype) if dtype in _SIGNED else key
+
+
 def _axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
@@ -72,28 +93,17 @@ def _check_reduction(node):
     return None
 
 
-_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
-_INT64_MIN = -(2**63)
-
-
-def _ordered_int64(t: torch.Tensor) -> torch.Tensor:
-    """Unsigned values as int64 in the same order (uint64: flip the sign bit)."""
-    return t.view(torch.int64) ^ _INT64_MIN if t.dtype == torch.uint64 else t.to(torch.int64)
-
-
-def _from_ordered_int64(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (t ^ _INT64_MIN).view(dtype) if dtype == torch.uint64 else t.to(dtype)
-
-
 def _scatter(x, axis, index, updates, reduction):
+    dtype = x.dtype
+    if reduction in ("max", "min"):
+        x, updates = order_key(x), order_key(updates)
+    else:  # assignment, add and mul give the same bits on a signed view
+        x, updates = signed_view(x), signed_view(updates)
     if reduction == "none":
-        return torch.scatter(x, axis, index, updates)
-    reduce = _REDUCE[reduction]
-    if x.dtype in _UNSIGNED and reduce in ("amax", "amin"):
-        # torch has no max/min scatter for unsigned types.
-        out = torch.scatter_reduce(_ordered_int64(x), axis, index, _ordered_int64(updates), reduce, include_self=True)
-        return _from_ordered_int64(out, x.dtype)
-    return torch.scatter_reduce(x, axis, index, updates, reduce, include_self=True)
+        out = torch.scatter(x, axis, index, updates)
+    else:
+        out = torch.scatter_reduce(x, axis, index, updates, _REDUCE[reduction], include_self=True)
+    return from_order_key(out, dtype) if reduction in ("max", "min") else out.view(dtype)
 
 
 @register("ScatterElements", since=11, check=_check_reduction)
@@ -105,7 +115,7 @@ def scatter_elements(node, x, indices, updates):
 @register("Scatter", since=9)
 def scatter(node, x, indices, updates):
     axis = _axis(node.attr("axis", 0), x.dim())
-    return torch.scatter(x, axis, _wrap(indices, x.shape[axis]), updates)
+    return _scatter(x, axis, _wrap(indices, x.shape[axis]), updates, "none")
 
 
 @register("ScatterND", since=11, check=_check_reduction)
@@ -140,9 +150,9 @@ def top_k(node, x, k=None):
     axis = _axis(node.attr("axis", -1), x.dim())
     largest = bool(node.attr("largest", 1))
     # A stable sort keeps equal values in index order, as ONNX requires (torch.topk does not).
-    _, order = torch.sort(x, dim=axis, descending=largest, stable=True)
+    _, order = torch.sort(order_key(x), dim=axis, descending=largest, stable=True)
     order = order.narrow(axis, 0, k)
-    return torch.gather(x, axis, order), order
+    return torch.gather(signed_view(x), axis, order).view(x.dtype), order
 
 
 @register("ReverseSequence", since=10)
@@ -164,7 +174,7 @@ def reverse_sequence(node, x, lengths):
 
 @register("NonZero", data_dependent=True, since=9)
 def non_zero(node, x):
-    return torch.nonzero(x != 0).T.contiguous()
+    return torch.nonzero(signed_view(x) != 0).T.contiguous()
 
 
 @register("Compress", data_dependent=True, since=9)
@@ -184,7 +194,8 @@ def unique(node, x):
     if axis is None:
         x, axis = x.reshape(-1), 0
     axis = _axis(axis, x.dim())
-    y, inverse, counts = torch.unique(x, sorted=True, return_inverse=True, return_counts=True, dim=axis)
+    y, inverse, counts = torch.unique(order_key(x), sorted=True, return_inverse=True, return_counts=True, dim=axis)
+    y = from_order_key(y, x.dtype)
     n = x.shape[axis]
     first = torch.full((y.shape[axis],), n, dtype=torch.int64, device=x.device)
     first = first.scatter_reduce(0, inverse, torch.arange(n, device=x.device), "amin")

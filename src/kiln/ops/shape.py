@@ -9,7 +9,9 @@ import math
 
 import torch
 
+from ..errors import UnsupportedError
 from ..ir import dtypes
+from .indexing import signed_view
 from .registry import register
 
 
@@ -87,6 +89,19 @@ def transpose(node, x):
 @register("Identity")
 def identity(node, x):
     return x
+
+
+@register("Dropout", host_inputs=(1, 2), since=7)
+def dropout(node, x, ratio=None, training_mode=None):
+    # Inference engine: the input passes through and the mask keeps everything. Training-mode
+    # dropout (opset 12's input) draws a random mask, which an inference engine must not do.
+    rate = ratio.item() if ratio is not None else node.attr("ratio", 0.5)
+    if training_mode is not None and bool(training_mode.item()) and rate > 0:
+        raise UnsupportedError(f"node '{node.label}': Dropout in training mode is not supported (inference only).")
+    if len(node.outputs) < 2 or not node.outputs[1]:
+        return x
+    mask_type = torch.bool if node.opset >= 10 else x.dtype
+    return x, torch.ones(x.shape, dtype=mask_type, device=x.device)
 
 
 # --- broadcasting and repetition ------------------------------------------------
@@ -268,5 +283,6 @@ def trilu(node, x, k=None):
     rows = torch.arange(x.shape[-2], device=x.device)[:, None]
     cols = torch.arange(x.shape[-1], device=x.device)[None, :]
     keep = cols - rows >= k if node.attr("upper", 1) else cols - rows <= k
-    # A mask rather than torch.triu/tril, which lack unsigned types.
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    # A mask rather than torch.triu/tril, which lack unsigned types (so does where: signed view).
+    data = signed_view(x)
+    return torch.where(keep, data, torch.zeros((), dtype=data.dtype, device=x.device)).view(x.dtype)

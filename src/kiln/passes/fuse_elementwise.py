@@ -13,12 +13,13 @@ from ..ir.graph import Graph, Node
 from ..ops.fused import BINARY, UNARY
 from .rewrite import View, fused_name, replace
 
-FUSABLE = set(UNARY) | set(BINARY)
+FUSABLE = UNARY | BINARY
 
 
 def _fusable(n: Node | None) -> bool:
+    # Before opset 7, binary ops broadcast by attribute, which a program does not carry.
     return n is not None and not n.domain and n.op_type in FUSABLE and len(n.outputs) == 1 \
-        and len(n.inputs) == (1 if n.op_type in UNARY else 2)
+        and len(n.inputs) == (1 if n.op_type in UNARY else 2) and n.opset >= 7
 
 
 def _region(view: View, root: Node) -> list[Node]:

@@ -1,0 +1,135 @@
+import os
+
+import pytest
+import torch
+
+from kiln.ir.graph import Node
+from kiln.kernels import attention
+from kiln.ops.fused import attention as layer_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SMALL = attention.FlashConfig(16, 16, 4, 1)  # several query tiles, several key blocks, a ragged last block
+B, H, SQ, SK = 2, 2, 19, 37
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")  # interpreter's 0/0
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+def _qkv(d, k_transposed, dtype=torch.float32, sq=SQ, sk=SK, dv=None):
+    q, k, v = _rand(B, H, sq, d, seed=1, dtype=dtype), _rand(B, H, sk, d, seed=2, dtype=dtype), \
+        _rand(B, H, sk, dv or d, seed=3, dtype=dtype)
+    return q, (k.transpose(-1, -2) if k_transposed else k), v
+
+
+def _check(q, k, v, mask=None, scale=None, k_transposed=False, nan_guard=False, tol=1e-4):
+    assert attention.supports(q, k, v, mask, k_transposed)
+    got = attention.flash_attention(q, k, v, mask, scale, k_transposed, nan_guard, config=SMALL)
+    want = attention.reference(q, k, v, mask, scale, k_transposed, nan_guard)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol, equal_nan=True)
+    return got
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128])
+def test_head_dims(d):
+    _check(*_qkv(d, k_transposed=d % 64 == 0), scale=0.3, k_transposed=d % 64 == 0)
+
+
+@pytest.mark.parametrize("mask_shape", [(B, 1, 1, SK), (1, 1, SQ, SK), (SQ, SK), (B, H, SQ, SK)])
+def test_broadcast_masks(mask_shape):
+    q, k, v = _qkv(32, k_transposed=True)
+    mask = _rand(*mask_shape, seed=4) * 3
+    mask[..., -1, :3] = float("-inf")  # some masked keys
+    _check(q, k, v, mask, k_transposed=True)
+
+
+def test_causal_mask():
+    q, k, v = _qkv(32, k_transposed=False, sk=SQ)
+    causal = torch.full((SQ, SQ), float("-inf"), device=DEV).triu(1)
+    _check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("nan_guard", [False, True])
+def test_fully_masked_rows(nan_guard):
+    q, k, v = _qkv(64, k_transposed=True)
+    mask = torch.zeros(B, 1, SQ, SK, device=DEV)
+    mask[0, :, 3] = float("-inf")  # every key masked for one query row of batch 0
+    mask[1, :, :, 17:] = float("-inf")  # keys masked from the second block on (online softmax edge)
+    out = _check(q, k, v, mask, k_transposed=True, nan_guard=nan_guard)
+    row = out[0, :, 3]
+    assert (row == 0).all() if nan_guard else row.isnan().all()
+    assert out[:, :, :3].isfinite().all() and out[1].isfinite().all()
+
+
+def test_three_dim_inputs_and_shared_kv_head():
+    q = _rand(3, SQ, 32, seed=5)
+    k, v = _rand(1, SK, 32, seed=6), _rand(1, SK, 32, seed=7)  # one k/v for all heads: read with stride 0
+    _check(q, k, v, _rand(SQ, SK, seed=8))
+
+
+def test_value_head_dim_differs():
+    _check(*_qkv(32, k_transposed=False, dv=64))
+
+
+def test_fp16_inputs():
+    q, k, v = _qkv(64, k_transposed=True, dtype=torch.float16)
+    mask = torch.zeros(1, 1, 1, SK, device=DEV, dtype=torch.float16)
+    mask[..., -4:] = float("-inf")
+    out = _check(q, k, v, mask, k_transposed=True, tol=2e-2)
+    assert out.dtype == torch.float16
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter multiplies bf16 operands as raw uint16")
+def test_bf16_inputs():
+    _check(*_qkv(64, k_transposed=False, dtype=torch.bfloat16), tol=5e-2)
+
+
+def test_every_output_element_is_written():
+    q, k, v = _qkv(80, k_transposed=False)
+    out = torch.full((B, H, SQ, 80), float("nan"), device=DEV)
+    got = attention.flash_attention(q, k, v, None, None, config=SMALL, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
+    torch.testing.assert_close(got, attention.reference(q, k, v), atol=1e-4, rtol=1e-4)
+
+
+def test_supports_refuses_what_the_kernel_cannot_do():
+    q, k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 7, 64), torch.randn(1, 2, 7, 64)
+    assert attention.supports(q, k, v) and attention.supports(q, k.transpose(-1, -2), v, None, True)
+    assert not attention.supports(q, k, v, None, k_transposed=True)  # k is not [.., D, S]
+    assert not attention.supports(q[..., :48], k[..., :48], v[..., :48])  # head dim 48
+    assert not attention.supports(torch.randn(1, 2, 5, 256), torch.randn(1, 2, 7, 256), v)
+    assert not attention.supports(q.half(), k, v)
+    assert not attention.supports(q.double(), k.double(), v.double())
+    assert not attention.supports(q, k, torch.randn(1, 2, 6, 64))  # Sk of k and v differ
+    assert not attention.supports(q, k, v, torch.randn(1, 2, 5, 6))  # mask not broadcastable
+    assert not attention.supports(q, k, v, torch.ones(5, 7, dtype=torch.bool))  # boolean masks: not additive
+    assert not attention.supports(q[0, 0], k[0, 0], v[0, 0])  # 2-D
+
+
+def _flash_tactics():
+    from kiln.tactics import _TACTICS, triton_gemm  # noqa: F401  (registers)
+
+    return [t for t in _TACTICS[("kiln", "Attention")] if t.name.startswith("triton_flash_")]
+
+
+def test_every_tactic_matches_the_layer_reference():
+    tactics = _flash_tactics()
+    assert 2 <= sum(t.level == 3 for t in tactics) <= 4 and len({t.name for t in tactics}) == len(tactics)
+    node = Node("Attention", ["q", "k", "v", "m"], ["o"], {"scale": 0.2, "k_transposed": 1, "nan_guard": 1},
+                domain="kiln")
+    q, k, v = _qkv(64, k_transposed=True, sk=70)
+    mask = torch.zeros(B, 1, 1, 70, device=DEV)
+    mask[0, ..., :] = float("-inf")  # batch 0 fully masked: the guard's zeros
+    want = layer_reference(node, q, k, v, mask)
+    tried = 0
+    for t in tactics:
+        ok = t.applies(node, [q, k, v, mask])
+        assert not ok or q.is_cuda, t.name  # CPU tensors are refused; the interpreter runs every config
+        if ok or not q.is_cuda:
+            torch.testing.assert_close(t.fn(node, q, k, v, mask), want, atol=1e-4, rtol=1e-4, msg=t.name)
+            tried += 1
+    assert tried >= 2
