@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import ConfigError, InputError, KilnError
+from .fileio import atomic_write
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -136,31 +135,6 @@ def _print_build_summary(engine, source: str) -> None:
 
 
 # --- kiln run -----------------------------------------------------------------
-def _load_inputs(spec: str, engine) -> dict[str, np.ndarray]:
-    names = [v.name for v in engine.inputs]
-    if spec.endswith(".npz") and ":" not in spec.rsplit("/", 1)[-1]:
-        if not Path(spec).is_file():
-            raise InputError(f"--loadInputs: file '{spec}' does not exist.")
-        with np.load(spec, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
-    else:
-        data = {}
-        for item in spec.split(","):
-            if ":" not in item:
-                raise InputError(f"--loadInputs: '{item}' should be NAME:FILE.npy or a .npz file.")
-            name, f = item.rsplit(":", 1)
-            if not Path(f).is_file():
-                raise InputError(f"--loadInputs: file '{f}' for input '{name}' does not exist.")
-            data[name] = np.load(f, allow_pickle=False)
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise InputError(f"--loadInputs: {unknown} are not inputs of this engine; its inputs are {names}.")
-    for k, x in data.items():
-        if x.dtype.kind == "f" and not np.isfinite(x).all():
-            warnings.warn(f"input '{k}' from {spec} contains NaN or Inf values; outputs will likely be NaN.")
-    return data
-
-
 def _random_inputs(engine, shapes: dict, profile: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     feeds = {}
@@ -177,20 +151,13 @@ def _random_inputs(engine, shapes: dict, profile: int, seed: int) -> dict[str, t
 
 
 def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    folder = Path(path).parent
-    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=folder if str(folder) else ".")
-    os.close(fd)
-    try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def _run_and_report(engine, a) -> int:
     from .engine.config import parse_shapes
     from .ir import dtypes
+    from .tools.common import load_samples
     from .tools.timing import render, time_context
 
     shapes = parse_shapes(a.shapes, "--shapes")
@@ -199,11 +166,11 @@ def _run_and_report(engine, a) -> int:
         raise InputError(f"--shapes: {unknown} are not inputs of this engine; its inputs are {[v.name for v in engine.inputs]}.")
     ctx = engine.create_execution_context(profile=a.profile)
     if a.loadInputs:
-        loaded = _load_inputs(a.loadInputs, engine)
-        missing = [v.name for v in engine.inputs if v.name not in loaded]
-        feeds = dict(_random_inputs(engine, shapes, a.profile, 0)) if missing else {}
-        feeds.update({k: dtypes.to_torch(x) for k, x in loaded.items()})
-        input_sets = [feeds]
+        loaded = load_samples(a.loadInputs, [v.name for v in engine.inputs])
+        for k, x in loaded[0].items():
+            if x.dtype.kind == "f" and not np.isfinite(x).all():
+                warnings.warn(f"input '{k}' from {a.loadInputs} contains NaN or Inf values; outputs will likely be NaN.")
+        input_sets = [{k: dtypes.to_torch(x) for k, x in sample.items()} for sample in loaded]
     else:
         input_sets = [_random_inputs(engine, shapes, a.profile, seed) for seed in range(4)]
     dev = engine.target.device

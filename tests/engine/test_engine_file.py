@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kiln
+from kiln import fileio
 from kiln.engine import serialize
 from kiln.errors import EngineFileError
 
@@ -45,7 +46,7 @@ def test_save_is_atomic(engine, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(serialize.os, "replace", boom)
+    monkeypatch.setattr(fileio.os, "replace", boom)
     with pytest.raises(OSError):
         engine.save(path)
     assert path.read_bytes() == before  # the old engine is intact

@@ -240,8 +240,8 @@ def test_transpose_default_perm_and_flatten_negative_axis():
     assert y.shape == (6, 4)
 
 
-def test_dropout_inference_mask_types_and_training_refused():
-    x = rng.standard_normal((2, 3)).astype(np.float32)
+def test_dropout_inference_mask_types_and_training_mode():
+    x = rng.standard_normal((64, 64)).astype(np.float32)
     for opset, mask_type in ((7, TensorProto.FLOAT), (13, TensorProto.BOOL)):
         attrs = {"ratio": 0.3} if opset < 12 else {}  # the ratio became an input in opset 12
         node = helper.make_node("Dropout", ["x"], ["y", "mask"], **attrs)
@@ -250,11 +250,15 @@ def test_dropout_inference_mask_types_and_training_refused():
         y, mask = _kiln(model, {"x": x})
         np.testing.assert_array_equal(y, x)
         assert mask.all() and mask.dtype == (np.float32 if opset < 12 else np.bool_)
-    node = helper.make_node("Dropout", ["x", "r", "t"], ["y"])
-    model = _model([node], {"x": (TensorProto.FLOAT, x.shape), "t": (TensorProto.BOOL, [])}, {"y": TensorProto.FLOAT},
-                   {"r": np.array(0.5, np.float32)})
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, validate=False, shapes={"x": x.shape}))
+    node = helper.make_node("Dropout", ["x", "r", "t"], ["y", "mask"])
+    model = _model([node], {"x": (TensorProto.FLOAT, x.shape), "t": (TensorProto.BOOL, [])},
+                   {"y": TensorProto.FLOAT, "mask": TensorProto.BOOL}, {"r": np.array(0.25, np.float32)})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, shapes={"x": x.shape}))
+    assert not engine.capturable  # a replayed CUDA graph would repeat one mask
     ctx = engine.create_execution_context()
-    np.testing.assert_array_equal(ctx.run({"x": x, "t": np.array(False)})["y"], x)
-    with pytest.raises(kiln.KilnError, match="training mode"):
-        ctx.run({"x": x, "t": np.array(True)})
+    out = ctx.run({"x": x, "t": np.array(False)})
+    np.testing.assert_array_equal(out["y"], x)
+    out = ctx.run({"x": x, "t": np.array(True)})
+    kept = out["mask"]
+    assert 0.6 < kept.mean() < 0.9  # about 1 - ratio of 4096 draws
+    np.testing.assert_allclose(out["y"], np.where(kept, x / 0.75, 0), rtol=1e-6)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..errors import EngineFileError
+from ..fileio import atomic_write
 from ..ir import dtypes
 from ..ir.from_onnx import model_to_graph
 from ..ir.to_onnx import graph_to_model
@@ -86,26 +85,14 @@ def to_bytes(engine: Engine) -> dict[str, bytes]:
 
 
 def save(engine: Engine, path) -> None:
-    path = Path(path)
     members = to_bytes(engine)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise EngineFileError(f"cannot save engine to '{path}': folder '{folder}' does not exist.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
-                for name, data in members.items():
-                    z.writestr(name, data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an engine is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def write(f):
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+            for name, data in members.items():
+                z.writestr(name, data)
+
+    atomic_write(path, write, EngineFileError)
 
 
 def _read(path: Path) -> dict[str, bytes]:

@@ -9,7 +9,6 @@ import math
 
 import torch
 
-from ..errors import UnsupportedError
 from ..ir import dtypes
 from .indexing import signed_view
 from .registry import register
@@ -91,13 +90,14 @@ def identity(node, x):
     return x
 
 
-@register("Dropout", host_inputs=(1, 2), since=7)
+# Random only in training mode (opset 12's input); inference models lose Dropout in remove_noops.
+@register("Dropout", host_inputs=(1, 2), nondeterministic=True, since=7)
 def dropout(node, x, ratio=None, training_mode=None):
-    # Inference engine: the input passes through and the mask keeps everything. Training-mode
-    # dropout (opset 12's input) draws a random mask, which an inference engine must not do.
     rate = ratio.item() if ratio is not None else node.attr("ratio", 0.5)
     if training_mode is not None and bool(training_mode.item()) and rate > 0:
-        raise UnsupportedError(f"node '{node.label}': Dropout in training mode is not supported (inference only).")
+        mask = torch.rand(x.shape, device=x.device) >= rate
+        return x * mask / (1 - rate), mask
+    # Inference: the input passes through and the mask keeps everything.
     if len(node.outputs) < 2 or not node.outputs[1]:
         return x
     mask_type = torch.bool if node.opset >= 10 else x.dtype

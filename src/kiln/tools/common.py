@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, InputError, KilnError, ModelError, ShapeError
+from ..fileio import atomic_write_bytes
 from ..ir import dtypes
 
 # --- output ---------------------------------------------------------------------------------------
@@ -33,31 +34,6 @@ def console(stderr: bool = False):
     if not con.is_terminal and "COLUMNS" not in os.environ:
         con.width = 200  # files and pipes: room for the layer tables
     return con
-
-
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ConfigError(f"cannot write '{path}': folder '{folder}' does not exist.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def atomic_write_text(path, text: str) -> None:
