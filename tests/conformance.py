@@ -34,8 +34,10 @@ def _graph_nodes(graph):
 
 
 def case_ops(case) -> set[str]:
-    """Every op the case uses, in control-flow bodies too: a case counts only when Kiln claims all."""
-    return {n.op_type for n in _graph_nodes(case.model.graph) if n.domain in ("", "ai.onnx")}
+    """Every op the case uses, in control-flow bodies too: a case counts only when Kiln claims all.
+    Ops of other domains (ai.onnx.preview...) are named domain::op, which Kiln does not claim."""
+    return {n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+            for n in _graph_nodes(case.model.graph)}
 
 
 def _random(case) -> bool:
@@ -68,8 +70,10 @@ def run_case(case) -> str | None:
                 if random:
                     continue
                 if want.dtype.kind == "f" or got.dtype.kind == "f" or want.dtype.name == "bfloat16":
-                    # One bfloat16 step near 1 is 2^-8: ONNX's rtol of 1e-3 would demand sub-ulp agreement.
-                    rtol = max(case.rtol, 1e-2) if want.dtype.name == "bfloat16" else case.rtol
+                    # One bfloat16 step near 1 is 2^-8: ONNX's rtol of 1e-3 would demand sub-step agreement.
+                    # Allow four steps: chains of bf16-rounded ops (expanded attention) differ from
+                    # numpy's sequential rounding by a few steps.
+                    rtol = max(case.rtol, 2.0**-6) if want.dtype.name == "bfloat16" else case.rtol
                     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
                                                rtol=rtol, atol=case.atol, equal_nan=True)
                 else:

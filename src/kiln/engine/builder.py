@@ -92,6 +92,19 @@ def _dims(shape) -> str:
     return "x".join(str(d) if d is not None else "?" for d in shape)
 
 
+def _inputs_read_as_values(graph: Graph) -> list[str]:
+    from ..ops.registry import lookup
+
+    names = {v.name for v in graph.inputs}
+    found = set()
+    for node in graph.nodes:
+        entry = lookup(node.op_type, node.domain)
+        for pos in entry.host_inputs:
+            if pos < len(node.inputs) and node.inputs[pos] in names:
+                found.add(node.inputs[pos])
+    return sorted(found)
+
+
 def _random_input(shape, dtype, device):
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
@@ -129,9 +142,14 @@ def build(model, config: BuildConfig | None = None) -> Engine:
                                         "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
         engine.channels_last = layout.channels_last_weights(graph, target.kind, config.precision)
-        if target.kind == "cuda" and config.optimization_level > 0:
+        # Random values cannot stand in for inputs a layer reads as numbers (a Range delta, a Slice end).
+        value_inputs = _inputs_read_as_values(graph)
+        if value_inputs:
+            engine.findings.append({"kind": "build", "reason": f"inputs {value_inputs} are read as shape arguments: "
+                                    "the build ran no validation or tactic timing on random data"})
+        if target.kind == "cuda" and config.optimization_level > 0 and not value_inputs:
             engine.tactics = _select_tactics(engine, profiles, config, step)
-        if config.validate:
+        if config.validate and not value_inputs:
             for i, prof in enumerate(profiles):
                 step(f"validating profile {i} on {target.describe()}")
                 engine.arena_bytes.append(_validate(engine, i, prof))

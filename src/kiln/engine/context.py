@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import ChainMap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -218,7 +219,12 @@ class ExecutionContext:
                 on_args(node, args)
             if observer:
                 observer(node, None)
-            outs = call_node(node, args, env)
+            scope = env
+            if entry.uses_scope and dev.type != "cpu":  # bodies read enclosing values: give them device copies
+                body = {n: env[n] for n in reads(node) if n in env and isinstance(env[n], torch.Tensor)
+                        and env[n].device != dev}
+                scope = ChainMap({n: t.to(dev) for n, t in body.items()}, env) if body else env
+            outs = call_node(node, args, scope)
             if observer:
                 observer(node, outs)
             for name, t in zip(node.outputs, outs):

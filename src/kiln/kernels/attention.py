@@ -96,8 +96,10 @@ class FlashConfig:
         return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
 
     def smem_bytes(self, d: int, dv: int, itemsize: int) -> int:
-        bd, bdv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
-        return (self.block_m * bd + self.num_stages * self.block_n * (bd + bdv)) * itemsize
+        """Upper estimate (checked against sm_90 compiles): the q tile, num_stages + 1 k/v tiles, the p tile."""
+        bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+        return (self.block_m * bd + (self.num_stages + 1) * self.block_n * (bd + bdv)
+                + self.block_m * self.block_n) * itemsize
 
 
 CONFIGS: list[tuple[FlashConfig, int]] = [

@@ -10,7 +10,9 @@ CONFIGS). applies() refuses what a kernel cannot run: non-CUDA tensors, other dt
 grouped or non-2-D convolutions, unsupported head dims, a configuration whose pipeline
 would not fit in the GPU's shared memory, or a tile far larger than the problem
 (more than 4x the padded M or N: a smaller configuration always covers it).
-FP32 layers run tl.dot with exact FP32 products unless the layer precision is "tf32".
+FP32 operands are offered only to "tf32" layers (TF32 Tensor Cores): an exact-FP32 tl.dot
+(input_precision="ieee") runs on CUDA cores, does not beat cuBLAS/cuDNN, and takes 10-30 s
+to compile per configuration; the kernels themselves still support it (tests use it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def _fits(x: torch.Tensor, smem_bytes: int) -> bool:
     return smem_bytes <= _smem_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def _dtype_ok(node, t: torch.Tensor) -> bool:
+    """16-bit operands, or FP32 operands in a layer that allows TF32."""
+    return t.dtype in (torch.float16, torch.bfloat16) or (t.dtype == torch.float32 and node.precision == "tf32")
+
+
 def _not_oversized(block: int, extent: int) -> bool:
     """A tile no more than 4x the problem's extent rounded up to a power of two (at least 16)."""
     p = 16
@@ -47,7 +54,7 @@ def _gemm_applies(config):
 
         x, w = args[0], args[1]
         b = args[2] if len(args) > 2 else None
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda):
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda and _dtype_ok(node, x)):
             return False
         if not gemm.supports(x, w, b, node.attr("activation", "")):
             return False
@@ -76,7 +83,7 @@ def _conv_applies(config):
         x, w = args[0], args[1]
         b = args[2] if len(args) > 2 else None
         z = args[3] if len(args) > 3 else None
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda):
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda and _dtype_ok(node, x)):
             return False
         if not conv.supports(node, x, w, b, z):
             return False
@@ -103,7 +110,7 @@ def _flash_applies(config):
 
         q, k, v = args[0], args[1], args[2]
         mask = args[3] if len(args) > 3 else None
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not q.is_cuda:
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not q.is_cuda or not _dtype_ok(node, q):
             return False
         if not attention.supports(q, k, v, mask, bool(node.attr("k_transposed", 0))):
             return False
