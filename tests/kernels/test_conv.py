@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -8,7 +6,6 @@ from kiln.kernels import conv
 from kiln.ops.fused import fused_conv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TACTIC_TOL = 1e-2 if DEV == "cuda" else 1e-4  # tactic tests run FP32 as a "tf32" layer
 SMALL = conv.ConvConfig(16, 16, 16, 4, 1, group_m=2)  # several pixel and channel tiles, channel remainders
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter's exp
