@@ -31,7 +31,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--maxShapes", action="append", default=[], metavar="SPEC")
     p.add_argument("--memPoolSize", metavar="workspace:MiB", help="workspace cap for tactics, e.g. workspace:4096")
     p.add_argument("--builderOptimizationLevel", type=int, default=3, choices=range(6), metavar="0..5",
-                   help="tactic search breadth: 0 reference kernels, 1-2 library tactics, 3 +Triton (default), 4-5 more configs")
+                   help="tactic search breadth: 0 reference kernels, 1-2 library tactics (cuDNN, cuBLASLt, SDPA), "
+                        "3 +Triton norm/elementwise (default), 4-5 +Triton GEMM/conv/attention configs")
     p.add_argument("--timingCacheFile", metavar="FILE", help="reuse and update tactic timings in this JSON file")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")

@@ -38,7 +38,8 @@ class BuildConfig:
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
     # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also
-    # generated Triton kernels; 4-5: more Triton configurations. Higher = longer build.
+    # Triton fused add+LayerNorm and generated elementwise kernels; 4-5: also Triton GEMM,
+    # implicit-GEMM convolution and flash-attention configurations. Higher = longer build.
     optimization_level: int = 3
     timing_cache: str | None = None  # JSON file of tactic timings reused across builds
 

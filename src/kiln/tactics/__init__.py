@@ -50,4 +50,4 @@ def implementation(node: Node) -> Callable | None:
 
 
 def load_all() -> None:
-    from . import library, triton_tactics  # noqa: F401  (registering)
+    from . import library, triton_gemm, triton_tactics  # noqa: F401  (registering)
