@@ -119,7 +119,7 @@ def _flash_tactics():
 
 def test_every_tactic_matches_the_layer_reference():
     tactics = _flash_tactics()
-    assert 2 <= sum(t.level == 3 for t in tactics) <= 4 and len({t.name for t in tactics}) == len(tactics)
+    assert 2 <= sum(t.level == 4 for t in tactics) <= 4 and len({t.name for t in tactics}) == len(tactics)
     node = Node("Attention", ["q", "k", "v", "m"], ["o"], {"scale": 0.2, "k_transposed": 1, "nan_guard": 1},
                 domain="kiln", precision="tf32")
     q, k, v = _qkv(64, k_transposed=True, sk=70)

@@ -101,7 +101,7 @@ def _conv_tactics():
 
 def test_every_tactic_matches_the_layer_reference():
     tactics = _conv_tactics()
-    assert 2 <= sum(t.level == 3 for t in tactics) <= 3 and len({t.name for t in tactics}) == len(tactics)
+    assert 2 <= sum(t.level == 4 for t in tactics) <= 3 and len({t.name for t in tactics}) == len(tactics)
     node = _node(3, pads=(1, 1, 1, 1), act="Relu")
     node.precision = "tf32"
     x = _rand(1, 8, 5, 7, seed=14).to(memory_format=torch.channels_last)  # flat K: 72

@@ -91,7 +91,7 @@ def _gemm_tactics():
 
 def test_tactic_names_and_levels():
     tactics = _gemm_tactics()
-    assert 3 <= sum(t.level == 3 for t in tactics) <= 4 and all(3 <= t.level <= 5 for t in tactics)
+    assert 3 <= sum(t.level == 4 for t in tactics) <= 4 and all(4 <= t.level <= 5 for t in tactics)
     assert "triton_gemm_128x128x64_w4_s3" in {t.name for t in tactics}
     assert len({t.name for t in tactics}) == len(tactics)
 
