@@ -48,7 +48,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmUp", type=float, default=200.0, help="warm-up time in ms")
 
 
-def _config_from_args(a) -> "BuildConfig":
+def _config_from_args(a):
     from .engine.config import BuildConfig, parse_mem_pool, profile_from_flags
 
     counts = {len(a.minShapes), len(a.optShapes), len(a.maxShapes)} - {0}
