@@ -38,9 +38,9 @@ def test_rows_shapes_per_profile_and_trt_json(mlp_files, capsys, tmp_path):
 
 
 def test_two_profiles_get_their_own_shapes():
-    from ..models import mlp
-
     import kiln
+
+    from ..models import mlp
 
     eng = kiln.build(mlp(), kiln.BuildConfig(device="cpu", progress=False, profiles=[
         kiln.Profile({"x": ((1, 8), (2, 8), (4, 8))}), kiln.Profile({"x": ((8, 8), (16, 8), (32, 8))})]))

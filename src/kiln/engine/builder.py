@@ -14,11 +14,11 @@ from contextlib import nullcontext
 import onnx
 import torch
 
+from .. import passes
 from ..errors import ConfigError, UnsupportedError
 from ..ir.from_onnx import model_to_graph
 from ..ir.graph import Graph
 from ..ops.registry import unsupported_reason
-from .. import passes
 from . import layout, placement, precision
 from .config import BuildConfig, Profile, fmt_shape
 from .engine import Engine

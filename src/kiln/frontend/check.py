@@ -37,7 +37,8 @@ from ..ir import dtypes
 from ..ir.graph import Node
 from . import external_data
 from .onnx_loader import PROTOBUF_LIMIT, read_model
-from .opset import opset_advice, opset_versions, upgrade_opset as convert_opset
+from .opset import opset_advice, opset_versions
+from .opset import upgrade_opset as convert_opset
 from .report import CheckReport, MissingInput, OpSupport, Step, TensorInfo
 
 
@@ -339,7 +340,9 @@ def missing_inputs(graph: onnx.GraphProto) -> list[MissingInput]:
 
 def _kiln_node(n: onnx.NodeProto, label: str, opsets: dict[str, int]) -> tuple[Node | None, str | None]:
     """The kiln Node for an ONNX node (attributes decoded), or the reason it cannot be decoded."""
-    from ..ir.from_onnx import _attr  # attribute decoding shared with the builder's importer
+    from ..ir.from_onnx import (
+        _attr,  # attribute decoding shared with the builder's importer
+    )
 
     domain = "" if n.domain == "ai.onnx" else n.domain
     try:

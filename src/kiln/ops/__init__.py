@@ -16,6 +16,13 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     rnn,
     shape,
 )
-from .registry import OpEntry, claimed_ops, entries, lookup, register, unsupported_reason
+from .registry import (
+    OpEntry,
+    claimed_ops,
+    entries,
+    lookup,
+    register,
+    unsupported_reason,
+)
 
 __all__ = ["OpEntry", "claimed_ops", "entries", "lookup", "register", "unsupported_reason"]

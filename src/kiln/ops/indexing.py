@@ -10,7 +10,6 @@ import torch
 
 from .registry import register
 
-
 # torch has few kernels for uint16/32/64 (fewer on CUDA): data movement and wrap-around
 # arithmetic run on a same-width signed view (same bits), ordering on a sign-flipped one.
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}

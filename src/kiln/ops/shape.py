@@ -246,7 +246,9 @@ def _check_constant(node):
 @register("Constant", check=_check_constant)
 def constant(node):
     # Top-level Constants become weights during folding; this runs the ones in subgraphs.
-    from ..passes.fold_constants import constant_value  # imported here: passes import the ops
+    from ..passes.fold_constants import (
+        constant_value,  # imported here: passes import the ops
+    )
 
     return constant_value(node).to(node.device)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.interpreter import call_node
 from ..errors import UnsupportedError
 from ..ir.graph import Graph, Node
 from ..ops.registry import lookup
-from ..engine.interpreter import call_node
 
 # Folding must not turn a small graph into a huge file (e.g. ConstantOfShape of a big shape).
 MAX_FOLDED_ELEMENTS = 1 << 24

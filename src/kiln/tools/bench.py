@@ -37,7 +37,8 @@ from ..errors import ConfigError
 from ..ir import dtypes
 from . import common
 from .compare import layer_name
-from .timing import Timings, render as render_timings, time_fn
+from .timing import Timings, time_fn
+from .timing import render as render_timings
 
 COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead")
 BASELINES = ("eager", "compile")
