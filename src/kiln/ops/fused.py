@@ -114,3 +114,31 @@ def elementwise(node, *inputs):
         step = Node(op, list(args), [dst], opset=node.opset, device=node.device)
         out = env[dst] = lookup(op).impl(step, *vals)
     return out
+
+
+# --- INT8 layers from explicit quantization (Q/DQ) ---------------------------------
+# y = act(sx * sw * (q(x) @ w_q) + b): the activation is quantized with the model's own
+# scale (round half to even, saturate to int8), weights are int8 with per-channel scales.
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.round(x.float() / scale.float()), -128, 127).to(torch.int8)
+
+
+@register("QGemm", domain=KILN, keeps_input_types=True)
+def qgemm(node, x, w_q, x_scale, w_scale, b=None):
+    xq = quantize_int8(x, x_scale)
+    acc = torch.matmul(xq.double(), w_q.double())  # exact: int8 products summed in float64
+    y = (acc * (x_scale.double() * w_scale.double())).to(x.dtype)
+    if b is not None:
+        y = y + b.to(x.dtype)
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+@register("QConv", domain=KILN, keeps_input_types=True)
+def qconv(node, x, w_q, x_scale, w_scale, b=None):
+    xq = quantize_int8(x, x_scale)
+    acc = lookup("Conv").impl(node, xq.double(), w_q.double())  # exact in float64
+    scale = (x_scale.double() * w_scale.double()).reshape(1, -1, *([1] * (acc.dim() - 2)))
+    y = (acc * scale).to(x.dtype)
+    if b is not None:
+        y = y + b.to(x.dtype).reshape(1, -1, *([1] * (acc.dim() - 2)))
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))

@@ -15,16 +15,18 @@ from . import (
     fuse_conv,
     fuse_elementwise,
     fuse_gemm,
+    fuse_qdq,
     fuse_skip_layernorm,
     merge_parallel_gemms,
     remove_noops,
 )
 
 PIPELINE = [
-    fold_constants,  # Constant nodes and constant-only subgraphs become weights
+    fold_constants,  # Constant nodes and constant-only subgraphs become weights (int8 weights stay int8)
     remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
     dead_code,  # nodes nothing reads, weights nothing uses
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
+    fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8 layers (explicit quantization)
     fuse_conv,  # Conv + bias + residual Add + activation
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split

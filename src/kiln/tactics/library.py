@@ -149,3 +149,24 @@ tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspa
 def add_then_layer_norm(node, a, b, gamma, beta=None):
     s = a + b
     return F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5)), s
+
+
+# --- QGemm (INT8) -------------------------------------------------------------
+def _int_mm_ok(node, args):
+    x, w_q = args[0], args[1]
+    m = x.numel() // x.shape[-1]
+    # cuBLASLt's int8 GEMM (torch._int_mm): M > 16, K and N multiples of 8.
+    return x.is_cuda and m > 16 and x.shape[-1] % 8 == 0 and w_q.shape[1] % 8 == 0
+
+
+@tactic("QGemm", "cublaslt_int8", _int_mm_ok)
+def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None):
+    from ..ops.fused import quantize_int8
+
+    xq = quantize_int8(x.reshape(-1, x.shape[-1]), x_scale)
+    acc = torch._int_mm(xq, w_q)
+    y = (acc.float() * (x_scale.float() * w_scale.float())).to(x.dtype)
+    if b is not None:
+        y = y + b.to(x.dtype)
+    y = y.reshape(*x.shape[:-1], w_q.shape[1])
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))

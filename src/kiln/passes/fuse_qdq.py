@@ -1,0 +1,94 @@
+"""Explicit quantization: DQ(Q(x)) and DQ(int8 weights) around a MatMul/Gemm/Conv -> one INT8 layer.
+
+Q/DQ models (onnxruntime's quantizer, NVIDIA ModelOpt, Kiln's QAT export) say
+where INT8 runs and with which scales; Kiln honours them: the layer multiplies
+int8 activations by int8 weights and applies the scales (and bias, activation)
+in its epilogue. Only symmetric int8 is fused (zero points 0); anything else
+keeps its Q/DQ nodes, runs in float, and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import Graph, Node
+from . import activations, fold_constants
+from .rewrite import View, fused_name, miss, replace
+
+
+def _dq_q(view: View, value: str):
+    """value = DQ(Q(x, s, 0), s, 0) with one per-tensor int8 scale: (x, scale name, [Q, DQ])."""
+    dq = view.producer.get(value)
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain:
+        return None
+    q = view.producer.get(dq.inputs[0])
+    if q is None or q.op_type != "QuantizeLinear" or q.domain or view.readers(q.outputs[0]) != 1:
+        return None
+    s = view.const(q.inputs[1])
+    if s is None or s.numel() != 1 or q.inputs[1:] != dq.inputs[1:] or not _int8_zero(view, q):
+        return None
+    return q.inputs[0], q.inputs[1], [q, dq]
+
+
+def _int8_zero(view: View, n: Node) -> bool:
+    zp = view.const(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
+    return zp is not None and zp.dtype == torch.int8 and not zp.any() and not n.attr("block_size", 0)
+
+
+def _dq_weight(view: View, value: str, channel_axis: int):
+    """value = DQ(int8 constant, per-channel or per-tensor scale, zero point 0): (dq, w_q, scale)."""
+    dq = view.producer.get(value)
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain or view.readers(value) != 1:
+        return None
+    w, s = view.const(dq.inputs[0]), view.const(dq.inputs[1])
+    if w is None or s is None or w.dtype != torch.int8 or not _int8_zero(view, dq):
+        return None
+    if s.numel() != 1 and dq.attr("axis", 1) % w.dim() != channel_axis % w.dim():
+        return None
+    return dq, w, s
+
+
+def run(graph: Graph) -> None:
+    view = View(graph)
+    for mm in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
+        act_in = _dq_q(view, mm.inputs[0])
+        if act_in is None:
+            continue
+        conv = mm.op_type == "Conv"
+        trans_b = mm.op_type == "Gemm" and mm.attr("transB", 0)
+        weight = _dq_weight(view, mm.inputs[1], 0 if (conv or trans_b) else 1)
+        if weight is None:
+            miss(graph, "INT8 layer", [mm], "the weights are not int8 constants with zero point 0 and "
+                 "per-output-channel (or per-tensor) scales")
+            continue
+        if mm.op_type == "Gemm" and (mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0 or mm.attr("beta", 1.0) != 1.0):
+            continue
+        x, x_scale, qdq = act_in
+        dq_w, w_q, w_scale = weight
+        group = qdq + [dq_w, mm]
+        name = fused_name([mm])
+        graph.initializers[f"{name}.weight_int8"] = w_q.t().contiguous() if trans_b else w_q
+        n_out = w_q.shape[0] if (conv or trans_b) else w_q.shape[1]
+        graph.initializers[f"{name}.weight_scale"] = w_scale.float().reshape(-1).expand(n_out).contiguous()
+        bias, out = "", mm.outputs[0]
+        if conv or mm.op_type == "Gemm":
+            bias = mm.inputs[2] if len(mm.inputs) > 2 else ""
+        if not bias and not conv:
+            add = view.sole_reader(out)
+            other = view.other_input(add, out) if add is not None and add.op_type == "Add" else None
+            b = view.const(other) if other else None
+            if b is not None and b.numel() == n_out:
+                bias, out = other, add.outputs[0]
+                group.append(add)
+        act = activations.match(view, out)
+        if act is not None:
+            group += act.nodes
+            out = act.output
+        attrs = dict(mm.attrs) if conv else {}
+        attrs.update(activation=act.name if act else "", activation_params=act.params if act else [])
+        fused = Node("QConv" if conv else "QGemm",
+                     [x, f"{name}.weight_int8", x_scale, f"{name}.weight_scale", bias], [out], attrs,
+                     name=fused_name(group), domain="kiln")
+        replace(graph, group, fused)
+        view.refresh()
+    fold_constants.run(graph, keep_quantized=False)  # weights of layers left in float

@@ -1,0 +1,421 @@
+"""Quantization-aware training: fake-quant with learned (LSQ) scales, exported as Q/DQ ONNX.
+
+    net = kiln.quant.qat.prepare(net, bits=8, weight_bits=4, group_size=32)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)   # after prepare: the scales are parameters
+    for x, y in loader:                                 # the user's own loop; the first batch
+        loss = F.cross_entropy(net(x), y)               # initializes the input scales
+        opt.zero_grad(); loss.backward(); opt.step()
+    model = kiln.quant.qat.export_onnx(net, (x[:2],), "net_qdq.onnx")
+    engine = kiln.build(model)
+
+`prepare` swaps every nn.Conv2d / nn.Linear (in place) for a subclass that
+fake-quantizes its input (per tensor) and its weight (per output channel, or
+group-wise along the input features for Linear) before the float op. The
+original weight and bias Parameters are kept, so an optimizer made earlier still
+updates them.
+
+Fake quantization is LSQ (Esser et al., "Learned Step Size Quantization"):
+    y = round(clamp(x / s, Qn, Qp)) * s
+with a straight-through estimator for the rounding (gradient 1 inside the range,
+0 outside) and the step s a Parameter whose gradient is scaled by
+1 / sqrt(n * Qp) (n: the elements one scale covers). Weight scales start at
+max|w| / Qp of their channel or group (the naive post-training rounding); input
+scales start at max|x| / Qp of the first batch the layer sees. An input whose
+first batch has no negative values (after a ReLU) is quantized unsigned
+(UINT8 / UINT4, zero point 0); others signed. Weights are symmetric and
+narrow-range ([-127, 127], [-7, 7]); all zero points are 0.
+
+`export_onnx` exports a float copy of the network (torch.onnx.export, dynamo)
+and inserts QuantizeLinear -> DequantizeLinear pairs with the learned scales in
+front of each quantized layer's input and weight (per-axis, or blocked with
+`block_size` for group-wise weights). INT4 values need ONNX opset 21, which is
+the default.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from ..errors import ConfigError, KilnError
+
+EXPORT_OPSET = 21  # INT4/UINT4 Q/DQ and blocked quantization
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return (torch.round(x) - x).detach() + x
+
+
+def _grad_scale(s: torch.Tensor, g: float) -> torch.Tensor:
+    """s in the forward pass; its gradient multiplied by g in the backward pass."""
+    return (s - s * g).detach() + s * g
+
+
+class FakeQuantize(nn.Module):
+    """LSQ fake quantization with a learned step (scale); zero point 0.
+
+    axis=None: one scale (per tensor). axis=a: one scale per index of dimension a
+    (per channel). group_size=g (with axis=a): dimension a is cut into groups of g
+    consecutive elements and each group of each other row gets its own scale; only
+    2-D tensors ([out, in], a=1). `signed=None` decides from the first batch.
+    """
+
+    def __init__(self, bits: int = 8, signed: bool | None = True, narrow: bool = False,
+                 axis: int | None = None, group_size: int | None = None, scale_shape=()):
+        super().__init__()
+        if not 2 <= bits <= 8:
+            raise ConfigError(f"fake quantization needs 2 to 8 bits, not {bits}.")
+        if group_size is not None and (axis is None or group_size < 1):
+            raise ConfigError("group-wise quantization needs an axis and a positive group_size.")
+        self.bits, self.narrow, self.axis, self.group_size = bits, narrow, axis, group_size
+        self.scale = nn.Parameter(torch.ones(scale_shape))
+        self.register_buffer("initialized", torch.tensor(False))
+        self.register_buffer("signed", torch.tensor(bool(signed) if signed is not None else True))
+        self.auto_sign = signed is None
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        if bool(self.signed):
+            hi = 2 ** (self.bits - 1) - 1
+            return (-hi if self.narrow else -hi - 1), hi
+        return 0, 2 ** self.bits - 1
+
+    def _layout(self, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The scale shaped to broadcast against x."""
+        if self.axis is None:
+            return s.reshape(())
+        if self.group_size is not None:
+            return s.repeat_interleave(self.group_size, dim=self.axis).narrow(self.axis, 0, x.shape[self.axis])
+        shape = [1] * x.dim()
+        shape[self.axis] = -1
+        return s.reshape(shape)
+
+    def _per_scale_elements(self, x: torch.Tensor) -> int:
+        if self.axis is None:
+            return max(x[0].numel() if x.dim() > 1 else x.numel(), 1)
+        if self.group_size is not None:
+            return min(self.group_size, x.shape[self.axis]) * (x.numel() // (x.shape[0] * x.shape[self.axis]))
+        return max(x.numel() // x.shape[self.axis], 1)
+
+    @torch.no_grad()
+    def initialize(self, x: torch.Tensor) -> None:
+        """Scales from x's statistics: max|x| / Qp per tensor, channel or group."""
+        x = x.detach().float()
+        if self.auto_sign:
+            self.signed.fill_(bool((x < 0).any()))
+        qp = self.qrange[1]
+        a = x.abs()
+        if self.axis is None:
+            m = a.max()
+        elif self.group_size is not None:
+            if x.dim() != 2 or self.axis != 1:
+                raise ConfigError("group-wise fake quantization is for 2-D [out, in] weights (axis 1).")
+            n, k = x.shape
+            g = self.group_size
+            pad = (-k) % g
+            m = torch.nn.functional.pad(a, (0, pad)).reshape(n, -1, g).amax(-1)
+        else:
+            m = a.transpose(0, self.axis).reshape(x.shape[self.axis], -1).amax(1)
+        s = (m / qp).clamp(min=1e-8)
+        self.scale.data = s.reshape(self.scale.shape) if self.scale.numel() == s.numel() else s
+        self.initialized.fill_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.initialized):
+            self.initialize(x)
+        qn, qp = self.qrange
+        g = 1.0 / math.sqrt(self._per_scale_elements(x) * qp)
+        s = self._layout(_grad_scale(self.scale, g).clamp(min=1e-8), x)
+        return _round_ste(torch.clamp(x / s, qn, qp)) * s
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """The integers (in x's float dtype) this quantizer maps x to."""
+        qn, qp = self.qrange
+        return torch.clamp(torch.round(x / self._layout(self.scale.detach().clamp(min=1e-8), x)), qn, qp)
+
+    def extra_repr(self) -> str:
+        kind = "per-tensor" if self.axis is None else (
+            f"group {self.group_size} along axis {self.axis}" if self.group_size else f"per-axis {self.axis}")
+        sign = "auto" if self.auto_sign and not bool(self.initialized) else ("signed" if bool(self.signed) else "unsigned")
+        return f"bits={self.bits}, {sign}, {kind}"
+
+
+class _QuantMixin:
+    input_quant: FakeQuantize | None
+    weight_quant: FakeQuantize
+
+    def _quantized(self, x):
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        return x, self.weight_quant(self.weight)
+
+
+class QuantConv2d(nn.Conv2d, _QuantMixin):
+    def forward(self, x):
+        x, w = self._quantized(x)
+        return self._conv_forward(x, w, self.bias)
+
+
+class QuantLinear(nn.Linear, _QuantMixin):
+    def forward(self, x):
+        x, w = self._quantized(x)
+        return nn.functional.linear(x, w, self.bias)
+
+
+_SWAP = {nn.Conv2d: QuantConv2d, nn.Linear: QuantLinear}
+
+
+def _swap(layer: nn.Module, bits: int | None, weight_bits: int, group_size: int | None) -> nn.Module:
+    q = _SWAP[type(layer)].__new__(_SWAP[type(layer)])
+    q.__dict__ = layer.__dict__.copy()  # same Parameters, buffers, hooks and settings
+    q._modules = dict(layer._modules)
+    q._parameters = dict(layer._parameters)
+    q._buffers = dict(layer._buffers)
+    w = layer.weight
+    q.input_quant = FakeQuantize(bits, signed=None) if bits else None
+    if group_size and isinstance(layer, nn.Linear):
+        wq = FakeQuantize(weight_bits, narrow=True, axis=1, group_size=group_size,
+                          scale_shape=(w.shape[0], -(-w.shape[1] // group_size)))
+    else:
+        wq = FakeQuantize(weight_bits, narrow=True, axis=0, scale_shape=(w.shape[0],))
+    wq.initialize(w)
+    q.weight_quant = wq.to(w.device)
+    if q.input_quant is not None:
+        q.input_quant.to(w.device)
+    return q
+
+
+def prepare(module: nn.Module, bits: int | None = 8, weight_bits: int = 8, group_size: int | None = None,
+            skip: tuple[str, ...] = ()) -> nn.Module:
+    """Fake-quantize every nn.Conv2d / nn.Linear of `module` (in place; returns it).
+
+    bits: input (activation) bits, 8 or 4 (None: inputs stay float, weight-only).
+    weight_bits: 8 or 4. group_size: group-wise weight scales for Linear layers
+    (groups of that many input features; Conv2d keeps per-output-channel scales).
+    skip: names of layers (as named_modules spells them) to leave in float.
+    Create the optimizer after prepare: the scales are new Parameters.
+    """
+    for b in (bits, weight_bits):
+        if b is not None and b not in (4, 8):
+            raise ConfigError(f"Kiln's QAT quantizes to 8 or 4 bits (what Q/DQ ONNX holds), not {b}.")
+    if weight_bits is None:
+        raise ConfigError("weight_bits must be 8 or 4.")
+    if group_size is not None and (group_size < 2 or group_size % 2):
+        raise ConfigError(f"group_size must be an even number of input features, not {group_size}.")
+    targets = [(n, m) for n, m in module.named_modules() if type(m) in _SWAP and n not in skip]
+    if not targets and type(module) not in _SWAP:
+        raise ConfigError(f"{type(module).__name__} has no nn.Conv2d or nn.Linear layer to quantize.")
+    if type(module) in _SWAP and "" not in skip:
+        return _swap(module, bits, weight_bits, group_size)
+    for name, layer in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, _swap(layer, bits, weight_bits, group_size))
+    return module
+
+
+def quant_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The fake-quantized layers of a prepared module, by name."""
+    return {n: m for n, m in module.named_modules() if isinstance(m, _QuantMixin)}
+
+
+@torch.no_grad()
+def calibrate(module: nn.Module, *example_inputs) -> nn.Module:
+    """Initialize input scales that are still unset by running one batch (no gradients; eval mode kept)."""
+    module(*example_inputs)
+    return module
+
+
+def strip(module: nn.Module) -> nn.Module:
+    """A float copy of a prepared module: plain nn.Conv2d / nn.Linear with the same (unquantized) weights."""
+    out = copy.deepcopy(module)
+    for name, layer in list(quant_layers(out).items()):
+        plain = (nn.Conv2d if isinstance(layer, nn.Conv2d) else nn.Linear).__new__(
+            nn.Conv2d if isinstance(layer, nn.Conv2d) else nn.Linear)
+        plain.__dict__ = layer.__dict__.copy()
+        plain._modules = {k: v for k, v in layer._modules.items() if k not in ("input_quant", "weight_quant")}
+        for k in ("input_quant", "weight_quant"):
+            plain.__dict__.pop(k, None)
+        if not name:
+            return plain
+        parent_name, _, attr = name.rpartition(".")
+        setattr(out.get_submodule(parent_name) if parent_name else out, attr, plain)
+    return out
+
+
+# --- export -------------------------------------------------------------------------
+@dataclass
+class _Spec:
+    name: str
+    fq: FakeQuantize
+    weight: np.ndarray
+
+
+def _onnx_type(fq: FakeQuantize) -> int:
+    signed = bool(fq.signed)
+    if fq.bits == 8:
+        return TensorProto.INT8 if signed else TensorProto.UINT8
+    return TensorProto.INT4 if signed else TensorProto.UINT4
+
+
+def _zeros(name: str, fq: FakeQuantize, shape) -> onnx.TensorProto:
+    n = int(np.prod(shape)) if len(shape) else 1
+    return helper.make_tensor(name, _onnx_type(fq), list(shape), [0] * n)
+
+
+def _weight_qparams(fq: FakeQuantize, transposed: bool):
+    """(scale array, axis, block_size) for a weight initializer stored as W ([out, in, ...]) or W.T."""
+    s = fq.scale.detach().float().cpu().numpy().astype(np.float32)
+    if fq.group_size is not None:  # s [N, G] over W [N, K]
+        return (np.ascontiguousarray(s.T), 0, fq.group_size) if transposed else (s, 1, fq.group_size)
+    return s.reshape(-1), (1 if transposed else 0), 0
+
+
+def _find_weight(model: onnx.ModelProto, name: str, w: np.ndarray) -> list[tuple[str, bool]]:
+    """Initializers holding the layer's weight: (initializer name, stored transposed?)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    if f"{name}.weight" in inits:
+        return [(f"{name}.weight", False)]
+    found = []
+    for t in model.graph.initializer:
+        if tuple(t.dims) == w.shape or (w.ndim == 2 and tuple(t.dims) == w.shape[::-1]):
+            a = numpy_helper.to_array(t)
+            if a.shape == w.shape and np.array_equal(a, w):
+                found.append((t.name, False))
+            elif w.ndim == 2 and a.shape == w.shape[::-1] and np.array_equal(a, w.T):
+                found.append((t.name, True))
+    return found
+
+
+def _data_input(node: onnx.NodeProto, weight: str) -> int:
+    if node.op_type in ("Conv", "Gemm"):
+        if list(node.input).index(weight) != 1:
+            raise KilnError(f"node '{node.name}' ({node.op_type}) reads the weight '{weight}' as an unexpected input.")
+        if node.op_type == "Gemm":
+            trans_a = next((a.i for a in node.attribute if a.name == "transA"), 0)
+            if trans_a:
+                raise KilnError(f"Gemm node '{node.name}' has transA=1; QAT export expects x @ W^T.")
+        return 0
+    if node.op_type == "MatMul":
+        return 0 if node.input[1] == weight else 1
+    raise KilnError(
+        f"the exported model feeds a quantized weight ('{weight}') to {node.op_type} node '{node.name}'; "
+        "QAT export inserts Q/DQ for Conv, Gemm and MatMul consumers only.")
+
+
+def _insert_qdq(model: onnx.ModelProto, specs: list[_Spec], inputs: dict[str, FakeQuantize],
+                weight_format: str) -> onnx.ModelProto:
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    front: list[onnx.NodeProto] = []  # weight Q/DQ, placed first
+    before: dict[int, list[onnx.NodeProto]] = {}  # input Q/DQ, placed before node index
+    new_inits: list[onnx.TensorProto] = []
+    drop: set[str] = set()
+    for spec in specs:
+        matches = _find_weight(model, spec.name, spec.weight)
+        if not matches:
+            raise KilnError(f"could not find the weight of quantized layer '{spec.name}' in the exported ONNX model.")
+        for init_name, transposed in matches:
+            scale, axis, block = _weight_qparams(spec.fq, transposed)
+            tag = init_name.replace("/", "_")
+            s_name, z_name, dq_name = f"{tag}_scale", f"{tag}_zero_point", f"{tag}_dequantized"
+            new_inits += [numpy_helper.from_array(scale, s_name), _zeros(z_name, spec.fq, scale.shape)]
+            attrs = {"axis": axis}
+            if block:
+                attrs["block_size"] = block
+            if weight_format == "qdq":
+                front += [helper.make_node("QuantizeLinear", [init_name, s_name, z_name], [f"{tag}_quantized"],
+                                           name=f"{tag}_QuantizeLinear", **attrs),
+                          helper.make_node("DequantizeLinear", [f"{tag}_quantized", s_name, z_name], [dq_name],
+                                           name=f"{tag}_DequantizeLinear", **attrs)]
+            else:  # integer initializer -> DequantizeLinear
+                w = torch.from_numpy(numpy_helper.to_array(inits[init_name]).copy())
+                w = w.T if transposed else w
+                q = spec.fq.quantize(w).to(torch.int64)
+                q = (q.T if transposed else q).contiguous().numpy()
+                q_name = f"{tag}_quantized"
+                new_inits.append(helper.make_tensor(q_name, _onnx_type(spec.fq), list(q.shape), q.reshape(-1).tolist()))
+                drop.add(init_name)
+                front.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_name],
+                                              name=f"{tag}_DequantizeLinear", **attrs))
+            for idx, node in [(i, n) for i, n in enumerate(g.node) if init_name in n.input]:
+                data = _data_input(node, init_name)
+                for i, v in enumerate(node.input):
+                    if v == init_name:
+                        node.input[i] = dq_name
+                fq = inputs.get(spec.name)
+                if fq is None:
+                    continue
+                x = node.input[data]
+                xt = f"{spec.name or 'input'}.{node.name}.input"
+                xs = np.asarray(float(fq.scale.detach().reshape(())), np.float32)
+                new_inits += [numpy_helper.from_array(xs, f"{xt}_scale"), _zeros(f"{xt}_zero_point", fq, ())]
+                before.setdefault(idx, []).extend([
+                    helper.make_node("QuantizeLinear", [x, f"{xt}_scale", f"{xt}_zero_point"], [f"{xt}_quantized"],
+                                     name=f"{xt}_QuantizeLinear"),
+                    helper.make_node("DequantizeLinear", [f"{xt}_quantized", f"{xt}_scale", f"{xt}_zero_point"],
+                                     [f"{xt}_dequantized"], name=f"{xt}_DequantizeLinear")])
+                node.input[data] = f"{xt}_dequantized"
+    nodes = list(front)
+    for i, n in enumerate(g.node):
+        nodes += before.get(i, [])
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [t for t in g.initializer if t.name not in drop]
+    del g.initializer[:]
+    g.initializer.extend(kept + new_inits)
+    return model
+
+
+def export_onnx(module: nn.Module, example_inputs, path=None, input_names: list[str] | None = None,
+                output_names: list[str] | None = None, dynamic_batch: int | None = 4096,
+                weight_format: str = "qdq", opset: int = EXPORT_OPSET) -> onnx.ModelProto:
+    """Export a prepared (and fine-tuned) module as a Q/DQ ONNX model; write it to `path` if given.
+
+    example_inputs: a tensor or a tuple of tensors (every scale must be initialized:
+    run a batch first). dynamic_batch: the upper bound of a dynamic axis 0 of every
+    input (None: static shapes). weight_format: "qdq" keeps float weights behind a
+    QuantizeLinear -> DequantizeLinear pair (TensorRT's explicit quantization);
+    "int" stores the integer weights (INT8/INT4 initializers) behind a
+    DequantizeLinear. Returns the onnx.ModelProto (checked with onnx.checker).
+    """
+    from ..frontend.torch_export import from_torch
+
+    if weight_format not in ("qdq", "int"):
+        raise ConfigError(f"weight_format must be 'qdq' or 'int', not {weight_format!r}.")
+    if opset < EXPORT_OPSET:
+        raise ConfigError(f"Q/DQ export with INT4 and blocked scales needs opset {EXPORT_OPSET} or newer, not {opset}.")
+    layers = quant_layers(module)
+    if not layers:
+        raise ConfigError("the module has no fake-quantized layer; call kiln.quant.qat.prepare first.")
+    unset = [n or type(m).__name__ for n, m in layers.items()
+             if m.input_quant is not None and not bool(m.input_quant.initialized)]
+    if unset:
+        raise ConfigError(f"input scales of {', '.join(unset)} are not initialized: run a batch through the module "
+                          "(kiln.quant.qat.calibrate) before exporting.")
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    plain = strip(module).eval()
+    dyn = None
+    if dynamic_batch:
+        batch = torch.export.Dim("batch", min=1, max=int(dynamic_batch))
+        dyn = tuple({0: batch} if isinstance(a, torch.Tensor) else None for a in args)
+    model, _ = from_torch(plain, args, dynamic_shapes=dyn, opset=opset, input_names=input_names,
+                         output_names=output_names)
+    specs = [_Spec(n, m.weight_quant, m.weight.detach().float().cpu().numpy()) for n, m in layers.items()]
+    inputs = {n: m.input_quant for n, m in layers.items() if m.input_quant is not None}
+    model = _insert_qdq(model, specs, inputs, weight_format)
+    onnx.checker.check_model(model)
+    if path is not None:
+        from ..fileio import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), model.SerializeToString())
+    return model

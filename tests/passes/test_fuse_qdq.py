@@ -1,0 +1,95 @@
+"""Explicit quantization: Q/DQ models run their MatMul/Conv on int8, matching onnxruntime."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.ir.graph import Node
+from kiln.passes import fuse_qdq
+from kiln.tactics.library import int8_int_mm
+
+from .util import check_pass, ops
+
+
+def _qdq_mlp(zero_point=0):
+    rng = np.random.default_rng(0)
+    w = rng.integers(-127, 128, (16, 24)).astype(np.int8)
+    inits = [
+        numpy_helper.from_array(np.float32(0.05), "sx"), numpy_helper.from_array(np.int8(zero_point), "zx"),
+        numpy_helper.from_array(w, "wq"), numpy_helper.from_array(rng.uniform(0.001, 0.01, 24).astype(np.float32), "sw"),
+        numpy_helper.from_array(np.zeros(24, np.int8), "zw"), numpy_helper.from_array(rng.standard_normal(24).astype(np.float32), "b"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xdq"]),
+        helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["w"], axis=1),
+        helper.make_node("MatMul", ["xdq", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["hb"]),
+        helper.make_node("Relu", ["hb"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "qdq_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 24])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_qdq_matmul_bias_relu_becomes_one_int8_layer():
+    x = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
+    _, after = check_pass(fuse_qdq, _qdq_mlp(), {"x": x}, atol=1e-4)
+    assert ops(after) == ["kiln::QGemm"]
+    assert after.initializers[after.nodes[0].inputs[1]].dtype == torch.int8
+
+
+def test_int8_engine_matches_onnxruntime_on_the_qdq_model():
+    model = _qdq_mlp()
+    x = np.random.default_rng(2).standard_normal((7, 16)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False,
+                                                profiles=[kiln.Profile({"x": ((1, 16), (4, 16), (8, 16))})]))
+    assert [n.op_type for n in engine.graph.nodes] == ["QGemm"]
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_nonzero_zero_point_is_left_in_float_and_reported():
+    model = _qdq_mlp(zero_point=3)
+    x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
+    _, after = check_pass(fuse_qdq, model, {"x": x}, atol=1e-4)
+    assert "kiln::QGemm" not in ops(after)
+
+
+def test_int8_tactic_matches_the_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g)
+    w_q = torch.randint(-127, 128, (64, 16), generator=g, dtype=torch.int8)
+    sx, sw, b = torch.tensor(0.03), torch.rand(16, generator=g) * 0.01, torch.randn(16, generator=g)
+    node = Node("QGemm", ["x", "w", "sx", "sw", "b"], ["y"], {"activation": "Relu"}, domain="kiln")
+    want = kiln.ops.lookup("QGemm", "kiln").impl(node, x, w_q, sx, sw, b)
+    torch.testing.assert_close(int8_int_mm(node, x, w_q, sx, sw, b), want, rtol=1e-5, atol=1e-5)
+
+
+def test_qdq_conv_matches_onnxruntime():
+    rng = np.random.default_rng(4)
+    inits = [
+        numpy_helper.from_array(np.float32(0.04), "sx"), numpy_helper.from_array(np.int8(0), "zx"),
+        numpy_helper.from_array(rng.integers(-127, 128, (8, 3, 3, 3)).astype(np.int8), "wq"),
+        numpy_helper.from_array(rng.uniform(0.001, 0.01, 8).astype(np.float32), "sw"),
+        numpy_helper.from_array(np.zeros(8, np.int8), "zw"),
+        numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xdq"]),
+        helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["w"], axis=0),
+        helper.make_node("Conv", ["xdq", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "qdq_conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 7, 9])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 7, 9])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    x = rng.standard_normal((1, 3, 7, 9)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+    assert [n.op_type for n in engine.graph.nodes] == ["QConv"]
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
