@@ -65,6 +65,8 @@ class Graph:
     opsets: dict[str, int] = field(default_factory=lambda: {"": 17})
     # What the passes noticed but could not do (e.g. a fusion that did not fire, and why).
     findings: list[dict] = field(default_factory=list)
+    # INT8 builds: calibrated absolute range per activation name (passes/insert_qdq.py).
+    quant_amax: dict[str, float] | None = None
 
     def producers(self) -> dict[str, Node]:
         return {o: n for n in self.nodes for o in n.outputs if o}

@@ -16,6 +16,7 @@ from . import (
     fuse_elementwise,
     fuse_gemm,
     fuse_qdq,
+    insert_qdq,
     fuse_skip_layernorm,
     merge_parallel_gemms,
     remove_noops,
@@ -26,6 +27,7 @@ PIPELINE = [
     remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
     dead_code,  # nodes nothing reads, weights nothing uses
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
+    insert_qdq,  # INT8 builds: calibrated Q/DQ around GEMMs and convolutions (post-training quantization)
     fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8 layers (explicit quantization)
     fuse_conv,  # Conv + bias + residual Add + activation
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)

@@ -447,28 +447,26 @@ def fp32_engine(model, samples: list[dict], device: str = "auto", build_config=N
         return build(graph, cfg)
 
 
-def run_passes(engine, samples: list[dict], collectors, profile: int = 0, progress: bool = True,
-               label: str = "kiln calibrate") -> None:
-    """Run every sample through the engine once per collector, showing each tensor to the collector."""
+def run_pass(engine, samples: list[dict], col: "_Collector", profile: int = 0, progress: bool = True,
+             label: str = "kiln calibrate", step: str = "") -> None:
+    """Run every sample through the engine, showing each input and device-layer output to `col`."""
     ctx = engine.create_execution_context(profile=profile, cuda_graphs=False)
     dev = engine.target.device
-    with _progress(progress, label, len(samples) * len(collectors)) as advance:
-        for i, col in enumerate(collectors):
-            for feeds in samples:
-                tensors = {k: dtypes.to_torch(a).to(dev) for k, a in feeds.items()}
-                for k, t in tensors.items():
-                    col.add(k, t)
+    with _progress(progress, label, len(samples)) as advance:
+        for feeds in samples:
+            tensors = {k: dtypes.to_torch(a).to(dev) for k, a in feeds.items()}
+            for k, t in tensors.items():
+                col.add(k, t)
 
-                def observer(node, outs, col=col):
-                    if outs is None:
-                        return
+            def observer(node, outs):
+                if outs is not None:
                     for name, t in zip(node.outputs, outs):
                         col.add(name, t)
 
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    ctx.run_layerwise(tensors, observer)
-                advance(f"pass {i + 1}/{len(collectors)}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ctx.run_layerwise(tensors, observer)
+            advance(step)
 
 
 class _progress:
@@ -539,15 +537,14 @@ def calibrate(model_or_engine, data, method: str = "entropy", percentile: float 
     engine = fp32_engine(model_or_engine, samples, device, build_config)
     if not _is_engine(model_or_engine):
         samples, _ = prepare_samples(samples, inputs, engine=engine, profile=profile)
+    passes = 2 if calibrator.needs_histogram else 1
     ranges = _Collector(num_bins)
-    collectors = [ranges]
-    run_passes(engine, samples, [ranges], profile, progress)
+    run_pass(engine, samples, ranges, profile, progress, step=f"pass 1/{passes}: ranges")
     stats = ranges.stats
     if calibrator.needs_histogram:
         hist = _Collector(num_bins, ranges=False, hist_ranges={k: s.absmax or 0.0 for k, s in stats.items()},
                           stats=stats)
-        collectors.append(hist)
-        run_passes(engine, samples, [hist], profile, progress)
+        run_pass(engine, samples, hist, profile, progress, step=f"pass 2/{passes}: histograms")
     for s in stats.values():
         if s.absmax is None:  # never a finite value
             continue

@@ -1,0 +1,67 @@
+"""Post-training quantization: put calibrated Q/DQ pairs around GEMMs and convolutions.
+
+Runs only in an INT8 build (graph.quant_amax holds the calibrated activation
+ranges). Each MatMul/Gemm/Conv with constant float weights whose input has a
+calibrated range gets QuantizeLinear/DequantizeLinear on that input (per-tensor
+scale amax/127) and int8 weights with per-output-channel scales. The graph is
+then an explicitly quantized ONNX graph (exportable, onnxruntime runs it), and
+fuse_qdq turns each pattern into an INT8 layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import Graph, Node
+from .rewrite import View, miss
+
+
+def quantize_weight(w: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (w_q, scale) with scale = max|w| / 127 per channel."""
+    dims = [d for d in range(w.dim()) if d != channel_axis]
+    amax = w.abs().amax(dim=dims) if dims else w.abs()
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).float()
+    shape = [1] * w.dim()
+    shape[channel_axis] = -1
+    w_q = torch.clamp(torch.round(w.float() / scale.reshape(shape)), -127, 127).to(torch.int8)
+    return w_q, scale
+
+
+def run(graph: Graph) -> None:
+    amax = graph.quant_amax
+    if amax is None:
+        return
+    view = View(graph)
+    zero = "kiln.int8_zero_point"
+    graph.initializers[zero] = torch.tensor(0, dtype=torch.int8)
+    for n in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
+        w = view.const(n.inputs[1])
+        if w is None or not w.dtype.is_floating_point or (n.op_type != "Conv" and w.dim() != 2):
+            continue
+        if n.op_type == "Gemm" and n.attr("transA", 0):
+            continue
+        x = n.inputs[0]
+        if x not in amax or not amax[x] > 0:
+            miss(graph, "INT8 layer", [n], f"no calibrated range for its input '{x}'")
+            continue
+        axis = 0 if n.op_type == "Conv" or (n.op_type == "Gemm" and n.attr("transB", 0)) else 1
+        w_q, w_scale = quantize_weight(w, axis)
+        tag = n.name
+        graph.initializers.update({
+            f"{tag}.input_scale": torch.tensor(amax[x] / 127.0, dtype=torch.float32),
+            f"{tag}.weight_int8": w_q, f"{tag}.weight_scale": w_scale,
+            # Per-axis zero points have one entry per channel (onnxruntime insists).
+            f"{tag}.weight_zero_point": torch.zeros(w_scale.shape, dtype=torch.int8),
+        })
+        q = Node("QuantizeLinear", [x, f"{tag}.input_scale", zero], [f"{tag}.input_q"], name=f"{tag}.quantize_input")
+        dq = Node("DequantizeLinear", [f"{tag}.input_q", f"{tag}.input_scale", zero], [f"{tag}.input_dq"],
+                  name=f"{tag}.dequantize_input")
+        dqw = Node("DequantizeLinear", [f"{tag}.weight_int8", f"{tag}.weight_scale", f"{tag}.weight_zero_point"],
+                   [f"{tag}.weight_dq"],
+                   {"axis": axis}, name=f"{tag}.dequantize_weight")
+        for extra in (q, dq, dqw):
+            extra.opset = max(13, n.opset)  # per-axis DequantizeLinear needs opset 13
+        n.inputs = [f"{tag}.input_dq", f"{tag}.weight_dq", *n.inputs[2:]]
+        at = graph.nodes.index(n)
+        graph.nodes[at:at] = [q, dq, dqw]
+    view.refresh()

@@ -1,0 +1,35 @@
+"""Export a calibrated model as Q/DQ ONNX that onnxruntime (and TensorRT) accept.
+
+The model goes through Kiln's passes up to Q/DQ insertion (constant folding,
+BatchNorm folding, insert_qdq), so the exported file is exactly the quantized
+graph Kiln's INT8 engine is built from: comparing onnxruntime on it with the
+engine checks Kiln's INT8 kernels, and the file can be shipped to other runtimes.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ..fileio import atomic_write_bytes
+from ..ir.from_onnx import model_to_graph
+from ..ir.to_onnx import graph_to_model
+from ..passes import dead_code, fold_batchnorm, fold_constants, insert_qdq, remove_noops
+
+
+def quantized_graph(model: onnx.ModelProto, amax: dict[str, float]):
+    graph = model_to_graph(model)
+    graph.quant_amax = dict(amax)
+    for p in (fold_constants, remove_noops, dead_code, fold_batchnorm, insert_qdq, dead_code):
+        p.run(graph)
+    return graph
+
+
+def export_qdq(model: onnx.ModelProto, amax: dict[str, float], path=None) -> onnx.ModelProto:
+    graph = quantized_graph(model, amax)
+    graph.opsets[""] = max(13, graph.opsets.get("", 13))  # per-axis DequantizeLinear
+    out = graph_to_model(graph)
+    out.ir_version = min(out.ir_version, 9)  # readable by onnxruntime releases of the last two years
+    onnx.checker.check_model(out)
+    if path is not None:
+        atomic_write_bytes(path, out.SerializeToString())
+    return out
