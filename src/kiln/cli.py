@@ -25,6 +25,11 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp16", action="store_true", help="allow FP16 layers (FP32 accumulation)")
     p.add_argument("--bf16", action="store_true", help="allow BF16 layers")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls and convolutions")
+    p.add_argument("--int8", action="store_true", help="INT8 GEMMs and convolutions (needs --calib or --calibCache)")
+    p.add_argument("--calib", metavar="DATA", help="calibration samples: .npz by input name, folder of .npz, NAME:FILE.npy")
+    p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
+                   "it exists, else written")
+    p.add_argument("--calibMethod", default="entropy", choices=["entropy", "minmax", "percentile"])
     p.add_argument("--minShapes", action="append", default=[], metavar="SPEC",
                    help="x:1x3x224x224,... ; repeat --minShapes/--optShapes/--maxShapes to add profiles")
     p.add_argument("--optShapes", action="append", default=[], metavar="SPEC")
@@ -59,6 +64,7 @@ def _config_from_args(a):
     profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
     return BuildConfig(
         fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
+        int8=a.int8, calib=a.calib, calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
@@ -105,7 +111,9 @@ def _print_build_summary(engine, source: str) -> None:
 
     g = engine.graph
     out.print(f"Built {source}")
-    out.print(f"  target: {engine.target.describe()}   precision: {engine.precision}   "
+    int8 = sum(n.precision == "int8" for n in g.nodes)
+    prec = engine.precision + (f" ({int8} INT8 layers)" if engine.build_config.get("int8") else "")
+    out.print(f"  target: {engine.target.describe()}   precision: {prec}   "
               f"build time: {engine.build_seconds:.2f} s")
     host = sum(n.placement == "host" for n in g.nodes)
     out.print(f"  layers: {len(g.nodes)} ({host} shape-arithmetic layers on the host)   "

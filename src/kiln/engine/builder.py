@@ -92,6 +92,31 @@ def _dims(shape) -> str:
     return "x".join(str(d) if d is not None else "?" for d in shape)
 
 
+def _int8_ranges(model, config: BuildConfig, profiles: list[Profile]) -> dict[str, float]:
+    """Calibrated activation ranges: from the calibration cache, else by calibrating an FP32 engine."""
+    from pathlib import Path
+
+    from ..quant.calibrate import Calibration, calibrate
+
+    cache = Path(config.calib_cache) if config.calib_cache else None
+    if cache is not None and cache.exists():
+        return Calibration.load(cache).amax
+    if config.calib is None:
+        raise ConfigError(
+            "an INT8 build needs calibration data: pass --calib=DATA (100 to 1000 representative samples as a "
+            ".npz keyed by input name, a folder of .npz files, or NAME:FILE.npy) or an existing --calibCache=FILE. "
+            "Kiln never makes up INT8 scales."
+        )
+    if isinstance(model, Graph):
+        raise ConfigError("INT8 calibration needs the ONNX model (a path or ModelProto), not a kiln Graph.")
+    fp32 = BuildConfig(profiles=profiles, device=config.device, progress=False)
+    cal = calibrate(model, config.calib, method=config.calib_method, device=config.device, build_config=fp32,
+                    progress=config.progress)
+    if cache is not None:
+        cal.save(cache)
+    return cal.amax
+
+
 def _inputs_read_as_values(graph: Graph) -> list[str]:
     from ..ops.registry import lookup
 
@@ -131,6 +156,9 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             graph = model_to_graph(proto)
         _check_supported(graph)
         profiles = resolve_profiles(graph, config)
+        if config.int8:
+            step("INT8 calibration")
+            graph.quant_amax = _int8_ranges(model, config, profiles)
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
         capturable = placement.assign(graph)

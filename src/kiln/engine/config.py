@@ -29,6 +29,12 @@ class BuildConfig:
     fp16: bool = False
     bf16: bool = False
     tf32: bool = False
+    # INT8 (post-training): GEMMs and convolutions run on int8 with calibrated activation scales.
+    # Needs calibration data (a .npz/.npy/folder, or an iterable of input dicts) or a calibration cache.
+    int8: bool = False
+    calib: object = None
+    calib_cache: str | None = None  # read if it exists, else written after calibrating
+    calib_method: str = "entropy"  # "entropy" (TensorRT's EntropyCalibration2), "minmax", "percentile"
     # Either explicit profiles, or `shapes` (one fixed shape per input) as a shortcut.
     profiles: list[Profile] = field(default_factory=list)
     shapes: dict[str, Shape] = field(default_factory=dict)
@@ -56,6 +62,7 @@ class BuildConfig:
     def to_json(self) -> dict:
         return {
             "precision": self.precision, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
+            "int8": self.int8, "calib_method": self.calib_method if self.int8 else None,
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
             "optimization_level": self.optimization_level,
         }

@@ -15,6 +15,7 @@ from ..ir.graph import Graph
 from ..ops.registry import lookup
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+INT8_LAYERS = ("QGemm", "QConv")  # int8 math with float epilogues, whatever the build's float precision
 
 
 def _set_body(node, precision: str) -> None:
@@ -30,6 +31,8 @@ def assign(graph: Graph, precision: str) -> None:
         entry = lookup(node.op_type, node.domain)
         if node.placement == "host":
             node.precision = "float32"
+        elif node.domain == "kiln" and node.op_type in INT8_LAYERS:
+            node.precision = "int8"
         elif precision in _LOW and entry.keep_fp32:
             node.precision, node.note = "float32", f"kept FP32: {entry.keep_fp32}"
         else:

@@ -95,12 +95,47 @@ def entropy_search(hist, hist_max: float, num_quant_bins: int = 128, start_bin: 
         bins[0] = bins[1]
     starting = min(start_bin, n)
     candidates = np.arange(starting, n + 1, stride)
-    divergences = np.empty(candidates.size)
-    for c, i in enumerate(candidates):
-        divergences[c] = _kl_for_threshold(bins, int(i), num_quant_bins)
-    last_argmin = candidates.size - 1 - int(np.argmin(divergences[::-1]))
+    divergences = _kl_all(bins, candidates, num_quant_bins)
+    best = divergences.min()
+    # The last minimum, as the reference's argmin over the reversed list (ties within float noise).
+    last_argmin = int(np.flatnonzero(divergences <= best + 1e-12 * max(abs(best), 1e-12))[-1])
     i = int(candidates[last_argmin])
     return float(hist_max) * i / n, candidates, divergences
+
+
+def _kl_all(bins: np.ndarray, candidates: np.ndarray, nq: int) -> np.ndarray:
+    """KL(P || Q) of `_kl_for_threshold` for every candidate threshold at once, from prefix sums."""
+    n = bins.size
+    b = bins
+    C = np.concatenate([[0.0], np.cumsum(b)])
+    nz = np.concatenate([[0.0], np.cumsum(b > 0)])
+    blogb = np.concatenate([[0.0], np.cumsum(np.where(b > 0, b * np.log(np.where(b > 0, b, 1.0)), 0.0))])
+    i = candidates.astype(np.int64)[:, None]  # [T, 1]
+    k = np.arange(nq + 1, dtype=np.int64)[None, :]  # level boundaries
+    edges = (k * i + nq - 1) // nq  # first bin of level k: ceil(k * i / nq); edges[:, nq] == i
+    mass = C[edges[:, 1:]] - C[edges[:, :-1]]  # [T, nq]
+    count = nz[edges[:, 1:]] - nz[edges[:, :-1]]
+    per_bin = np.divide(mass, count, out=np.zeros_like(mass), where=count > 0)
+    log_pb = np.log(np.where(per_bin > 0, per_bin, 1.0))
+    i1 = i[:, 0]
+    last = i1 - 1  # the last kept bin takes the outliers
+    b_last = b[last]
+    last_level = (last * nq) // i1
+    P = C[n]
+    Q = C[i1]
+    # x < i-1: sum p log p - sum p log q, p = b/P, q = per_bin[level]/Q
+    mass_head = mass.copy()
+    mass_head[np.arange(len(i1)), last_level] -= b_last
+    head_plogp = (blogb[last] - C[last] * np.log(P)) / P
+    head_plogq = ((mass_head * log_pb).sum(axis=1) - C[last] * np.log(np.where(Q > 0, Q, 1.0))) / P
+    p_last = (b_last + (P - Q)) / P
+    q_last = np.where(b_last > 0, per_bin[np.arange(len(i1)), last_level], 0.0) / np.where(Q > 0, Q, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tail = np.where(p_last > 0, p_last * (np.log(p_last) - np.log(q_last)), 0.0)
+    kl = head_plogp - head_plogq + tail
+    kl = np.where((p_last > 0) & (q_last == 0), np.inf, kl)
+    kl = np.where(Q > 0, kl, np.inf)
+    return np.maximum(kl, 0.0)
 
 
 def _kl_for_threshold(bins: np.ndarray, i: int, nq: int) -> float:

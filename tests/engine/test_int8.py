@@ -1,0 +1,47 @@
+"""INT8 post-training quantization end to end on a trained model (scikit-learn digits CNN, CPU)."""
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.errors import ConfigError
+from kiln.examples import digits
+from kiln.quant.calibrate import Calibration
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    digits.main([str(out), "--exporter", "onnx"])
+    return out
+
+
+def _top1(engine, data):
+    logits = engine.create_execution_context().run({"image": data["image"]})
+    return float((next(iter(logits.values())).argmax(1) == data["labels"]).mean() * 100)
+
+
+def test_int8_engine_keeps_held_out_accuracy_and_caches_calibration(trained):
+    prof = [kiln.Profile({"image": ((1, 1, 8, 8), (64, 1, 8, 8), (360, 1, 8, 8))})]
+    model = str(trained / "digits.onnx")
+    test = dict(np.load(trained / "digits_test.npz"))
+    fp32 = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof))
+    cache = trained / "digits.calib"
+    int8 = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof, int8=True,
+                                              calib=str(trained / "digits_calib.npz"), calib_cache=str(cache)))
+    assert {n.op_type for n in int8.graph.nodes} >= {"QConv", "QGemm"}
+    assert {n.precision for n in int8.graph.nodes if n.op_type in ("QConv", "QGemm")} == {"int8"}
+    assert _top1(int8, test) >= _top1(fp32, test) - 0.5
+    assert cache.read_text().startswith("TRT-")  # TensorRT's calibration cache text format
+    # A rebuild from the cache alone gives the same engine numbers.
+    again = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof, int8=True,
+                                               calib_cache=str(cache)))
+    x = test["image"][:32]
+    np.testing.assert_allclose(again.create_execution_context().run({"image": x})["logits"],
+                               int8.create_execution_context().run({"image": x})["logits"], rtol=1e-5, atol=1e-5)
+    assert set(Calibration.load(cache).amax) >= {"image"}
+
+
+def test_int8_without_calibration_data_is_refused(trained):
+    with pytest.raises(ConfigError, match="needs calibration data"):
+        kiln.build(str(trained / "digits.onnx"), kiln.BuildConfig(device="cpu", progress=False, int8=True))

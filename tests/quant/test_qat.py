@@ -1,0 +1,147 @@
+"""QAT on the digits CNN: LSQ fake quantization, Q/DQ export, onnxruntime and Kiln's CPU engine agree.
+
+Accuracies measured here (held-out split, 360 images) are printed (pytest -s) and
+asserted: INT8 QAT within 1 point of FP32; INT4-weight QAT >= INT4 PTQ - 0.5.
+"""
+
+import copy
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.errors import ConfigError
+from kiln.examples import digits
+from kiln.quant import qat
+
+PROFILE = kiln.Profile({"image": ((1, 1, 8, 8), (32, 1, 8, 8), (512, 1, 8, 8))})
+
+
+@pytest.fixture(scope="module")
+def trained():
+    split = digits.load_split(0)
+    net = digits.train(0, epochs=10, split=split)
+    return net, split
+
+
+def _finetune(net, split, epochs=3, lr=1e-3, seed=0):
+    """The user's loop: plain Adam on weights and scales, one thread (fast for a net this small)."""
+    x_tr, y_tr, _, _ = split
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(seed)
+        xs, ys = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
+        net.train()
+        for _ in range(epochs):
+            order = torch.randperm(len(xs), generator=g)
+            for i in range(0, len(xs), 64):
+                idx = order[i:i + 64]
+                loss = nn.functional.cross_entropy(net(xs[idx]), ys[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return net.eval()
+
+
+def _prepared(net, split, **kw):
+    q = qat.prepare(copy.deepcopy(net), **kw)
+    qat.calibrate(q, torch.from_numpy(split[0][:256]))  # PTQ: scales from one batch, no training
+    return q
+
+
+def _ort(model, x, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    return ort.InferenceSession(model.SerializeToString(), so).run(None, {"image": x})[0]
+
+
+def _close(a, b):
+    """Equal up to float order, except where an activation near a rounding boundary moved one step."""
+    err = np.abs(a - b)
+    assert err.max() < 0.1 and (err < 1e-3).mean() > 0.995, (err.max(), (err >= 1e-3).mean())
+
+
+def _kiln(model, x):
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[PROFILE]))
+    y = next(iter(engine.create_execution_context().run({"image": x}).values()))
+    return np.asarray(y.cpu() if isinstance(y, torch.Tensor) else y)
+
+
+def test_fake_quant_rounds_to_the_grid_and_learns_its_scale():
+    fq = qat.FakeQuantize(bits=4, narrow=True, axis=0, scale_shape=(3,))
+    w = torch.randn(3, 8, requires_grad=True)
+    fq.initialize(w)
+    torch.testing.assert_close(fq.scale.detach(), w.detach().abs().amax(1) / 7)
+    y = fq(w)
+    q = y / fq.scale.detach()[:, None]
+    torch.testing.assert_close(q, q.round(), atol=1e-5, rtol=0)
+    assert q.abs().max() <= 7
+    y.pow(2).sum().backward()
+    assert w.grad is not None and fq.scale.grad is not None and torch.isfinite(fq.scale.grad).all()
+    # Straight-through: gradient passes inside the range, stops outside it.
+    fq2 = qat.FakeQuantize(bits=8)
+    x = torch.tensor([0.5, -0.9, 100.0], requires_grad=True)
+    fq2.initialize(torch.tensor([1.0, -1.0]))
+    fq2(x).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_group_wise_weights_and_auto_sign():
+    lin = nn.Linear(70, 5)
+    net = qat.prepare(nn.Sequential(nn.ReLU(), lin), bits=8, weight_bits=4, group_size=32)
+    layer = net[1]
+    assert isinstance(layer, qat.QuantLinear) and layer.weight is lin.weight  # same Parameter
+    assert layer.weight_quant.scale.shape == (5, 3)  # ceil(70 / 32) groups
+    net(torch.randn(4, 70))
+    assert not bool(layer.input_quant.signed) and layer.input_quant.qrange == (0, 255)  # after a ReLU
+    with pytest.raises(ConfigError):
+        qat.prepare(nn.Linear(4, 4), weight_bits=3)
+    with pytest.raises(ConfigError, match="not initialized"):
+        qat.export_onnx(qat.prepare(nn.Linear(4, 4)), (torch.randn(2, 4),))
+
+
+@pytest.mark.parametrize("weight_bits, group_size, weight_format", [(8, None, "qdq"), (4, 32, "int")])
+def test_export_runs_in_onnxruntime_and_kiln(trained, weight_bits, group_size, weight_format):
+    net, split = trained
+    q = _prepared(net, split, bits=8, weight_bits=weight_bits, group_size=group_size)
+    x = split[2]
+    model = qat.export_onnx(q, (torch.from_numpy(x[:2]),), input_names=["image"], weight_format=weight_format)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("DequantizeLinear") == 6 and ops.count("QuantizeLinear") == (6 if weight_format == "qdq" else 3)
+    blocked = [n for n in model.graph.node if any(a.name == "block_size" for a in n.attribute)]
+    assert bool(blocked) == (group_size is not None)
+    with torch.no_grad():
+        want = q(torch.from_numpy(x)).numpy()
+    ref = _ort(model, x)  # reference kernels: the Q/DQ semantics exactly
+    _close(ref, want)
+    _close(_kiln(model, x), ref)
+    # onnxruntime's fused int8 kernels (QLinearConv) may saturate u8*s8 pair sums on CPUs without VNNI:
+    # only the decisions are compared.
+    fused = _ort(model, x, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    assert (fused.argmax(1) == want.argmax(1)).mean() >= 0.97
+
+
+def test_qat_accuracy_on_digits(trained):
+    net, split = trained
+    _, _, x_te, y_te = split
+    fp32 = digits.accuracy(net, x_te, y_te)
+    int8_ptq = _prepared(net, split, bits=8, weight_bits=8)
+    acc = {"fp32": fp32, "int8_ptq": digits.accuracy(int8_ptq, x_te, y_te)}
+    acc["int8_qat"] = digits.accuracy(_finetune(int8_ptq, split, epochs=2, lr=3e-4), x_te, y_te)
+    int4_ptq = _prepared(net, split, bits=8, weight_bits=4)
+    acc["int4_ptq"] = digits.accuracy(int4_ptq, x_te, y_te)
+    acc["int4_qat"] = digits.accuracy(_finetune(int4_ptq, split, epochs=3, lr=1e-3), x_te, y_te)
+    print("digits held-out top-1:", {k: round(v, 2) for k, v in acc.items()})
+    assert acc["int8_qat"] >= fp32 - 1.0
+    assert acc["int4_qat"] >= acc["int4_ptq"] - 0.5
+    # The fine-tuned model still exports and runs in Kiln with the same decisions.
+    model = qat.export_onnx(int4_ptq, (torch.from_numpy(x_te[:2]),), input_names=["image"])
+    kiln_acc = 100.0 * float((_kiln(model, x_te).argmax(1) == y_te).mean())
+    assert abs(kiln_acc - acc["int4_qat"]) <= 0.3
