@@ -26,6 +26,7 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16", action="store_true", help="allow BF16 layers")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls and convolutions")
     p.add_argument("--int8", action="store_true", help="INT8 GEMMs and convolutions (needs --calib or --calibCache)")
+    p.add_argument("--fp8", action="store_true", help="FP8 E4M3 GEMMs and convolutions on Ada/Hopper (calibrated)")
     p.add_argument("--calib", metavar="DATA", help="calibration samples: .npz by input name, folder of .npz, NAME:FILE.npy")
     p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
                    "it exists, else written")
@@ -64,7 +65,7 @@ def _config_from_args(a):
     profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
     return BuildConfig(
         fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
-        int8=a.int8, calib=a.calib, calib_cache=a.calibCache, calib_method=a.calibMethod,
+        int8=a.int8, fp8=a.fp8, calib=a.calib, calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
@@ -111,8 +112,9 @@ def _print_build_summary(engine, source: str) -> None:
 
     g = engine.graph
     out.print(f"Built {source}")
-    int8 = sum(n.precision == "int8" for n in g.nodes)
-    prec = engine.precision + (f" ({int8} INT8 layers)" if engine.build_config.get("int8") else "")
+    quant = sum(n.precision in ("int8", "fp8") for n in g.nodes)
+    kind = "FP8" if engine.build_config.get("fp8") else "INT8"
+    prec = engine.precision + (f" ({quant} {kind} layers)" if quant else "")
     out.print(f"  target: {engine.target.describe()}   precision: {prec}   "
               f"build time: {engine.build_seconds:.2f} s")
     host = sum(n.placement == "host" for n in g.nodes)

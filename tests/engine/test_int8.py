@@ -45,3 +45,22 @@ def test_int8_engine_keeps_held_out_accuracy_and_caches_calibration(trained):
 def test_int8_without_calibration_data_is_refused(trained):
     with pytest.raises(ConfigError, match="needs calibration data"):
         kiln.build(str(trained / "digits.onnx"), kiln.BuildConfig(device="cpu", progress=False, int8=True))
+
+
+def test_fp8_engine_keeps_held_out_accuracy(trained):
+    prof = [kiln.Profile({"image": ((1, 1, 8, 8), (64, 1, 8, 8), (360, 1, 8, 8))})]
+    model = str(trained / "digits.onnx")
+    test = dict(np.load(trained / "digits_test.npz"))
+    fp32 = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof))
+    fp8 = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof, fp8=True,
+                                             calib=str(trained / "digits_calib.npz")))
+    assert {n.precision for n in fp8.graph.nodes if n.op_type in ("QConv", "QGemm")} == {"fp8"}
+    assert _top1(fp8, test) >= _top1(fp32, test) - 0.5
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused():
+    from kiln.engine.builder import _check_quantized_target
+    from kiln.engine.target import Target
+
+    with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*A100.*8.0"):
+        _check_quantized_target("fp8", Target("cuda", "NVIDIA A100-SXM4-80GB", "8.0"))

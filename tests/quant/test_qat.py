@@ -76,13 +76,13 @@ def _kiln(model, x):
 
 def test_fake_quant_rounds_to_the_grid_and_learns_its_scale():
     fq = qat.FakeQuantize(bits=4, narrow=True, axis=0, scale_shape=(3,))
-    w = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
     fq.initialize(w)
     torch.testing.assert_close(fq.scale.detach(), w.detach().abs().amax(1) / 7)
     y = fq(w)
     q = y / fq.scale.detach()[:, None]
     torch.testing.assert_close(q, q.round(), atol=1e-5, rtol=0)
-    assert q.abs().max() <= 7
+    assert q.abs().max() <= 7 + 1e-5
     y.pow(2).sum().backward()
     assert w.grad is not None and fq.scale.grad is not None and torch.isfinite(fq.scale.grad).all()
     # Straight-through: gradient passes inside the range, stops outside it.

@@ -92,7 +92,15 @@ def _dims(shape) -> str:
     return "x".join(str(d) if d is not None else "?" for d in shape)
 
 
-def _int8_ranges(model, config: BuildConfig, profiles: list[Profile]) -> dict[str, float]:
+def _check_quantized_target(kind: str, target) -> None:
+    if kind == "fp8" and target.kind == "cuda" and tuple(map(int, target.capability.split("."))) < (8, 9):
+        raise ConfigError(
+            f"--fp8 needs a GPU with FP8 Tensor Cores (compute capability 8.9 or newer: Ada, Hopper); "
+            f"{target.name} has compute capability {target.capability}. Build with --int8 or --fp16 instead."
+        )
+
+
+def _calibrated_ranges(model, config: BuildConfig, profiles: list[Profile]) -> dict[str, float]:
     """Calibrated activation ranges: from the calibration cache, else by calibrating an FP32 engine."""
     from pathlib import Path
 
@@ -103,12 +111,12 @@ def _int8_ranges(model, config: BuildConfig, profiles: list[Profile]) -> dict[st
         return Calibration.load(cache).amax
     if config.calib is None:
         raise ConfigError(
-            "an INT8 build needs calibration data: pass --calib=DATA (100 to 1000 representative samples as a "
+            f"an {config.quantized.upper()} build needs calibration data: pass --calib=DATA (100 to 1000 representative samples as a "
             ".npz keyed by input name, a folder of .npz files, or NAME:FILE.npy) or an existing --calibCache=FILE. "
-            "Kiln never makes up INT8 scales."
+            "Kiln never makes up quantization scales."
         )
     if isinstance(model, Graph):
-        raise ConfigError("INT8 calibration needs the ONNX model (a path or ModelProto), not a kiln Graph.")
+        raise ConfigError("calibration needs the ONNX model (a path or ModelProto), not a kiln Graph.")
     fp32 = BuildConfig(profiles=profiles, device=config.device, progress=False)
     cal = calibrate(model, config.calib, method=config.calib_method, device=config.device, build_config=fp32,
                     progress=config.progress)
@@ -156,9 +164,10 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             graph = model_to_graph(proto)
         _check_supported(graph)
         profiles = resolve_profiles(graph, config)
-        if config.int8:
-            step("INT8 calibration")
-            graph.quant_amax = _int8_ranges(model, config, profiles)
+        if config.quantized:
+            _check_quantized_target(config.quantized, target)
+            step(f"{config.quantized.upper()} calibration")
+            graph.quant_amax, graph.quant_type = _calibrated_ranges(model, config, profiles), config.quantized
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
         capturable = placement.assign(graph)

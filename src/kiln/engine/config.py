@@ -32,6 +32,7 @@ class BuildConfig:
     # INT8 (post-training): GEMMs and convolutions run on int8 with calibrated activation scales.
     # Needs calibration data (a .npz/.npy/folder, or an iterable of input dicts) or a calibration cache.
     int8: bool = False
+    fp8: bool = False  # FP8 E4M3 GEMMs and convolutions (Hopper/Ada), calibrated like INT8
     calib: object = None
     calib_cache: str | None = None  # read if it exists, else written after calibrating
     calib_method: str = "entropy"  # "entropy" (TensorRT's EntropyCalibration2), "minmax", "percentile"
@@ -50,6 +51,11 @@ class BuildConfig:
     timing_cache: str | None = None  # JSON file of tactic timings reused across builds
 
     @property
+    def quantized(self) -> str | None:
+        """"fp8" or "int8" when GEMMs and convolutions are quantized (FP8 wins when both are allowed)."""
+        return "fp8" if self.fp8 else "int8" if self.int8 else None
+
+    @property
     def precision(self) -> str:
         if self.fp16:
             return "float16"
@@ -62,7 +68,7 @@ class BuildConfig:
     def to_json(self) -> dict:
         return {
             "precision": self.precision, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
-            "int8": self.int8, "calib_method": self.calib_method if self.int8 else None,
+            "int8": self.int8, "fp8": self.fp8, "calib_method": self.calib_method if self.quantized else None,
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
             "optimization_level": self.optimization_level,
         }

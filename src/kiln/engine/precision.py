@@ -32,7 +32,7 @@ def assign(graph: Graph, precision: str) -> None:
         if node.placement == "host":
             node.precision = "float32"
         elif node.domain == "kiln" and node.op_type in INT8_LAYERS:
-            node.precision = "int8"
+            node.precision = node.attr("qtype", "int8")
         elif precision in _LOW and entry.keep_fp32:
             node.precision, node.note = "float32", f"kept FP32: {entry.keep_fp32}"
         else:

@@ -67,6 +67,7 @@ class Graph:
     findings: list[dict] = field(default_factory=list)
     # INT8 builds: calibrated absolute range per activation name (passes/insert_qdq.py).
     quant_amax: dict[str, float] | None = None
+    quant_type: str = "int8"  # or "fp8" (E4M3)
 
     def producers(self) -> dict[str, Node]:
         return {o: n for n in self.nodes for o in n.outputs if o}

@@ -116,17 +116,27 @@ def elementwise(node, *inputs):
     return out
 
 
-# --- INT8 layers from explicit quantization (Q/DQ) ---------------------------------
+# --- INT8 / FP8 layers from explicit quantization (Q/DQ) ---------------------------
 # y = act(sx * sw * (q(x) @ w_q) + b): the activation is quantized with the model's own
-# scale (round half to even, saturate to int8), weights are int8 with per-channel scales.
+# scale (round half to even, saturate), weights are int8 with per-channel scales or FP8
+# E4M3 with one scale (attribute qtype).
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x.float() / scale.float()), -128, 127).to(torch.int8)
 
 
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Saturating round-to-nearest-even into FP8 E4M3 (ONNX QuantizeLinear, saturate=1)."""
+    return torch.clamp(x.float() / scale.float(), -448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def quantize(node, x, scale):
+    return quantize_fp8(x, scale) if node.attr("qtype", "int8") == "fp8" else quantize_int8(x, scale)
+
+
 @register("QGemm", domain=KILN, keeps_input_types=True)
 def qgemm(node, x, w_q, x_scale, w_scale, b=None):
-    xq = quantize_int8(x, x_scale)
-    acc = torch.matmul(xq.double(), w_q.double())  # exact: int8 products summed in float64
+    xq = quantize(node, x, x_scale)
+    acc = torch.matmul(xq.double(), w_q.double())  # exact: int8/fp8 products summed in float64
     y = (acc * (x_scale.double() * w_scale.double())).to(x.dtype)
     if b is not None:
         y = y + b.to(x.dtype)
@@ -135,7 +145,7 @@ def qgemm(node, x, w_q, x_scale, w_scale, b=None):
 
 @register("QConv", domain=KILN, keeps_input_types=True)
 def qconv(node, x, w_q, x_scale, w_scale, b=None):
-    xq = quantize_int8(x, x_scale)
+    xq = quantize(node, x, x_scale)
     acc = lookup("Conv").impl(node, xq.double(), w_q.double())  # exact in float64
     scale = (x_scale.double() * w_scale.double()).reshape(1, -1, *([1] * (acc.dim() - 2)))
     y = (acc * scale).to(x.dtype)

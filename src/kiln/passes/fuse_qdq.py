@@ -1,9 +1,9 @@
-"""Explicit quantization: DQ(Q(x)) and DQ(int8 weights) around a MatMul/Gemm/Conv -> one INT8 layer.
+"""Explicit quantization: DQ(Q(x)) and DQ(int8/FP8 weights) around a MatMul/Gemm/Conv -> one quantized layer.
 
 Q/DQ models (onnxruntime's quantizer, NVIDIA ModelOpt, Kiln's QAT export) say
 where INT8 runs and with which scales; Kiln honours them: the layer multiplies
 int8 activations by int8 weights and applies the scales (and bias, activation)
-in its epilogue. Only symmetric int8 is fused (zero points 0); anything else
+in its epilogue. Only symmetric int8 and FP8 E4M3 are fused (zero points 0); anything else
 keeps its Q/DQ nodes, runs in float, and the reason is recorded.
 """
 
@@ -30,9 +30,13 @@ def _dq_q(view: View, value: str):
     return q.inputs[0], q.inputs[1], [q, dq]
 
 
+QTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+
+
 def _int8_zero(view: View, n: Node) -> bool:
+    """Zero point 0 of a type Kiln runs (int8, or FP8 E4M3), no blocked quantization."""
     zp = view.const(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
-    return zp is not None and zp.dtype == torch.int8 and not zp.any() and not n.attr("block_size", 0)
+    return zp is not None and zp.dtype in QTYPES and not zp.float().any() and not n.attr("block_size", 0)
 
 
 def _dq_weight(view: View, value: str, channel_axis: int):
@@ -41,7 +45,7 @@ def _dq_weight(view: View, value: str, channel_axis: int):
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain or view.readers(value) != 1:
         return None
     w, s = view.const(dq.inputs[0]), view.const(dq.inputs[1])
-    if w is None or s is None or w.dtype != torch.int8 or not _int8_zero(view, dq):
+    if w is None or s is None or w.dtype not in QTYPES or not _int8_zero(view, dq):
         return None
     if s.numel() != 1 and dq.attr("axis", 1) % w.dim() != channel_axis % w.dim():
         return None
@@ -65,9 +69,13 @@ def run(graph: Graph) -> None:
             continue
         x, x_scale, qdq = act_in
         dq_w, w_q, w_scale = weight
+        zp_x = view.const(qdq[0].inputs[2])
+        if zp_x.dtype != w_q.dtype:
+            miss(graph, "quantized layer", [mm], "activation and weight quantization types differ")
+            continue
         group = qdq + [dq_w, mm]
         name = fused_name([mm])
-        graph.initializers[f"{name}.weight_int8"] = w_q.t().contiguous() if trans_b else w_q
+        graph.initializers[f"{name}.weight_q"] = w_q.t().contiguous() if trans_b else w_q
         n_out = w_q.shape[0] if (conv or trans_b) else w_q.shape[1]
         graph.initializers[f"{name}.weight_scale"] = w_scale.float().reshape(-1).expand(n_out).contiguous()
         bias, out = "", mm.outputs[0]
@@ -85,9 +93,10 @@ def run(graph: Graph) -> None:
             group += act.nodes
             out = act.output
         attrs = dict(mm.attrs) if conv else {}
-        attrs.update(activation=act.name if act else "", activation_params=act.params if act else [])
+        attrs.update(activation=act.name if act else "", activation_params=act.params if act else [],
+                     qtype=QTYPES[w_q.dtype])
         fused = Node("QConv" if conv else "QGemm",
-                     [x, f"{name}.weight_int8", x_scale, f"{name}.weight_scale", bias], [out], attrs,
+                     [x, f"{name}.weight_q", x_scale, f"{name}.weight_scale", bias], [out], attrs,
                      name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
         view.refresh()

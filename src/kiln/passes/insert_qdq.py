@@ -1,9 +1,10 @@
 """Post-training quantization: put calibrated Q/DQ pairs around GEMMs and convolutions.
 
-Runs only in an INT8 build (graph.quant_amax holds the calibrated activation
-ranges). Each MatMul/Gemm/Conv with constant float weights whose input has a
-calibrated range gets QuantizeLinear/DequantizeLinear on that input (per-tensor
-scale amax/127) and int8 weights with per-output-channel scales. The graph is
+Runs only in an INT8 or FP8 build (graph.quant_amax holds the calibrated
+activation ranges). Each MatMul/Gemm/Conv with constant float weights whose
+input has a calibrated range gets QuantizeLinear/DequantizeLinear on that input
+(per-tensor scale amax/127, or amax/448 for FP8 E4M3) and quantized weights
+(int8 per output channel; FP8 per tensor). The graph is
 then an explicitly quantized ONNX graph (exportable, onnxruntime runs it), and
 fuse_qdq turns each pattern into an INT8 layer.
 """
@@ -27,13 +28,24 @@ def quantize_weight(w: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, t
     return w_q, scale
 
 
+def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 weights with one scale (max|w| / 448), as cuBLASLt's FP8 GEMM takes them."""
+    amax = w.abs().max()
+    scale = (amax / FP8_MAX if amax > 0 else torch.tensor(1.0)).float().reshape(1)
+    return torch.clamp(w.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
 def run(graph: Graph) -> None:
     amax = graph.quant_amax
     if amax is None:
         return
+    fp8 = graph.quant_type == "fp8"
     view = View(graph)
-    zero = "kiln.int8_zero_point"
-    graph.initializers[zero] = torch.tensor(0, dtype=torch.int8)
+    zero = "kiln.fp8_zero_point" if fp8 else "kiln.int8_zero_point"
+    graph.initializers[zero] = torch.zeros((), dtype=torch.float8_e4m3fn if fp8 else torch.int8)
     for n in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
         w = view.const(n.inputs[1])
         if w is None or not w.dtype.is_floating_point or (n.op_type != "Conv" and w.dim() != 2):
@@ -45,18 +57,18 @@ def run(graph: Graph) -> None:
             miss(graph, "INT8 layer", [n], f"no calibrated range for its input '{x}'")
             continue
         axis = 0 if n.op_type == "Conv" or (n.op_type == "Gemm" and n.attr("transB", 0)) else 1
-        w_q, w_scale = quantize_weight(w, axis)
+        w_q, w_scale = quantize_weight_fp8(w) if fp8 else quantize_weight(w, axis)
         tag = n.name
         graph.initializers.update({
-            f"{tag}.input_scale": torch.tensor(amax[x] / 127.0, dtype=torch.float32),
-            f"{tag}.weight_int8": w_q, f"{tag}.weight_scale": w_scale,
+            f"{tag}.input_scale": torch.tensor(amax[x] / (FP8_MAX if fp8 else 127.0), dtype=torch.float32),
+            f"{tag}.weight_q": w_q, f"{tag}.weight_scale": w_scale,
             # Per-axis zero points have one entry per channel (onnxruntime insists).
-            f"{tag}.weight_zero_point": torch.zeros(w_scale.shape, dtype=torch.int8),
+            f"{tag}.weight_zero_point": torch.zeros(w_scale.shape, dtype=w_q.dtype),
         })
         q = Node("QuantizeLinear", [x, f"{tag}.input_scale", zero], [f"{tag}.input_q"], name=f"{tag}.quantize_input")
         dq = Node("DequantizeLinear", [f"{tag}.input_q", f"{tag}.input_scale", zero], [f"{tag}.input_dq"],
                   name=f"{tag}.dequantize_input")
-        dqw = Node("DequantizeLinear", [f"{tag}.weight_int8", f"{tag}.weight_scale", f"{tag}.weight_zero_point"],
+        dqw = Node("DequantizeLinear", [f"{tag}.weight_q", f"{tag}.weight_scale", f"{tag}.weight_zero_point"],
                    [f"{tag}.weight_dq"],
                    {"axis": axis}, name=f"{tag}.dequantize_weight")
         for extra in (q, dq, dqw):

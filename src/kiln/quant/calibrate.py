@@ -276,7 +276,8 @@ def _read(data, names: list[str], what: str) -> list[dict]:
     if isinstance(data, (str, os.PathLike)):
         spec = os.fspath(data)
         p = Path(spec)
-        if spec.endswith(".npy") and ":" not in p.name and "," not in spec:
+        bare = spec.endswith(".npy") and (p.is_file() or (":" not in spec and "," not in spec))
+        if bare:
             if not p.is_file():
                 raise InputError(f"{what}: file '{spec}' does not exist.")
             if len(names) != 1:

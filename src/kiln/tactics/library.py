@@ -154,6 +154,8 @@ def add_then_layer_norm(node, a, b, gamma, beta=None):
 # --- QGemm (INT8) -------------------------------------------------------------
 def _int_mm_ok(node, args):
     x, w_q = args[0], args[1]
+    if node.attr("qtype", "int8") != "int8":
+        return False
     m = x.numel() // x.shape[-1]
     # cuBLASLt's int8 GEMM (torch._int_mm): M > 16, K and N multiples of 8.
     return x.is_cuda and m > 16 and x.shape[-1] % 8 == 0 and w_q.shape[1] % 8 == 0
@@ -169,4 +171,26 @@ def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None):
     if b is not None:
         y = y + b.to(x.dtype)
     y = y.reshape(*x.shape[:-1], w_q.shape[1])
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+def _scaled_mm_ok(node, args):
+    x, w_q, _, w_scale = args[:4]
+    # cuBLASLt FP8 GEMM (torch._scaled_mm): Ada/Hopper, K and N multiples of 16, one weight scale.
+    return (x.is_cuda and node.attr("qtype", "int8") == "fp8" and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and x.shape[-1] % 16 == 0 and w_q.shape[1] % 16 == 0 and w_scale.numel() == 1)
+
+
+@tactic("QGemm", "cublaslt_fp8", _scaled_mm_ok)
+def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None):
+    from ..ops.fused import quantize_fp8
+
+    out_dtype = x.dtype if x.dtype in _LOW else torch.float32
+    xq = quantize_fp8(x.reshape(-1, x.shape[-1]), x_scale)
+    y = torch._scaled_mm(xq, w_q.t().contiguous().t(), scale_a=x_scale.float().reshape(()),
+                         scale_b=w_scale.float().reshape(()), bias=b.to(out_dtype) if b is not None and out_dtype != torch.float32 else None,
+                         out_dtype=out_dtype)
+    if b is not None and out_dtype == torch.float32:
+        y = y + b
+    y = y.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[1])
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
