@@ -31,6 +31,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
                    "it exists, else written")
     p.add_argument("--calibMethod", default="entropy", choices=["entropy", "minmax", "percentile"])
+    p.add_argument("--layerPrecisions", default="", metavar="SPEC",
+                   help="pin layers (ONNX node names) to a float precision: conv1:fp32,fc:fp16 (pinned layers are not quantized)")
     p.add_argument("--minShapes", action="append", default=[], metavar="SPEC",
                    help="x:1x3x224x224,... ; repeat --minShapes/--optShapes/--maxShapes to add profiles")
     p.add_argument("--optShapes", action="append", default=[], metavar="SPEC")
@@ -55,7 +57,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(a):
-    from .engine.config import BuildConfig, parse_mem_pool, profile_from_flags
+    from .engine.config import BuildConfig, parse_layer_precisions, parse_mem_pool, profile_from_flags
 
     counts = {len(a.minShapes), len(a.optShapes), len(a.maxShapes)} - {0}
     if len(counts) > 1:
@@ -65,7 +67,7 @@ def _config_from_args(a):
     profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
     return BuildConfig(
         fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
-        int8=a.int8, fp8=a.fp8, calib=a.calib, calib_cache=a.calibCache, calib_method=a.calibMethod,
+        int8=a.int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions), calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,

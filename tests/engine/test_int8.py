@@ -64,3 +64,19 @@ def test_fp8_on_a_gpu_without_fp8_is_refused():
 
     with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*A100.*8.0"):
         _check_quantized_target("fp8", Target("cuda", "NVIDIA A100-SXM4-80GB", "8.0"))
+
+
+def test_pinned_layers_stay_in_float(trained):
+    import onnx
+
+    model = onnx.load(str(trained / "digits.onnx"))
+    first_conv = next(n.name for n in model.graph.node if n.op_type == "Conv")
+    eng = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, int8=True,
+                                             calib=str(trained / "digits_calib.npz"),
+                                             profiles=[kiln.Profile({"image": ((1, 1, 8, 8),) * 3})],
+                                             layer_precisions={first_conv: "fp32"}))
+    pinned = [n for n in eng.graph.nodes if first_conv in (n.sources or [n.name])]
+    assert pinned and pinned[0].op_type != "QConv" and pinned[0].precision == "float32"
+    assert any(n.op_type in ("QConv", "QGemm") for n in eng.graph.nodes)
+    with pytest.raises(ConfigError, match="does not have"):
+        kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, layer_precisions={"nope": "fp16"}))

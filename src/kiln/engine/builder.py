@@ -164,6 +164,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             graph = model_to_graph(proto)
         _check_supported(graph)
         profiles = resolve_profiles(graph, config)
+        precision.pin(graph, config.layer_precisions)
         if config.quantized:
             _check_quantized_target(config.quantized, target)
             step(f"{config.quantized.upper()} calibration")

@@ -36,6 +36,7 @@ class BuildConfig:
     calib: object = None
     calib_cache: str | None = None  # read if it exists, else written after calibrating
     calib_method: str = "entropy"  # "entropy" (TensorRT's EntropyCalibration2), "minmax", "percentile"
+    layer_precisions: dict[str, str] = field(default_factory=dict)  # ONNX node name -> fp32/fp16/bf16/tf32
     # Either explicit profiles, or `shapes` (one fixed shape per input) as a shortcut.
     profiles: list[Profile] = field(default_factory=list)
     shapes: dict[str, Shape] = field(default_factory=dict)
@@ -70,7 +71,7 @@ class BuildConfig:
             "precision": self.precision, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
             "int8": self.int8, "fp8": self.fp8, "calib_method": self.calib_method if self.quantized else None,
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
-            "optimization_level": self.optimization_level,
+            "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
         }
 
 
@@ -111,6 +112,17 @@ def profile_from_flags(min_s: str, opt_s: str, max_s: str) -> Profile:
         lo, mid, hi = mins.get(n, given[0]), opts.get(n), maxs.get(n, given[-1])
         shapes[n] = (lo, mid if mid is not None else hi, hi)
     return Profile(shapes)
+
+
+def parse_layer_precisions(text: str) -> dict[str, str]:
+    """'conv1:fp32,fc:fp16' -> {'conv1': 'fp32', 'fc': 'fp16'} (names may contain ':', the last one splits)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if ":" not in item:
+            raise ConfigError(f"--layerPrecisions: '{item}' should be LAYER:PRECISION, e.g. conv1:fp32.")
+        name, prec = item.rsplit(":", 1)
+        out[name.strip()] = prec.strip()
+    return out
 
 
 def parse_mem_pool(text: str) -> int:

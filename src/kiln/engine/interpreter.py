@@ -27,7 +27,7 @@ def cast_for(node: Node, entry, args: list):
         return args
     want = _LOW.get(node.precision)
     if want is None:
-        if not node.note.startswith("kept FP32"):
+        if not node.note.startswith(("kept FP32", "pinned")):
             return args
         want = torch.float32
     return [

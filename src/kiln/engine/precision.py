@@ -16,6 +16,25 @@ from ..ops.registry import lookup
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 INT8_LAYERS = ("QGemm", "QConv")  # int8 math with float epilogues, whatever the build's float precision
+PINNED = "pinned by --layerPrecisions"
+_PIN_NAMES = {"fp32": "float32", "float32": "float32", "tf32": "tf32", "fp16": "float16", "float16": "float16",
+              "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def pin(graph: Graph, pins: dict[str, str]) -> None:
+    """--layerPrecisions=name:fp16,...: mark ONNX nodes (before fusion) to run in a given float precision.
+    Pinned layers are not quantized, and a fused layer keeps the pin of its sources."""
+    from ..errors import ConfigError
+
+    by_name = {n.name: n for n in graph.nodes}
+    for name, prec in pins.items():
+        if name not in by_name:
+            close = [n for n in by_name if name.lower() in n.lower()][:5]
+            raise ConfigError(f"--layerPrecisions names layer '{name}', which the model does not have"
+                              + (f" (similar: {close})." if close else "."))
+        if prec.lower() not in _PIN_NAMES:
+            raise ConfigError(f"--layerPrecisions: '{prec}' for layer '{name}' is not one of {sorted(_PIN_NAMES)}.")
+        by_name[name].precision, by_name[name].note = _PIN_NAMES[prec.lower()], PINNED
 
 
 def _set_body(node, precision: str) -> None:
@@ -31,6 +50,8 @@ def assign(graph: Graph, precision: str) -> None:
         entry = lookup(node.op_type, node.domain)
         if node.placement == "host":
             node.precision = "float32"
+        elif node.note == PINNED:
+            pass
         elif node.domain == "kiln" and node.op_type in INT8_LAYERS:
             node.precision = node.attr("qtype", "int8")
         elif precision in _LOW and entry.keep_fp32:

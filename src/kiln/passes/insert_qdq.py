@@ -50,8 +50,8 @@ def run(graph: Graph) -> None:
         w = view.const(n.inputs[1])
         if w is None or not w.dtype.is_floating_point or (n.op_type != "Conv" and w.dim() != 2):
             continue
-        if n.op_type == "Gemm" and n.attr("transA", 0):
-            continue
+        if (n.op_type == "Gemm" and n.attr("transA", 0)) or n.note.startswith("pinned"):
+            continue  # pinned layers keep the float precision they were given
         x = n.inputs[0]
         if x not in amax or not amax[x] > 0:
             miss(graph, "INT8 layer", [n], f"no calibrated range for its input '{x}'")

@@ -56,6 +56,9 @@ def replace(graph: Graph, old: list[Node], new: Node) -> None:
     last = max(i for i, n in enumerate(graph.nodes) if id(n) in ids)
     new.sources = [s for n in old for s in (n.sources or [n.name])]
     new.opset = old[0].opset
+    pinned = next((n for n in old if n.note.startswith("pinned")), None)
+    if pinned is not None:  # --layerPrecisions on any source holds for the fused layer
+        new.precision, new.note = pinned.precision, pinned.note
     nodes = []
     for i, n in enumerate(graph.nodes):
         if i == last:

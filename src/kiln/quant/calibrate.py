@@ -528,6 +528,8 @@ def calibrate(model_or_engine, data, method: str = "entropy", percentile: float 
     calibrator = get_calibrator(method, percentile)
     if num_bins < 128:
         raise ConfigError(f"num_bins must be at least 128 (the INT8 levels the entropy search compares), got {num_bins}.")
+    if _is_engine(model_or_engine):
+        fp32_engine(model_or_engine, [])  # refuse an FP16/BF16 engine before reading any data
     _, inputs = model_inputs(model_or_engine)
     samples, rows = prepare_samples(data, inputs, engine=model_or_engine if _is_engine(model_or_engine) else None,
                                     profile=profile)

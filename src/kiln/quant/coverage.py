@@ -133,6 +133,8 @@ def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0
     beyond its range."""
     from .calibrate import _is_engine
 
+    if _is_engine(model_or_engine):
+        fp32_engine(model_or_engine, [], what="the coverage check")
     _, inputs = model_inputs(model_or_engine)
     samples, rows = prepare_samples(validation, inputs, what="validation data",
                                     engine=model_or_engine if _is_engine(model_or_engine) else None,
