@@ -31,6 +31,9 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
                    "it exists, else written")
     p.add_argument("--calibMethod", default="entropy", choices=["entropy", "minmax", "percentile"])
+    p.add_argument("--accuracy-budget", dest="accuracyBudget", default="", metavar="METRIC=DROP",
+                   help="with --int8/--fp8: keep the most sensitive layers in float until e.g. top1=0.5 holds")
+    p.add_argument("--budgetData", metavar="FILE.npz", help="held-out inputs and 'labels' for --accuracy-budget")
     p.add_argument("--layerPrecisions", default="", metavar="SPEC",
                    help="pin layers (ONNX node names) to a float precision: conv1:fp32,fc:fp16 (pinned layers are not quantized)")
     p.add_argument("--minShapes", action="append", default=[], metavar="SPEC",
@@ -58,6 +61,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def _config_from_args(a):
     from .engine.config import BuildConfig, parse_layer_precisions, parse_mem_pool, profile_from_flags
+    from .tools.verify import parse_budgets
 
     counts = {len(a.minShapes), len(a.optShapes), len(a.maxShapes)} - {0}
     if len(counts) > 1:
@@ -67,7 +71,8 @@ def _config_from_args(a):
     profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
     return BuildConfig(
         fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
-        int8=a.int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions), calib_cache=a.calibCache, calib_method=a.calibMethod,
+        int8=a.int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions),
+        accuracy_budget=parse_budgets([a.accuracyBudget]) if a.accuracyBudget else {}, budget_data=a.budgetData, calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
@@ -145,6 +150,11 @@ def _print_build_summary(engine, source: str) -> None:
     for n in g.nodes:
         if n.note:
             out.print(f"  [yellow]{escape(n.name)}[/]: {escape(n.note)}")
+    for f in engine.findings:
+        if f.get("kind") == "precision-search":
+            kept = ", ".join(f"{k['layer']} (alone: {k['drop_when_only_it_is_quantized']})" for k in f["kept_in_float"])
+            out.print(f"  precision search ({f['budget']}): {f['quantized_layers']} quantized layers; "
+                      f"kept in float: {escape(kept) or 'none'}; {f['engines_built']} engines built")
 
 
 # --- kiln run -----------------------------------------------------------------

@@ -80,3 +80,41 @@ def test_pinned_layers_stay_in_float(trained):
     assert any(n.op_type in ("QConv", "QGemm") for n in eng.graph.nodes)
     with pytest.raises(ConfigError, match="does not have"):
         kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, layer_precisions={"nope": "fp16"}))
+
+
+def _search_cfg(trained, budget):
+    prof = [kiln.Profile({"image": ((1, 1, 8, 8), (64, 1, 8, 8), (360, 1, 8, 8))})]
+    return kiln.BuildConfig(device="cpu", progress=False, profiles=prof, int8=True,
+                            calib=str(trained / "digits_calib.npz"), accuracy_budget=budget,
+                            budget_data=str(trained / "digits_test.npz"))
+
+
+def test_precision_search_keeps_full_int8_when_it_meets_the_budget(trained):
+    eng = kiln.build(str(trained / "digits.onnx"), _search_cfg(trained, {"top1": 0.5}))
+    report = next(f for f in eng.findings if f.get("kind") == "precision-search")
+    assert report["kept_in_float"] == [] and report["engines_built"] == 1
+    assert report["full_quantization_drop"]["top1"] <= 0.5
+    assert any(n.precision == "int8" for n in eng.graph.nodes)
+
+
+def test_precision_search_keeps_the_most_sensitive_layers_in_float(trained, monkeypatch):
+    """Real builds and engines; the metric is replaced by a known one so the search's choices can be
+    checked: each quantized layer costs its known sensitivity, the budget allows 1.0 point."""
+    import onnx
+
+    from kiln.quant import search as search_mod
+
+    gemms = [n.name for n in onnx.load(str(trained / "digits.onnx")).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    cost = {name: float(i + 1) for i, name in enumerate(gemms)}  # the last layer is the most sensitive
+
+    def fake_drop(engine, model, data, budgets):
+        drop = sum(cost[s] for n in engine.graph.nodes if n.precision == "int8" for s in n.sources if s in cost)
+        return drop <= budgets["top1"], {"top1": drop}
+
+    monkeypatch.setattr(search_mod, "_metric_drop", fake_drop)
+    eng = kiln.build(str(trained / "digits.onnx"), _search_cfg(trained, {"top1": 1.0}))
+    report = next(f for f in eng.findings if f.get("kind") == "precision-search")
+    # Keeping layers from the most sensitive down until only cost <= 1 remains: all but the first.
+    assert [k["layer"] for k in report["kept_in_float"]] == gemms[::-1][:-1]
+    quantized = {s for n in eng.graph.nodes if n.precision == "int8" for s in n.sources if s in cost}
+    assert quantized == {gemms[0]}

@@ -33,7 +33,7 @@ def test_matches_reference_on_odd_sizes_with_poisoned_output(M, K, N, group, asy
 
 
 def test_bias_input_scale_and_batched_strided_input():
-    x, packed, scales, zeros = _operands(7, 38, 21, 8, True, seed=3)
+    _, packed, scales, zeros = _operands(7, 38, 21, 8, True, seed=3)
     xb = torch.randn(2, 3, 76, device=DEV)[..., ::2]  # [2, 3, 38] with K stride 2
     bias, xs = torch.randn(21, device=DEV), torch.rand(38, device=DEV) + 0.5
     y = k4.int4_gemm(xb, packed, scales, zeros, 8, bias=bias, in_scale=xs, config=SMALL)

@@ -152,6 +152,15 @@ def build(model, config: BuildConfig | None = None) -> Engine:
     from ..tools.progress import build_progress
 
     config = config or BuildConfig()
+    if config.accuracy_budget:
+        import dataclasses
+
+        from ..quant.search import search
+
+        engine, report = search(model, dataclasses.replace(config, accuracy_budget={}), config.accuracy_budget,
+                                config.budget_data, build)
+        engine.findings.append(report)
+        return engine
     start = time.perf_counter()
     target = resolve(config.device)
     with (build_progress() if config.progress else nullcontext()) as bar:

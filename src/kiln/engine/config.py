@@ -37,6 +37,9 @@ class BuildConfig:
     calib_cache: str | None = None  # read if it exists, else written after calibrating
     calib_method: str = "entropy"  # "entropy" (TensorRT's EntropyCalibration2), "minmax", "percentile"
     layer_precisions: dict[str, str] = field(default_factory=dict)  # ONNX node name -> fp32/fp16/bf16/tf32
+    # Precision search (quant/search.py): {"top1": 0.5} = at most 0.5 points below FP32 on budget_data.
+    accuracy_budget: dict[str, float] = field(default_factory=dict)
+    budget_data: object = None
     # Either explicit profiles, or `shapes` (one fixed shape per input) as a shortcut.
     profiles: list[Profile] = field(default_factory=list)
     shapes: dict[str, Shape] = field(default_factory=dict)

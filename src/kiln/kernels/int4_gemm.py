@@ -39,7 +39,7 @@ def _int4_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K,
     ram = rm % M  # edge rows/columns load a valid (wrapped) row; the store masks them
     rbn = rn % N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(KP, BLOCK_KP)):
+    for kb in range(tl.cdiv(KP, BLOCK_KP)):
         kp = kb * BLOCK_KP + tl.arange(0, BLOCK_KP)  # packed rows
         ke = 2 * kp  # k of the low nibbles
         ko = ke + 1  # k of the high nibbles
@@ -144,7 +144,7 @@ def dequantize(packed, scales, zeros, group_size: int, k: int) -> torch.Tensor:
     """The FP32 weight [k, N]."""
     u = unpack(packed, k).float()
     z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
-    rep = lambda v: v.repeat_interleave(group_size, dim=0)[:k]  # noqa: E731
+    rep = lambda v: v.repeat_interleave(group_size, dim=0)[:k]
     return (u - rep(z)) * rep(scales.float())
 
 

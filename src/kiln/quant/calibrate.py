@@ -91,6 +91,8 @@ class TensorStats:
 
     def clip_fraction(self) -> float | None:
         """Fraction of the calibration values with |x| > amax, read from the histogram (to one bin)."""
+        if self.amax is not None and self.count and self.absmax is not None and self.amax >= self.absmax:
+            return 0.0  # nothing the calibration saw lies beyond amax (always so for MinMax)
         if self.hist is None or self.amax is None or not self.hist.sum():
             return None if self.hist is None else 0.0
         if self.hist_max <= 0:

@@ -7,7 +7,9 @@ Runs a validation set through the same FP32 engine and compares, per tensor:
 
 * clip rate: the fraction of validation values with |x| > the calibrated amax
   (they saturate in INT8), next to the same fraction on the calibration set
-  (Entropy and Percentile clip a little on purpose; MinMax clips nothing);
+  (Entropy and Percentile clip a little on purpose; MinMax clips nothing).
+  Flagged when clearly above the calibration set's, or above 1% outright
+  (Entropy on a degenerate set can choose an amax that clips most values);
 * out-of-range rate: the fraction of validation values outside the range the
   calibration set reached [min, max];
 * histogram distance: the Jensen-Shannon divergence (bits, 0..1) between the
@@ -121,13 +123,13 @@ def _coarse(hist: np.ndarray, over: int = 0) -> np.ndarray:
 
 def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0, device: str = "auto",
                    build_config=None, clip_tolerance: float = 2e-3, out_of_range_tolerance: float = 5e-3,
-                   drift_threshold: float = 0.1, min_samples: int = MIN_SAMPLES, min_spread_ratio: float = 0.05,
+                   max_clip_rate: float = 0.01, drift_threshold: float = 0.1, min_samples: int = MIN_SAMPLES, min_spread_ratio: float = 0.05,
                    min_distinct_fraction: float = 0.5, spread_vs_validation: float = 0.25,
                    progress: bool = False) -> CoverageReport:
     """Compare `calibration` (a Calibration) with a validation set run through the same FP32 engine.
 
     A tensor is flagged when validation clips more than the calibration set did by over clip_tolerance
-    (a fraction), when over out_of_range_tolerance of its validation values fall outside the calibration
+    (a fraction) or clips over max_clip_rate at all, when over out_of_range_tolerance of its validation values fall outside the calibration
     set's range, or when the histogram distance exceeds drift_threshold. The tolerances leave room for
     sampling noise: a representative set of N samples still leaves about 1/(N+1) of new samples' extremes
     beyond its range."""
@@ -188,9 +190,9 @@ def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0
             dist = js_divergence(_coarse(cs.hist), _coarse(vs.hist, col.over.get(name, 0)))
         t = TensorCoverage(name, float(cs.amax), cs.min, cs.max, vs.min, vs.max, vs.count, clip, calib_clip, oor,
                            dist)
-        if clip > (calib_clip or 0.0) + clip_tolerance:
+        if clip > (calib_clip or 0.0) + clip_tolerance or clip > max_clip_rate:
             t.flags.append(f"validation clips {100 * clip:.3g}% of values at amax {cs.amax:.4g}"
-                           f" (calibration: {100 * (calib_clip or 0.0):.3g}%)")
+                           f" (calibration: {'?' if calib_clip is None else f'{100 * calib_clip:.3g}'}%)")
         if oor is not None and oor > out_of_range_tolerance:
             t.flags.append(f"{100 * oor:.3g}% of validation values fall outside the calibration range "
                            f"[{cs.min:.4g}, {cs.max:.4g}] (validation: [{vs.min:.4g}, {vs.max:.4g}])")

@@ -84,7 +84,7 @@ class Int4Weight:
         return fn(x, self.packed, self.scales, self.zeros, self.group_size, bias, self.in_scale)
 
     def to(self, device) -> Int4Weight:
-        mv = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        mv = lambda t: t.to(device) if t is not None else None
         return Int4Weight(mv(self.packed), mv(self.scales), mv(self.zeros), self.group_size, self.k, mv(self.in_scale))
 
 
@@ -133,7 +133,7 @@ def fake_quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True
     """Q(w): the dequantized INT4 rounding of w [K, N], in FP32."""
     u, scales, zeros = _codes(w.detach(), group_size, symmetric)
     z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0)
-    rep = lambda v: v.repeat_interleave(group_size, dim=0)[:w.shape[0]]  # noqa: E731
+    rep = lambda v: v.repeat_interleave(group_size, dim=0)[:w.shape[0]]
     return (u.float() - rep(z)) * rep(scales)
 
 
@@ -231,9 +231,8 @@ def quantize_module(module: nn.Module, calib=None, group_size: int = 128, symmet
     """Replace every nn.Linear of `module` (in place) by an Int4Linear.
 
     calib: example inputs for one forward pass (a tensor or a tuple), which record
-    each layer's input for the AWQ search; required when awq=True. Layers whose
-    in_features are not a multiple of 2 are left alone (named in the result with None).
-    Returns {layer name: AWQResult (None without AWQ)}.
+    each layer's input for the AWQ search; required when awq=True. `module` must
+    contain the layers (a bare nn.Linear: wrap it in nn.Sequential). Returns {layer name: AWQResult (None without AWQ)}.
     """
     if group_size not in GROUP_SIZES:
         raise ConfigError(f"group_size must be one of {GROUP_SIZES}, not {group_size}")
