@@ -9,10 +9,10 @@ from onnx import TensorProto, helper
 
 import kiln
 
-CPU = dict(device="cpu", progress=False)
+CPU = {"device": "cpu", "progress": False}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def digits():
     """The digits CNN (trained briefly: activations of a real net), its .onnx, calib and test .npz."""
     from kiln.examples import digits as ex

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from kiln.errors import ConfigError
-from kiln.quant import Calibration, TensorStats, WeightScale, calibrate
-from kiln.quant import cache
+from kiln.quant import Calibration, TensorStats, WeightScale, cache, calibrate
 
 from . import batches, relu_model
 

@@ -73,7 +73,7 @@ def test_an_engine_and_every_data_source_agree(tmp_path):
     for i in range(0, 256, 32):
         np.savez(folder / f"{i:04d}.npz", image=x[i:i + 32])
     sources = [d.calib_path, str(tmp_path / "image.npy"), f"image:{tmp_path / 'image.npy'}", folder,
-               batches(x, 50, "image"), (dict(image=torch.from_numpy(x[i:i + 8])) for i in range(0, 256, 8))]
+               batches(x, 50, "image"), ({"image": torch.from_numpy(x[i:i + 8])} for i in range(0, 256, 8))]
     for src in sources:
         cal = calibrate(engine, src, method="minmax", progress=False)
         assert cal.samples == 256
@@ -102,7 +102,7 @@ def test_progress_lines_off_a_terminal(capsys):
 def test_bad_data_is_refused_naming_the_input():
     x = _calib_images()
     engine = digits_engine(lo=4, hi=64)
-    run = lambda data, **kw: calibrate(engine, data, progress=False, **kw)  # noqa: E731
+    run = lambda data, **kw: calibrate(engine, data, progress=False, **kw)
     with pytest.raises(InputError, match=r"input 'image' is float64 but the model expects float32.*astype"):
         run({"image": x.astype(np.float64)})
     with pytest.raises(ShapeError, match=r"input 'image' has rank 3"):

@@ -7,12 +7,22 @@
     kiln.quant.check_coverage(cal, model, "validation.npz").render()
 """
 
-from .cache import load as load_calibration  # noqa: F401
-from .calibrate import Calibration, CalibrationWarning, TensorStats, calibrate  # noqa: F401
-from .calibrators import (EntropyCalibrator, MinMaxCalibrator, PercentileCalibrator, WeightScale,  # noqa: F401
-                          entropy_amax, fp8_e4m3_scale, get_calibrator, int8_scale, per_channel_amax,
-                          percentile_amax, weight_scales)
-from .coverage import CoverageReport, TensorCoverage, check_coverage  # noqa: F401
+from .cache import load as load_calibration
+from .calibrate import Calibration, CalibrationWarning, TensorStats, calibrate
+from .calibrators import (
+    EntropyCalibrator,
+    MinMaxCalibrator,
+    PercentileCalibrator,
+    WeightScale,
+    entropy_amax,
+    fp8_e4m3_scale,
+    get_calibrator,
+    int8_scale,
+    per_channel_amax,
+    percentile_amax,
+    weight_scales,
+)
+from .coverage import CoverageReport, TensorCoverage, check_coverage
 
 __all__ = [
     "Calibration", "CalibrationWarning", "CoverageReport", "EntropyCalibrator", "MinMaxCalibrator",

@@ -45,8 +45,7 @@ def float_to_hex(x: float) -> str:
 
 def hex_to_float(text: str) -> float:
     h = text.strip().lower()
-    if h.startswith("0x"):
-        h = h[2:]
+    h = h.removeprefix("0x")
     if not re.fullmatch(r"[0-9a-f]{1,8}", h):
         raise ValueError(f"'{text}' is not the hex of a float32")
     return struct.unpack(">f", bytes.fromhex(h.rjust(8, "0")))[0]

@@ -30,8 +30,14 @@ import torch
 
 from ..errors import ConfigError, InputError, ShapeError
 from ..ir import dtypes
-from .calibrators import (DEFAULT_BINS, WeightScale, fp8_e4m3_scale, get_calibrator, int8_scale,
-                          weight_scales)
+from .calibrators import (
+    DEFAULT_BINS,
+    WeightScale,
+    fp8_e4m3_scale,
+    get_calibrator,
+    int8_scale,
+    weight_scales,
+)
 
 MIN_SAMPLES = 100
 DIVERSITY_ROWS = 4096  # rows of each input kept to measure how varied the calibration set is
@@ -97,7 +103,7 @@ class TensorStats:
             return None if self.hist is None else 0.0
         if self.hist_max <= 0:
             return 0.0
-        first = int(round(self.amax / self.hist_max * self.hist.size))
+        first = round(self.amax / self.hist_max * self.hist.size)
         return float(self.hist[first:].sum() / self.hist.sum())
 
     def summary(self) -> dict:
@@ -223,7 +229,7 @@ class Calibration:
         save(self, path, format)
 
     @classmethod
-    def load(cls, path) -> "Calibration":
+    def load(cls, path) -> Calibration:
         from .cache import load
 
         return load(path)
@@ -366,6 +372,22 @@ def prepare_samples(data, inputs, what: str = "calibration data", engine=None, p
     return samples, rows
 
 
+def rebatch(samples: list[dict], inputs, batch_size: int | None) -> list[dict]:
+    """Cut samples into batches of at most batch_size rows, where every input has a dynamic axis 0 and
+    all of a sample's inputs share its length (the last batch may be smaller)."""
+    if not batch_size or not all(v.shape and not isinstance(v.shape[0], int) for v in inputs):
+        return samples
+    out = []
+    for s in samples:
+        ns = {a.shape[0] if a.ndim else None for a in s.values()}
+        n = next(iter(ns))
+        if len(ns) != 1 or n is None or n <= batch_size:
+            out.append(s)
+            continue
+        out += [{k: a[i:i + batch_size] for k, a in s.items()} for i in range(0, n, batch_size)]
+    return out
+
+
 def _dims(shape) -> str:
     return "x".join(str(d) if d is not None else "?" for d in shape)
 
@@ -450,7 +472,7 @@ def fp32_engine(model, samples: list[dict], device: str = "auto", build_config=N
         return build(graph, cfg)
 
 
-def run_pass(engine, samples: list[dict], col: "_Collector", profile: int = 0, progress: bool = True,
+def run_pass(engine, samples: list[dict], col: _Collector, profile: int = 0, progress: bool = True,
              label: str = "kiln calibrate", step: str = "") -> None:
     """Run every sample through the engine, showing each input and device-layer output to `col`."""
     ctx = engine.create_execution_context(profile=profile, cuda_graphs=False)
@@ -485,7 +507,13 @@ class _progress:
         if not self.enabled:
             return lambda msg: None
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.console = Console(file=sys.stderr, highlight=False)
         if self.console.is_terminal:
@@ -520,11 +548,13 @@ class _progress:
 
 def calibrate(model_or_engine, data, method: str = "entropy", percentile: float = 99.99, *,
               profile: int = 0, device: str = "auto", build_config=None, num_bins: int = DEFAULT_BINS,
-              progress: bool = True, min_samples: int = MIN_SAMPLES) -> Calibration:
+              progress: bool = True, min_samples: int = MIN_SAMPLES, batch_size: int | None = 32) -> Calibration:
     """Calibrate: per-tensor amax/scales with `method` ("entropy", "minmax", "percentile").
 
     model_or_engine: an ONNX path / ModelProto / kiln Graph (an FP32 engine is built for `device`, or
     per `build_config` with its precision forced to FP32), or an FP32 Engine. data: see the module doc.
+    With a model and no profiles of your own, samples run in batches of up to `batch_size` rows (the
+    FP32 engine's profile spans them); an engine's samples are cut to fit its profile instead.
     Warns (CalibrationWarning) below `min_samples` sample rows."""
     start = time.perf_counter()
     calibrator = get_calibrator(method, percentile)
@@ -539,6 +569,8 @@ def calibrate(model_or_engine, data, method: str = "entropy", percentile: float 
         warnings.warn(f"calibration set has only {rows} samples; INT8 scales need {min_samples} to 1000 "
                       "representative samples, or they may clip or waste range on real inputs.",
                       CalibrationWarning, stacklevel=2)
+    if not _is_engine(model_or_engine) and not (build_config and (build_config.profiles or build_config.shapes)):
+        samples = rebatch(samples, inputs, batch_size)
     engine = fp32_engine(model_or_engine, samples, device, build_config)
     if not _is_engine(model_or_engine):
         samples, _ = prepare_samples(samples, inputs, engine=engine, profile=profile)

@@ -240,7 +240,7 @@ class WeightScale:
         return {"axis": self.axis, "amax": [float(a) for a in self.amax], "scales": [float(s) for s in self.scales]}
 
     @classmethod
-    def from_json(cls, name: str, d: dict) -> "WeightScale":
+    def from_json(cls, name: str, d: dict) -> WeightScale:
         return cls(name, int(d["axis"]), np.asarray(d["amax"], dtype=np.float32))
 
 

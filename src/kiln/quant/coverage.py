@@ -28,7 +28,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .calibrate import MIN_SAMPLES, _Collector, diversity, fp32_engine, model_inputs, prepare_samples, run_pass
+from .calibrate import (
+    MIN_SAMPLES,
+    _Collector,
+    diversity,
+    fp32_engine,
+    model_inputs,
+    prepare_samples,
+    rebatch,
+    run_pass,
+)
 
 COARSE_BINS = 64
 
@@ -80,8 +89,9 @@ class CoverageReport:
     def render(self) -> str:
         head = (f"calibration coverage ({self.method}): {self.calib_samples} calibration vs {self.val_samples} "
                 f"validation samples, {len(self.flagged)} of {len(self.tensors)} tensors flagged")
-        lines = [head, f"  {'tensor':30} {'amax':>10} {'val |x| max':>12} {'clip':>9} {'calib clip':>10} "
-                       f"{'out of range':>12} {'JS':>6}"]
+        columns = (f"  {'tensor':30} {'amax':>10} {'val |x| max':>12} {'clip':>9} {'calib clip':>10} "
+                   f"{'out of range':>12} {'JS':>6}")
+        lines = [head, columns]
         for t in self.tensors:
             vmax = None if t.val_min is None else max(abs(t.val_min), abs(t.val_max))
             lines.append(f"  {t.name[:30]:30} {t.amax:10.4g} {_f(vmax, '12.4g')} {_pct(t.clip_rate):>9} "
@@ -125,7 +135,7 @@ def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0
                    build_config=None, clip_tolerance: float = 2e-3, out_of_range_tolerance: float = 5e-3,
                    max_clip_rate: float = 0.01, drift_threshold: float = 0.1, min_samples: int = MIN_SAMPLES, min_spread_ratio: float = 0.05,
                    min_distinct_fraction: float = 0.5, spread_vs_validation: float = 0.25,
-                   progress: bool = False) -> CoverageReport:
+                   batch_size: int | None = 32, progress: bool = False) -> CoverageReport:
     """Compare `calibration` (a Calibration) with a validation set run through the same FP32 engine.
 
     A tensor is flagged when validation clips more than the calibration set did by over clip_tolerance
@@ -141,6 +151,8 @@ def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0
     samples, rows = prepare_samples(validation, inputs, what="validation data",
                                     engine=model_or_engine if _is_engine(model_or_engine) else None,
                                     profile=profile)
+    if not _is_engine(model_or_engine) and not (build_config and (build_config.profiles or build_config.shapes)):
+        samples = rebatch(samples, inputs, batch_size)
     engine = fp32_engine(model_or_engine, samples, device, build_config, what="the coverage check")
     if not _is_engine(model_or_engine):
         samples, _ = prepare_samples(samples, inputs, what="validation data", engine=engine, profile=profile)
