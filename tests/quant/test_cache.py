@@ -110,3 +110,30 @@ def test_bad_caches_are_refused(tmp_path):
         Calibration.load(tmp_path / "missing.cache")
     with pytest.raises(ConfigError, match="'trt' or 'json'"):
         _cal(x=1.0).save(tmp_path / "x.cache", format="yaml")
+
+
+def test_calibrate_reuses_a_cache_and_never_invents_scales(tmp_path):
+    x = np.random.default_rng(0).standard_normal((100, 4)).astype(np.float32)
+    path = tmp_path / "relu.cache"
+    with pytest.raises(ConfigError, match="needs data.*never falls back to made-up scales"):
+        calibrate(relu_model(), None, progress=False)
+    first = calibrate(relu_model(), batches(x, 25), method="minmax", cache=path, device="cpu", progress=False)
+    assert path.read_text().startswith("TRT-8601-MinMaxCalibration\n")
+    again = calibrate(relu_model(), None, method="minmax", cache=path, progress=False)  # no data: the cache
+    assert again.scales == first.scales
+    with pytest.raises(ConfigError, match="made with minmax calibration, not entropy"):
+        calibrate(relu_model(), None, method="entropy", cache=path, progress=False)
+    with pytest.warns(UserWarning, match="calibrating again"):
+        redone = calibrate(relu_model(), batches(x, 25), method="entropy", cache=path, device="cpu", progress=False)
+    assert Calibration.load(path).method == "entropy" and Calibration.load(path).scales == redone.scales
+
+
+def test_missing_for_an_engine():
+    import kiln
+
+    x = np.random.default_rng(0).standard_normal((100, 4)).astype(np.float32)
+    engine = kiln.build(relu_model(), kiln.BuildConfig(shapes={"x": (4, 4)}, device="cpu", progress=False))
+    cal = calibrate(engine, batches(x, 4), method="minmax", progress=False)
+    assert cal.missing_for(engine) == []
+    partial = _cal(x=1.0)
+    assert partial.missing_for(engine) == ["y"]

@@ -16,6 +16,7 @@ from ..ops.registry import lookup
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 INT8_LAYERS = ("QGemm", "QConv")  # int8 math with float epilogues, whatever the build's float precision
+WEIGHT_ONLY = ("Int4Gemm",)  # int4 weights, activations in the build's float precision
 PINNED = "pinned by --layerPrecisions"
 _PIN_NAMES = {"fp32": "float32", "float32": "float32", "tf32": "tf32", "fp16": "float16", "float16": "float16",
               "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -54,6 +55,8 @@ def assign(graph: Graph, precision: str) -> None:
             pass
         elif node.domain == "kiln" and node.op_type in INT8_LAYERS:
             node.precision = node.attr("qtype", "int8")
+        elif node.domain == "kiln" and node.op_type in WEIGHT_ONLY:
+            node.precision, node.note = precision, "INT4 weights"
         elif precision in _LOW and entry.keep_fp32:
             node.precision, node.note = "float32", f"kept FP32: {entry.keep_fp32}"
         else:

@@ -152,3 +152,11 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None):
     if b is not None:
         y = y + b.to(x.dtype).reshape(1, -1, *([1] * (acc.dim() - 2)))
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+@register("Int4Gemm", domain=KILN, keeps_input_types=True)
+def int4_gemm(node, x, packed, scales, b=None):
+    """x @ dequant(packed int4 [K/2, N], group scales [K/g, N]) + b, in x's float type."""
+    from ..kernels.int4_gemm import reference
+
+    return reference(x, packed, scales.to(torch.float32), None, node.attr("group_size"), bias=b)

@@ -15,6 +15,7 @@ from . import (
     fuse_conv,
     fuse_elementwise,
     fuse_gemm,
+    fuse_int4_weights,
     fuse_qdq,
     insert_qdq,
     fuse_skip_layernorm,
@@ -28,7 +29,8 @@ PIPELINE = [
     dead_code,  # nodes nothing reads, weights nothing uses
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
     insert_qdq,  # INT8 builds: calibrated Q/DQ around GEMMs and convolutions (post-training quantization)
-    fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8 layers (explicit quantization)
+    fuse_int4_weights,  # MatMul on INT4 weights (group scales) -> weight-only INT4 GEMM
+    fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8/FP8 layers (explicit quantization)
     fuse_conv,  # Conv + bias + residual Add + activation
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split

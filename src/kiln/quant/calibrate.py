@@ -41,6 +41,7 @@ from .calibrators import (
 
 MIN_SAMPLES = 100
 DIVERSITY_ROWS = 4096  # rows of each input kept to measure how varied the calibration set is
+DIVERSITY_ELEMENTS = 16_000_000  # ...and at most this many values
 
 
 class CalibrationWarning(UserWarning):
@@ -217,6 +218,19 @@ class Calibration:
     @property
     def weight_scales(self) -> dict[str, np.ndarray]:
         return {k: w.scales for k, w in self.weights.items()}
+
+    def missing_for(self, engine) -> list[str]:
+        """Float tensors an engine's device layers read or write (and its inputs) that have no scale here:
+        empty when this calibration covers the engine (same model, same fusions)."""
+        have = self.scales
+        names = [v.name for v in engine.inputs if v.dtype is None or v.dtype.is_floating_point]
+        for node in engine.graph.nodes:
+            if node.placement == "device":
+                names += [o for o in node.outputs if o]
+        out_types = {v.name: v.dtype for v in engine.outputs}
+        names = [n for n in dict.fromkeys(names)
+                 if n not in engine.graph.initializers and (out_types.get(n) is None or out_types[n].is_floating_point)]
+        return [n for n in names if n not in have]
 
     def histograms(self) -> list[dict]:
         """Per-tensor summary (range, mean/std, zero fraction, chosen amax, clipped fraction)."""
@@ -402,8 +416,15 @@ def diversity(samples: list[dict], inputs) -> dict[str, dict]:
             continue
         if len({a.shape[1:] for a in arrays}) != 1:
             continue  # rows of different shapes cannot be compared element by element
-        x = np.concatenate(arrays, axis=0)[:DIVERSITY_ROWS].astype(np.float64)
-        x = x.reshape(x.shape[0], -1)
+        per_row = max(1, int(np.prod(arrays[0].shape[1:])))
+        limit = min(DIVERSITY_ROWS, max(2, DIVERSITY_ELEMENTS // per_row))  # bounded memory for big inputs
+        taken, n = [], 0
+        for a in arrays:
+            if n >= limit:
+                break
+            taken.append(a[:limit - n])
+            n += len(taken[-1])
+        x = np.concatenate(taken, axis=0).reshape(n, -1).astype(np.float64)
         distinct = len({r.tobytes() for r in x})
         spread = float(x.std(axis=0).mean()) if x.shape[0] > 1 else 0.0
         total = float(x.std())
@@ -477,7 +498,7 @@ def run_pass(engine, samples: list[dict], col: _Collector, profile: int = 0, pro
     """Run every sample through the engine, showing each input and device-layer output to `col`."""
     ctx = engine.create_execution_context(profile=profile, cuda_graphs=False)
     dev = engine.target.device
-    with _progress(progress, label, len(samples)) as advance:
+    with _progress(progress, label, len(samples), step) as advance:
         for feeds in samples:
             tensors = {k: dtypes.to_torch(a).to(dev) for k, a in feeds.items()}
             for k, t in tensors.items():
@@ -497,8 +518,8 @@ def run_pass(engine, samples: list[dict], col: _Collector, profile: int = 0, pro
 class _progress:
     """A rich progress bar on a terminal; one line per pass elsewhere; nothing when disabled."""
 
-    def __init__(self, enabled: bool, label: str, total: int):
-        self.enabled, self.label, self.total = enabled, label, total
+    def __init__(self, enabled: bool, label: str, total: int, first: str = ""):
+        self.enabled, self.label, self.total, self.first = enabled, label, total, first
 
     def __enter__(self):
         self.start = time.perf_counter()
@@ -520,7 +541,7 @@ class _progress:
             self.p = Progress(TextColumn(f"[bold]{self.label}[/] {{task.description}}"), BarColumn(),
                               MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=True)
             self.p.start()
-            self.task = self.p.add_task("", total=self.total)
+            self.task = self.p.add_task(self.first, total=self.total)
         self.last = None
         return self.advance
 
@@ -546,18 +567,38 @@ class _progress:
 # --- the entry point ----------------------------------------------------------------------------------
 
 
-def calibrate(model_or_engine, data, method: str = "entropy", percentile: float = 99.99, *,
-              profile: int = 0, device: str = "auto", build_config=None, num_bins: int = DEFAULT_BINS,
-              progress: bool = True, min_samples: int = MIN_SAMPLES, batch_size: int | None = 32) -> Calibration:
+def calibrate(model_or_engine, data=None, method: str = "entropy", percentile: float = 99.99, *,
+              cache=None, profile: int = 0, device: str = "auto", build_config=None,
+              num_bins: int = DEFAULT_BINS, progress: bool = True, min_samples: int = MIN_SAMPLES,
+              batch_size: int | None = 32) -> Calibration:
     """Calibrate: per-tensor amax/scales with `method` ("entropy", "minmax", "percentile").
 
     model_or_engine: an ONNX path / ModelProto / kiln Graph (an FP32 engine is built for `device`, or
     per `build_config` with its precision forced to FP32), or an FP32 Engine. data: see the module doc.
     With a model and no profiles of your own, samples run in batches of up to `batch_size` rows (the
     FP32 engine's profile spans them); an engine's samples are cut to fit its profile instead.
-    Warns (CalibrationWarning) below `min_samples` sample rows."""
+    Warns (CalibrationWarning) below `min_samples` sample rows.
+
+    cache: a calibration cache path (TensorRT text, or JSON for a .json path). If it exists and was made
+    with the same method, it is returned as is (data may then be None); otherwise calibration runs and
+    writes it. Without data and without a usable cache: ConfigError (Kiln never invents scales)."""
     start = time.perf_counter()
     calibrator = get_calibrator(method, percentile)
+    if cache is not None and Path(cache).is_file():
+        from .cache import load
+
+        cached = load(cache)
+        if cached.method == calibrator.name:
+            return cached
+        if data is None:
+            raise ConfigError(f"calibration cache '{cache}' was made with {cached.method} calibration, not "
+                              f"{calibrator.name}, and no calibration data was given to redo it.")
+        warnings.warn(f"calibration cache '{cache}' was made with {cached.method} calibration, not "
+                      f"{calibrator.name}: calibrating again and overwriting it.", CalibrationWarning, stacklevel=2)
+    if data is None:
+        raise ConfigError("INT8/FP8 calibration needs data: pass 100 to 1000 representative input samples (a "
+                          ".npz/.npy file, a folder of .npz files, or an iterable of {input: array} dicts) or an "
+                          "existing calibration cache. Kiln never falls back to made-up scales.")
     if num_bins < 128:
         raise ConfigError(f"num_bins must be at least 128 (the INT8 levels the entropy search compares), got {num_bins}.")
     if _is_engine(model_or_engine):
@@ -586,10 +627,13 @@ def calibrate(model_or_engine, data, method: str = "entropy", percentile: float 
         if s.absmax is None:  # never a finite value
             continue
         s.amax = calibrator.amax(s.absmax, s.hist, s.hist_max)
-    return Calibration(
+    cal = Calibration(
         method=calibrator.name, tensors=stats, weights=weight_scales(engine.graph), samples=rows,
         percentile=percentile if calibrator.name == "percentile" else None, num_bins=num_bins,
         inputs=diversity(samples, engine.inputs),
         engine={"device": str(engine.target.device), "precision": engine.precision,
                 "inputs": [v.name for v in engine.inputs]},
         seconds=time.perf_counter() - start)
+    if cache is not None:
+        cal.save(cache)
+    return cal

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import tactic
 
 
@@ -32,3 +34,27 @@ def triton_elementwise(node, *inputs):
     from ..kernels import elementwise
 
     return elementwise.run(node.attr("program"), list(inputs))
+
+
+def _int4_ok(node, args) -> bool:
+    x = args[0]
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _int4_tactic(config):
+    def run(node, x, packed, scales, b=None):
+        from ..kernels.int4_gemm import int4_gemm
+
+        return int4_gemm(x, packed, scales, None, node.attr("group_size"), bias=b, config=config)
+
+    return run
+
+
+def _register_int4() -> None:
+    from ..kernels.int4_gemm import CONFIGS
+
+    for cfg in CONFIGS:
+        tactic("Int4Gemm", f"triton_{cfg.name}", _int4_ok, level=3)(_int4_tactic(cfg))
+
+
+_register_int4()
