@@ -100,7 +100,7 @@ def _check_quantized_target(kind: str, target) -> None:
         )
 
 
-def _calibrated_ranges(model, config: BuildConfig, profiles: list[Profile]) -> dict[str, float]:
+def _calibration(model, config: BuildConfig, profiles: list[Profile]):
     """Calibrated activation ranges: from the calibration cache, else by calibrating an FP32 engine."""
     from pathlib import Path
 
@@ -108,7 +108,7 @@ def _calibrated_ranges(model, config: BuildConfig, profiles: list[Profile]) -> d
 
     cache = Path(config.calib_cache) if config.calib_cache else None
     if cache is not None and cache.exists():
-        return Calibration.load(cache).amax
+        return Calibration.load(cache)
     if config.calib is None:
         raise ConfigError(
             f"an {config.quantized.upper()} build needs calibration data: pass --calib=DATA (100 to 1000 representative samples as a "
@@ -122,7 +122,7 @@ def _calibrated_ranges(model, config: BuildConfig, profiles: list[Profile]) -> d
                     progress=config.progress)
     if cache is not None:
         cal.save(cache)
-    return cal.amax
+    return cal
 
 
 def _inputs_read_as_values(graph: Graph) -> list[str]:
@@ -174,10 +174,12 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         _check_supported(graph)
         profiles = resolve_profiles(graph, config)
         precision.pin(graph, config.layer_precisions)
+        calibration = None
         if config.quantized:
             _check_quantized_target(config.quantized, target)
             step(f"{config.quantized.upper()} calibration")
-            graph.quant_amax, graph.quant_type = _calibrated_ranges(model, config, profiles), config.quantized
+            calibration = _calibration(model, config, profiles)
+            graph.quant_amax, graph.quant_type = calibration.amax, config.quantized
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
         capturable = placement.assign(graph)
@@ -188,6 +190,10 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             findings=graph.findings + [{"kind": "precision", "layer": n.name, "requested": config.precision,
                                         "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
+        if calibration is not None:  # what the report's calibration litmus question reads
+            engine.build_config["calibration"] = {
+                "method": calibration.method, "samples": calibration.samples, "tensors": len(calibration.amax),
+                "cache": config.calib_cache}
         engine.channels_last = layout.channels_last_weights(graph, target.kind, config.precision)
         # Random values cannot stand in for inputs a layer reads as numbers (a Range delta, a Slice end).
         value_inputs = _inputs_read_as_values(graph)

@@ -368,7 +368,7 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
         for f in ins.findings:
             con.print(f"  - {describe_finding(f)}")
     else:
-        con.print(f"Findings: none: every expected fusion fired and every device layer runs in {ins.precision}.")
+        con.print(f"Findings: none: every expected fusion fired and no layer runs above the requested precision ({ins.precision}).")
 
 
 # --- command line ------------------------------------------------------------------------------------

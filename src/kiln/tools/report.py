@@ -233,7 +233,8 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
                  latency_stat: str = "median", traffic=None, reference=None, data=None, metrics=None,
                  budgets=None, samples=None, shapes=None, profile: int = 0, iterations: int = 100,
                  warmup_ms: float = 200.0, profile_iterations: int = 5, run_bench: bool = True,
-                 device: str = "auto", command: str = "", on_step=None) -> Report:
+                 device: str = "auto", command: str = "", on_step=None, calib_cache=None,
+                 calib_validation=None) -> Report:
     """Measure and answer the four litmus tests for an engine (Engine or .kiln path)."""
     from . import bench as bench_tool
     from . import compare as compare_tool
@@ -292,8 +293,26 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
         except KilnError as e:
             rep.verify_error = str(e)
     _calibration(rep, engine)
+    if calib_cache and calib_validation:
+        step("calibration coverage")
+        _calibration_coverage(rep, calib_cache, reference, calib_validation)
     _answer(rep)
     return rep
+
+
+def _calibration_coverage(rep: Report, cache, reference, validation) -> None:
+    """Was the calibration set representative? Validation values against the calibrated ranges."""
+    from ..quant.calibrate import Calibration
+    from ..quant.coverage import check_coverage
+
+    if reference is None or not str(reference).endswith(".onnx"):
+        raise ConfigError("--calibValidation runs the validation set through the FP32 model: give --reference "
+                          "model.onnx (the model the engine was built from).")
+    cov = check_coverage(Calibration.load(cache), str(reference), validation)
+    found = "; ".join(cov.flags[:6]) + (f" (and {len(cov.flags) - 6} more)" if len(cov.flags) > 6 else "")
+    rep.calibration = (f"{rep.calibration}. Coverage on {validation}: "
+                       + ("the calibration set covers the validation set" if cov.ok else found))
+    rep.calibration_status = "pass" if cov.ok else "warn"
 
 
 def _calibration(rep: Report, engine) -> None:
@@ -403,7 +422,7 @@ def _answer(rep: Report) -> None:
     prec = [f for f in fs if f.get("kind") == "precision"]
     unexplained = [f for f in prec if not f.get("reason") or f.get("reason") == "no reason recorded by the builder"]
     if not fs:
-        rep.litmus.append(Litmus(q4, "pass", f"every expected fusion fired; every device layer runs in {rep.precision}."))
+        rep.litmus.append(Litmus(q4, "pass", f"every expected fusion fired; no layer runs above the requested precision ({rep.precision})."))
     else:
         status = "fail" if unexplained else "warn"
         bits = []
@@ -549,7 +568,7 @@ def render_html(rep: Report) -> str:
     if fs:
         out.append("<ul>" + "".join(f"<li>{escape(inspect_tool.describe_finding(f))}</li>" for f in fs) + "</ul>")
     else:
-        out.append(f"<p>None: every expected fusion fired and every device layer runs in {escape(rep.precision)}.</p>")
+        out.append(f"<p>None: every expected fusion fired and no layer runs above the requested precision ({escape(rep.precision)}).</p>")
     if rep.inspection:
         dev = [x for x in rep.inspection.layers if x.placement == "device"]
         counts: dict[str, int] = {}
@@ -712,7 +731,7 @@ def render_markdown(rep: Report) -> str:
     L += ["## 4. Inspector findings", ""]
     fs = rep.inspection.findings if rep.inspection else []
     L += [f"- {inspect_tool.describe_finding(f)}" for f in fs] or [
-        f"None: every expected fusion fired and every device layer runs in {rep.precision}."]
+        f"None: every expected fusion fired and no layer runs above the requested precision ({rep.precision})."]
     L += ["", f"Kiln {rep.versions.get('kiln')}, torch {rep.versions.get('torch')}, CUDA {rep.versions.get('cuda')} · "
               f"command: `{rep.command}`", ""]
     return "\n".join(L)
@@ -749,6 +768,9 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmUp", type=float, default=200.0, help="warm-up in ms (default 200)")
     p.add_argument("--profileIterations", type=int, default=5, help="layer-by-layer runs for the breakdown")
     p.add_argument("--no-bench", action="store_true", help="skip timing (the latency question stays unanswered)")
+    p.add_argument("--calibCache", metavar="FILE", help="the INT8/FP8 engine's calibration cache, for --calibValidation")
+    p.add_argument("--calibValidation", metavar="DATA", help="validation inputs: flag tensors whose values fall "
+                   "outside the calibrated ranges (clipping) and a calibration set too small or too uniform")
     p.add_argument("--json", metavar="FILE", help="also write the report's data as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     p.set_defaults(func=run)
@@ -775,7 +797,8 @@ def run(args) -> int:
                        latency_stat=args.latency_stat, traffic=args.traffic, reference=args.reference, data=args.data,
                        metrics=metrics, budgets=budgets, samples=samples, shapes=shapes, profile=args.profile,
                        iterations=args.iterations, warmup_ms=args.warmUp, profile_iterations=args.profileIterations,
-                       run_bench=not args.no_bench, command=command,
+                       run_bench=not args.no_bench, command=command, calib_cache=args.calibCache,
+                       calib_validation=args.calibValidation,
                        on_step=lambda m: err.print(f"kiln report: {m}"))
     prefix = args.out or str(Path(args.engine).with_suffix("")) + ".report"
     html_path, md_path = write_report(rep, prefix)
