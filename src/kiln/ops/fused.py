@@ -160,3 +160,10 @@ def int4_gemm(node, x, packed, scales, b=None):
     from ..kernels.int4_gemm import reference
 
     return reference(x, packed, scales.to(torch.float32), None, node.attr("group_size"), bias=b)
+
+
+@register("RMSNorm", domain=KILN)
+def rms_norm(node, x, gamma=None):
+    """x / sqrt(mean(x^2, last axis) + eps) * gamma, computed in FP32."""
+    y = F.rms_norm(x.float(), x.shape[-1:], eps=node.attr("epsilon", 1e-6)).to(x.dtype)
+    return y * gamma.to(x.dtype) if gamma is not None else y

@@ -17,8 +17,9 @@ from . import (
     fuse_gemm,
     fuse_int4_weights,
     fuse_qdq,
-    insert_qdq,
+    fuse_rmsnorm,
     fuse_skip_layernorm,
+    insert_qdq,
     merge_parallel_gemms,
     remove_noops,
 )
@@ -36,6 +37,7 @@ PIPELINE = [
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
     fuse_skip_layernorm,  # residual Add + LayerNorm
+    fuse_rmsnorm,  # x / sqrt(mean(x^2) + eps) * gamma as exporters write it
     fuse_elementwise,  # remaining chains of elementwise ops -> one generated kernel
     dead_code,  # weights the rewrites replaced
 ]
