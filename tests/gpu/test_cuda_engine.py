@@ -84,3 +84,43 @@ def test_engine_is_stamped_with_this_gpu_and_refused_elsewhere(tmp_path):
             z.writestr(n, d)
     with pytest.raises(EngineFileError, match="compute capability 7.5"):
         kiln.load(path)
+
+
+def test_tactics_are_timed_checked_and_cached(tmp_path):
+    cache = tmp_path / "timing.json"
+    model = tiny_cnn()
+    prof = [kiln.Profile(dict(DEFAULT_PROFILE))]
+    first = kiln.build(model, _cfg(profiles=prof, fp16=True, timing_cache=str(cache)))
+    assert first.tactics, "fused layers should have had candidates timed"
+    for t in first.tactics:
+        assert t["chosen"] in t["timings"] and all(ms > 0 for ms in t["timings"].values())
+    assert cache.exists() and first.build_config["timing_cache"]["misses"] > 0
+    again = kiln.build(model, _cfg(profiles=prof, fp16=True, timing_cache=str(cache)))
+    assert again.build_config["timing_cache"]["hits"] > 0 and again.build_config["timing_cache"]["misses"] == 0
+    assert [n.tactic for n in again.graph.nodes] == [n.tactic for n in first.graph.nodes]
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    ref = kiln.build(model, _cfg(profiles=prof, optimization_level=0)).create_execution_context()
+    torch.testing.assert_close(again.create_execution_context().run({"image": x})["probs"],
+                               ref.run({"image": x})["probs"], rtol=1e-2, atol=1e-2)
+
+
+def test_workspace_cap_excludes_and_reports_tactics():
+    from ..models import mlp
+
+    eng = kiln.build(mlp(), _cfg(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})], workspace_bytes=0))
+    excluded = {name: why for t in eng.tactics for name, why in t["excluded"].items()}
+    assert all("workspace" in why or "failed" in why or "wrong" in why for why in excluded.values())
+
+
+def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
+    import numpy as np
+
+    from ..models import mlp
+
+    calib = [{"x": np.random.default_rng(i).standard_normal((32, 8)).astype(np.float32)} for i in range(8)]
+    prof = [kiln.Profile({"x": ((1, 8), (32, 8), (64, 8))})]
+    gpu = kiln.build(mlp(), _cfg(profiles=prof, int8=True, calib=calib))
+    cpu = kiln.build(mlp(), kiln.BuildConfig(device="cpu", progress=False, profiles=prof, int8=True, calib=calib))
+    x = torch.randn(32, 8)
+    torch.testing.assert_close(gpu.create_execution_context().run({"x": x.cuda()})["y"].cpu(),
+                               cpu.create_execution_context().run({"x": x})["y"], rtol=1e-3, atol=1e-3)

@@ -1,7 +1,8 @@
 """The builder: ONNX model in, Engine out.
 
-    load + check -> kiln Graph -> optimization passes -> profiles
-    -> placement (host shape arithmetic vs device work) -> layer precision
+    load + check -> kiln Graph -> profiles -> (INT8/FP8: calibration of an FP32 engine)
+    -> optimization passes (passes/__init__.py) -> placement (host shape arithmetic vs
+    device work) -> layer precision -> layout -> tactic timing on the GPU
     -> validation run of every profile on the target (measures the arena)
 """
 
