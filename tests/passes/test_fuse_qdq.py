@@ -93,3 +93,19 @@ def test_qdq_conv_matches_onnxruntime():
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
     assert [n.op_type for n in engine.graph.nodes] == ["QConv"]
     np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantized_fallback_tactics_match_the_reference():
+    from kiln.tactics.library import dequantized_conv, dequantized_gemm
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 64, generator=g), torch.randint(-127, 128, (64, 16), generator=g, dtype=torch.int8)
+    sx, sw, b = torch.tensor(0.03), torch.rand(16, generator=g) * 0.01, torch.randn(16, generator=g)
+    node = Node("QGemm", [], [], {"activation": "Relu"}, domain="kiln")
+    want = kiln.ops.lookup("QGemm", "kiln").impl(node, x, w, sx, sw, b)
+    torch.testing.assert_close(dequantized_gemm(node, x, w, sx, sw, b), want, rtol=1e-5, atol=1e-5)
+    xc, wc = torch.randn(1, 3, 7, 9, generator=g), torch.randint(-127, 128, (8, 3, 3, 3), generator=g, dtype=torch.int8)
+    conv = Node("QConv", [], [], {"activation": "", "pads": [1, 1, 1, 1]}, domain="kiln")
+    swc = torch.rand(8, generator=g) * 0.01
+    want = kiln.ops.lookup("QConv", "kiln").impl(conv, xc, wc, sx, swc, None)
+    torch.testing.assert_close(dequantized_conv(conv, xc, wc, sx, swc, None), want, rtol=1e-5, atol=1e-5)

@@ -194,3 +194,31 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None):
         y = y + b
     y = y.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[1])
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+# --- QGemm / QConv in the activations' float type (any shape) ------------------------------------
+# The same quantized math (quantized activation, quantized weight, both scaled back) computed by a
+# float GEMM/convolution: exact for int8 values in FP16, and the fallback wherever the integer and FP8
+# kernels do not apply (M <= 16, convolutions). The reference sums in float64, which is slow on a GPU.
+@tactic("QGemm", "dequantized_gemm", lambda n, a: a[0].is_cuda)
+def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
+    from ..ops.fused import quantize
+
+    dt = x.dtype if x.dtype in _LOW else torch.float32
+    xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
+    y = torch.matmul(xd, w_q.to(dt) * w_scale.to(dt))
+    if b is not None:
+        y = y + b.to(dt)
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(x.dtype)
+
+
+@tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)
+def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None):
+    from ..ops.fused import quantize
+    from ..ops.registry import lookup
+
+    dt = x.dtype if x.dtype in _LOW else torch.float32
+    xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
+    wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
+    y = lookup("Conv").impl(node, xd, wd, b.to(dt) if b is not None else None)
+    return activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(x.dtype)
