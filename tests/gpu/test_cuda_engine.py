@@ -133,3 +133,22 @@ def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
     x = torch.randn(32, 8)
     torch.testing.assert_close(gpu.create_execution_context().run({"x": x.cuda()})["y"].cpu(),
                                cpu.create_execution_context().run({"x": x})["y"], rtol=1e-3, atol=1e-3)
+
+
+def test_host_values_used_as_data_follow_the_input_shape():
+    """ConstantOfShape(Shape(x)) is computed on the host per shape and uploaded: never reused stale."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("ConstantOfShape", ["s"], ["ones"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+             helper.make_node("Add", ["x", "ones"], ["y"])]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    eng = kiln.build(model, _cfg(profiles=[kiln.Profile({"x": ((1, 4), (2, 4), (8, 4))})]))
+    for graphs in (False, True):
+        ctx = eng.create_execution_context(cuda_graphs=graphs)
+        for n in (2, 5, 2, 8):
+            x = torch.randn(n, 4, device="cuda")
+            torch.testing.assert_close(ctx.run({"x": x})["y"], x + 1)

@@ -38,6 +38,8 @@ class _Captured:
     inputs: dict[str, torch.Tensor]
     outputs: list[torch.Tensor]
     pool_bytes: int
+    # Device copies of host values the graph reads: they must live as long as the graph.
+    uploads: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -194,9 +196,18 @@ class ExecutionContext:
     def _eager(self, inputs: dict[str, torch.Tensor], observer=None, on_args=None) -> list[torch.Tensor]:
         env = dict(self._weights)
         env.update({k: x.to(self.device) for k, x in inputs.items()})
-        uploads = self._weight_uploads
+        uploads = self._uploads()
         self._forward(env, uploads, run_host=True, observer=observer, on_args=on_args)
-        return self._collect(env, uploads)
+        outs = self._collect(env, uploads)
+        self._keep_weight_uploads(uploads)
+        return outs
+
+    def _uploads(self) -> dict[str, torch.Tensor]:
+        """Device copies of host values for one run: weights' copies are reused, shape-dependent ones are not."""
+        return dict(self._weight_uploads)
+
+    def _keep_weight_uploads(self, uploads: dict) -> None:
+        self._weight_uploads.update({k: t for k, t in uploads.items() if k in self._weights})
 
     def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None, on_args=None) -> None:
         dev = self.device
@@ -278,7 +289,7 @@ class ExecutionContext:
         static = {k: torch.empty(x.shape, dtype=x.dtype, device=self.device) for k, x in inputs.items()}
         for k, x in inputs.items():
             static[k].copy_(x)
-        uploads = dict(self._weight_uploads)
+        uploads = self._uploads()
         env = dict(self._weights)
         env.update(static)
         side = torch.cuda.Stream(self.device)
@@ -297,7 +308,8 @@ class ExecutionContext:
             outs = self._collect(env, uploads)
         pool = torch.cuda.memory_reserved(self.device) - before
         self.stats.pool_bytes[str(list(inputs.values())[0].shape if inputs else ())] = pool
-        return _Captured(graph, static, outs, pool)
+        self._keep_weight_uploads(uploads)
+        return _Captured(graph, static, outs, pool, uploads)
 
 
 @contextlib.contextmanager
