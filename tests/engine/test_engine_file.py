@@ -122,3 +122,19 @@ def test_engine_from_another_format_version_is_refused(engine, tmp_path):
 def test_save_into_missing_folder_is_a_clear_error(engine, tmp_path):
     with pytest.raises(EngineFileError, match="does not exist"):
         engine.save(tmp_path / "nope" / "mlp.kiln")
+
+
+def test_a_loaded_engine_finds_its_tactics_in_a_fresh_process(tmp_path):
+    """Tactics register lazily: a process that only loads an engine must still find the chosen ones
+    (not fall back to reference kernels without a word)."""
+    import subprocess
+    import sys
+
+    eng = kiln.build(mlp(), kiln.BuildConfig(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})], **CPU))
+    eng.graph.nodes[0].tactic = "cublaslt_bias"  # a GPU tactic name, as a GPU build would record
+    eng.save(tmp_path / "t.kiln")
+    code = ("import kiln, torch; from kiln import tactics; e = kiln.load(%r); n = e.graph.nodes[0]; "
+            "before = len(tactics._BY_NAME); tactics.implementation(n, [torch.zeros(2, 8), torch.zeros(8, 16), torch.zeros(16)]); "
+            "print(n.tactic, before, (n.domain, n.op_type, n.tactic) in tactics._BY_NAME)") % str(tmp_path / "t.kiln")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["cublaslt_bias", "0", "True"], p.stderr[-2000:]

@@ -45,7 +45,7 @@ def call_node(node: Node, args: list, env: MutableMapping | None = None) -> tupl
         raise KilnError(f"node '{node.label}': operator {node.domain or 'ai.onnx'}::{node.op_type} is not implemented.")
     args = cast_for(node, entry, args)
     kwargs = {"scope": env if env is not None else {}} if entry.uses_scope else {}
-    fn = (node.tactic != "reference" and implementation(node)) or entry.impl
+    fn = (node.tactic != "reference" and implementation(node, args)) or entry.impl
     try:
         out = fn(node, *args, **kwargs)
     except KilnError:

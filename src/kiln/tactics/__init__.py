@@ -41,13 +41,19 @@ def candidates(node: Node) -> list[Tactic]:
     return _TACTICS.get((node.domain, node.op_type), [])
 
 
-def implementation(node: Node) -> Callable | None:
-    """The chosen tactic's function, or None for the reference implementation."""
+def implementation(node: Node, args: list) -> Callable | None:
+    """The chosen tactic's function if it applies to these inputs, else None (the reference).
+
+    Tactics are chosen at each profile's opt shape; a runtime shape elsewhere in the
+    profile that the tactic cannot take (an int8 GEMM with M <= 16, say) uses the
+    reference instead of failing. Checked while recording, so replays cost nothing."""
     if node.tactic == "reference":
         return None
+    load_all()  # an engine loaded from a file names tactics this process has not registered yet
     t = _BY_NAME.get((node.domain, node.op_type, node.tactic))
-    return t.fn if t else None
+    return t.fn if t is not None and t.applies(node, args) else None
 
 
 def load_all() -> None:
+    """Register every tactic module (once; Python caches the imports)."""
     from . import library, triton_gemm, triton_tactics  # noqa: F401  (registering)
