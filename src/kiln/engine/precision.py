@@ -38,7 +38,7 @@ def pin(graph: Graph, pins: dict[str, str]) -> None:
         by_name[name].precision, by_name[name].note = _PIN_NAMES[prec.lower()], PINNED
 
 
-def _set_body(node, precision: str) -> None:
+def set_body(node, precision: str) -> None:
     for v in node.attrs.values():
         for g in v if isinstance(v, list) else [v]:
             if isinstance(g, Graph):
@@ -61,7 +61,7 @@ def assign(graph: Graph, precision: str) -> None:
             node.precision, node.note = "float32", f"kept FP32: {entry.keep_fp32}"
         else:
             node.precision = precision
-        _set_body(node, node.precision)
+        set_body(node, node.precision)
     _cast_weights(graph)
 
 

@@ -27,6 +27,7 @@ from ..fileio import atomic_write
 from ..ir import dtypes
 from ..ir.from_onnx import model_to_graph
 from ..ir.to_onnx import graph_to_model
+from . import precision
 from .config import Profile
 from .engine import Engine
 from .target import Target, resolve, versions
@@ -178,6 +179,7 @@ def load(path, device: str = "auto") -> Engine:
     for node, info in zip(graph.nodes, layers):
         for f in _LAYER_FIELDS:
             setattr(node, f, info[f])
+        precision.set_body(node, node.precision)  # control-flow bodies run in their layer's precision
     return Engine(
         graph=graph, profiles=[Profile.from_json(p) for p in m["profiles"]], target=target,
         build_config=m["build_config"], capturable=m["capturable"], arena_bytes=m.get("arena_bytes", []),
