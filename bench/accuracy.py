@@ -32,23 +32,6 @@ from kiln.quant import qat  # noqa: E402
 from kiln.tools.verify import verify  # noqa: E402
 
 
-def finetune(net: nn.Module, x: np.ndarray, y: np.ndarray, epochs: int, lr: float = 1e-3) -> nn.Module:
-    """A user's plain training loop: Adam on weights and learned quantization scales."""
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(0)
-    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
-    net.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(xs), generator=g)
-        for i in range(0, len(xs), 64):
-            idx = order[i:i + 64]
-            loss = nn.functional.cross_entropy(net(xs[idx]), ys[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return net.eval()
-
-
 def breast_cancer_mlp(work: Path):
     """Train a 30-64-32-2 MLP in seconds; write its ONNX, held-out .npz and calibration .npz."""
     from sklearn.datasets import load_breast_cancer
@@ -60,7 +43,7 @@ def breast_cancer_mlp(work: Path):
     x_tr, x_te = ((x_tr - mean) / std).astype(np.float32), ((x_te - mean) / std).astype(np.float32)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 2))
-    finetune(net, x_tr, y_tr.astype(np.int64), epochs=60, lr=3e-3)
+    digits.fit(net, x_tr, y_tr.astype(np.int64), epochs=60, lr=3e-3)
     batch = torch.export.Dim("batch", min=1, max=1024)
     proto, _ = kiln.from_torch(net, (torch.from_numpy(x_tr[:4]),), dynamic_shapes=({0: batch},),
                                input_names=["features"], output_names=["logits"])
@@ -85,7 +68,7 @@ def qat_rows(rows, model_name, net, x_tr, y_tr, data, reference, prof, device, i
         q = qat.prepare(copy.deepcopy(net), **kw)
         qat.calibrate(q, torch.from_numpy(x_tr[:256]))
         if epochs:
-            finetune(q, x_tr, y_tr, epochs)
+            digits.fit(q, x_tr, y_tr, epochs)
         model = qat.export_onnx(q, torch.from_numpy(x_tr[:4]), input_names=[input_name], output_names=["logits"])
         measure(rows, model_name, label, model, data, reference, prof, device)
 

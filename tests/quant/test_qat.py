@@ -27,27 +27,9 @@ def trained():
     return net, split
 
 
-def _finetune(net, split, epochs=3, lr=1e-3, seed=0):
-    """The user's loop: plain Adam on weights and scales, one thread (fast for a net this small)."""
-    x_tr, y_tr, _, _ = split
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        opt = torch.optim.Adam(net.parameters(), lr=lr)
-        g = torch.Generator().manual_seed(seed)
-        xs, ys = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
-        net.train()
-        for _ in range(epochs):
-            order = torch.randperm(len(xs), generator=g)
-            for i in range(0, len(xs), 64):
-                idx = order[i:i + 64]
-                loss = nn.functional.cross_entropy(net(xs[idx]), ys[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    return net.eval()
+def _finetune(net, split, epochs=3, lr=1e-3):
+    """The user's loop: plain Adam on weights and scales."""
+    return digits.fit(net, split[0], split[1], epochs, lr)
 
 
 def _prepared(net, split, **kw):

@@ -71,29 +71,32 @@ def load_split(seed: int = 0, test_fraction: float = 0.2):
 
 
 def train(seed: int = 0, epochs: int = 10, batch: int = 64, lr: float = 3e-3, split=None) -> DigitsCNN:
-    """Train on the training split; a few seconds on a CPU (one thread: faster for a net this small)."""
+    """Train on the training split; a few seconds on a CPU."""
+    x_tr, y_tr, _, _ = split or load_split(seed)
+    return fit(model(seed), x_tr, y_tr, epochs, lr, batch, seed)
+
+
+def fit(net: nn.Module, x: np.ndarray, y: np.ndarray, epochs: int, lr: float = 1e-3, batch: int = 64,
+        seed: int = 0) -> nn.Module:
+    """A plain classification loop (Adam, cross-entropy): training, and QAT fine-tuning of weights and
+    learned scales. One thread: faster for nets this small."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(seed, epochs, batch, lr, split)
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(seed)
+        xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+        net.train()
+        for _ in range(epochs):
+            order = torch.randperm(len(xs), generator=g)
+            for i in range(0, len(xs), batch):
+                idx = order[i:i + batch]
+                loss = nn.functional.cross_entropy(net(xs[idx]), ys[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
     finally:
         torch.set_num_threads(threads)
-
-
-def _train(seed, epochs, batch, lr, split) -> DigitsCNN:
-    x_tr, y_tr, _, _ = split or load_split(seed)
-    net = model(seed).train()
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    xs, ys = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
-    for _ in range(epochs):
-        order = torch.randperm(len(xs), generator=g)
-        for i in range(0, len(xs), batch):
-            idx = order[i:i + batch]
-            loss = nn.functional.cross_entropy(net(xs[idx]), ys[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
     return net.eval()
 
 
