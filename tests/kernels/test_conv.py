@@ -7,7 +7,7 @@ from kiln.ops.fused import fused_conv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TACTIC_TOL = 1e-2 if DEV == "cuda" else 1e-4  # tactic tests run FP32 as a "tf32" layer
-SMALL = conv.ConvConfig(16, 16, 16, 4, 1, group_m=2)  # several pixel and channel tiles, channel remainders
+SMALL = conv.TileConfig(16, 16, 16, 4, 1, group_m=2)  # several pixel and channel tiles, channel remainders
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter's exp
 
 

@@ -10,7 +10,7 @@ from kiln.ops.fused import fused_gemm
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TACTIC_TOL = 1e-2 if DEV == "cuda" else 1e-4  # tactic tests run FP32 as a "tf32" layer
-SMALL = gemm.GemmConfig(16, 16, 16, 4, 1, group_m=2)  # several tiles, a K remainder and a swizzle group edge
+SMALL = gemm.TileConfig(16, 16, 16, 4, 1, group_m=2)  # several tiles, a K remainder and a swizzle group edge
 PARAMS = {"LeakyRelu": [0.2], "Clip": [-0.5, 0.7]}
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter's exp
 

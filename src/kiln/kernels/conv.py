@@ -18,13 +18,11 @@ Reference: kiln.ops.fused.fused_conv; `reference` below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from .gemm import ACTIVATIONS, DTYPES, _params, dot_precision, epilogue
+from .gemm import ACTIVATIONS, DTYPES, TileConfig, _params, dot_precision, epilogue
 
 _INT32_MAX = 2**31 - 1
 FLAT_BELOW_C = 32  # input channels below which K is walked flat
@@ -104,30 +102,13 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < OC))
 
 
-@dataclass(frozen=True)
-class ConvConfig:
-    block_m: int  # output pixels per tile
-    block_n: int  # output channels per tile
-    block_k: int  # reduction slice (input channels per tap, or flattened (kh, kw, c))
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
-
-    @property
-    def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-
-    def smem_bytes(self, itemsize: int) -> int:
-        return self.num_stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
-
-
-CONFIGS: list[tuple[ConvConfig, int]] = [
-    (ConvConfig(128, 128, 64, 8, 3), 3),
-    (ConvConfig(64, 64, 64, 4, 4), 3),
-    (ConvConfig(128, 64, 64, 4, 3), 4),
-    (ConvConfig(64, 128, 64, 4, 3), 4),
-    (ConvConfig(128, 128, 32, 4, 4), 5),
-    (ConvConfig(256, 64, 32, 8, 3), 5),
+CONFIGS: list[tuple[TileConfig, int]] = [
+    (TileConfig(128, 128, 64, 8, 3), 3),
+    (TileConfig(64, 64, 64, 4, 4), 3),
+    (TileConfig(128, 64, 64, 4, 3), 4),
+    (TileConfig(64, 128, 64, 4, 3), 4),
+    (TileConfig(128, 128, 32, 4, 4), 5),
+    (TileConfig(256, 64, 32, 8, 3), 5),
 ]
 
 
@@ -178,7 +159,7 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
     return max(x.numel(), w.numel(), n_out, z.numel() if z is not None else 0) <= _INT32_MAX
 
 
-def block_k_for(config: ConvConfig, channels: int) -> tuple[int, bool]:
+def block_k_for(config: TileConfig, channels: int) -> tuple[int, bool]:
     """(BLOCK_K, flat): walk K flat for few channels, else by channel blocks no wider than C needs."""
     if channels < FLAT_BELOW_C:
         return config.block_k, True
@@ -186,7 +167,7 @@ def block_k_for(config: ConvConfig, channels: int) -> tuple[int, bool]:
 
 
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
-           config: ConvConfig = CONFIGS[0][0], out: torch.Tensor | None = None) -> torch.Tensor:
+           config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None) -> torch.Tensor:
     """act(conv2d(x, w) + b + z) with the node's ONNX attributes; channels-last output of x's dtype.
 
     `out`, if given, is the [N, OH, OW, OC] contiguous buffer to write into.

@@ -94,7 +94,10 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
 
 
 @dataclass(frozen=True)
-class GemmConfig:
+class TileConfig:
+    """A tiled kernel's configuration (the implicit-GEMM convolution uses it too: M = output
+    pixels, N = output channels, K = the reduction slice)."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -113,19 +116,19 @@ class GemmConfig:
 
 # (config, lowest optimization level that tries it). Level 3 covers big square GEMMs (batch 32),
 # medium ones and skinny-M ones (batch 1); levels 4-5 widen the search.
-CONFIGS: list[tuple[GemmConfig, int]] = [
-    (GemmConfig(128, 128, 64, 4, 3), 3),
-    (GemmConfig(128, 256, 64, 8, 3), 3),
-    (GemmConfig(64, 128, 64, 4, 3), 3),
-    (GemmConfig(32, 64, 128, 4, 4), 3),
-    (GemmConfig(128, 128, 32, 4, 4), 4),
-    (GemmConfig(128, 64, 32, 4, 4), 4),
-    (GemmConfig(64, 256, 32, 4, 4), 4),
-    (GemmConfig(16, 64, 128, 4, 4), 4),
-    (GemmConfig(128, 128, 64, 8, 5), 5),
-    (GemmConfig(256, 128, 64, 8, 3), 5),
-    (GemmConfig(64, 64, 64, 4, 3), 5),
-    (GemmConfig(64, 32, 32, 2, 5), 5),
+CONFIGS: list[tuple[TileConfig, int]] = [
+    (TileConfig(128, 128, 64, 4, 3), 3),
+    (TileConfig(128, 256, 64, 8, 3), 3),
+    (TileConfig(64, 128, 64, 4, 3), 3),
+    (TileConfig(32, 64, 128, 4, 4), 3),
+    (TileConfig(128, 128, 32, 4, 4), 4),
+    (TileConfig(128, 64, 32, 4, 4), 4),
+    (TileConfig(64, 256, 32, 4, 4), 4),
+    (TileConfig(16, 64, 128, 4, 4), 4),
+    (TileConfig(128, 128, 64, 8, 5), 5),
+    (TileConfig(256, 128, 64, 8, 3), 5),
+    (TileConfig(64, 64, 64, 4, 3), 5),
+    (TileConfig(64, 32, 32, 2, 5), 5),
 ]
 
 
@@ -147,7 +150,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str)
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
-         config: GemmConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None):
+         config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None):
     """act(x @ w + b) for x [.., K], w [K, N]; returns [.., N] in x's dtype (written into `out` if given)."""
     lead = x.shape[:-1]
     K, N = w.shape
