@@ -1,6 +1,5 @@
 """The engine file: round trip, atomic writes, and refusal of bad or foreign files."""
 
-import json
 import zipfile
 
 import numpy as np
@@ -12,6 +11,7 @@ from kiln.engine import serialize
 from kiln.errors import EngineFileError
 
 from ..models import mlp, mlp_reference
+from .util import rewrite_manifest
 
 CPU = dict(device="cpu", progress=False)
 
@@ -91,22 +91,10 @@ def test_foreign_files_are_refused(tmp_path):
         kiln.load(tmp_path / "missing.kiln")
 
 
-def _rewrite_manifest(path, **changes):
-    with zipfile.ZipFile(path) as z:
-        members = {n: z.read(n) for n in z.namelist()}
-    m = json.loads(members["manifest.json"])
-    for k, v in changes.items():
-        m[k] = v
-    members["manifest.json"] = json.dumps(m).encode()
-    with zipfile.ZipFile(path, "w") as z:
-        for n, d in members.items():
-            z.writestr(n, d)
-
-
 def test_engine_for_another_gpu_is_refused(engine, tmp_path):
     path = tmp_path / "mlp.kiln"
     engine.save(path)
-    _rewrite_manifest(path, target={"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB", "capability": "8.0"})
+    rewrite_manifest(path, lambda m: m.update(target={"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB", "capability": "8.0"}))
     with pytest.raises(EngineFileError, match=r"built for NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
         kiln.load(path)
 
@@ -114,7 +102,7 @@ def test_engine_for_another_gpu_is_refused(engine, tmp_path):
 def test_engine_from_another_format_version_is_refused(engine, tmp_path):
     path = tmp_path / "mlp.kiln"
     engine.save(path)
-    _rewrite_manifest(path, format_version=99)
+    rewrite_manifest(path, lambda m: m.update(format_version=99))
     with pytest.raises(EngineFileError, match="format 99"):
         kiln.load(path)
 

@@ -1,7 +1,5 @@
 """GPU engines: CUDA-graph replay, arena, precision, the GPU stamp. Skipped without CUDA."""
 
-import json
-import zipfile
 
 import numpy as np
 import pytest
@@ -11,6 +9,7 @@ import kiln
 from kiln.errors import EngineFileError
 from kiln.models import DEFAULT_PROFILE, tiny_cnn
 
+from ..engine.util import rewrite_manifest
 from ..models import mlp, mlp_reference, reshape_by_shape
 
 pytestmark = pytest.mark.gpu
@@ -73,15 +72,12 @@ def test_engine_is_stamped_with_this_gpu_and_refused_elsewhere(tmp_path):
     assert loaded.target.kind == "cuda" and loaded.target.name == torch.cuda.get_device_name()
     major, minor = torch.cuda.get_device_capability()
     assert loaded.target.capability == f"{major}.{minor}"
-    with zipfile.ZipFile(path) as z:
-        members = {n: z.read(n) for n in z.namelist()}
-    m = json.loads(members["manifest.json"])
-    m["target"]["capability"] = "7.5"
-    m["versions"]["torch"] = "1.0.0"
-    members["manifest.json"] = json.dumps(m).encode()
-    with zipfile.ZipFile(path, "w") as z:
-        for n, d in members.items():
-            z.writestr(n, d)
+
+    def other_gpu(m):
+        m["target"]["capability"] = "7.5"
+        m["versions"]["torch"] = "1.0.0"
+
+    rewrite_manifest(path, other_gpu)
     with pytest.raises(EngineFileError, match="compute capability 7.5"):
         kiln.load(path)
 

@@ -4,43 +4,19 @@ References are onnxruntime (same ONNX semantics) or plain numpy.
 """
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 
-import kiln
 from kiln.errors import UnsupportedError
 
-_TYPES = {np.dtype("float32"): TensorProto.FLOAT, np.dtype("float16"): TensorProto.FLOAT16,
-          np.dtype("int32"): TensorProto.INT32, np.dtype("int64"): TensorProto.INT64,
-          np.dtype("uint32"): TensorProto.UINT32, np.dtype("uint8"): TensorProto.UINT8}
-
-
-def _model(op, feeds, n_out=1, opset=22, out_types=None, **attrs):
-    names = list(feeds)
-    outs = [f"y{i}" for i in range(n_out)]
-    node = helper.make_node(op, names, outs, name=f"{op.lower()}_under_test", **attrs)
-    out_types = out_types or [_TYPES[next(iter(feeds.values())).dtype]] * n_out
-    graph = helper.make_graph(
-        [node], "g",
-        [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
-        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
-    # IR 11 (not onnx's newest) so that older onnxruntime builds load the model too.
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
-
-
-def _kiln(model, feeds, **config):
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, **config))
-    return list(engine.create_execution_context().run(feeds).values())
-
-
-def _ort(model, feeds):
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+from .util import run_kiln as _kiln
+from .util import run_ort as _ort
+from .util import single_op_model as _model
 
 
 def _against_ort(op, feeds, n_out=1, opset=22, rtol=1e-5, atol=1e-5, **attrs):
-    model = _model(op, feeds, n_out, opset, **attrs)
+    model = _model(op, feeds, [f"y{i}" for i in range(n_out)], opset, **attrs)
     got, want = _kiln(model, feeds), _ort(model, feeds)
     for g, w in zip(got, want):
         assert g.shape == w.shape
@@ -85,7 +61,7 @@ def test_conv_transpose_output_shape_same_lower():
 def test_max_pool_indices_with_pads(ceil_mode):
     # pads larger than half the kernel force the explicit-padding path; indices must ignore the padding.
     x = _randn(2, 3, 7, 6)
-    model = _model("MaxPool", {"x": x}, n_out=2, out_types=[TensorProto.FLOAT, TensorProto.INT64],
+    model = _model("MaxPool", {"x": x}, ("y0", "y1"), out_types=[TensorProto.FLOAT, TensorProto.INT64],
                    kernel_shape=[2, 3], strides=[2, 2], pads=[1, 2, 0, 1], ceil_mode=ceil_mode)
     (y, idx), (wy, widx) = _kiln(model, {"x": x}), _ort(model, {"x": x})
     np.testing.assert_array_equal(y, wy)
@@ -95,7 +71,7 @@ def test_max_pool_indices_with_pads(ceil_mode):
 
 def test_max_pool_indices_storage_order_column_major():
     x = _randn(1, 2, 6, 5)
-    model = _model("MaxPool", {"x": x}, n_out=2, out_types=[TensorProto.FLOAT, TensorProto.INT64],
+    model = _model("MaxPool", {"x": x}, ("y0", "y1"), out_types=[TensorProto.FLOAT, TensorProto.INT64],
                    kernel_shape=[3, 2], strides=[2, 2], storage_order=1)
     (_, idx), (_, widx) = _kiln(model, {"x": x}), _ort(model, {"x": x})
     np.testing.assert_array_equal(idx, widx)

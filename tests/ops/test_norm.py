@@ -1,36 +1,14 @@
 """Hand tests for norm.py: opset differences, stash types, FP16 builds and restrictions."""
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
 
-import kiln
 from kiln.errors import UnsupportedError
 
-_TYPES = {np.dtype("float32"): TensorProto.FLOAT, np.dtype("float16"): TensorProto.FLOAT16}
-
-
-def _model(op, feeds, outs=("y",), opset=22, out_types=None, **attrs):
-    node = helper.make_node(op, list(feeds), list(outs), name=f"{op.lower()}_under_test", **attrs)
-    out_types = out_types or [TensorProto.FLOAT] * len(outs)
-    graph = helper.make_graph(
-        [node], "g",
-        [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
-        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
-    # IR 11 (not onnx's newest) so that older onnxruntime builds load the model too.
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
-
-
-def _kiln(model, feeds, **config):
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, **config))
-    return list(engine.create_execution_context().run(feeds).values())
-
-
-def _ort(model, feeds):
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-
+from .util import run_kiln as _kiln
+from .util import run_ort as _ort
+from .util import single_op_model as _model
 
 rng = np.random.default_rng(0)
 
