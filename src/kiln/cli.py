@@ -158,21 +158,6 @@ def _print_build_summary(engine, source: str) -> None:
 
 
 # --- kiln run -----------------------------------------------------------------
-def _random_inputs(engine, shapes: dict, profile: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    feeds = {}
-    for v in engine.inputs:
-        shape = shapes.get(v.name, engine.get_profile_shape(profile, v.name)[1])
-        dtype = v.dtype or torch.float32
-        if dtype.is_floating_point:
-            feeds[v.name] = torch.randn(shape, generator=g).to(dtype)
-        elif dtype == torch.bool:
-            feeds[v.name] = torch.rand(shape, generator=g) > 0.5
-        else:
-            feeds[v.name] = torch.randint(0, 2, shape, generator=g).to(dtype)
-    return feeds
-
-
 def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     atomic_write(path, lambda f: np.savez(f, **arrays))
 
@@ -195,7 +180,7 @@ def _run_and_report(engine, a) -> int:
                 warnings.warn(f"input '{k}' from {a.loadInputs} contains NaN or Inf values; outputs will likely be NaN.")
         input_sets = [{k: dtypes.to_torch(x) for k, x in sample.items()} for sample in loaded]
     else:
-        input_sets = [_random_inputs(engine, shapes, a.profile, seed) for seed in range(4)]
+        input_sets = [engine.random_inputs(a.profile, shapes=shapes, seed=seed) for seed in range(4)]
     dev = engine.target.device
     input_sets = [{k: x.to(dev) for k, x in s.items()} for s in input_sets]
     for name, x in input_sets[0].items():

@@ -13,7 +13,6 @@ import warnings
 from contextlib import nullcontext
 
 import onnx
-import torch
 
 from .. import passes
 from ..errors import ConfigError, UnsupportedError
@@ -139,14 +138,6 @@ def _inputs_read_as_values(graph: Graph) -> list[str]:
     return sorted(found)
 
 
-def _random_input(shape, dtype, device):
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
-    if dtype == torch.bool:
-        return torch.rand(shape, device=device) > 0.5
-    return torch.randint(0, 2, shape, dtype=dtype, device=device)
-
-
 def build(model, config: BuildConfig | None = None) -> Engine:
     """Build an engine. `model`: an onnx.ModelProto, a path to an .onnx file, or a kiln Graph."""
     from ..frontend.onnx_loader import load_onnx
@@ -204,9 +195,9 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         if target.kind == "cuda" and config.optimization_level > 0 and not value_inputs:
             engine.tactics = _select_tactics(engine, profiles, config, step)
         if config.validate and not value_inputs:
-            for i, prof in enumerate(profiles):
+            for i in range(len(profiles)):
                 step(f"validating profile {i} on {target.describe()}")
-                engine.arena_bytes.append(_validate(engine, i, prof))
+                engine.arena_bytes.append(_validate(engine, i))
     engine.build_seconds = time.perf_counter() - start
     return engine
 
@@ -223,10 +214,9 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
         step(f"tactic timing: layer {count[0]} ({node.op_type})")
 
     sel = Selector(engine, config.optimization_level, config.workspace_bytes, cache, on_layer)
-    in_types = {v.name: v.dtype for v in engine.inputs}
-    for i, prof in enumerate(profiles):
+    for i in range(len(profiles)):
         ctx = engine.create_execution_context(profile=i, cuda_graphs=False)
-        feeds = {k: _random_input(s[1], in_types[k] or torch.float32, engine.target.device) for k, s in prof.shapes.items()}
+        feeds = engine.random_inputs(profile=i, pick=1, device=engine.target.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ctx.run_with_inputs_hook(feeds, sel.visit)
@@ -236,12 +226,11 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
     return report
 
 
-def _validate(engine: Engine, index: int, prof: Profile) -> int | None:
+def _validate(engine: Engine, index: int) -> int | None:
     """Run the engine once at the profile's opt and max shapes; returns the activation peak at max."""
     ctx = engine.create_execution_context(profile=index, cuda_graphs=False)
-    dtypes = {v.name: v.dtype for v in engine.inputs}
     for pick in (1, 2):  # opt, then max
-        feeds = {k: _random_input(s[pick], dtypes[k] or torch.float32, engine.target.device) for k, s in prof.shapes.items()}
+        feeds = engine.random_inputs(profile=index, pick=pick, device=engine.target.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ctx.run(feeds, copy_outputs=False)

@@ -117,22 +117,9 @@ def device_note(target) -> str:
 
 def random_feeds(engine, profile: int = 0, seed: int = 0, shapes: dict | None = None,
                  pick: int = 1) -> dict[str, np.ndarray]:
-    """Seeded random inputs at a profile's min (pick=0), opt (1) or max (2) shape, or at `shapes`.
-    Floats are standard normal (never zeros), integers 0/1, booleans random."""
-    shapes = shapes or {}
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for v in engine.inputs:
-        shape = tuple(shapes.get(v.name, engine.get_profile_shape(profile, v.name)[pick]))
-        dtype = v.dtype or torch.float32
-        if dtype.is_floating_point:
-            x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype)
-        elif dtype == torch.bool:
-            x = torch.from_numpy(rng.random(shape) > 0.5)
-        else:
-            x = torch.from_numpy(rng.integers(0, 2, shape)).to(dtype)
-        feeds[v.name] = dtypes.to_numpy(x) if dtype != torch.bfloat16 else x
-    return feeds
+    """Engine.random_inputs as numpy arrays (bfloat16 stays a torch tensor: numpy has no bfloat16)."""
+    feeds = engine.random_inputs(profile, pick=pick, shapes=shapes, seed=seed)
+    return {k: x if x.dtype == torch.bfloat16 else dtypes.to_numpy(x) for k, x in feeds.items()}
 
 
 def _read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
