@@ -64,28 +64,15 @@ def time_fn(fn, input_sets, iterations: int, warmup: int = 20) -> dict:
             "p99_ms": float(np.percentile(t, 99)), "min_ms": float(t.min()), "runs": iterations}
 
 
-def layer_profile(ctx, feeds, runs: int = 5) -> dict:
-    """Per-op-type GPU time (layer by layer, CUDA events): where an engine spends its time."""
+def layer_profile(engine, feeds, runs: int = 5) -> dict:
+    """Per-op-type GPU time (kiln bench's layer-by-layer profile, summed by op:tactic): where an engine
+    spends its time."""
+    from kiln.tools.bench import layer_profile as per_layer
+
     totals: dict[str, float] = {}
-    pending = []
-
-    def observer(node, outs):
-        if outs is None:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            pending.append([node, e, None])
-        else:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            pending[-1][2] = e
-
-    for _ in range(runs):
-        pending.clear()
-        ctx.run_layerwise(feeds, observer)
-        torch.cuda.synchronize()
-        for node, e0, e1 in pending:
-            key = f"{node.op_type}:{node.tactic}"
-            totals[key] = totals.get(key, 0.0) + e0.elapsed_time(e1) / runs
+    for r in per_layer(engine, feeds, iterations=runs):
+        key = f"{r.op_type}:{r.tactic}"
+        totals[key] = totals.get(key, 0.0) + r.mean_ms
     total = sum(totals.values())
     return {k: {"ms": round(v, 4), "share": round(v / total, 4)}
             for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]}
@@ -215,7 +202,7 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             r["layers"] = len(engine.graph.nodes)
             row["results"][f"kiln_{prec}"] = r
             if prec == "fp16":
-                r["layer_profile"] = layer_profile(ctx, sets32[0])
+                r["layer_profile"] = layer_profile(engine, sets32[0])
             got = next(iter(ctx.run(sets32[0]).values())).float().cpu().numpy()
             row["accuracy"][f"kiln_{prec}"] = error_stats(got, ref, TOL[prec])
         eager = row["results"]["eager_fp32"]["median_ms"]
@@ -230,7 +217,6 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
         results.append(row)
         print(f"[{name} b{b}] " + json.dumps({k: round(v.get("median_ms", -1), 3) for k, v in row["results"].items()}), flush=True)
         print(f"[{name} b{b}] accuracy " + json.dumps(row["accuracy"]), flush=True)
-        del m16
         torch.cuda.empty_cache()
 
 
