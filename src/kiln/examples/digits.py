@@ -19,16 +19,15 @@ writes the same graph directly with onnx.helper (no tracing: fast, for tests).
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from ..fileio import atomic_write, atomic_write_bytes
 
 INPUT = "image"
 OUTPUT = "logits"
@@ -106,26 +105,6 @@ def accuracy(net: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     return 100.0 * float((pred == y).mean())
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _npz_bytes(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
 def onnx_model(net: DigitsCNN, exporter: str = "dynamo"):
     """The network as an onnx.ModelProto with a dynamic batch axis."""
     import onnx
@@ -185,10 +164,10 @@ def prepare(out_dir, seed: int = 0, epochs: int = 10, exporter: str = "dynamo") 
     proto = onnx_model(net, exporter)
     paths = Digits(out / "digits.onnx", out / "digits_test.npz", out / "digits_calib.npz", net,
                    accuracy(net, x_te, y_te), int(len(y_te)))
-    _write_atomic(paths.onnx_path, proto.SerializeToString())
-    _write_atomic(paths.data_path, _npz_bytes(**{INPUT: x_te, "labels": y_te}))
+    atomic_write_bytes(paths.onnx_path, proto.SerializeToString())
+    atomic_write(paths.data_path, lambda f: np.savez(f, **{INPUT: x_te, "labels": y_te}))
     rng = np.random.default_rng(seed)
-    _write_atomic(paths.calib_path, _npz_bytes(**{INPUT: x_tr[rng.choice(len(x_tr), 256, replace=False)]}))
+    atomic_write(paths.calib_path, lambda f: np.savez(f, **{INPUT: x_tr[rng.choice(len(x_tr), 256, replace=False)]}))
     return paths
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
+from ..fileio import atomic_write_bytes
 
 VERSION = 1
 
@@ -58,7 +57,4 @@ class TimingCache:
     def save(self) -> None:
         if not self.path:
             return
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent if str(self.path.parent) else ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": VERSION, "entries": self.entries}, f)
-        os.replace(tmp, self.path)
+        atomic_write_bytes(self.path, json.dumps({"version": VERSION, "entries": self.entries}).encode())
