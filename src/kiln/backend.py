@@ -10,26 +10,22 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from .errors import UnsupportedError
 from .ir import dtypes
 from .ir.from_onnx import model_to_graph
 from .ops import unsupported_reason
 
 
 class KilnRep(BackendRep):
-    def __init__(self, model: onnx.ModelProto, device: str):
+    def __init__(self, model: onnx.ModelProto, device: str, input_names: list[str]):
         self.model = model
         self.device = "cpu" if device.upper() == "CPU" else "cuda"
+        self.input_names = input_names
         self._engines: dict = {}
 
     def run(self, inputs, **kwargs):
         from .engine.builder import BuildConfig, build
 
-        graph_inputs = [v for v in model_to_graph(self.model).inputs]
-        if isinstance(inputs, dict):
-            feeds = dict(inputs)
-        else:
-            feeds = {v.name: x for v, x in zip(graph_inputs, inputs)}
+        feeds = dict(inputs) if isinstance(inputs, dict) else dict(zip(self.input_names, inputs))
         key = tuple((k, np.shape(v)) for k, v in feeds.items())
         engine = self._engines.get(key)
         if engine is None:
@@ -49,12 +45,11 @@ class KilnBackend(Backend):
 
     @classmethod
     def prepare(cls, model, device="CPU", **kwargs):
+        from .engine.builder import check_supported
+
         graph = model_to_graph(model)
-        for n in graph.walk():
-            reason = unsupported_reason(n)
-            if reason:
-                raise UnsupportedError(f"node '{n.label}': {reason}")
-        return KilnRep(model, device)
+        check_supported(graph)  # unsupported ops fail here, before any run
+        return KilnRep(model, device, [v.name for v in graph.inputs])
 
     @classmethod
     def run_model(cls, model, inputs, device="CPU", **kwargs):

@@ -29,7 +29,7 @@ class ProfileWarning(UserWarning):
     pass
 
 
-def _check_supported(graph: Graph) -> None:
+def check_supported(graph: Graph) -> None:
     blocked = [(n, r) for n in graph.walk() if (r := unsupported_reason(n))]
     if blocked:
         listed = "; ".join(f"node '{n.label}': {r}" for n, r in blocked[:10])
@@ -163,7 +163,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         else:
             proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
             graph = model_to_graph(proto)
-        _check_supported(graph)
+        check_supported(graph)
         profiles = resolve_profiles(graph, config)
         precision.pin(graph, config.layer_precisions)
         calibration = None

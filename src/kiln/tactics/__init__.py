@@ -54,6 +54,13 @@ def implementation(node: Node, args: list) -> Callable | None:
     return t.fn if t is not None and t.applies(node, args) else None
 
 
+_loaded = False
+
+
 def load_all() -> None:
-    """Register every tactic module (once; Python caches the imports)."""
-    from . import library, triton_gemm, triton_tactics  # noqa: F401  (registering)
+    """Register every tactic module, once (implementation() calls this for every eager layer)."""
+    global _loaded
+    if not _loaded:
+        from . import library, triton_gemm, triton_tactics  # noqa: F401  (registering)
+
+        _loaded = True
