@@ -8,6 +8,7 @@ import torch
 def resnet50():
     import torchvision
 
+    torch.manual_seed(0)  # the same random weights in every process (the ONNX export and --torch peers)
     model = torchvision.models.resnet50(weights=None).eval()
     return model, ("x",), lambda batch, g: {"x": torch.randn(batch, 3, 224, 224, generator=g)}
 
@@ -28,6 +29,7 @@ class _BertLastHidden(torch.nn.Module):
 
 
 def bert_base(seq: int = 128):
+    torch.manual_seed(0)
     model = _BertLastHidden().eval()
 
     def inputs(batch, g):
@@ -42,8 +44,14 @@ def bert_base(seq: int = 128):
 def vit_b16():
     import torchvision
 
+    torch.manual_seed(0)
     model = torchvision.models.vit_b_16(weights=None).eval()
     return model, ("x",), lambda batch, g: {"x": torch.randn(batch, 3, 224, 224, generator=g)}
 
 
 MODELS = {"resnet50": resnet50, "bert-base": bert_base, "vit-b16": vit_b16}
+
+
+def resnet50_module():
+    """ResNet-50 alone, for `kiln bench --torch bench.models:resnet50_module` (same seed, same weights)."""
+    return resnet50()[0]

@@ -78,6 +78,29 @@ def layer_profile(engine, feeds, runs: int = 5) -> dict:
             for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]}
 
 
+def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
+    """GPU time per kernel name (torch.profiler / CUPTI, which sees kernels inside CUDA graphs), per call:
+    what the device really runs, without the launch gaps a layer-by-layer profile adds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(feeds)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn(feeds)
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        us = e.time_range.elapsed_us()
+        if e.device_type.name == "CUDA" and us > 0:
+            t = totals.setdefault(e.name[:90], [0.0, 0])
+            t[0] += us / 1000 / runs
+            t[1] += 1
+    total = sum(v[0] for v in totals.values()) or 1.0
+    return [{"kernel": k, "ms": round(v[0], 4), "share": round(v[0] / total, 4), "calls": v[1] // runs}
+            for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def count_flops(model, inputs: dict) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -173,7 +196,7 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
                 m16 = m16.to(memory_format=torch.channels_last)
                 sets16 = [{k: v.contiguous(memory_format=torch.channels_last) for k, v in s.items()} for s in sets16]
             row["results"]["eager_fp16"] = time_fn(lambda s: m16(**s), sets16, args.iterations)
-            for mode in ([] if args.skip_compile else ["max-autotune-no-cudagraphs", "reduce-overhead"]):
+            for mode in ([] if args.skip_compile else args.compile_modes.split(",")):
                 key = f"compile_{mode}_fp16"
                 try:
                     torch._dynamo.reset()
@@ -203,6 +226,8 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             row["results"][f"kiln_{prec}"] = r
             if prec == "fp16":
                 r["layer_profile"] = layer_profile(engine, sets32[0])
+            if args.kernel_profile:
+                r["kernel_profile"] = kernel_profile(lambda s: ctx.run(s, copy_outputs=False), sets32[0])
             got = next(iter(ctx.run(sets32[0]).values())).float().cpu().numpy()
             row["accuracy"][f"kiln_{prec}"] = error_stats(got, ref, TOL[prec])
         eager = row["results"]["eager_fp32"]["median_ms"]
@@ -262,6 +287,11 @@ def to_markdown(env: dict, results: list) -> str:
         if prof:
             lines += ["", "Kiln FP16 per-layer time (layer by layer, top op:tactic): " + ", ".join(
                 f"{k} {v['ms']:.3f} ms ({100 * v['share']:.0f}%)" for k, v in prof.items())]
+        for k, v in row["results"].items():
+            if v.get("kernel_profile"):
+                lines += ["", f"{k} kernels (CUDA-graph replay, per call): " + "; ".join(
+                    f"`{x['kernel'][:60]}` x{x['calls']} {x['ms']:.3f} ms ({100 * x['share']:.0f}%)"
+                    for x in v["kernel_profile"])]
         lines += ["", "| Kiln build | cold build s | rebuild with warm timing cache s |", "|---|---|---|"]
         for k, bl in row.get("builds", {}).items():
             lines.append(f"| {k} | {bl['cold_s']:.1f} | {bl['warm_cache_s']:.1f} |")
@@ -284,6 +314,8 @@ def main(argv=None):
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--compile-timeout", type=int, default=240)
     p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--compile-modes", default="max-autotune-no-cudagraphs,reduce-overhead")
+    p.add_argument("--kernel-profile", action="store_true", help="per-kernel GPU time of each Kiln engine")
     p.add_argument("--name", default=None, help="results file stem (default: GPU name)")
     args = p.parse_args(argv)
     args.precisions = args.precisions.split(",")

@@ -4,6 +4,11 @@ Matches softmax(Q' @ K' (* or / c) + mask) @ V with Q' = Q * s1 and K' = K^T * s
 (torch's exporter scales both sides by sqrt(scale)), plus the exporter's guard
 that zeroes NaN rows (Softmax -> IsNaN -> Where). The scores and probabilities
 never reach device memory: [B, H, S, S] intermediates disappear.
+
+The exporter writes K^T of a 4-D K as Reshape([-1, S, D]) -> Transpose -> Reshape(
+[B, H, D, S]): a copy of K per layer, since K is itself a strided view of the QKV
+GEMM. When the two shapes provably come from K's own Shape, the layer reads K
+directly (k_transposed=0) and the chain is left to dead-code removal.
 """
 
 from __future__ import annotations
@@ -35,6 +40,54 @@ def _guard(view: View, probs: str):
             and view.scalar(where.inputs[1]) == 0.0 and view.readers(isnan.outputs[0]) == 1:
         return where.outputs[0], [isnan, where]
     return probs, []
+
+
+_BIG = 2**62  # Slice bounds beyond this mean "to the end" (exporters write INT64_MAX / INT64_MIN)
+
+
+def _shape_terms(view: View, value: str):
+    """A 1-D int64 shape value as a list of ints and (tensor, start, end) slices of Shape(tensor), or None."""
+    const = view.const(value)
+    if const is not None:
+        return [int(v) for v in const.reshape(-1)] if not const.dtype.is_floating_point and const.dim() <= 1 else None
+    n = view.producer.get(value)
+    if n is None or n.domain:
+        return None
+    if n.op_type == "Shape":
+        return [(n.inputs[0], n.attr("start", 0) or None, n.attr("end"))]
+    if n.op_type == "Concat" and n.attr("axis", 0) in (0, -1):
+        parts = [_shape_terms(view, i) for i in n.inputs]
+        return None if any(p is None for p in parts) else [t for p in parts for t in p]
+    if n.op_type == "Slice" and len(n.inputs) in (3, 4, 5):
+        src = _shape_terms(view, n.inputs[0])
+        bounds = [view.const(i) if i else None for i in n.inputs[1:]]
+        if src is None or len(src) != 1 or not isinstance(src[0], tuple) or src[0][1:] != (None, None):
+            return None  # only slices of a whole Shape
+        if any(b is not None and b.numel() != 1 for b in bounds) or bounds[0] is None or bounds[1] is None:
+            return None
+        axes, steps = (bounds + [None, None])[2:4]
+        if (axes is not None and int(axes) not in (0, -1)) or (steps is not None and int(steps) != 1):
+            return None
+        start, end = int(bounds[0]), int(bounds[1])
+        return [(src[0][0], None if start == 0 or start <= -_BIG else start, None if end >= _BIG else end)]
+    return None
+
+
+def _untransposed_k(view: View, kt: str):
+    """kt = swap of K's last two axes written as Reshape -> Transpose([0, 2, 1]) -> Reshape: (K, [nodes]) or None."""
+    r2 = view.producer.get(kt)
+    t = view.producer.get(r2.inputs[0]) if r2 is not None and r2.op_type == "Reshape" and not r2.domain else None
+    r1 = view.producer.get(t.inputs[0]) if t is not None and t.op_type == "Transpose" and not t.domain else None
+    if r1 is None or r1.op_type != "Reshape" or r1.domain or t.attr("perm") != [0, 2, 1]:
+        return None
+    k = r1.inputs[0]
+    merged = [-1, (k, -2, -1), (k, -1, None)]  # [B * H, S, D]
+    split = [(k, None, -2), (k, -1, None), (k, -2, -1)]  # [B, H, D, S]
+    if _shape_terms(view, r1.inputs[1]) != merged or _shape_terms(view, r2.inputs[1]) != split:
+        return None
+    if any(view.readers(n.outputs[0]) != 1 for n in (r1, t, r2)):
+        return None
+    return k, [r1, t, r2]
 
 
 def run(graph: Graph) -> None:
@@ -70,8 +123,14 @@ def run(graph: Graph) -> None:
             miss(graph, "attention", group, "the probabilities are not multiplied by V in one MatMul")
             continue
         group.append(pv)
-        attrs = {"scale": s1 * s2 * post, "k_transposed": 1, "nan_guard": 1 if guard else 0}
-        fused = Node("Attention", [q, kt, pv.inputs[1]] + ([mask] if mask else []), [pv.outputs[0]], attrs,
+        k_transposed, k = 1, kt
+        untransposed = _untransposed_k(view, kt)
+        if untransposed is not None:
+            k, chain = untransposed
+            k_transposed = 0
+            group += chain
+        attrs = {"scale": s1 * s2 * post, "k_transposed": k_transposed, "nan_guard": 1 if guard else 0}
+        fused = Node("Attention", [q, k, pv.inputs[1]] + ([mask] if mask else []), [pv.outputs[0]], attrs,
                      name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
         view.refresh()

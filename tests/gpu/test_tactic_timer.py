@@ -1,0 +1,23 @@
+"""The tactic timer: graph-replay timing, and the call-by-call fallback. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from kiln.tactics.timer import _median, median_ms
+
+pytestmark = pytest.mark.gpu
+
+
+def test_replay_timing_leaves_out_the_host_launch_cost():
+    x = torch.randn(64, device="cuda")
+    tiny = lambda: x.add(1)  # noqa: E731  one microsecond-scale kernel
+    replayed = median_ms(tiny)
+    per_call = _median(tiny, 10)
+    assert 0 < replayed < per_call
+
+
+def test_a_candidate_that_syncs_with_the_host_is_timed_call_by_call():
+    x = torch.randn(64, device="cuda")
+    syncing = lambda: x.sum().item()  # noqa: E731  .item() cannot be captured
+    assert median_ms(syncing) > 0
+    assert torch.cuda.is_current_stream_capturing() is False
