@@ -166,9 +166,9 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
         quant = {}
         if prec in ("int8", "fp8"):  # speed only: calibrated on random inputs, FP16 elsewhere
             calib = [{k: v.numpy() for k, v in make_inputs(8, g).items()} for _ in range(16)]
-            quant = {prec: True, "calib": calib, "fp16": True}
+            quant = {prec: True, "calib": calib}
         cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False, timing_cache=cache,
-                               fp16=prec == "fp16", bf16=prec == "bf16", tf32=prec == "tf32", **quant)
+                               fp16=prec in ("fp16", "int8", "fp8"), bf16=prec == "bf16", tf32=prec == "tf32", **quant)
         t0 = time.perf_counter()
         engines[prec] = (kiln.build(onnx_path, cfg), time.perf_counter() - t0)
         t0 = time.perf_counter()

@@ -302,6 +302,7 @@ class ExecutionContext:
         env.update(static)
         env.update(host)
         graph = torch.cuda.CUDAGraph()
+        torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too; measuring before that would undercount
         before = torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph):
             self._forward(env, uploads, run_host=False)
