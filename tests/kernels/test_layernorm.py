@@ -19,15 +19,28 @@ def test_skip_layernorm_matches_reference(rows, cols, with_beta):
     torch.testing.assert_close(s, rs)
 
 
+def test_transposed_inputs_are_read_in_place():
+    # ViT's sequence-first attention output: a [B, S, E] view of a [S, B, E] tensor.
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 3, 40, generator=g).to(DEV).transpose(0, 1)
+    b = torch.randn(3, 5, 40, generator=g).to(DEV)
+    gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
+    assert layernorm.supports(a, b, gamma)
+    y, s = layernorm.skip_layernorm(a, b, gamma, beta, 1e-5)
+    ry, rs = layernorm.reference(a, b, gamma, beta, 1e-5)
+    torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, rs)
+
+
 def test_every_output_element_is_written():
     a = torch.randn(4, 19).to(DEV)
     b = torch.randn(4, 19).to(DEV)
     gamma = torch.ones(19).to(DEV)
     poisoned = torch.full_like(a, float("nan"))
-    orig = torch.empty_like
+    orig = torch.empty
     try:  # poison the buffers the kernel allocates: any unwritten element stays NaN
-        torch.empty_like = lambda t, **kw: poisoned.clone()
+        torch.empty = lambda *shape, **kw: poisoned.clone()
         y, s = layernorm.skip_layernorm(a, b, gamma, None, 1e-5)
     finally:
-        torch.empty_like = orig
+        torch.empty = orig
     assert torch.isfinite(y).all() and torch.isfinite(s).all()

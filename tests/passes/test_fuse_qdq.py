@@ -1,7 +1,6 @@
 """Explicit quantization: Q/DQ models run their MatMul/Conv on int8, matching onnxruntime."""
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -11,7 +10,7 @@ from kiln.ir.graph import Node
 from kiln.passes import fuse_qdq
 from kiln.tactics.library import int8_int_mm
 
-from .util import check_pass, ops
+from .util import check_pass, model, ops, rand
 
 
 def _qdq_mlp(zero_point=0):
@@ -109,3 +108,73 @@ def test_dequantized_fallback_tactics_match_the_reference():
     swc = torch.rand(8, generator=g) * 0.01
     want = kiln.ops.lookup("QConv", "kiln").impl(conv, xc, wc, sx, swc, None)
     torch.testing.assert_close(dequantized_conv(conv, xc, wc, sx, swc, None), want, rtol=1e-5, atol=1e-5)
+    conv.attrs["activation"] = "Relu"  # with the fused residual
+    z = torch.randn(1, 8, 7, 9, generator=g)
+    want = kiln.ops.lookup("QConv", "kiln").impl(conv, xc, wc, sx, swc, None, z)
+    torch.testing.assert_close(dequantized_conv(conv, xc, wc, sx, swc, None, z), want, rtol=1e-5, atol=1e-5)
+
+
+def _qdq_conv_block(shortcut_const=False):
+    """x -> Q/DQ -> Conv(int8 weights, bias) -> Add(shortcut) -> Relu: a ResNet block's last conv and its shortcut."""
+    rng = np.random.default_rng(5)
+    inits = [
+        numpy_helper.from_array(np.float32(0.04), "sx"), numpy_helper.from_array(np.int8(0), "zx"),
+        numpy_helper.from_array(rng.integers(-127, 128, (6, 6, 1, 1)).astype(np.int8), "wq"),
+        numpy_helper.from_array(rng.uniform(0.001, 0.01, 6).astype(np.float32), "sw"),
+        numpy_helper.from_array(np.zeros(6, np.int8), "zw"),
+        numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
+    ]
+    if shortcut_const:
+        inits.append(numpy_helper.from_array(rng.standard_normal((1, 6, 1, 1)).astype(np.float32), "s"))
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),  # the shortcut: a tensor computed before the conv
+        helper.make_node("QuantizeLinear", ["r", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xdq"]),
+        helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["w"], axis=0),
+        helper.make_node("Conv", ["xdq", "w", "b"], ["c"]),
+        helper.make_node("Add", ["c", "s" if shortcut_const else "x"], ["sum"]),
+        helper.make_node("Relu", ["sum"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "qdq_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 5, 7])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6, 5, 7])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_conv_residual_add_relu_becomes_one_qconv_with_a_residual_input():
+    x = np.random.default_rng(6).standard_normal((2, 6, 5, 7)).astype(np.float32)
+    before, after = check_pass(fuse_qdq, _qdq_conv_block(), {"x": x}, atol=1e-5)
+    assert ops(before) == ["Relu", "QuantizeLinear", "DequantizeLinear", "DequantizeLinear", "Conv", "Add", "Relu"]
+    assert ops(after) == ["Relu", "kiln::QConv"]
+    q = after.nodes[1]
+    assert q.inputs[0] == "r" and q.inputs[4] == "b" and q.inputs[5] == "x"  # x, w_q, sx, sw, bias, residual
+    assert q.attr("activation") == "Relu" and q.outputs == ["y"]
+    model = _qdq_conv_block()
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+    assert [n.op_type for n in engine.graph.nodes] == ["Relu", "QConv"]
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_plus_a_constant_is_not_a_residual():
+    x = np.random.default_rng(7).standard_normal((2, 6, 5, 7)).astype(np.float32)
+    _, after = check_pass(fuse_qdq, _qdq_conv_block(shortcut_const=True), {"x": x}, atol=1e-5)
+    assert ops(after) == ["Relu", "kiln::QConv", "Add", "Relu"] and len(after.nodes[1].inputs) == 5
+
+
+def test_a_qdq_pair_read_by_two_convolutions_feeds_both():
+    # onnxruntime's quantizer shares one activation Q/DQ between convolutions reading the same tensor
+    # (ResNet's downsample shortcut and main branch).
+    w = np.random.default_rng(0).integers(-100, 100, (4, 3, 1, 1)).astype(np.int8)
+    m = model([
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["w1", "sw", "zw"], ["w1d"], axis=0),
+        helper.make_node("DequantizeLinear", ["w2", "sw", "zw"], ["w2d"], axis=0),
+        helper.make_node("Conv", ["xd", "w1d"], ["a"]),
+        helper.make_node("Conv", ["xd", "w2d"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ], [("x", [1, 3, 4, 4])], [("y", [1, 4, 4, 4])],
+        {"sx": np.float32(0.02), "zx": np.int8(0), "w1": w, "w2": -w, "sw": np.full(4, 0.01, np.float32),
+         "zw": np.zeros(4, np.int8)})
+    _, after = check_pass(fuse_qdq, m, {"x": rand(1, 3, 4, 4)})
+    assert ops(after).count("kiln::QConv") == 2

@@ -16,7 +16,7 @@ def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> lis
         return []
     names = []
     for n in graph.nodes:
-        if n.op_type in ("Conv", "FusedConv") and n.placement == "device" and len(n.inputs) > 1:
+        if n.op_type in ("Conv", "FusedConv", "QConv") and n.placement == "device" and len(n.inputs) > 1:
             w = graph.initializers.get(n.inputs[1])
             if w is not None and w.dim() == 4:
                 names.append(n.inputs[1])

@@ -13,7 +13,12 @@ channels-last ([N, OH, OW, OC] in memory, returned as an NCHW-shaped view). Bias
 residual z (broadcastable to the output) and the activation are applied before the
 single store. groups == 1 only.
 
-Reference: kiln.ops.fused.fused_conv; `reference` below.
+Quantized convolutions (kiln::QConv, QUANT "int8" / "fp8") run the same loop: w is the int8 /
+FP8 E4M3 weight [OC, C, KH, KW] read through its strides like a float one, each gathered float
+patch tile is quantized in registers before the 8-bit dot, and the epilogue applies
+x_scale * w_scale[oc] before bias, residual and activation (gemm.quantize / gemm.dequantize).
+
+Reference: kiln.ops.fused.fused_conv; `reference` below; kiln.ops.fused.qconv when quantized.
 """
 
 from __future__ import annotations
@@ -22,20 +27,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import ACTIVATIONS, DTYPES, TileConfig, _params, dot_precision, epilogue
+from .gemm import (
+    ACTIVATIONS,
+    TileConfig,
+    _params,
+    dequantize,
+    dot_precision,
+    epilogue,
+    operand_dtypes_ok,
+    quant_args,
+    quantize,
+)
 
 _INT32_MAX = 2**31 - 1
 FLAT_BELOW_C = 32  # input channels below which K is walked flat
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
                  C, H, W, OC, OH, OW, M, KW, KTOT,
-                 sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw,
+                 sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw, stride_ws,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                 FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 QUANT: tl.constexpr, FLAT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(OC, BLOCK_N)
@@ -59,7 +74,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
     x_base = x_ptr + n * sxn
     w_base = w_ptr + oc * swo
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
     if FLAT:
         for k0 in range(0, KTOT, BLOCK_K):
             kk = k0 + rk  # flattened (kh, kw, c), c fastest
@@ -73,7 +88,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
             a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
             b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
                         mask=(kk < KTOT)[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC)
     else:
         c_blocks = tl.cdiv(C, BLOCK_K)
         for it in range(0, KTOT // C * c_blocks):  # (kh, kw, channel block), channel block fastest
@@ -89,8 +104,9 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
                         mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
             b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
                         mask=c_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC)
 
+    acc = dequantize(acc, xs_ptr, ws_ptr, oc, stride_ws, QUANT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + oc).to(tl.float32)[None, :]
     if HAS_Z:
@@ -109,6 +125,22 @@ CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(64, 128, 64, 4, 3), 4),
     (TileConfig(128, 128, 32, 4, 4), 5),
     (TileConfig(256, 64, 32, 8, 3), 5),
+]
+
+
+# Quantized (QConv) configurations, offered at their own level (triton_gemm registers them unshifted:
+# without them an INT8/FP8 convolution only has the float fallback). Level 3 has one tile for the
+# large early layers and one for ResNet's 14x14 / 7x7 stages (fewer pixels: more programs); both
+# compile for sm_90 without register spills. BLOCK_K >= 32: 8-bit Tensor Core dots.
+QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
+    (TileConfig(128, 128, 64, 8, 3), 3),
+    (TileConfig(64, 128, 64, 8, 3), 3),
+    (TileConfig(128, 64, 64, 4, 4), 4),
+    (TileConfig(128, 128, 128, 8, 3), 4),
+    (TileConfig(64, 128, 128, 8, 3), 4),
+    (TileConfig(128, 256, 64, 8, 3), 5),
+    (TileConfig(256, 128, 64, 8, 3), 5),
+    (TileConfig(64, 64, 128, 4, 4), 5),
 ]
 
 
@@ -133,11 +165,13 @@ def geometry(node, x: torch.Tensor, w: torch.Tensor):
     return strides, dilations, pads, tuple(out)
 
 
-def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None) -> bool:
-    """2-D, groups == 1, same-dtype FP16/BF16/FP32 x and w, a residual broadcastable to the output."""
+def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
+             qtype: str = "") -> bool:
+    """2-D, groups == 1, same-dtype FP16/BF16/FP32 x and w (or int8 / FP8 w of a quantized layer's qtype),
+    a residual broadcastable to the output."""
     if node.attr("group", 1) != 1 or node.attr("activation", "") not in ACTIVATIONS:
         return False
-    if x.dim() != 4 or w.dim() != 4 or x.dtype != w.dtype or x.dtype not in DTYPES or w.shape[1] != x.shape[1]:
+    if x.dim() != 4 or w.dim() != 4 or not operand_dtypes_ok(x, w, qtype) or w.shape[1] != x.shape[1]:
         return False
     if x.device != w.device or x.numel() == 0 or w.numel() == 0:
         return False
@@ -167,9 +201,11 @@ def block_k_for(config: TileConfig, channels: int) -> tuple[int, bool]:
 
 
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
-           config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None) -> torch.Tensor:
+           config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None,
+           x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """act(conv2d(x, w) + b + z) with the node's ONNX attributes; channels-last output of x's dtype.
 
+    A QConv node (attribute qtype): act(x_scale * w_scale * conv2d(q(x), w) + b + z), w its quantized weights.
     `out`, if given, is the [N, OH, OW, OC] contiguous buffer to write into.
     """
     strides, dilations, pads, (OH, OW) = geometry(node, x, w)
@@ -187,15 +223,17 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     if z is not None:
         z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
         zs = z.stride()
+    qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
+    xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
     block_k, flat = block_k_for(config, C)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)
     _conv_kernel[grid](
-        x, w, b if b is not None else w, z if z is not None else w, y,
+        x, w, b if b is not None else w, z if z is not None else w, y, xs, ws,
         C, H, W, OC, OH, OW, M, KW, KH * KW * C,
-        *x.stride(), *w.stride(), *zs,
+        *x.stride(), *w.stride(), *zs, stride_ws,
         strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
-        HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision),
-        FLAT=flat, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision, qtype),
+        QUANT=qtype, FLAT=flat, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.permute(0, 3, 1, 2)

@@ -6,8 +6,15 @@ FP16/BF16 inputs; FP32 inputs use TF32 only when asked (`precision="tf32"`), els
 FP32 products (input_precision="ieee"). Program ids are swizzled in groups of GROUP_M
 rows of tiles so neighbouring programs share tiles of w in L2.
 
-Reference: kiln.ops.fused.fused_gemm (torch.matmul + bias + activation); `reference` below.
-The epilogue activations (`epilogue`) are shared with the convolution kernel.
+Quantized layers (kiln::QGemm, QUANT "int8" / "fp8"): w is int8 / FP8 E4M3 [K, N]; each float
+tile of x is quantized in registers (`quantize`) right after its load, multiplied on the 8-bit
+Tensor Cores (int32 / fp32 accumulator), and the epilogue applies x_scale * w_scale[n] before
+the bias and activation (`dequantize`): no separate pass over memory either way.
+
+Reference: kiln.ops.fused.fused_gemm (torch.matmul + bias + activation); `reference` below;
+kiln.ops.fused.qgemm for the quantized form.
+The epilogue activations (`epilogue`) and the (de)quantization helpers are shared with the
+convolution kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import triton.language as tl
 # Activations the epilogue computes; names as kiln.ops.fused.activation spells them.
 ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Silu", "HardSwish", "GeluErf", "GeluTanh", "Tanh")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # a quantized layer's qtype -> its weights' dtype
 _INT32_MAX = 2**31 - 1
 
 
@@ -50,9 +58,40 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
-                 stride_xm, stride_xk, stride_wk, stride_wn, stride_ym, stride_yn, p0, p1,
+def quantize(a, xs_ptr, QUANT: tl.constexpr):
+    """The dot's left operand: a float activation tile quantized in registers with the per-tensor
+    scale *xs_ptr (QUANT "int8" / "fp8", as kiln.ops.fused.quantize does), or `a` as is (QUANT "")."""
+    if QUANT != "":
+        # x * (1/sx) rather than x / sx: a division per element would dominate this ALU-bound prologue. It can
+        # differ from the reference's quotient by an ulp, moving a value within an ulp of a rounding tie by
+        # one quantization step (never when sx is a power of two).
+        v = a.to(tl.float32) * (1.0 / tl.load(xs_ptr).to(tl.float32))
+        if QUANT == "int8":
+            v = tl.minimum(tl.maximum(v, -128.0), 127.0)  # saturate first: round(clamp(v)) == clamp(round(v))
+            # Round half to even like torch.round: adding 1.5 * 2**23 makes the FP32 adder round v to an integer
+            # (to nearest even) and leaves it in the low mantissa bits, read out as int8 without a float->int
+            # conversion. libdevice.rint would do on the GPU but does not run in Triton's interpreter.
+            a = (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        else:
+            # Saturate to E4M3's largest finite value, then round to nearest even (cvt.rn.satfinite on sm_89+).
+            a = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+    return a
+
+
+@triton.jit
+def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
+    """The quantized accumulator (int32 / fp32) times x_scale * w_scale[cols], in FP32; float layers' as is."""
+    if QUANT != "":
+        scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
+        acc = acc.to(tl.float32) * scale[None, :]
+    return acc
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K,
+                 stride_xm, stride_xk, stride_wk, stride_wn, stride_ym, stride_yn, stride_ws, p0, p1,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+                 QUANT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -73,7 +112,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     rbn = rn % N
     x_ptrs = x_ptr + ram[:, None] * stride_xm + rk[None, :] * stride_xk
     w_ptrs = w_ptr + rk[:, None] * stride_wk + rbn[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs)
@@ -82,10 +121,11 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
             k_left = K - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC)  # masked-off K: quantized 0s
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
+    acc = dequantize(acc, xs_ptr, ws_ptr, rbn, stride_ws, QUANT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rbn).to(tl.float32)[None, :]
     acc = epilogue(acc, ACT, p0, p1)
@@ -109,9 +149,10 @@ class TileConfig:
     def name(self) -> str:
         return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
-    def smem_bytes(self, itemsize: int) -> int:
-        """Shared memory the software pipeline holds: num_stages tiles of x and of w."""
-        return self.num_stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
+    def smem_bytes(self, itemsize: int, w_itemsize: int | None = None) -> int:
+        """Shared memory the software pipeline holds: num_stages tiles of x and of w (w_itemsize: 8-bit weights)."""
+        w_itemsize = itemsize if w_itemsize is None else w_itemsize
+        return self.num_stages * (self.block_m * self.block_k * itemsize + self.block_k * self.block_n * w_itemsize)
 
 
 # (config, lowest optimization level that tries it). Level 3 covers big square GEMMs (batch 32),
@@ -132,26 +173,55 @@ CONFIGS: list[tuple[TileConfig, int]] = [
 ]
 
 
-def dot_precision(dtype: torch.dtype, precision: str) -> str:
+# Quantized (QGemm) configurations, offered at their own level (triton_gemm registers them unshifted: the
+# INT8/FP8 layers have no other integer kernel for many shapes). BLOCK_K >= 32: 8-bit Tensor Core dots.
+QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
+    (TileConfig(128, 128, 64, 8, 3), 3),
+    (TileConfig(64, 128, 128, 4, 4), 3),
+    (TileConfig(128, 256, 64, 8, 3), 4),
+    (TileConfig(32, 64, 128, 4, 4), 4),
+    (TileConfig(128, 128, 128, 8, 3), 4),
+    (TileConfig(128, 128, 64, 4, 3), 5),
+    (TileConfig(16, 64, 256, 4, 4), 5),
+]
+
+
+def dot_precision(dtype: torch.dtype, precision: str, qtype: str = "") -> str:
     """tl.dot's input_precision: exact FP32 products ("ieee") for FP32 operands unless the layer allows TF32.
 
-    16-bit operands get Triton's default ("tf32"), which only concerns FP32 operands.
+    16-bit operands, and the 8-bit ones of quantized layers (whatever x's dtype), get Triton's default
+    ("tf32"), which only concerns FP32 operands.
     """
-    return "ieee" if dtype == torch.float32 and precision != "tf32" else "tf32"
+    return "ieee" if dtype == torch.float32 and precision != "tf32" and not qtype else "tf32"
 
 
-def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str) -> bool:
+def operand_dtypes_ok(x: torch.Tensor, w: torch.Tensor, qtype: str = "") -> bool:
+    """FP16/BF16/FP32 x; w of x's dtype, or (qtype "int8" / "fp8") int8 / FP8 E4M3 weights."""
+    return x.dtype in DTYPES and w.dtype == (QTYPES.get(qtype) if qtype else x.dtype)
+
+
+def scales_ok(x_scale, w_scale, n: int, device: torch.device) -> bool:
+    """A quantized layer's scales: one float x_scale, one or n float w_scale values, on the kernel's device."""
+    return all(isinstance(s, torch.Tensor) and s.dtype.is_floating_point and s.device == device
+               for s in (x_scale, w_scale)) and x_scale.numel() == 1 and w_scale.numel() in (1, n)
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str, qtype: str = "") -> bool:
     """What the kernel handles: x [M, K] (or batched [.., K]), w [K, N], bias of N elements."""
-    return (x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[0] and x.dtype == w.dtype
-            and x.dtype in DTYPES and act in ACTIVATIONS and x.device == w.device
+    return (x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[0] and operand_dtypes_ok(x, w, qtype)
+            and act in ACTIVATIONS and x.device == w.device
             and x.numel() > 0 and w.numel() > 0
             and (b is None or (b.numel() == w.shape[1] and b.dtype.is_floating_point and b.device == x.device))
             and max(x.numel(), w.numel(), x.numel() // x.shape[-1] * w.shape[1]) <= _INT32_MAX)
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
-         config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None):
-    """act(x @ w + b) for x [.., K], w [K, N]; returns [.., N] in x's dtype (written into `out` if given)."""
+         config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None,
+         qtype: str = "", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None):
+    """act(x @ w + b) for x [.., K], w [K, N]; returns [.., N] in x's dtype (written into `out` if given).
+
+    qtype "int8" / "fp8": a QGemm, act(x_scale * w_scale * (q(x) @ w) + b) with w the quantized weights.
+    """
     lead = x.shape[:-1]
     K, N = w.shape
     x2 = x.reshape(-1, K)
@@ -162,15 +232,26 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     bias = b.reshape(-1) if b is not None else None
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    xs, ws, stride_ws = quant_args(x2, qtype, x_scale, w_scale)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
-        x2, w, bias if bias is not None else x2, y2, M, N, K,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y2.stride(0), y2.stride(1), p0, p1,
-        HAS_BIAS=bias is not None, ACT=act, PREC=dot_precision(x.dtype, precision),
-        EVEN_K=K % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        x2, w, bias if bias is not None else x2, y2, xs, ws, M, N, K,
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
+        HAS_BIAS=bias is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
+        EVEN_K=K % config.block_k == 0, QUANT=qtype, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y2.view(*lead, N)
+
+
+def quant_args(x: torch.Tensor, qtype: str, x_scale, w_scale) -> tuple:
+    """The kernels' (x_scale, w_scale, w_scale stride) arguments; unused placeholders for float layers."""
+    if not qtype:
+        return x, x, 0
+    if qtype not in QTYPES or x_scale is None or w_scale is None:
+        raise ValueError(f"a quantized kernel needs qtype int8/fp8 and both scales, got {qtype!r}")
+    w_scale = w_scale.reshape(-1)
+    return x_scale, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0)  # one scale: read with stride 0
 
 
 def _params(act: str, params) -> tuple[float, float]:

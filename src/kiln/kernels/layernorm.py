@@ -1,5 +1,9 @@
 """Fused residual add + LayerNorm over the last axis (one read of each input, one write).
 
+Rows are read through two leading strides, so a transposed view (ViT's sequence-first
+attention output, say) is read where it lies instead of being copied first; outputs are
+contiguous.
+
 Reference: torch.nn.functional.layer_norm(a + b, ...), second output a + b.
 """
 
@@ -11,13 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, n_cols, eps,
+def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, n_cols, eps, rows1, sa0, sa1, sb0, sb1,
                            HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     off = row * n_cols + cols
-    s = tl.load(a_ptr + off, mask=mask, other=0.0).to(tl.float32) + tl.load(b_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=mask, other=0.0).to(tl.float32)
+    s = a + tl.load(b_ptr + r0 * sb0 + r1 * sb1 + cols, mask=mask, other=0.0).to(tl.float32)
     if WRITE_SUM:
         tl.store(s_ptr + off, s.to(s_ptr.dtype.element_ty), mask=mask)
     mean = tl.sum(s, axis=0) / n_cols
@@ -29,20 +35,33 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, n_cols, 
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows(t: torch.Tensor):
+    """t as a 3-D view [R0, R1, n] with unit stride along n (no copy), or None."""
+    if t.dim() == 0 or t.stride(-1) != 1 and t.shape[-1] != 1:
+        return None
+    shape = [1] * max(0, 3 - t.dim()) + list(t.shape)
+    try:
+        return t.view(shape) if t.dim() <= 3 else t.view(-1, *t.shape[-2:])
+    except RuntimeError:  # leading axes that no view can merge
+        return None
+
+
 def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
-    """Same-shape contiguous inputs, a row that fits one block (BERT/ViT/Llama hidden sizes do)."""
-    return (a.shape == b.shape and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
+    """Same-shape inputs with rows of unit stride, a row that fits one block (BERT/ViT/Llama hidden sizes do)."""
+    return (a.shape == b.shape and a.dtype == b.dtype and _rows(a) is not None and _rows(b) is not None
             and gamma.numel() == a.shape[-1] and a.shape[-1] <= 16384 and a.numel() > 0)
 
 
 def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True):
     n = a.shape[-1]
     rows = a.numel() // n
-    y = torch.empty_like(a)
-    s = torch.empty_like(a) if write_sum else y
+    a3, b3 = _rows(a), _rows(b)
+    y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    s = torch.empty(a.shape, dtype=a.dtype, device=a.device) if write_sum else y
     block = triton.next_power_of_2(n)
     _skip_layernorm_kernel[(rows,)](
         a, b, gamma, beta if beta is not None else gamma, y, s, n, eps,
+        a3.shape[1], a3.stride(0), a3.stride(1), b3.stride(0), b3.stride(1),
         HAS_BETA=beta is not None, WRITE_SUM=write_sum, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return y, (s if write_sum else None)

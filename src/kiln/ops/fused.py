@@ -144,13 +144,16 @@ def qgemm(node, x, w_q, x_scale, w_scale, b=None):
 
 
 @register("QConv", domain=KILN, keeps_input_types=True)
-def qconv(node, x, w_q, x_scale, w_scale, b=None):
+def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None):
+    """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional float residual (ResNet's shortcut Add)."""
     xq = quantize(node, x, x_scale)
     acc = lookup("Conv").impl(node, xq.double(), w_q.double())  # exact in float64
     scale = (x_scale.double() * w_scale.double()).reshape(1, -1, *([1] * (acc.dim() - 2)))
     y = (acc * scale).to(x.dtype)
     if b is not None:
         y = y + b.to(x.dtype).reshape(1, -1, *([1] * (acc.dim() - 2)))
+    if z is not None:
+        y = y + z.to(x.dtype)
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
 
 

@@ -19,15 +19,19 @@ from . import (
     fuse_qdq,
     fuse_rmsnorm,
     fuse_skip_layernorm,
+    gather_as_slice,
     insert_qdq,
     merge_parallel_gemms,
     remove_noops,
+    split_heads_as_view,
 )
 
 PIPELINE = [
     fold_constants,  # Constant nodes and constant-only subgraphs become weights (int8 weights stay int8)
     remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
     dead_code,  # nodes nothing reads, weights nothing uses
+    gather_as_slice,  # Gather of one constant index -> Slice (+ Squeeze): a view, not a copy
+    split_heads_as_view,  # sequence-first head split (merge batch*heads, split again) -> a view
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
     insert_qdq,  # INT8 builds: calibrated Q/DQ around GEMMs and convolutions (post-training quantization)
     fuse_int4_weights,  # MatMul on INT4 weights (group scales) -> weight-only INT4 GEMM

@@ -3,7 +3,8 @@
 Q/DQ models (onnxruntime's quantizer, NVIDIA ModelOpt, Kiln's QAT export) say
 where INT8 runs and with which scales; Kiln honours them: the layer multiplies
 int8 activations by int8 weights and applies the scales (and bias, activation)
-in its epilogue. Only symmetric int8 and FP8 E4M3 are fused (zero points 0); anything else
+in its epilogue. A convolution's residual Add (ResNet's shortcut) and activation join it too
+(QConv's optional 6th input z). Only symmetric int8 and FP8 E4M3 are fused (zero points 0); anything else
 keeps its Q/DQ nodes, runs in float, and the reason is recorded.
 """
 
@@ -73,7 +74,8 @@ def run(graph: Graph) -> None:
         if zp_x.dtype != w_q.dtype:
             miss(graph, "quantized layer", [mm], "activation and weight quantization types differ")
             continue
-        group = qdq + [dq_w, mm]
+        shared = view.readers(qdq[1].outputs[0]) > 1  # a Q/DQ pair other layers read stays for them (dead code later)
+        group = ([] if shared else qdq) + [dq_w, mm]
         name = fused_name([mm])
         graph.initializers[f"{name}.weight_q"] = w_q.t().contiguous() if trans_b else w_q
         n_out = w_q.shape[0] if (conv or trans_b) else w_q.shape[1]
@@ -81,13 +83,18 @@ def run(graph: Graph) -> None:
         bias, out = "", mm.outputs[0]
         if conv or mm.op_type == "Gemm":
             bias = mm.inputs[2] if len(mm.inputs) > 2 else ""
-        if not bias and not conv:
-            add = view.sole_reader(out)
-            other = view.other_input(add, out) if add is not None and add.op_type == "Add" else None
-            b = view.const(other) if other else None
+        add = view.sole_reader(out)
+        other = view.other_input(add, out) if add is not None and add.op_type == "Add" and not add.domain else None
+        residual = ""
+        if other and not bias and not conv:
+            b = view.const(other)
             if b is not None and b.numel() == n_out:
                 bias, out = other, add.outputs[0]
                 group.append(add)
+        elif other and conv and view.const(other) is None and not any(other in n.outputs for n in group + [add]):
+            # ResNet's shortcut: Conv + Add(tensor) (+ Relu) -> one QConv with a residual input, added in its epilogue
+            residual, out = other, add.outputs[0]
+            group.append(add)
         act = activations.match(view, out)
         if act is not None:
             group += act.nodes
@@ -95,9 +102,8 @@ def run(graph: Graph) -> None:
         attrs = dict(mm.attrs) if conv else {}
         attrs.update(activation=act.name if act else "", activation_params=act.params if act else [],
                      qtype=QTYPES[w_q.dtype])
-        fused = Node("QConv" if conv else "QGemm",
-                     [x, f"{name}.weight_q", x_scale, f"{name}.weight_scale", bias], [out], attrs,
-                     name=fused_name(group), domain="kiln")
+        inputs = [x, f"{name}.weight_q", x_scale, f"{name}.weight_scale", bias] + ([residual] if residual else [])
+        fused = Node("QConv" if conv else "QGemm", inputs, [out], attrs, name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
         view.refresh()
     fold_constants.run(graph, keep_quantized=False)  # weights of layers left in float

@@ -72,13 +72,30 @@ def _gemm_ok(node, args, acts):
             and x.dtype == w.dtype == b.dtype)
 
 
+def storage_order(x: torch.Tensor):
+    """(base, perm) with base contiguous and x == base.permute(perm), when x only reorders its leading axes.
+
+    A GEMM over the last axis treats rows independently, so it can run on `base` and hand back
+    the result permuted the same way: no copy of a transposed input (ViT's sequence-first layout).
+    """
+    if x.is_contiguous() or x.stride(-1) != 1:
+        return x, None
+    lead = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))
+    base = x.permute(lead + [x.dim() - 1])
+    if not base.is_contiguous():
+        return x, None
+    return base, sorted(range(x.dim()), key=lambda i: (lead + [x.dim() - 1]).index(i))
+
+
 def _addmm(x, w, b, use_gelu=None):
+    x, perm = storage_order(x)
     x2 = x.reshape(-1, x.shape[-1])
     if use_gelu is None:
         y = torch.addmm(b, x2, w)
     else:
         y = torch._addmm_activation(b, x2, w, use_gelu=use_gelu)
-    return y.reshape(*x.shape[:-1], w.shape[1])
+    y = y.reshape(*x.shape[:-1], w.shape[1])
+    return y.permute(perm) if perm else y
 
 
 @tactic("FusedGemm", "cublaslt_bias", lambda n, a: _gemm_ok(n, a, ("",)))
@@ -104,6 +121,15 @@ def cublaslt_bias_gelu(node, x, w, b=None):
                                                                              "HardSwish")))
 def cublas_then_activation(node, x, w, b=None):
     return activation(node.attr("activation", ""), _addmm(x, w, b), node.attr("activation_params", []))
+
+
+@tactic("FusedGemm", "cublas_matmul", lambda n, a: a[0].is_cuda and a[0].dim() >= 2 and (len(a) < 3 or a[2] is None)
+        and n.attr("activation", "") == "" and a[0].dtype == a[1].dtype)
+def cublas_matmul(node, x, w, b=None):
+    """A GEMM with neither bias nor activation (projections exported without bias)."""
+    x, perm = storage_order(x)
+    y = torch.matmul(x, w)
+    return y.permute(perm) if perm else y
 
 
 # --- Attention ----------------------------------------------------------------
@@ -213,7 +239,7 @@ def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
 
 
 @tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)
-def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None):
+def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None):
     from ..ops.fused import quantize
     from ..ops.registry import lookup
 
@@ -221,4 +247,6 @@ def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None):
     xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
     wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
     y = lookup("Conv").impl(node, xd, wd, b.to(dt) if b is not None else None)
+    if z is not None:  # the fused residual (ResNet's shortcut Add)
+        y = y + z.to(dt)
     return activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(x.dtype)

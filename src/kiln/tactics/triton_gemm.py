@@ -5,8 +5,13 @@ the builder's timer picks the configuration per layer and shape on the target GP
   FusedGemm  triton_gemm_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/gemm.py
   FusedConv  triton_conv_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/conv.py
   Attention  triton_flash_m<BM>_n<BN>_w<warps>_s<stages>     kiln/kernels/attention.py
+  QGemm      triton_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>  gemm.py, INT8/FP8 (QUANT_CONFIGS)
+  QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
 A few configurations per layer type from level 4, more at level 5 (each kernel's CONFIGS
-level plus one, see _LEVEL_SHIFT). applies() refuses what a kernel cannot run: non-CUDA tensors, other dtypes,
+level plus one, see _LEVEL_SHIFT). The quantized ones are offered at their QUANT_CONFIGS level
+(two each from the default level 3): they are the only integer/FP8 kernels most INT8/FP8
+convolutions have, the alternative being the float fallback (dequantized_conv).
+applies() refuses what a kernel cannot run: non-CUDA tensors, other dtypes, FP8 below sm_89,
 grouped or non-2-D convolutions, unsupported head dims, a configuration whose pipeline
 would not fit in the GPU's shared memory, or a tile far larger than the problem
 (more than 4x the padded M or N: a smaller configuration always covers it).
@@ -47,60 +52,89 @@ def _not_oversized(block: int, extent: int) -> bool:
     return block <= 4 * p
 
 
-# --- FusedGemm ------------------------------------------------------------------
-def _gemm_applies(config):
+def _operands(args, quant: bool):
+    """(x, w, b, z) of a FusedGemm/FusedConv (x, w, b, z) or QGemm/QConv (x, w_q, x_scale, w_scale, b, z)."""
+    rest = list(args[4 if quant else 2:]) + [None, None]
+    return args[0], args[1], rest[0], rest[1]
+
+
+def _precision_ok(node, args, quant: bool, n_dim: int) -> bool:
+    """CUDA tensors in a precision the kernel runs: float layers' 16-bit (or TF32-allowed) operands;
+    quantized layers' scales, any float x (the products are 8-bit), FP8 only on Ada/Hopper (sm_89+)."""
+    from ..kernels import gemm
+
+    x, w = args[0], args[1]
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda and w.dim() > n_dim):
+        return False
+    if not quant:
+        return _dtype_ok(node, x)
+    if node.attr("qtype", "int8") == "fp8" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    return gemm.scales_ok(args[2], args[3], w.shape[n_dim], x.device)
+
+
+# --- FusedGemm / QGemm ----------------------------------------------------------
+def _gemm_applies(config, quant: bool = False):
     def applies(node, args) -> bool:
         from ..kernels import gemm
 
-        x, w = args[0], args[1]
-        b = args[2] if len(args) > 2 else None
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda and _dtype_ok(node, x)):
+        x, w, b, _ = _operands(args, quant)
+        if not _precision_ok(node, args, quant, 1):
             return False
-        if not gemm.supports(x, w, b, node.attr("activation", "")):
+        if not gemm.supports(x, w, b, node.attr("activation", ""), node.attr("qtype", "int8") if quant else ""):
             return False
         m = x.numel() // x.shape[-1]
-        return (_fits(x, config.smem_bytes(x.element_size())) and _not_oversized(config.block_m, m)
-                and _not_oversized(config.block_n, w.shape[1]))
+        return (_fits(x, config.smem_bytes(x.element_size(), w.element_size()))
+                and _not_oversized(config.block_m, m) and _not_oversized(config.block_n, w.shape[1]))
 
     return applies
 
 
-def _gemm_run(config):
+def _gemm_run(config, quant: bool = False):
     def run(node, x, w, b=None):
         from ..kernels import gemm
 
         return gemm.gemm(x, w, b, node.attr("activation", ""), node.attr("activation_params", []),
                          config=config, precision=node.precision)
 
-    return run
+    def run_quant(node, x, w_q, x_scale, w_scale, b=None):
+        from ..kernels import gemm
+
+        return gemm.gemm(x, w_q, b, node.attr("activation", ""), node.attr("activation_params", []), config=config,
+                         qtype=node.attr("qtype", "int8"), x_scale=x_scale, w_scale=w_scale)
+
+    return run_quant if quant else run
 
 
-# --- FusedConv ------------------------------------------------------------------
-def _conv_applies(config):
+# --- FusedConv / QConv ----------------------------------------------------------
+def _conv_applies(config, quant: bool = False):
     def applies(node, args) -> bool:
         from ..kernels import conv
 
-        x, w = args[0], args[1]
-        b = args[2] if len(args) > 2 else None
-        z = args[3] if len(args) > 3 else None
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda and _dtype_ok(node, x)):
+        x, w, b, z = _operands(args, quant)
+        if not _precision_ok(node, args, quant, 0):
             return False
-        if not conv.supports(node, x, w, b, z):
+        if not conv.supports(node, x, w, b, z, node.attr("qtype", "int8") if quant else ""):
             return False
         oh, ow = conv.geometry(node, x, w)[3]
-        return (_fits(x, config.smem_bytes(x.element_size())) and _not_oversized(config.block_m, x.shape[0] * oh * ow)
-                and _not_oversized(config.block_n, w.shape[0]))
+        return (_fits(x, config.smem_bytes(x.element_size(), w.element_size()))
+                and _not_oversized(config.block_m, x.shape[0] * oh * ow) and _not_oversized(config.block_n, w.shape[0]))
 
     return applies
 
 
-def _conv_run(config):
+def _conv_run(config, quant: bool = False):
     def run(node, x, w, b=None, z=None):
         from ..kernels import conv
 
         return conv.conv2d(node, x, w, b, z, config=config)
 
-    return run
+    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None):
+        from ..kernels import conv
+
+        return conv.conv2d(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale)
+
+    return run_quant if quant else run
 
 
 # --- Attention ------------------------------------------------------------------
@@ -147,6 +181,10 @@ def _register() -> None:
         tactic("FusedConv", f"triton_conv_{cfg.name}", _conv_applies(cfg), level=lvl(level))(_conv_run(cfg))
     for cfg, level in attention.CONFIGS:
         tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=lvl(level))(_flash_run(cfg))
+    for cfg, level in gemm.QUANT_CONFIGS:
+        tactic("QGemm", f"triton_qgemm_{cfg.name}", _gemm_applies(cfg, True), level=level)(_gemm_run(cfg, True))
+    for cfg, level in conv.QUANT_CONFIGS:
+        tactic("QConv", f"triton_qconv_{cfg.name}", _conv_applies(cfg, True), level=level)(_conv_run(cfg, True))
 
 
 try:
