@@ -17,7 +17,7 @@ def test_fp32_engine_matches_onnxruntime_with_default_tolerance(mlp_files, capsy
              str(tmp_path / "c.json"))
     out = capsys.readouterr().out
     assert rc == 0
-    assert "Tolerance: atol=1e-05, rtol=0.0001" in out  # FP32 default
+    assert "rtol=0.0001" in out and "Tolerance: atol=" in out  # FP32 default (atol relative to the range)
     assert "PASSED | Output: 'y'" in out and "PASSED | All outputs matched" in out
     for field in ("Absolute error: max=", "median=", "p99=", "Relative error:", "NaN/Inf: engine 0 NaN",
                   "Minimum tolerance that would pass", "Absolute error histogram"):
@@ -97,3 +97,13 @@ def test_nan_and_shape_mismatch_fail_clearly():
     assert both.passed  # NaN where the reference is NaN too is a match
     r = compare_arrays("y", [np.zeros((2, 3))], [np.zeros((3, 2))], 1, 1)
     assert not r.passed and "shape differs: the engine returns 3x2, the reference 2x3" in r.reason
+
+
+def test_default_atol_is_relative_to_the_range_and_an_explicit_one_is_absolute():
+    ref = np.array([100.0, -80.0, 0.5])
+    out = ref + np.array([0.06, -0.05, 0.001])  # FP16-sized steps on large logits
+    scaled = compare_arrays("logits", [ref], [out], 1e-2, 0.0, of_range=True)
+    assert scaled.passed and scaled.atol == 1.0 and scaled.atol_basis == "0.01 x max|ref| 100"
+    assert not compare_arrays("logits", [ref], [out], 1e-2, 0.0).passed
+    small = compare_arrays("probs", [np.array([0.5, 0.2])], [np.array([0.5, 0.2])], 1e-2, 0.0, of_range=True)
+    assert small.atol == 1e-2 and not small.atol_basis  # ranges within [-1, 1] keep the plain atol

@@ -6,7 +6,9 @@ inputs: seeded random ones at a profile's opt shape, a .npz, or a folder of
 .npz samples. Per output: absolute and relative error (max, mean, median, p99),
 NaN/Inf checks, an error histogram, the minimum tolerance that would pass, and
 a PASSED/FAILED line. An element passes when |engine - ref| <= atol + rtol * |ref|
-(numpy.allclose's rule). --layerwise also compares every engine layer output
+(numpy.allclose's rule). The default atol is relative to the tensor's range: the
+precision's value times max(1, max |ref|), since one FP16 step near a logit of 100 is
+already 0.06; an --atol given on the command line is absolute. --layerwise also compares every engine layer output
 that exists in the ONNX graph and names the first layer whose error leaves the
 tolerance: where accuracy is lost.
 """
@@ -99,6 +101,7 @@ class OutputResult:
     passed: bool
     atol: float
     rtol: float
+    atol_basis: str = ""  # how a range-relative default atol was reached, e.g. "1e-2 x max|ref| 109"
     shape: list | None = None
     engine_dtype: str | None = None
     reference_dtype: str | None = None
@@ -133,8 +136,12 @@ def _as_f64(x) -> np.ndarray:
     return x.astype(np.float64)
 
 
-def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol: float) -> OutputResult:
-    """Error statistics of engine outputs against reference outputs (one array per sample)."""
+def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol: float,
+                   of_range: bool = False) -> OutputResult:
+    """Error statistics of engine outputs against reference outputs (one array per sample).
+
+    of_range: atol is relative to the reference's range (scaled by max(1, max |ref|)).
+    """
     res = OutputResult(name=name, passed=False, atol=atol, rtol=rtol)
     refs, outs, sample_shapes = [], [], []
     for i, (r, o) in enumerate(zip(ref_list, out_list)):
@@ -164,6 +171,9 @@ def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol:
         res.engine_stats = {"mean": float(o.mean()), "std": float(o.std()), "min": float(o.min()), "max": float(o.max())}
     absdiff = np.abs(o - r)
     mag = np.abs(r)
+    if of_range and mag.size and mag.max() > 1:
+        res.atol_basis = f"{atol:g} x max|ref| {mag.max():.4g}"
+        atol = res.atol = atol * float(mag.max())
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(mag > 0, absdiff / np.where(mag > 0, mag, 1), 0.0)
     zero_ref = mag == 0
@@ -252,15 +262,15 @@ class CompareResult:
 
 
 def tolerances_for(engine, names: list[str], atol=None, rtol=None, per_atol=None, per_rtol=None) -> dict:
-    """{output: (atol, rtol)} from the precision defaults, a global override and per-output overrides."""
+    """{output: (atol, rtol, atol relative to range)} from the precision defaults and the overrides."""
     da, dr = default_tolerances(engine)
     per_atol, per_rtol = per_atol or {}, per_rtol or {}
     for flag, per in (("--atol", per_atol), ("--rtol", per_rtol)):
         unknown = [k for k in per if k not in names]
         if unknown:
             raise ConfigError(f"{flag}: {unknown} are not outputs of the engine; its outputs are {names}.")
-    return {n: (per_atol.get(n, da if atol is None else atol), per_rtol.get(n, dr if rtol is None else rtol))
-            for n in names}
+    return {n: (per_atol.get(n, da if atol is None else atol), per_rtol.get(n, dr if rtol is None else rtol),
+                atol is None and n not in per_atol) for n in names}
 
 
 def compare(reference, engine, samples: list[dict] | None = None, *, seed: int = 0, profile: int = 0,
@@ -322,6 +332,7 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
     default = default_tolerances(engine)
     a0 = min((t[0] for t in tol.values()), default=default[0])
     r0 = min((t[1] for t in tol.values()), default=default[1])
+    scaled = all(t[2] for t in tol.values())  # intermediate tensors: range-relative unless --atol was given
     wanted = set(extra) | set(tol)
     ref_vals = ref.run(feeds, [o.name for o in ref.outputs] + extra) if wanted else {}
     captured: dict[str, tuple] = {}
@@ -346,8 +357,8 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
             continue
         for o in outs:
             n, t = captured[o]
-            a, r = tol.get(o, (a0, r0))
-            cmp = compare_arrays(o, [ref_vals[o]], [t], a, r)
+            a, r, of_range = tol.get(o, (a0, r0, scaled))
+            cmp = compare_arrays(o, [ref_vals[o]], [t], a, r, of_range)
             lr = LayerResult(index=idx[id(n)], layer=layer_name(n), op_type=n.op_type, precision=n.precision,
                              tensor=o, passed=cmp.passed, max_abs=cmp.abs_err.get("max", math.nan),
                              max_rel=cmp.rel_err.get("max", math.nan), mismatches=cmp.mismatches,
@@ -383,7 +394,9 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
     for o in result.outputs:
         con.print(f"[I] Comparing output '{o.name}' (engine {o.engine_dtype} {common.fmt_shape(o.shape or [])}, "
                   f"reference {o.reference_dtype})")
-        con.print(f"[I]     Tolerance: atol={o.atol:g}, rtol={o.rtol:g} (pass when |engine - ref| <= atol + rtol*|ref|)")
+        basis = f" = {o.atol_basis}" if o.atol_basis else ""
+        con.print(f"[I]     Tolerance: atol={o.atol:g}{basis}, rtol={o.rtol:g} "
+                  "(pass when |engine - ref| <= atol + rtol*|ref|)")
         if o.reason.startswith("shape differs"):
             con.print(f"[E]     FAILED | Output: '{o.name}' | {o.reason}")
             continue
@@ -452,7 +465,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="", metavar="SPEC", help="random input shapes, x:4x3x224x224,...")
     p.add_argument("--profile", type=int, default=0, help="optimization profile to run with")
     p.add_argument("--atol", action="append", metavar="[OUT:]TOL", help="absolute tolerance; repeat or use "
-                   "OUT:TOL for one output (default by precision: fp32 1e-5, fp16 1e-2, bf16 3e-2, int8 1e-1)")
+                   "OUT:TOL for one output (default by precision: fp32 1e-5, fp16 1e-2, bf16 3e-2, int8 1e-1, "
+                   "times max(1, max|ref|) of each tensor)")
     p.add_argument("--rtol", action="append", metavar="[OUT:]TOL", help="relative tolerance (same forms)")
     p.add_argument("--layerwise", action="store_true", help="also compare every layer output that exists in the "
                    "ONNX graph; report the first one out of tolerance")
