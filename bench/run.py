@@ -165,7 +165,7 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             os.remove(cache)
         quant = {}
         if prec in ("int8", "fp8"):  # speed only: calibrated on random inputs, FP16 elsewhere
-            calib = [{k: v.numpy() for k, v in make_inputs(8, g).items()} for _ in range(16)]
+            calib = [{k: v.numpy() for k, v in make_inputs(lo, g).items()} for _ in range(max(1, 128 // lo))]
             quant = {prec: True, "calib": calib}
         cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False, timing_cache=cache,
                                fp16=prec in ("fp16", "int8", "fp8"), bf16=prec == "bf16", tf32=prec == "tf32", **quant)

@@ -29,7 +29,23 @@ def _median(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def _synchronizes(fn) -> bool:
+    """Whether fn makes a synchronizing CUDA call (.item(), a blocking copy): such a call would abort a
+    capture, and an aborted capture leaves torch's CUDA random generator unusable for the process."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 def _capture(fn) -> torch.cuda.CUDAGraph | None:
+    if _synchronizes(fn):
+        return None
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
