@@ -88,7 +88,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
             a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
             b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
                         mask=(kk < KTOT)[:, None], other=0.0)
-            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC)
+            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)
     else:
         c_blocks = tl.cdiv(C, BLOCK_K)
         for it in range(0, KTOT // C * c_blocks):  # (kh, kw, channel block), channel block fastest
@@ -104,7 +104,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
                         mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
             b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
                         mask=c_ok[:, None], other=0.0)
-            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC)
+            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     acc = dequantize(acc, xs_ptr, ws_ptr, oc, stride_ws, QUANT)
     if HAS_BIAS:
