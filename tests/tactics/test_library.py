@@ -18,3 +18,18 @@ def test_storage_order_leaves_other_layouts_alone():
     assert storage_order(x)[1] is None  # already contiguous
     assert storage_order(x.transpose(1, 2))[1] is None  # the GEMM axis itself moved
     assert storage_order(x[:, ::2])[1] is None  # strided, not a permutation
+
+
+def test_patchify_gemm_is_the_strided_convolution():
+    from kiln.ir.graph import Node
+    from kiln.tactics.library import patchify_gemm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 35, 33, generator=g)  # 35x33: the last partial patch row/column is dropped
+    w = torch.randn(8, 3, 4, 4, generator=g)
+    b = torch.randn(8, generator=g)
+    node = Node("Conv", ["x", "w", "b"], ["y"], {"strides": [4, 4], "kernel_shape": [4, 4]})
+    want = torch.nn.functional.conv2d(x, w, b, stride=4)
+    torch.testing.assert_close(patchify_gemm(node, x, w, b), want, atol=1e-4, rtol=1e-4)
+    cl = w.contiguous(memory_format=torch.channels_last)  # as the engine stores conv weights on a GPU
+    torch.testing.assert_close(patchify_gemm(node, x, cl, b), want, atol=1e-4, rtol=1e-4)
