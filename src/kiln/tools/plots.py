@@ -106,7 +106,7 @@ def hbars(items: list[tuple[str, float]], title: str, unit: str = "", width: int
     row = 20
     top, bottom = 28, 12
     height = top + bottom + row * max(len(items), 1)
-    pw = width - label_width - 90
+    pw = width - label_width - 110  # room for the value and share after the longest bar
     body = [f'<text x="8" y="16" fill="{_TEXT}" style="font-weight:600">{escape(title)}</text>']
     if not items:
         body.append(f'<text x="8" y="{top + 14}" fill="{_TEXT}">no data</text>')
@@ -115,7 +115,7 @@ def hbars(items: list[tuple[str, float]], title: str, unit: str = "", width: int
     total = sum(v for _, v in items) or 1.0
     for i, (label, v) in enumerate(items):
         y = top + i * row
-        short = label if len(label) <= 38 else label[:36] + "…"
+        short = label if len(label) <= 32 else label[:30] + "…"  # ~7 px a character: fits label_width
         w = max(v / vmax * pw, 1)
         body.append(f'<text x="{label_width - 6}" y="{y + 14}" text-anchor="end" fill="{_TEXT}">'
                     f'<title>{escape(label)}</title>{escape(short)}</text>')

@@ -593,7 +593,7 @@ def _accuracy_html(rep: Report) -> str:
                    "|engine &minus; ref| &le; atol + rtol&middot;|ref|.</p>")
         rows = []
         for o in cmp.outputs:
-            rows.append([_Raw(_badge("pass" if o.passed else "fail")), o.name, f"{o.atol:g} / {o.rtol:g}",
+            rows.append([_Raw(_badge("pass" if o.passed else "fail")), o.name, _tolerance(o),
                          _g(o.abs_err.get("max")), _g(o.abs_err.get("median")), _g(o.abs_err.get("p99")),
                          _g(o.rel_err.get("max")), f"{o.engine_nan}/{o.engine_inf}", _g(o.min_atol),
                          o.reason or "within tolerance"])
@@ -630,6 +630,12 @@ def _accuracy_html(rep: Report) -> str:
         out.append("<p>No --data given: no held-out task metric.</p>")
     out.append(f"<p>Calibration: {escape(rep.calibration)}.</p>")
     return "".join(out)
+
+
+def _tolerance(o) -> str:
+    """atol / rtol of one output, with how a range-relative default atol was reached."""
+    basis = f" ({o.atol_basis})" if o.atol_basis else ""
+    return f"{o.atol:.3g}{basis} / {o.rtol:g}"
 
 
 def _g(x) -> str:
@@ -701,7 +707,7 @@ def render_markdown(rep: Report) -> str:
         L += [f"Reference: {cmp.reference}; {cmp.samples} input sample(s).", ""]
         L += _md_table(["", "Output", "atol / rtol", "max abs", "median abs", "p99 abs", "max rel", "NaN/Inf",
                         "min atol to pass", "Result"],
-                       [[f"**{'PASS' if o.passed else 'FAIL'}**", o.name, f"{o.atol:g} / {o.rtol:g}",
+                       [[f"**{'PASS' if o.passed else 'FAIL'}**", o.name, _tolerance(o),
                          _g(o.abs_err.get("max")), _g(o.abs_err.get("median")), _g(o.abs_err.get("p99")),
                          _g(o.rel_err.get("max")), f"{o.engine_nan}/{o.engine_inf}", _g(o.min_atol),
                          o.reason or "within tolerance"] for o in cmp.outputs])
