@@ -37,10 +37,12 @@ def test_softmax_read_elsewhere_is_reported():
     assert after.findings[0]["pattern"] == "attention"
 
 
-def _kt_chain(rank_merge_shape="shape"):
-    """torch's exporter's K^T for 4-D K: Reshape(K, [-1, S, D]) -> Transpose -> Reshape(K.shape[:-2] + [D, S])."""
+def _attention_through_kt_chain(shape, swap_last_two=True):
+    """Attention whose K^T is torch's exporter's chain for 4-D K: Reshape(K, [-1, S, D]) -> Transpose ->
+    Reshape(K.shape[:-2] + [D, S]); with swap_last_two=False the last Reshape asks for [S, D] instead."""
     i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
-    nodes = [
+    split = ["lead", "d", "s"] if swap_last_two else ["lead", "s", "d"]
+    m = model([
         helper.make_node("Shape", ["k"], ["shp"]),
         helper.make_node("Slice", ["shp", "m1", "big"], ["d"]),  # [D]
         helper.make_node("Slice", ["shp", "m2", "m1"], ["s"]),  # [S]
@@ -48,35 +50,25 @@ def _kt_chain(rank_merge_shape="shape"):
         helper.make_node("Concat", ["m1", "s", "d"], ["merged"], axis=0),
         helper.make_node("Reshape", ["k", "merged"], ["k3"]),
         helper.make_node("Transpose", ["k3"], ["k3t"], perm=[0, 2, 1]),
-        helper.make_node("Concat", ["lead", rank_merge_shape == "shape" and "d" or "s", "s"], ["split"], axis=0),
+        helper.make_node("Concat", split, ["split"], axis=0),
         helper.make_node("Reshape", ["k3t", "split"], ["kt"]),
-    ]
-    inits = {"m1": i64(-1), "m2": i64(-2), "big": i64(2**63 - 1), "small": i64(-2**63)}
-    return nodes, inits
-
-
-def test_exported_k_transpose_chain_is_read_through():
-    chain, inits = _kt_chain()
-    m = model(chain + [
         helper.make_node("MatMul", ["q", "kt"], ["scores"]),
         helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
         helper.make_node("MatMul", ["p", "v"], ["y"]),
-    ], [("q", [2, 3, 5, 4]), ("k", [2, 3, 5, 4]), ("v", [2, 3, 5, 4])], [("y", [2, 3, 5, 4])], inits)
-    feeds = {"q": rand(2, 3, 5, 4), "k": rand(2, 3, 5, 4, seed=1), "v": rand(2, 3, 5, 4, seed=2)}
+    ], [("q", shape), ("k", shape), ("v", shape)], [("y", shape)],
+        {"m1": i64(-1), "m2": i64(-2), "big": i64(2**63 - 1), "small": i64(-2**63)})
+    feeds = {"q": rand(*shape), "k": rand(*shape, seed=1), "v": rand(*shape, seed=2)}
     _, after = check_pass(fuse_attention, m, feeds)
-    attn = next(n for n in after.nodes if n.op_type == "Attention")
+    return after, next(n for n in after.nodes if n.op_type == "Attention")
+
+
+def test_exported_k_transpose_chain_is_read_through():
+    after, attn = _attention_through_kt_chain([2, 3, 5, 4])
     assert attn.inputs[1] == "k" and attn.attrs["k_transposed"] == 0
     assert not {"Reshape", "Transpose"} & set(ops(after))  # the copies are gone; Shape arithmetic is dead code
 
 
 def test_a_reshape_that_is_not_k_transpose_is_kept():
-    chain, inits = _kt_chain(rank_merge_shape="wrong")  # splits back to [B, H, S, S]-like shape: not K^T
-    m = model(chain + [
-        helper.make_node("MatMul", ["q", "kt"], ["scores"]),
-        helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
-        helper.make_node("MatMul", ["p", "v"], ["y"]),
-    ], [("q", [2, 3, 4, 4]), ("k", [2, 3, 4, 4]), ("v", [2, 3, 4, 4])], [("y", [2, 3, 4, 4])], inits)
-    feeds = {"q": rand(2, 3, 4, 4), "k": rand(2, 3, 4, 4, seed=1), "v": rand(2, 3, 4, 4, seed=2)}
-    _, after = check_pass(fuse_attention, m, feeds)
-    attn = next(n for n in after.nodes if n.op_type == "Attention")
+    # With S == D the wrong Reshape even computes the same numbers; the shapes, not the values, decide.
+    _, attn = _attention_through_kt_chain([2, 3, 4, 4], swap_last_two=False)
     assert attn.inputs[1] == "kt" and attn.attrs["k_transposed"] == 1
