@@ -121,7 +121,8 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K,
             k_left = K - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)  # masked-off K: quantized 0s
+        # out_dtype names the accumulator (int32 for int8): Triton 3.6 does not infer it. Masked-off K: quantized 0s.
+        acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 

@@ -1,4 +1,7 @@
-"""Reshape([S, -1, D]) -> Transpose([1, 0, 2]) -> Reshape([-1, H, S, D]) -> Reshape([S, -1, H, D]) -> Transpose([1, 2, 0, 3]).
+"""Sequence-first head split as a view.
+
+Reshape([S, -1, D]) -> Transpose([1, 0, 2]) -> Reshape([-1, H, S, D]) becomes
+Reshape([S, -1, H, D]) -> Transpose([1, 2, 0, 3]).
 
 nn.MultiheadAttention (ViT) splits heads of a sequence-first [S, B, E] tensor by merging
 batch and heads into one axis and splitting them again. When the input is a strided view
