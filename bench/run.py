@@ -101,6 +101,18 @@ def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
             for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
+def tactic_summary(engine) -> dict:
+    """What the builder chose per op type, and why candidates were excluded (for the next diagnosis)."""
+    from collections import Counter
+
+    chosen, excluded = Counter(), Counter()
+    for rep in engine.tactics:
+        chosen[f"{rep['op']}:{rep.get('chosen')}"] += 1
+        for name, why in rep.get("excluded", {}).items():
+            excluded[f"{rep['op']}:{name.split('_')[0]}: {why[:70]}"] += 1
+    return {"chosen": dict(chosen.most_common()), "excluded": dict(excluded.most_common(12))}
+
+
 def count_flops(model, inputs: dict) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -223,6 +235,7 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             r["arena_bytes"] = engine.arena_bytes
             r["fused_layers"] = sum(n.domain == "kiln" for n in engine.graph.nodes)
             r["layers"] = len(engine.graph.nodes)
+            r["tactics"] = tactic_summary(engine)
             row["results"][f"kiln_{prec}"] = r
             if prec == "fp16":
                 r["layer_profile"] = layer_profile(engine, sets32[0])
