@@ -255,15 +255,22 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None):
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
 
 
-# --- QGemm / QConv in the activations' float type (any shape) ------------------------------------
+# --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
 # The same quantized math (quantized activation, quantized weight, both scaled back) computed by a
-# float GEMM/convolution: exact for int8 values in FP16, and the fallback wherever the integer and FP8
-# kernels do not apply (M <= 16, convolutions). The reference sums in float64, which is slow on a GPU.
+# 16-bit GEMM/convolution: int8 values are exact in FP16, and this is the fallback wherever the integer
+# and FP8 kernels do not apply. The reference sums in float64, which is slow on a GPU.
+def _dequantized_dtype(x: torch.Tensor) -> torch.dtype:
+    """The float type of the fallback: x's if 16-bit, else FP16 on a GPU. An FP32 input (a network's first
+    layer reads the FP32 graph input) would otherwise run an FP32 convolution; FP16's rounding of
+    q * scale (2^-11 relative) is far below the 8-bit quantization step, and sums stay FP32."""
+    return x.dtype if x.dtype in _LOW else torch.float16 if x.is_cuda else torch.float32
+
+
 @tactic("QGemm", "dequantized_gemm", lambda n, a: a[0].is_cuda)
 def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
     from ..ops.fused import quantize
 
-    dt = x.dtype if x.dtype in _LOW else torch.float32
+    dt = _dequantized_dtype(x)
     xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
     y = torch.matmul(xd, w_q.to(dt) * w_scale.to(dt))
     if b is not None:
@@ -276,7 +283,7 @@ def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None):
     from ..ops.fused import quantize
     from ..ops.registry import lookup
 
-    dt = x.dtype if x.dtype in _LOW else torch.float32
+    dt = _dequantized_dtype(x)
     xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
     wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
     y = lookup("Conv").impl(node, xd, wd, b.to(dt) if b is not None else None)
