@@ -33,3 +33,16 @@ def test_patchify_gemm_is_the_strided_convolution():
     torch.testing.assert_close(patchify_gemm(node, x, w, b), want, atol=1e-4, rtol=1e-4)
     cl = w.contiguous(memory_format=torch.channels_last)  # as the engine stores conv weights on a GPU
     torch.testing.assert_close(patchify_gemm(node, x, cl, b), want, atol=1e-4, rtol=1e-4)
+
+
+def test_fake_quantize_fallback_equals_quantize_then_scale():
+    from kiln.ir.graph import Node
+    from kiln.ops.fused import quantize_int8
+    from kiln.tactics.library import _fake_quantized
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3
+    x[:4] = torch.tensor([0.05, 0.15, -0.25, 20.0])  # near rounding ties, and one value that saturates
+    scale = torch.tensor(0.1)
+    node = Node("QGemm", [], [], {"qtype": "int8"}, domain="kiln")
+    want = quantize_int8(x, scale).float() * scale
+    torch.testing.assert_close(_fake_quantized(node, x, scale, torch.float32), want, rtol=0, atol=0)

@@ -266,12 +266,25 @@ def _dequantized_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in _LOW else torch.float16 if x.is_cuda else torch.float32
 
 
-@tactic("QGemm", "dequantized_gemm", lambda n, a: a[0].is_cuda)
-def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
+def _fake_quantized(node, x, x_scale, dt):
+    """x quantized and scaled back, in dt. INT8 in one kernel (torch's fake-quantize: round half to even,
+    saturate), instead of the divide, round, clamp, cast and multiply kernels, one pass over the
+    activation each; FP8 through those steps."""
     from ..ops.fused import quantize
 
+    if node.attr("qtype", "int8") == "int8":
+        try:
+            zero = torch.zeros((), dtype=torch.int32, device=x.device)
+            return torch.fake_quantize_per_tensor_affine(x, x_scale.float().reshape(()), zero, -128, 127).to(dt)
+        except RuntimeError:  # an input type this torch build's kernel does not take
+            pass
+    return quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
+
+
+@tactic("QGemm", "dequantized_gemm", lambda n, a: a[0].is_cuda)
+def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
     dt = _dequantized_dtype(x)
-    xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
+    xd = _fake_quantized(node, x, x_scale, dt)
     y = torch.matmul(xd, w_q.to(dt) * w_scale.to(dt))
     if b is not None:
         y = y + b.to(dt)
@@ -280,11 +293,10 @@ def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
 
 @tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)
 def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None):
-    from ..ops.fused import quantize
     from ..ops.registry import lookup
 
     dt = _dequantized_dtype(x)
-    xd = quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
+    xd = _fake_quantized(node, x, x_scale, dt)
     wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
     y = lookup("Conv").impl(node, xd, wd, b.to(dt) if b is not None else None)
     if z is not None:  # the fused residual (ResNet's shortcut Add)
