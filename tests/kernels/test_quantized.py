@@ -194,3 +194,27 @@ def test_every_qgemm_tactic_matches_the_layer_reference():
         _scales(24, seed=17), _rand(24, seed=18)
     args = [x, w, sx, sw, b]
     _check_tactics(_tactics("QGemm", "triton_qgemm_"), node, args, qgemm(node, *args))
+
+
+# --- 8-bit activations between layers (kiln/engine/quantized_io.py) ---------------------------
+def test_gemm_reads_int8_activations_and_writes_the_next_layers_int8():
+    node = _qgemm_node("Relu")
+    node.attrs.update(x_quantized=1, float_type="float32")
+    x = torch.randint(-128, 128, (37, 70), generator=_gen(1), dtype=torch.int8).to(DEV)
+    w, sw, b = _weights(70, 45, seed=2), _scales(45, seed=3), _rand(45, seed=4)
+    sx, sy = torch.tensor(0.05, device=DEV), torch.tensor(0.5, device=DEV)
+    y = gemm.gemm(x, w, b, "Relu", config=SMALL, qtype="int8", x_scale=sx, w_scale=sw, y_scale=sy,
+                  out_dtype=torch.float32)
+    want = qgemm(node, x, w, sx, sw, b, sy)
+    assert y.dtype == torch.int8
+    assert (y.int() - want.int()).abs().max() <= 1  # one step at most, where x * (1/s) and x / s round apart
+
+
+def test_conv_reads_int8_activations_and_writes_float():
+    node = _qconv_node(3, pads=(1, 1, 1, 1), act="Relu")
+    node.attrs.update(x_quantized=1, float_type="float32")
+    x = torch.randint(-128, 128, (2, 5, 7, 6), generator=_gen(5), dtype=torch.int8).to(DEV)
+    w, sw, b = _weights(9, 5, 3, 3, seed=6), _scales(9, seed=7), _rand(9, seed=8)
+    sx = torch.tensor(0.05, device=DEV)
+    y = conv.conv2d(node, x, w, b, None, config=SMALL, x_scale=sx, w_scale=sw, out_dtype=torch.float32)
+    torch.testing.assert_close(y, qconv(node, x, w, sx, sw, b), rtol=1e-4, atol=1e-4)

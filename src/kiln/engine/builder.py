@@ -19,7 +19,7 @@ from ..errors import ConfigError, UnsupportedError
 from ..ir.from_onnx import model_to_graph
 from ..ir.graph import Graph
 from ..ops.registry import unsupported_reason
-from . import layout, placement, precision
+from . import layout, placement, precision, quantized_io
 from .config import BuildConfig, Profile, fmt_shape
 from .engine import Engine
 from .target import resolve, versions
@@ -176,6 +176,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         step("placement and precision")
         capturable = placement.assign(graph)
         precision.assign(graph, config.precision)
+        quantized_io.link(graph, config.precision)
         engine = Engine(
             graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
             capturable=capturable, versions=versions(),

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .gemm import (
     ACTIVATIONS,
+    QTYPES,
     TileConfig,
     _params,
     dequantize,
@@ -44,12 +45,12 @@ FLAT_BELOW_C = 32  # input channels below which K is walked flat
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr,
                  C, H, W, OC, OH, OW, M, KW, KTOT,
                  sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw, stride_ws,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                 QUANT: tl.constexpr, FLAT: tl.constexpr,
+                 QUANT: tl.constexpr, X_QUANTIZED: tl.constexpr, Y_QUANTIZED: tl.constexpr, FLAT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -88,7 +89,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
             a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
             b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
                         mask=(kk < KTOT)[:, None], other=0.0)
-            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)
+            acc = tl.dot(quantize(a, xs_ptr, QUANT, X_QUANTIZED), b, acc, input_precision=PREC, out_dtype=acc.dtype)
     else:
         c_blocks = tl.cdiv(C, BLOCK_K)
         for it in range(0, KTOT // C * c_blocks):  # (kh, kw, channel block), channel block fastest
@@ -104,7 +105,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
                         mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
             b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
                         mask=c_ok[:, None], other=0.0)
-            acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)
+            acc = tl.dot(quantize(a, xs_ptr, QUANT, X_QUANTIZED), b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     acc = dequantize(acc, xs_ptr, ws_ptr, oc, stride_ws, QUANT)
     if HAS_BIAS:
@@ -115,6 +116,8 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr,
     acc = epilogue(acc, ACT, p0, p1)
     # channels-last output: [N, OH, OW, OC] row-major, i.e. pixel-major with OC contiguous
     y_ptrs = y_ptr + rm[:, None] * OC + rn[None, :]
+    if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
+        acc = quantize(acc, ys_ptr, QUANT)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < OC))
 
 
@@ -202,17 +205,22 @@ def block_k_for(config: TileConfig, channels: int) -> tuple[int, bool]:
 
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
            config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None,
-           x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+           x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+           y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """act(conv2d(x, w) + b + z) with the node's ONNX attributes; channels-last output of x's dtype.
 
-    A QConv node (attribute qtype): act(x_scale * w_scale * conv2d(q(x), w) + b + z), w its quantized weights.
+    A QConv node (attribute qtype): act(x_scale * w_scale * conv2d(q(x), w) + b + z), w its quantized weights;
+    x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
+    with y_scale.
     `out`, if given, is the [N, OH, OW, OC] contiguous buffer to write into.
     """
     strides, dilations, pads, (OH, OW) = geometry(node, x, w)
     N, C, H, W = x.shape
     OC, _, KH, KW = w.shape
     M = N * OH * OW
-    y = out if out is not None else torch.empty((N, OH, OW, OC), dtype=x.dtype, device=x.device)
+    qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
+    y_dtype = QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype
+    y = out if out is not None else torch.empty((N, OH, OW, OC), dtype=y_dtype, device=x.device)
     act = node.attr("activation", "")
     p0, p1 = _params(act, node.attr("activation_params", []))
     if b is not None:
@@ -223,17 +231,16 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     if z is not None:
         z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
         zs = z.stride()
-    qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
     xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
     block_k, flat = block_k_for(config, C)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)
     _conv_kernel[grid](
-        x, w, b if b is not None else w, z if z is not None else w, y, xs, ws,
+        x, w, b if b is not None else w, z if z is not None else w, y, xs, ws, y_scale if y_scale is not None else xs,
         C, H, W, OC, OH, OW, M, KW, KH * KW * C,
         *x.stride(), *w.stride(), *zs, stride_ws,
         strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision, qtype),
-        QUANT=qtype, FLAT=flat, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        QUANT=qtype, X_QUANTIZED=bool(qtype) and x.dtype == QTYPES[qtype], Y_QUANTIZED=y_scale is not None, FLAT=flat, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.permute(0, 3, 1, 2)

@@ -58,10 +58,10 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
 
 
 @triton.jit
-def quantize(a, xs_ptr, QUANT: tl.constexpr):
-    """The dot's left operand: a float activation tile quantized in registers with the per-tensor
-    scale *xs_ptr (QUANT "int8" / "fp8", as kiln.ops.fused.quantize does), or `a` as is (QUANT "")."""
-    if QUANT != "":
+def quantize(a, xs_ptr, QUANT: tl.constexpr, DONE: tl.constexpr = False):
+    """A float tile quantized in registers with the per-tensor scale *xs_ptr (QUANT "int8" / "fp8", as
+    kiln.ops.fused.quantize does), or `a` as is (QUANT "", or DONE: x arrived as 8-bit values)."""
+    if QUANT != "" and not DONE:
         # x * (1/sx) rather than x / sx: a division per element would dominate this ALU-bound prologue. It can
         # differ from the reference's quotient by an ulp, moving a value within an ulp of a rounding tie by
         # one quantization step (never when sx is a power of two).
@@ -88,10 +88,10 @@ def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wk, stride_wn, stride_ym, stride_yn, stride_ws, p0, p1,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                 QUANT: tl.constexpr,
+                 QUANT: tl.constexpr, X_QUANTIZED: tl.constexpr, Y_QUANTIZED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -122,7 +122,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K,
             a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
         # out_dtype names the accumulator (int32 for int8): Triton 3.6 does not infer it. Masked-off K: quantized 0s.
-        acc = tl.dot(quantize(a, xs_ptr, QUANT), b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        acc = tl.dot(quantize(a, xs_ptr, QUANT, X_QUANTIZED), b, acc, input_precision=PREC, out_dtype=acc.dtype)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -131,6 +131,8 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K,
         acc += tl.load(b_ptr + rbn).to(tl.float32)[None, :]
     acc = epilogue(acc, ACT, p0, p1)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
+        acc = quantize(acc, ys_ptr, QUANT)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -197,8 +199,11 @@ def dot_precision(dtype: torch.dtype, precision: str, qtype: str = "") -> str:
 
 
 def operand_dtypes_ok(x: torch.Tensor, w: torch.Tensor, qtype: str = "") -> bool:
-    """FP16/BF16/FP32 x; w of x's dtype, or (qtype "int8" / "fp8") int8 / FP8 E4M3 weights."""
-    return x.dtype in DTYPES and w.dtype == (QTYPES.get(qtype) if qtype else x.dtype)
+    """FP16/BF16/FP32 x; w of x's dtype, or (qtype "int8" / "fp8") int8 / FP8 E4M3 weights, with x
+    float or already quantized to the same type."""
+    if qtype:
+        return x.dtype in (*DTYPES, QTYPES.get(qtype)) and w.dtype == QTYPES.get(qtype)
+    return x.dtype in DTYPES and w.dtype == x.dtype
 
 
 def scales_ok(x_scale, w_scale, n: int, device: torch.device) -> bool:
@@ -218,16 +223,20 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
 
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
          config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None,
-         qtype: str = "", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None):
+         qtype: str = "", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+         y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """act(x @ w + b) for x [.., K], w [K, N]; returns [.., N] in x's dtype (written into `out` if given).
 
-    qtype "int8" / "fp8": a QGemm, act(x_scale * w_scale * (q(x) @ w) + b) with w the quantized weights.
+    qtype "int8" / "fp8": a QGemm, act(x_scale * w_scale * (q(x) @ w) + b) with w the quantized weights;
+    x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
+    with y_scale.
     """
     lead = x.shape[:-1]
     K, N = w.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y_dtype = QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype
+    y = out if out is not None else torch.empty((M, N), dtype=y_dtype, device=x.device)
     y2 = y.view(M, N)
     p0, p1 = _params(act, params)
     bias = b.reshape(-1) if b is not None else None
@@ -236,10 +245,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     xs, ws, stride_ws = quant_args(x2, qtype, x_scale, w_scale)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
-        x2, w, bias if bias is not None else x2, y2, xs, ws, M, N, K,
+        x2, w, bias if bias is not None else x2, y2, xs, ws, y_scale if y_scale is not None else xs, M, N, K,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
         HAS_BIAS=bias is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
-        EVEN_K=K % config.block_k == 0, QUANT=qtype, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        EVEN_K=K % config.block_k == 0, QUANT=qtype, X_QUANTIZED=bool(qtype) and x.dtype == QTYPES[qtype],
+        Y_QUANTIZED=y_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y2.view(*lead, N)

@@ -119,7 +119,10 @@ def elementwise(node, *inputs):
 # --- INT8 / FP8 layers from explicit quantization (Q/DQ) ---------------------------
 # y = act(sx * sw * (q(x) @ w_q) + b): the activation is quantized with the model's own
 # scale (round half to even, saturate), weights are int8 with per-channel scales or FP8
-# E4M3 with one scale (attribute qtype).
+# E4M3 with one scale (attribute qtype). Between two quantized layers the activation can
+# travel as 8-bit values (kiln/engine/quantized_io.py): the producer quantizes its output
+# with the reader's scale (input y_scale) and the reader (attribute x_quantized) takes x as
+# is, producing the float type in attribute float_type.
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x.float() / scale.float()), -128, 127).to(torch.int8)
 
@@ -133,28 +136,47 @@ def quantize(node, x, scale):
     return quantize_fp8(x, scale) if node.attr("qtype", "int8") == "fp8" else quantize_int8(x, scale)
 
 
+def quantized_input(node, x, x_scale):
+    """x as 8-bit values: quantized here, or already quantized by the layer before (x_quantized)."""
+    return x if node.attr("x_quantized", 0) else quantize(node, x, x_scale)
+
+
+def float_type(node, x) -> torch.dtype:
+    """The float type a quantized layer computes its epilogue in and returns (unless it re-quantizes)."""
+    from ..ir.dtypes import from_name
+
+    return from_name(node.attr("float_type", "float32")) if node.attr("x_quantized", 0) else x.dtype
+
+
+def quantized_output(node, y, y_scale):
+    """y re-quantized with the next layer's scale when it travels as 8-bit values, else y."""
+    return quantize(node, y, y_scale) if y_scale is not None else y
+
+
 @register("QGemm", domain=KILN, keeps_input_types=True)
-def qgemm(node, x, w_q, x_scale, w_scale, b=None):
-    xq = quantize(node, x, x_scale)
-    acc = torch.matmul(xq.double(), w_q.double())  # exact: int8/fp8 products summed in float64
-    y = (acc * (x_scale.double() * w_scale.double())).to(x.dtype)
+def qgemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+    ft = float_type(node, x)
+    acc = torch.matmul(quantized_input(node, x, x_scale).double(), w_q.double())  # exact: 8-bit products in float64
+    y = (acc * (x_scale.double() * w_scale.double())).to(ft)
     if b is not None:
-        y = y + b.to(x.dtype)
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+        y = y + b.to(ft)
+    return quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])),
+                            y_scale)
 
 
 @register("QConv", domain=KILN, keeps_input_types=True)
-def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None):
+def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
     """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional float residual (ResNet's shortcut Add)."""
-    xq = quantize(node, x, x_scale)
-    acc = lookup("Conv").impl(node, xq.double(), w_q.double())  # exact in float64
+    ft = float_type(node, x)
+    acc = lookup("Conv").impl(node, quantized_input(node, x, x_scale).double(), w_q.double())  # exact in float64
     scale = (x_scale.double() * w_scale.double()).reshape(1, -1, *([1] * (acc.dim() - 2)))
-    y = (acc * scale).to(x.dtype)
+    y = (acc * scale).to(ft)
     if b is not None:
-        y = y + b.to(x.dtype).reshape(1, -1, *([1] * (acc.dim() - 2)))
+        y = y + b.to(ft).reshape(1, -1, *([1] * (acc.dim() - 2)))
     if z is not None:
-        y = y + z.to(x.dtype)
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+        y = y + z.to(ft)
+    return quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])),
+                            y_scale)
 
 
 @register("Int4Gemm", domain=KILN, keeps_input_types=True)

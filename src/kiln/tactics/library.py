@@ -221,16 +221,16 @@ def _int_mm_ok(node, args):
 
 
 @tactic("QGemm", "cublaslt_int8", _int_mm_ok)
-def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None):
-    from ..ops.fused import quantize_int8
+def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+    from ..ops.fused import float_type, quantized_input, quantized_output
 
-    xq = quantize_int8(x.reshape(-1, x.shape[-1]), x_scale)
-    acc = torch._int_mm(xq, w_q)
-    y = (acc.float() * (x_scale.float() * w_scale.float())).to(x.dtype)
+    ft = float_type(node, x)
+    acc = torch._int_mm(quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale), w_q)
+    y = (acc.float() * (x_scale.float() * w_scale.float())).to(ft)
     if b is not None:
-        y = y + b.to(x.dtype)
-    y = y.reshape(*x.shape[:-1], w_q.shape[1])
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+        y = y + b.to(ft)
+    y = activation(node.attr("activation", ""), y.reshape(*x.shape[:-1], w_q.shape[1]), node.attr("activation_params", []))
+    return quantized_output(node, y, y_scale)
 
 
 def _scaled_mm_ok(node, args):
@@ -241,37 +241,43 @@ def _scaled_mm_ok(node, args):
 
 
 @tactic("QGemm", "cublaslt_fp8", _scaled_mm_ok)
-def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None):
-    from ..ops.fused import quantize_fp8
+def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+    from ..ops.fused import float_type, quantized_input, quantized_output
 
-    out_dtype = x.dtype if x.dtype in _LOW else torch.float32
-    xq = quantize_fp8(x.reshape(-1, x.shape[-1]), x_scale)
+    ft = float_type(node, x)
+    out_dtype = ft if ft in _LOW else torch.float32
+    xq = quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale)
+    bias = b.to(out_dtype) if b is not None and out_dtype != torch.float32 else None  # FP32 output takes no bias
     y = torch._scaled_mm(xq, w_q.t().contiguous().t(), scale_a=x_scale.float().reshape(()),
-                         scale_b=w_scale.float().reshape(()), bias=b.to(out_dtype) if b is not None and out_dtype != torch.float32 else None,
-                         out_dtype=out_dtype)
-    if b is not None and out_dtype == torch.float32:
+                         scale_b=w_scale.float().reshape(()), bias=bias, out_dtype=out_dtype)
+    if b is not None and bias is None:
         y = y + b
-    y = y.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[1])
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+    y = y.to(ft).reshape(*x.shape[:-1], w_q.shape[1])
+    return quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])), y_scale)
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
 # The same quantized math (quantized activation, quantized weight, both scaled back) computed by a
 # 16-bit GEMM/convolution: int8 values are exact in FP16, and this is the fallback wherever the integer
 # and FP8 kernels do not apply. The reference sums in float64, which is slow on a GPU.
-def _dequantized_dtype(x: torch.Tensor) -> torch.dtype:
-    """The float type of the fallback: x's if 16-bit, else FP16 on a GPU. An FP32 input (a network's first
-    layer reads the FP32 graph input) would otherwise run an FP32 convolution; FP16's rounding of
+def _dequantized_dtype(node, x: torch.Tensor) -> torch.dtype:
+    """The float type of the fallback: the layer's if 16-bit, else FP16 on a GPU. An FP32 input (a network's
+    first layer reads the FP32 graph input) would otherwise run an FP32 convolution; FP16's rounding of
     q * scale (2^-11 relative) is far below the 8-bit quantization step, and sums stay FP32."""
-    return x.dtype if x.dtype in _LOW else torch.float16 if x.is_cuda else torch.float32
+    from ..ops.fused import float_type
+
+    ft = float_type(node, x)
+    return ft if ft in _LOW else torch.float16 if x.is_cuda else torch.float32
 
 
 def _fake_quantized(node, x, x_scale, dt):
-    """x quantized and scaled back, in dt. INT8 in one kernel (torch's fake-quantize: round half to even,
+    """x quantized (here or by the layer before) and scaled back, in dt. INT8 in one kernel (torch's fake-quantize: round half to even,
     saturate), instead of the divide, round, clamp, cast and multiply kernels, one pass over the
     activation each; FP8 through those steps."""
     from ..ops.fused import quantize
 
+    if node.attr("x_quantized", 0):  # the layer before quantized it already
+        return x.to(dt) * x_scale.to(dt)
     if node.attr("qtype", "int8") == "int8":
         try:
             zero = torch.zeros((), dtype=torch.int32, device=x.device)
@@ -282,23 +288,26 @@ def _fake_quantized(node, x, x_scale, dt):
 
 
 @tactic("QGemm", "dequantized_gemm", lambda n, a: a[0].is_cuda)
-def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None):
-    dt = _dequantized_dtype(x)
-    xd = _fake_quantized(node, x, x_scale, dt)
-    y = torch.matmul(xd, w_q.to(dt) * w_scale.to(dt))
+def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+    from ..ops.fused import float_type, quantized_output
+
+    dt = _dequantized_dtype(node, x)
+    y = torch.matmul(_fake_quantized(node, x, x_scale, dt), w_q.to(dt) * w_scale.to(dt))
     if b is not None:
         y = y + b.to(dt)
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(x.dtype)
+    y = activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(float_type(node, x))
+    return quantized_output(node, y, y_scale)
 
 
 @tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)
-def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None):
+def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
+    from ..ops.fused import float_type, quantized_output
     from ..ops.registry import lookup
 
-    dt = _dequantized_dtype(x)
-    xd = _fake_quantized(node, x, x_scale, dt)
+    dt = _dequantized_dtype(node, x)
     wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
-    y = lookup("Conv").impl(node, xd, wd, b.to(dt) if b is not None else None)
+    y = lookup("Conv").impl(node, _fake_quantized(node, x, x_scale, dt), wd, b.to(dt) if b is not None else None)
     if z is not None:  # the fused residual (ResNet's shortcut Add)
         y = y + z.to(dt)
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(x.dtype)
+    y = activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(float_type(node, x))
+    return quantized_output(node, y, y_scale)

@@ -97,11 +97,13 @@ def _gemm_run(config, quant: bool = False):
         return gemm.gemm(x, w, b, node.attr("activation", ""), node.attr("activation_params", []),
                          config=config, precision=node.precision)
 
-    def run_quant(node, x, w_q, x_scale, w_scale, b=None):
+    def run_quant(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
         from ..kernels import gemm
+        from ..ops.fused import float_type
 
         return gemm.gemm(x, w_q, b, node.attr("activation", ""), node.attr("activation_params", []), config=config,
-                         qtype=node.attr("qtype", "int8"), x_scale=x_scale, w_scale=w_scale)
+                         qtype=node.attr("qtype", "int8"), x_scale=x_scale, w_scale=w_scale, y_scale=y_scale,
+                         out_dtype=float_type(node, x))
 
     return run_quant if quant else run
 
@@ -129,10 +131,12 @@ def _conv_run(config, quant: bool = False):
 
         return conv.conv2d(node, x, w, b, z, config=config)
 
-    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None):
+    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
         from ..kernels import conv
+        from ..ops.fused import float_type
 
-        return conv.conv2d(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale)
+        return conv.conv2d(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale, y_scale=y_scale,
+                           out_dtype=float_type(node, x))
 
     return run_quant if quant else run
 

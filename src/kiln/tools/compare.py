@@ -358,7 +358,10 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
         for o in outs:
             n, t = captured[o]
             a, r, of_range = tol.get(o, (a0, r0, scaled))
-            cmp = compare_arrays(o, [ref_vals[o]], [t], a, r, of_range)
+            ref_o, scale = ref_vals[o], _y_scale(engine, n)
+            if scale is not None:  # 8-bit values handed to the next quantized layer: compare on that grid
+                ref_o, t = _on_the_8bit_grid(n, scale, ref_o), t.float() * scale
+            cmp = compare_arrays(o, [ref_o], [t], a, r, of_range)
             lr = LayerResult(index=idx[id(n)], layer=layer_name(n), op_type=n.op_type, precision=n.precision,
                              tensor=o, passed=cmp.passed, max_abs=cmp.abs_err.get("max", math.nan),
                              max_rel=cmp.rel_err.get("max", math.nan), mismatches=cmp.mismatches,
@@ -369,6 +372,23 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
             if not lr.passed and result.first_bad_layer is None:
                 result.first_bad_layer = lr
     result.layers_skipped = skipped
+
+
+def _y_scale(engine, node) -> torch.Tensor | None:
+    """The scale of a layer that writes 8-bit values for the quantized layer after it, or None."""
+    from ..engine.quantized_io import Y_SCALE_INPUT
+
+    at = Y_SCALE_INPUT.get(node.op_type) if node.domain == "kiln" else None
+    if at is None or len(node.inputs) <= at or not node.inputs[at]:
+        return None
+    return engine.graph.initializers[node.inputs[at]].float().cpu()
+
+
+def _on_the_8bit_grid(node, scale, ref) -> torch.Tensor:
+    """Reference values quantized with `scale` as the layer does (the ONNX graph's Q/DQ pair after it), scaled back."""
+    from ..ops.fused import quantize
+
+    return quantize(node, torch.as_tensor(np.asarray(ref)), scale).float() * scale
 
 
 def layer_name(node) -> str:

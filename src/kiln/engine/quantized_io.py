@@ -1,0 +1,49 @@
+"""8-bit activations between quantized layers.
+
+When every reader of an INT8/FP8 layer's output is a quantized layer of the same type that
+quantizes its input with the same scale, the producer quantizes in its epilogue (input
+y_scale) and writes the 8-bit values; the readers take them as they are (attribute
+x_quantized). One byte per element crosses memory instead of a float written, read and
+quantized again, and the readers' GEMMs read 8-bit tiles straight from memory. Readers
+compute their epilogue in the engine's float type (attribute float_type), since their
+input no longer carries one.
+"""
+
+from __future__ import annotations
+
+from ..ir.graph import Graph, Node
+
+QUANTIZED = ("QGemm", "QConv")
+Y_SCALE_INPUT = {"QGemm": 5, "QConv": 6}  # after (x, w_q, x_scale, w_scale, bias[, z])
+
+
+def _quantized(n: Node) -> bool:
+    return n.domain == "kiln" and n.op_type in QUANTIZED and n.placement == "device"
+
+
+def link(graph: Graph, float_precision: str) -> int:
+    """Link producer/reader pairs in place; returns how many producers now write 8-bit values."""
+    readers = graph.consumers()
+    outputs = {v.name for v in graph.outputs}
+    float_type = float_precision if float_precision in ("float16", "bfloat16") else "float32"
+    linked = 0
+    for n in graph.nodes:
+        out = n.outputs[0] if n.outputs else ""
+        users = readers.get(out, [])
+        if not _quantized(n) or not users or out in outputs:
+            continue
+        qtype = n.attr("qtype", "int8")
+        if not all(_quantized(r) and r.inputs[0] == out and out not in r.inputs[1:] and r.attr("qtype", "int8") == qtype
+                   for r in users):
+            continue
+        scales = {float(graph.initializers[r.inputs[2]].reshape(-1)[0]) if r.inputs[2] in graph.initializers else None
+                  for r in users}
+        if len(scales) != 1 or None in scales:
+            continue
+        at = Y_SCALE_INPUT[n.op_type]
+        n.inputs = n.inputs + [""] * (at + 1 - len(n.inputs))
+        n.inputs[at] = users[0].inputs[2]
+        for r in users:
+            r.attrs.update(x_quantized=1, float_type=float_type)
+        linked += 1
+    return linked
