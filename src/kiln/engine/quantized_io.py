@@ -21,12 +21,11 @@ def _quantized(n: Node) -> bool:
     return n.domain == "kiln" and n.op_type in QUANTIZED and n.placement == "device"
 
 
-def link(graph: Graph, float_precision: str) -> int:
-    """Link producer/reader pairs in place; returns how many producers now write 8-bit values."""
+def link(graph: Graph, float_precision: str) -> None:
+    """Link producer/reader pairs in place."""
     readers = graph.consumers()
     outputs = {v.name for v in graph.outputs}
     float_type = float_precision if float_precision in ("float16", "bfloat16") else "float32"
-    linked = 0
     for n in graph.nodes:
         out = n.outputs[0] if n.outputs else ""
         users = readers.get(out, [])
@@ -45,5 +44,3 @@ def link(graph: Graph, float_precision: str) -> int:
         n.inputs[at] = users[0].inputs[2]
         for r in users:
             r.attrs.update(x_quantized=1, float_type=float_type)
-        linked += 1
-    return linked
