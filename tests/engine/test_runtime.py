@@ -103,6 +103,15 @@ def test_fp16_engine_casts_layers_and_weights_and_keeps_io_types():
     np.testing.assert_allclose(y, mlp_reference(mlp(), x), rtol=2e-2, atol=2e-2)
 
 
+def test_fp16_weights_saturate_instead_of_overflowing():
+    from kiln.engine.precision import saturating_cast
+
+    w = torch.tensor([np.finfo(np.float32).min, -1e5, 3.0, 1e5, float("-inf"), float("nan")])
+    got = saturating_cast(w, torch.float16)
+    assert got[:4].tolist() == [-65504.0, -65504.0, 3.0, 65504.0]  # an exporter's "masked" value stays finite
+    assert got[4] == float("-inf") and torch.isnan(got[5])  # true infinities and NaN are the model's own
+
+
 def test_torch_inputs_give_torch_outputs_and_lists_work():
     ctx = _build(mlp(), {"x": ((1, 8), (4, 8), (16, 8))}).create_execution_context()
     x = torch.randn(3, 8)

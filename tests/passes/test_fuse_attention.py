@@ -72,3 +72,26 @@ def test_a_reshape_that_is_not_k_transpose_is_kept():
     # With S == D the wrong Reshape even computes the same numbers; the shapes, not the values, decide.
     _, attn = _attention_through_kt_chain([2, 3, 4, 4], swap_last_two=False)
     assert attn.inputs[1] == "kt" and attn.attrs["k_transposed"] == 1
+
+
+def _masked_attention(masked_value):
+    """HF BERT's mask: Where(keep, 0, masked_value) added to the scores, then the exporter's NaN guard."""
+    return model([
+        helper.make_node("Where", ["keep", "zero", "masked"], ["mask"]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+        helper.make_node("Add", ["scores", "mask"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("IsNaN", ["p"], ["nan"]),
+        helper.make_node("Where", ["nan", "zero", "p"], ["pg"]),
+        helper.make_node("MatMul", ["pg", "v"], ["y"]),
+    ], [("q", [2, 1, 3, 4]), ("kt", [2, 1, 4, 3]), ("v", [2, 1, 3, 4])], [("y", [2, 1, 3, 4])],
+        {"zero": np.float32(0), "masked": np.float32(masked_value),
+         "keep": np.array([[[[True, True, False]]], [[[False, False, False]]]])})  # batch 1: every key masked
+
+
+def test_nan_guard_is_dropped_when_the_mask_is_finite_by_construction():
+    feeds = {"q": rand(2, 1, 3, 4), "kt": rand(2, 1, 4, 3, seed=1), "v": rand(2, 1, 3, 4, seed=2)}
+    _, after = check_pass(fuse_attention, _masked_attention(np.finfo(np.float32).min), feeds)
+    assert next(n for n in after.nodes if n.op_type == "Attention").attrs["nan_guard"] == 0
+    _, after = check_pass(fuse_attention, _masked_attention(-np.inf), feeds)  # -inf: the fully masked row is NaN
+    assert next(n for n in after.nodes if n.op_type == "Attention").attrs["nan_guard"] == 1

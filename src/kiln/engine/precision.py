@@ -77,4 +77,12 @@ def _cast_weights(graph: Graph) -> None:
     for name, precs in uses.items():
         w = graph.initializers[name]
         if len(precs) == 1 and (p := next(iter(precs))) in _LOW and w.dtype == torch.float32 and name not in outputs:
-            graph.initializers[name] = w.to(_LOW[p])
+            graph.initializers[name] = saturating_cast(w, _LOW[p])
+
+
+def saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in a float type, finite values beyond its range clamped to its largest finite values instead of
+    becoming infinite. An exporter's "masked" constant, float32's lowest value, would otherwise turn into
+    -inf in FP16, and a fully masked attention row into NaN where the FP32 model computes numbers."""
+    big = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(t), t.clamp(-big, big), t).to(dtype)

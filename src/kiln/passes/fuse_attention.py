@@ -13,6 +13,8 @@ directly (k_transposed=0) and the chain is left to dead-code removal.
 
 from __future__ import annotations
 
+import torch
+
 from ..ir.graph import Graph, Node
 from .rewrite import View, fused_name, miss, replace
 
@@ -29,6 +31,18 @@ def _unscale(view: View, value: str):
         if c is not None and c != 0:
             return src, (c if n.op_type == "Mul" else 1.0 / c), n
     return value, 1.0, None
+
+
+def _finite_mask(view: View, mask: str | None) -> bool:
+    """A mask finite by construction: a constant, or Where(cond, a, b) of finite constants (HF's BERT masks
+    with float32's lowest value; Kiln's FP16 weights saturate rather than overflow). Then no score row
+    is all -inf, softmax cannot return NaN, and the exporter's NaN guard has nothing to do."""
+    if not mask:
+        return True
+    n = view.producer.get(mask)
+    values = [mask] if n is None else n.inputs[1:] if n.op_type == "Where" and not n.domain else []
+    consts = [view.const(v) for v in values]
+    return bool(consts) and all(c is not None and c.is_floating_point() and bool(torch.isfinite(c).all()) for c in consts)
 
 
 def _guard(view: View, probs: str):
@@ -129,7 +143,8 @@ def run(graph: Graph) -> None:
             k, chain = untransposed
             k_transposed = 0
             group += chain
-        attrs = {"scale": s1 * s2 * post, "k_transposed": k_transposed, "nan_guard": 1 if guard else 0}
+        attrs = {"scale": s1 * s2 * post, "k_transposed": k_transposed,
+                 "nan_guard": 1 if guard and not _finite_mask(view, mask) else 0}
         fused = Node("Attention", [q, k, pv.inputs[1]] + ([mask] if mask else []), [pv.outputs[0]], attrs,
                      name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
