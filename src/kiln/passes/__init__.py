@@ -21,6 +21,7 @@ from . import (
     fuse_skip_layernorm,
     gather_as_slice,
     insert_qdq,
+    merge_heads_as_view,
     merge_parallel_gemms,
     remove_noops,
     split_heads_as_view,
@@ -40,6 +41,7 @@ PIPELINE = [
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
+    merge_heads_as_view,  # sequence-first head merge after attention, batch-major: no copy
     fuse_skip_layernorm,  # residual Add + LayerNorm
     fuse_rmsnorm,  # x / sqrt(mean(x^2) + eps) * gamma as exporters write it
     fuse_elementwise,  # remaining chains of elementwise ops -> one generated kernel
