@@ -36,6 +36,19 @@ def triton_elementwise(node, *inputs):
     return elementwise.run(node.attr("program"), list(inputs))
 
 
+def _max_pool_ok(node, args) -> bool:
+    from ..kernels import pool
+
+    return args[0].is_cuda and pool.supports(node, args[0])
+
+
+@tactic("MaxPool", "triton_max_pool_nhwc", _max_pool_ok, domain="", level=3)
+def triton_max_pool(node, x):
+    from ..kernels import pool
+
+    return pool.max_pool2d(node, x)
+
+
 def _int4_ok(node, args) -> bool:
     x = args[0]
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
