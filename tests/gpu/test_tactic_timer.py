@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.tactics.timer import _median, median_ms
+from kiln.tactics.timer import _median, median_ms, synchronizes
 
 pytestmark = pytest.mark.gpu
 
@@ -21,3 +21,9 @@ def test_a_candidate_that_syncs_with_the_host_is_timed_call_by_call():
     syncing = lambda: x.sum().item()  # noqa: E731  .item() cannot be captured
     assert median_ms(syncing) > 0
     assert torch.cuda.is_current_stream_capturing() is False
+
+
+def test_synchronizing_calls_are_detected():
+    x = torch.randn(64, device="cuda")
+    assert synchronizes(lambda: x.sum().item())
+    assert not synchronizes(lambda: x.add(1))

@@ -281,11 +281,8 @@ def _fake_quantized(node, x, x_scale, dt):
     if node.attr("x_quantized", 0):  # the layer before quantized it already
         return x.to(dt) * x_scale.to(dt)
     if node.attr("qtype", "int8") == "int8":
-        try:
-            zero = torch.zeros((), dtype=torch.int32, device=x.device)
-            return torch.fake_quantize_per_tensor_affine(x, x_scale.float().reshape(()), zero, -128, 127).to(dt)
-        except RuntimeError:  # an input type this torch build's kernel does not take
-            pass
+        zero = torch.zeros((), dtype=torch.int32, device=x.device)
+        return torch.fake_quantize_per_tensor_affine(x, x_scale.float().reshape(()), zero, -128, 127).to(dt)
     return quantize(node, x, x_scale).to(dt) * x_scale.to(dt)
 
 

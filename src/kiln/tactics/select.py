@@ -15,7 +15,7 @@ from ..engine.interpreter import cast_for
 from ..ops.registry import lookup
 from . import candidates, load_all
 from .cache import TimingCache, layer_key
-from .timer import median_ms
+from .timer import median_ms, synchronizes
 
 # Max error of a candidate against the reference, as a share of the output's range. INT8/FP8 layers
 # return FP16 (or BF16) values and their reference sums exactly in float64, so they get FP16's bound.
@@ -82,6 +82,9 @@ class Selector:
                 need = t.workspace(node, args) if t.workspace else 0
                 if self.cap is not None and need > self.cap:
                     excluded[t.name] = f"needs {need / 2**20:.1f} MiB workspace, cap is {self.cap / 2**20:.1f} MiB"
+                    continue
+                if synchronizes(lambda: t.fn(node, *args)):  # the reference may (data-dependent ops); a tactic not
+                    excluded[t.name] = "synchronizes with the host: it would break the engine's CUDA graph"
                     continue
                 ok, err = _close(t.fn(node, *args), ref, node.precision)
                 if not ok:

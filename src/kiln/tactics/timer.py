@@ -29,7 +29,7 @@ def _median(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def _synchronizes(fn) -> bool:
+def synchronizes(fn) -> bool:
     """Whether fn makes a synchronizing CUDA call (.item(), a blocking copy): such a call would abort a
     capture, and an aborted capture leaves torch's CUDA random generator unusable for the process."""
     mode = torch.cuda.get_sync_debug_mode()
@@ -44,7 +44,7 @@ def _synchronizes(fn) -> bool:
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph | None:
-    if _synchronizes(fn):
+    if synchronizes(fn):
         return None
     graph = torch.cuda.CUDAGraph()
     try:
