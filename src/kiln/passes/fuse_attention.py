@@ -63,7 +63,7 @@ def _shape_terms(view: View, value: str):
     """A 1-D int64 shape value as a list of ints and (tensor, start, end) slices of Shape(tensor), or None."""
     const = view.const(value)
     if const is not None:
-        return [int(v) for v in const.reshape(-1)] if not const.dtype.is_floating_point and const.dim() <= 1 else None
+        return view.ints(value) if const.dim() <= 1 else None
     n = view.producer.get(value)
     if n is None or n.domain:
         return None

@@ -18,18 +18,13 @@ from ..ir.graph import Graph
 from .rewrite import View
 
 
-def _ints(view: View, value: str) -> list[int] | None:
-    t = view.const(value)
-    return [int(v) for v in t.reshape(-1)] if t is not None and not t.dtype.is_floating_point else None
-
-
 def _heads(view: View, value: str) -> tuple[int, int, int] | None:
     """(S, H, D) when value = Transpose(Reshape(x, [S, -1, H, D]), [1, 2, 0, 3]), the form of split_heads_as_view."""
     t = view.producer.get(value)
     r = view.producer.get(t.inputs[0]) if t is not None and t.op_type == "Transpose" and not t.domain else None
     if r is None or r.op_type != "Reshape" or r.domain or t.attr("perm") != [1, 2, 0, 3]:
         return None
-    shape = _ints(view, r.inputs[1])
+    shape = view.ints(r.inputs[1])
     return (shape[0], shape[2], shape[3]) if shape and len(shape) == 4 and shape[1] == -1 and min(shape[0], *shape[2:]) > 0 else None
 
 
@@ -49,7 +44,7 @@ def run(graph: Graph) -> None:
         t2 = _next(view, r2, "Transpose") if r2 is not None else None
         if q is None or v is None or t2 is None or t2.attr("perm") != [1, 0, 2]:
             continue
-        rows, out = _ints(view, r1.inputs[1]), _ints(view, r2.inputs[1])
+        rows, out = view.ints(r1.inputs[1]), view.ints(r2.inputs[1])
         seq, heads, dim = q[0], v[1], v[2]
         if rows != [-1, heads * dim] or not out or len(out) != 3 or out[0] != seq or out[1] != -1 or out[2] <= 0:
             continue

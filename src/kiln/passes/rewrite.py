@@ -39,6 +39,11 @@ class View:
     def const(self, value: str) -> torch.Tensor | None:
         return self.graph.initializers.get(value)
 
+    def ints(self, value: str) -> list[int] | None:
+        """An integer constant (a shape, say) as a flat list of Python ints, else None."""
+        t = self.const(value)
+        return [int(v) for v in t.reshape(-1)] if t is not None and not t.dtype.is_floating_point else None
+
     def scalar(self, value: str) -> float | None:
         t = self.const(value)
         return float(t.reshape(-1)[0]) if t is not None and t.numel() == 1 else None

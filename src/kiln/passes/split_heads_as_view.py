@@ -19,11 +19,6 @@ from ..ir.graph import Graph, Node
 from .rewrite import View
 
 
-def _ints(view: View, value: str) -> list[int] | None:
-    t = view.const(value)
-    return [int(v) for v in t.reshape(-1)] if t is not None and not t.dtype.is_floating_point else None
-
-
 def run(graph: Graph) -> None:
     view = View(graph)
     for r2 in [n for n in graph.nodes if n.op_type == "Reshape" and not n.domain]:
@@ -31,7 +26,7 @@ def run(graph: Graph) -> None:
         r1 = view.producer.get(t.inputs[0]) if t is not None and t.op_type == "Transpose" and not t.domain else None
         if r1 is None or r1.op_type != "Reshape" or r1.domain or t.attr("perm") != [1, 0, 2]:
             continue
-        first, second = _ints(view, r1.inputs[1]), _ints(view, r2.inputs[1])
+        first, second = view.ints(r1.inputs[1]), view.ints(r2.inputs[1])
         if first is None or second is None or len(first) != 3 or len(second) != 4:
             continue
         s, d, h = first[0], first[2], second[1]
