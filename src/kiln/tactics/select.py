@@ -90,7 +90,7 @@ class Selector:
                 if not ok:
                     excluded[t.name] = f"numerically wrong (max error {err:.2e} of output range)"
                     continue
-                timings[t.name] = median_ms(lambda: t.fn(node, *args))
+                timings[t.name] = median_ms(lambda: t.fn(node, *args), may_sync=False)  # checked above
             except Exception as e:  # a candidate that cannot run here is simply not chosen
                 excluded[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return {"timings": timings, "excluded": excluded}

@@ -44,8 +44,6 @@ def synchronizes(fn) -> bool:
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph | None:
-    if synchronizes(fn):
-        return None
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -57,11 +55,12 @@ def _capture(fn) -> torch.cuda.CUDAGraph | None:
     return graph
 
 
-def median_ms(fn, warmup: int = 3, runs: int = 10) -> float:
+def median_ms(fn, warmup: int = 3, runs: int = 10, may_sync: bool = True) -> float:
+    """may_sync=False: the caller has checked that fn does not synchronize (see synchronizes)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    graph = _capture(fn)
+    graph = None if may_sync and synchronizes(fn) else _capture(fn)
     if graph is None:
         return _median(fn, runs)
     graph.replay()  # first replay uploads the graph
