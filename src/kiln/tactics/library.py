@@ -174,10 +174,8 @@ def _sdpa(backend):
     def run(node, q, k, v, mask=None):
         if node.attr("k_transposed", 0):
             k = k.transpose(-1, -2)
-        if mask is not None and mask.dtype != q.dtype:  # saturating: float32's lowest must not become -inf
-            from ..engine.precision import saturating_cast
-
-            mask = saturating_cast(mask, q.dtype)
+        if mask is not None:
+            mask = mask.to(q.dtype)
         with sdpa_kernel(chosen):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=node.attr("scale", None))
         return torch.nan_to_num_(out, nan=0.0) if node.attr("nan_guard", 0) else out
