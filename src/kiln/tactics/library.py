@@ -120,15 +120,20 @@ def storage_order(x: torch.Tensor):
     return base, sorted(range(x.dim()), key=lambda i: (lead + [x.dim() - 1]).index(i))
 
 
-def _addmm(x, w, b, use_gelu=None):
-    x, perm = storage_order(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    if use_gelu is None:
-        y = torch.addmm(b, x2, w)
-    else:
-        y = torch._addmm_activation(b, x2, w, use_gelu=use_gelu)
-    y = y.reshape(*x.shape[:-1], w.shape[1])
+def _rowwise(gemm, x: torch.Tensor) -> torch.Tensor:
+    """gemm(x) for a GEMM over x's last axis, run on x in storage order and permuted back."""
+    base, perm = storage_order(x)
+    y = gemm(base)
     return y.permute(perm) if perm else y
+
+
+def _addmm(x, w, b, use_gelu=None):
+    def gemm(x):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(b, x2, w) if use_gelu is None else torch._addmm_activation(b, x2, w, use_gelu=use_gelu)
+        return y.reshape(*x.shape[:-1], w.shape[1])
+
+    return _rowwise(gemm, x)
 
 
 @tactic("FusedGemm", "cublaslt_bias", lambda n, a: _gemm_ok(n, a, ("",)))
@@ -160,9 +165,7 @@ def cublas_then_activation(node, x, w, b=None):
         and n.attr("activation", "") == "" and a[0].dtype == a[1].dtype)
 def cublas_matmul(node, x, w, b=None):
     """A GEMM with neither bias nor activation (projections exported without bias)."""
-    x, perm = storage_order(x)
-    y = torch.matmul(x, w)
-    return y.permute(perm) if perm else y
+    return _rowwise(lambda x: torch.matmul(x, w), x)
 
 
 # --- Attention ----------------------------------------------------------------
