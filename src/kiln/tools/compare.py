@@ -8,9 +8,9 @@ NaN/Inf checks, an error histogram, the minimum tolerance that would pass, and
 a PASSED/FAILED line. An element passes when |engine - ref| <= atol + rtol * |ref|
 (numpy.allclose's rule). The default atol is relative to the tensor's range: the
 precision's value times max(1, max |ref|), since one FP16 step near a logit of 100 is
-already 0.06; an --atol given on the command line is absolute. --layerwise also compares every engine layer output
-that exists in the ONNX graph and names the first layer whose error leaves the
-tolerance: where accuracy is lost.
+already 0.06; an --atol given on the command line is absolute. --layerwise also
+compares every engine layer output that exists in the ONNX graph and names the first
+layer whose error leaves the tolerance: where accuracy is lost.
 """
 
 from __future__ import annotations
