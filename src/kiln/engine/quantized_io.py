@@ -6,7 +6,8 @@ y_scale) and writes the 8-bit values; the readers take them as they are (attribu
 x_quantized). One byte per element crosses memory instead of a float written, read and
 quantized again, and the readers' GEMMs read 8-bit tiles straight from memory. Readers
 compute their epilogue in the engine's float type (attribute float_type), since their
-input no longer carries one.
+input no longer carries one. Every quantized layer records that type, so a float fallback
+computes in 16 bits only where the build allowed 16-bit floats.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def link(graph: Graph, float_precision: str) -> None:
     outputs = {v.name for v in graph.outputs}
     float_type = float_precision if float_precision in ("float16", "bfloat16") else "float32"
     for n in graph.nodes:
+        if _quantized(n):
+            n.attrs["float_type"] = float_type
+    for n in graph.nodes:
         out = n.outputs[0] if n.outputs else ""
         users = readers.get(out, [])
         if not _quantized(n) or not users or out in outputs:
@@ -43,4 +47,4 @@ def link(graph: Graph, float_precision: str) -> None:
         n.inputs = n.inputs + [""] * (at + 1 - len(n.inputs))
         n.inputs[at] = users[0].inputs[2]
         for r in users:
-            r.attrs.update(x_quantized=1, float_type=float_type)
+            r.attrs["x_quantized"] = 1

@@ -264,13 +264,17 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 # 16-bit GEMM/convolution: int8 values are exact in FP16, and this is the fallback wherever the integer
 # and FP8 kernels do not apply. The reference sums in float64, which is slow on a GPU.
 def _dequantized_dtype(node, x: torch.Tensor) -> torch.dtype:
-    """The float type of the fallback: the layer's if 16-bit, else FP16 on a GPU. An FP32 input (a network's
-    first layer reads the FP32 graph input) would otherwise run an FP32 convolution; FP16's rounding of
-    q * scale (2^-11 relative) is far below the 8-bit quantization step, and sums stay FP32."""
+    """The float type of the fallback: the layer's if 16-bit, else FP16 on a GPU when the build allowed
+    16-bit floats (attribute float_type). An FP32 input (a network's first layer reads the FP32 graph
+    input) would otherwise run an FP32 convolution; FP16's rounding of q * scale (2^-11 relative) is far
+    below the 8-bit quantization step, and sums stay FP32. An FP32 build keeps FP32: there FP16 rounding
+    would flip the re-quantized output's rounding more often than the build's precision allows."""
+    from ..ir.dtypes import from_name
     from ..ops.fused import float_type
 
     ft = float_type(node, x)
-    return ft if ft in _LOW else torch.float16 if x.is_cuda else torch.float32
+    allowed = from_name(node.attr("float_type", "float32"))
+    return ft if ft in _LOW else allowed if x.is_cuda and allowed in _LOW else torch.float32
 
 
 def _fake_quantized(node, x, x_scale, dt):
