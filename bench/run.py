@@ -102,15 +102,21 @@ def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
 
 
 def tactic_summary(engine) -> dict:
-    """What the builder chose per op type, and why candidates were excluded (for the next diagnosis)."""
+    """What the builder chose per op type, and why candidates were excluded, naming up to three layers per
+    reason (for the next diagnosis)."""
     from collections import Counter
 
-    chosen, excluded = Counter(), Counter()
+    chosen, excluded, where = Counter(), Counter(), {}
     for rep in engine.tactics:
         chosen[f"{rep['op']}:{rep.get('chosen')}"] += 1
         for name, why in rep.get("excluded", {}).items():
-            excluded[f"{rep['op']}:{name.split('_')[0]}: {why[:70]}"] += 1
-    return {"chosen": dict(chosen.most_common()), "excluded": dict(excluded.most_common(12))}
+            key = f"{rep['op']}:{name.split('_')[0]}: {why[:90]}"
+            excluded[key] += 1
+            layers = where.setdefault(key, [])
+            if len(layers) < 3 and rep["layer"] not in layers:
+                layers.append(rep["layer"])
+    return {"chosen": dict(chosen.most_common()),
+            "excluded": {k: {"count": c, "layers": where[k]} for k, c in excluded.most_common(12)}}
 
 
 def count_flops(model, inputs: dict) -> float:

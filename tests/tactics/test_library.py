@@ -46,3 +46,22 @@ def test_fake_quantize_fallback_equals_quantize_then_scale():
     node = Node("QGemm", [], [], {"qtype": "int8"}, domain="kiln")
     want = quantize_int8(x, scale).float() * scale
     torch.testing.assert_close(_fake_quantized(node, x, scale, torch.float32), want, rtol=0, atol=0)
+
+
+def test_int8_library_gemm_with_its_one_pass_epilogue():
+    """cuBLASLt's int8 GEMM (torch._int_mm, which also runs on the CPU) + kernels/rescale, against the layer
+    reference; float output, and int8 output re-quantized for the next layer; weights K-major as on a GPU."""
+    from kiln.ir.graph import Node
+    from kiln.ops.fused import qgemm
+    from kiln.tactics.library import int8_int_mm
+    from kiln.tactics.select import _close
+
+    g = torch.Generator().manual_seed(1)
+    x, b = torch.randn(2, 20, 64, generator=g), torch.randn(48, generator=g)
+    w = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8).t()  # [K, N] view, K contiguous
+    sx, sw, sy = torch.tensor(0.02), torch.rand(48, generator=g) * 0.01, torch.tensor(0.05)
+    node = Node("QGemm", [], [], {"qtype": "int8", "activation": "GeluErf"}, domain="kiln")
+    node.precision = "int8"
+    for y_scale in (None, sy):
+        got, want = int8_int_mm(node, x, w, sx, sw, b, y_scale), qgemm(node, x, w, sx, sw, b, y_scale)
+        assert got.dtype == want.dtype and _close(got, want, "int8")[0]

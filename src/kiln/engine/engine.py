@@ -31,6 +31,7 @@ class Engine:
     tactics: list[dict] = field(default_factory=list)
     # Convolution weights stored channels-last on the device (NHWC: Tensor Core friendly).
     channels_last: list[str] = field(default_factory=list)
+    column_major: list[str] = field(default_factory=list)  # 2-D weights stored transposed (kiln/engine/layout.py)
     _device_weights: dict | None = field(default=None, repr=False)
 
     # --- bindings -------------------------------------------------------------
@@ -104,11 +105,16 @@ class Engine:
         if self._device_weights is None:
             dev = self.target.device
             host = self.host_weight_names()
-            nhwc = set(self.channels_last)
-            self._device_weights = {
-                k: (t if k in host else t.to(dev, memory_format=torch.channels_last) if k in nhwc else t.to(dev))
-                for k, t in self.graph.initializers.items()
-            }
+            nhwc, kmajor = set(self.channels_last), set(self.column_major)
+
+            def placed(k, t):
+                if k in host:
+                    return t
+                if k in nhwc:
+                    return t.to(dev, memory_format=torch.channels_last)
+                return t.to(dev).t().contiguous().t() if k in kmajor else t.to(dev)
+
+            self._device_weights = {k: placed(k, t) for k, t in self.graph.initializers.items()}
             for node in self.graph.walk():
                 node.device = dev if node.placement == "device" else torch.device("cpu")
                 for v in node.attrs.values():  # control-flow bodies keep their own weights

@@ -1,8 +1,10 @@
-"""Layout choice: convolutions on a GPU run channels-last (NHWC).
+"""Layout choice for weights on a GPU: channels-last convolutions, K-major 8-bit GEMM weights.
 
 Tensor Core convolution kernels want NHWC; storing the weights channels-last
 makes cuDNN pick NHWC kernels and their outputs stay NHWC down the network, so
-no transposes are added. The logical shapes (and the ONNX graph) do not change.
+no transposes are added. Hopper's 8-bit Tensor Core instruction (wgmma) and
+cuBLASLt's FP8 GEMM take both operands K-major, so INT8/FP8 GEMM weights [K, N]
+are stored column-major. The logical shapes (and the ONNX graph) do not change.
 """
 
 from __future__ import annotations
@@ -19,5 +21,18 @@ def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> lis
         if n.op_type in ("Conv", "FusedConv", "QConv") and n.placement == "device" and len(n.inputs) > 1:
             w = graph.initializers.get(n.inputs[1])
             if w is not None and w.dim() == 4:
+                names.append(n.inputs[1])
+    return sorted(set(names))
+
+
+def column_major_weights(graph: Graph, target_kind: str) -> list[str]:
+    """Quantized GEMM weights [K, N] to store K-contiguous (a [K, N] view of [N, K] memory)."""
+    if target_kind != "cuda":
+        return []
+    names = []
+    for n in graph.nodes:
+        if n.op_type == "QGemm" and n.domain == "kiln" and n.placement == "device":
+            w = graph.initializers.get(n.inputs[1])
+            if w is not None and w.dim() == 2:
                 names.append(n.inputs[1])
     return sorted(set(names))

@@ -213,7 +213,7 @@ def add_then_layer_norm(node, a, b, gamma, beta=None):
     return F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5)), s
 
 
-# --- QGemm (INT8) -------------------------------------------------------------
+# --- QGemm on cuBLASLt (INT8, FP8) ------------------------------------------------
 def _int_mm_ok(node, args):
     x, w_q = args[0], args[1]
     if node.attr("qtype", "int8") != "int8":
@@ -223,17 +223,23 @@ def _int_mm_ok(node, args):
     return x.is_cuda and m > 16 and x.shape[-1] % 8 == 0 and w_q.shape[1] % 8 == 0
 
 
+def _quantized_input(node, x2, x_scale):
+    """x [M, K] as the layer's 8-bit values: as it arrived, or quantized in one pass (kernels/rescale.py)."""
+    from ..kernels.rescale import rescale
+
+    return x2 if node.attr("x_quantized", 0) else rescale(x2, y_scale=x_scale, qtype=node.attr("qtype", "int8"))
+
+
 @tactic("QGemm", "cublaslt_int8", _int_mm_ok)
 def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
-    from ..ops.fused import float_type, quantized_input, quantized_output
+    """cuBLASLt's int8 GEMM to int32 sums, then scales, bias, activation and any re-quantization in one pass."""
+    from ..kernels.rescale import rescale
+    from ..ops.fused import float_type
 
-    ft = float_type(node, x)
-    acc = torch._int_mm(quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale), w_q)
-    y = (acc.float() * (x_scale.float() * w_scale.float())).to(ft)
-    if b is not None:
-        y = y + b.to(ft)
-    y = activation(node.attr("activation", ""), y.reshape(*x.shape[:-1], w_q.shape[1]), node.attr("activation_params", []))
-    return quantized_output(node, y, y_scale)
+    acc = torch._int_mm(_quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale), w_q)
+    y = rescale(acc, x_scale, w_scale, b, node.attr("activation", ""), node.attr("activation_params", []),
+                y_scale, "int8", out_dtype=float_type(node, x))
+    return y.reshape(*x.shape[:-1], w_q.shape[1])
 
 
 def _scaled_mm_ok(node, args):
@@ -245,18 +251,23 @@ def _scaled_mm_ok(node, args):
 
 @tactic("QGemm", "cublaslt_fp8", _scaled_mm_ok)
 def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
-    from ..ops.fused import float_type, quantized_input, quantized_output
+    """cuBLASLt's FP8 GEMM with the scales and bias in its epilogue; an activation or re-quantization after it
+    in one more pass."""
+    from ..kernels.rescale import rescale
+    from ..ops.fused import float_type
 
     ft = float_type(node, x)
     out_dtype = ft if ft in _LOW else torch.float32
-    xq = quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale)
     bias = b.to(out_dtype) if b is not None and out_dtype != torch.float32 else None  # FP32 output takes no bias
-    y = torch._scaled_mm(xq, w_q.t().contiguous().t(), scale_a=x_scale.float().reshape(()),
-                         scale_b=w_scale.float().reshape(()), bias=bias, out_dtype=out_dtype)
-    if b is not None and bias is None:
-        y = y + b
-    y = y.to(ft).reshape(*x.shape[:-1], w_q.shape[1])
-    return quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])), y_scale)
+    # cuBLASLt takes B column-major: a no-op for the engine's weights, stored so (kiln/engine/layout.py).
+    y = torch._scaled_mm(_quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale), w_q.t().contiguous().t(),
+                         scale_a=x_scale.float().reshape(()), scale_b=w_scale.float().reshape(()), bias=bias,
+                         out_dtype=out_dtype)
+    act = node.attr("activation", "")
+    if act or y_scale is not None or (b is not None and bias is None) or y.dtype != ft:
+        y = rescale(y, bias=b if bias is None else None, act=act, params=node.attr("activation_params", []),
+                    y_scale=y_scale, qtype="fp8", out_dtype=ft)
+    return y.reshape(*x.shape[:-1], w_q.shape[1])
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------

@@ -1,0 +1,73 @@
+"""One pass over a GEMM's output or input: scale, bias, activation, and (de)quantization together.
+
+y[m, n] = act(a[m, n] * x_scale * w_scale[n] + b[n]), written as out_dtype or quantized with y_scale
+(int8 / FP8 E4M3), each step optional. It is the epilogue of library 8-bit GEMMs whose own epilogue
+cannot do it all (cuBLASLt's int8 GEMM returns raw int32 sums; its FP8 GEMM fuses the scales and
+bias but neither GELU nor re-quantization), and with only y_scale it quantizes an activation for
+them: one kernel where torch needs a cast, a divide, a clamp and another cast, each a pass over
+memory. Rounding as the fused kernels do it (gemm.quantize).
+
+Reference: kiln.ops.fused.quantize / qgemm's epilogue; `reference` below.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import ACTIVATIONS, QTYPES, _params, epilogue, quantize
+
+BLOCK = 1024
+
+
+@triton.jit
+def _rescale_kernel(a_ptr, xs_ptr, ws_ptr, b_ptr, ys_ptr, y_ptr, numel, N, stride_ws, p0, p1,
+                    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    col = offs % N
+    v = tl.load(a_ptr + offs, mask=ok, other=0).to(tl.float32)
+    if SCALED:
+        v = v * (tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + col * stride_ws, mask=ok, other=0.0).to(tl.float32))
+    if HAS_BIAS:
+        v += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    v = epilogue(v, ACT, p0, p1)
+    tl.store(y_ptr + offs, quantize(v, ys_ptr, QUANT).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, act: str = "", params=(), y_scale: torch.Tensor | None = None,
+            qtype: str = "", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """act(a * x_scale * w_scale[n] + bias[n]) over a's last axis n, as out_dtype, or as qtype's 8-bit values
+    when y_scale is given. Scales go together (both or neither); w_scale has one or N values."""
+    if act not in ACTIVATIONS or (x_scale is None) != (w_scale is None) or (y_scale is not None and qtype not in QTYPES):
+        raise ValueError(f"rescale: unsupported activation {act!r} or scale combination (qtype {qtype!r})")
+    a = a.contiguous()
+    n = a.shape[-1]
+    y = torch.empty(a.shape, dtype=QTYPES[qtype] if y_scale is not None else out_dtype or a.dtype, device=a.device)
+    if a.numel() == 0:
+        return y
+    ws = w_scale.reshape(-1) if w_scale is not None else a
+    p0, p1 = _params(act, params)
+    _rescale_kernel[(triton.cdiv(a.numel(), BLOCK),)](
+        a, x_scale if x_scale is not None else a, ws, bias.reshape(-1) if bias is not None else a,
+        y_scale if y_scale is not None else a, y, a.numel(), n, 1 if ws.numel() == n and w_scale is not None else 0,
+        p0, p1, SCALED=x_scale is not None, HAS_BIAS=bias is not None, ACT=act,
+        QUANT=qtype if y_scale is not None else "", BLOCK=BLOCK)
+    return y
+
+
+def reference(a, x_scale=None, w_scale=None, bias=None, act="", params=(), y_scale=None, qtype="", out_dtype=None):
+    from ..ops.fused import activation, quantize_fp8, quantize_int8
+
+    v = a.float()
+    if x_scale is not None:
+        v = v * (x_scale.float() * w_scale.float().reshape(-1))
+    if bias is not None:
+        v = v + bias.float().reshape(-1)
+    v = activation(act, v, list(params))
+    if y_scale is not None:
+        return quantize_fp8(v, y_scale) if qtype == "fp8" else quantize_int8(v, y_scale)
+    return v.to(out_dtype or a.dtype)

@@ -1,0 +1,33 @@
+"""Weight layouts chosen for a GPU (kiln/engine/layout.py)."""
+
+import numpy as np
+import torch
+
+import kiln
+from kiln.engine import layout
+
+from ..models import mlp
+
+
+def _int8_mlp_engine():
+    calib = [{"x": np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32)} for i in range(4)]
+    prof = kiln.Profile({"x": ((1, 8), (4, 8), (8, 8))})
+    return kiln.build(mlp(), kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True, calib=calib))
+
+
+def test_quantized_gemm_weights_are_stored_k_major_on_a_gpu_only(tmp_path):
+    engine = _int8_mlp_engine()
+    qgemm_weights = sorted(n.inputs[1] for n in engine.graph.nodes if n.op_type == "QGemm")
+    assert len(qgemm_weights) == 2
+    assert layout.column_major_weights(engine.graph, "cuda") == qgemm_weights
+    assert layout.column_major_weights(engine.graph, "cpu") == [] == engine.column_major
+
+    engine.column_major = qgemm_weights  # as a GPU build records them; the file keeps the list
+    engine.save(tmp_path / "m.kiln")
+    again = kiln.load(tmp_path / "m.kiln")
+    assert again.column_major == qgemm_weights
+    w = again.weights_on_target()[qgemm_weights[0]]  # placed on this machine's target with the layout
+    assert w.stride() == (1, w.shape[0]) and torch.equal(w, engine.graph.initializers[qgemm_weights[0]])
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(again.create_execution_context().run({"x": x})["y"],
+                               engine.create_execution_context().run({"x": x})["y"])
