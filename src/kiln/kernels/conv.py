@@ -14,8 +14,8 @@ residual z (broadcastable to the output) and the activation are applied before t
 single store. groups == 1 only.
 
 Quantized convolutions (kiln::QConv, QUANT "int8" / "fp8") run the same loop: w is the int8 /
-FP8 E4M3 weight [OC, C, KH, KW] read through its strides like a float one, each gathered float
-patch tile is quantized in registers before the 8-bit dot, and the epilogue applies
+FP8 E4M3 weight [OC, C, KH, KW] read through its strides like a float one, x is read as 8-bit values
+(quantized first in one pass when it arrives as floats: gemm.py says why), and the epilogue applies
 x_scale * w_scale[oc] before bias, residual and activation (gemm.quantize / gemm.dequantize).
 
 Reference: kiln.ops.fused.fused_conv; `reference` below; kiln.ops.fused.qconv when quantized.
@@ -50,7 +50,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr,
                  sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw, stride_ws,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                 QUANT: tl.constexpr, X_QUANTIZED: tl.constexpr, Y_QUANTIZED: tl.constexpr, FLAT: tl.constexpr,
+                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, FLAT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -89,7 +89,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr,
             a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
             b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
                         mask=(kk < KTOT)[:, None], other=0.0)
-            acc = tl.dot(quantize(a, xs_ptr, QUANT, X_QUANTIZED), b, acc, input_precision=PREC, out_dtype=acc.dtype)
+            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
     else:
         c_blocks = tl.cdiv(C, BLOCK_K)
         for it in range(0, KTOT // C * c_blocks):  # (kh, kw, channel block), channel block fastest
@@ -105,7 +105,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr,
                         mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
             b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
                         mask=c_ok[:, None], other=0.0)
-            acc = tl.dot(quantize(a, xs_ptr, QUANT, X_QUANTIZED), b, acc, input_precision=PREC, out_dtype=acc.dtype)
+            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     acc = dequantize(acc, xs_ptr, ws_ptr, oc, stride_ws, QUANT)
     if HAS_BIAS:
@@ -231,7 +231,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     if z is not None:
         z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
         zs = z.stride()
-    xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
+    x, xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
     block_k, flat = block_k_for(config, C)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)
     _conv_kernel[grid](
@@ -240,7 +240,8 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         *x.stride(), *w.stride(), *zs, stride_ws,
         strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision, qtype),
-        QUANT=qtype, X_QUANTIZED=bool(qtype) and x.dtype == QTYPES[qtype], Y_QUANTIZED=y_scale is not None, FLAT=flat, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        QUANT=qtype, Y_QUANTIZED=y_scale is not None, FLAT=flat,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.permute(0, 3, 1, 2)

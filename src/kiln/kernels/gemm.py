@@ -6,10 +6,13 @@ FP16/BF16 inputs; FP32 inputs use TF32 only when asked (`precision="tf32"`), els
 FP32 products (input_precision="ieee"). Program ids are swizzled in groups of GROUP_M
 rows of tiles so neighbouring programs share tiles of w in L2.
 
-Quantized layers (kiln::QGemm, QUANT "int8" / "fp8"): w is int8 / FP8 E4M3 [K, N]; each float
-tile of x is quantized in registers (`quantize`) right after its load, multiplied on the 8-bit
-Tensor Cores (int32 / fp32 accumulator), and the epilogue applies x_scale * w_scale[n] before
-the bias and activation (`dequantize`): no separate pass over memory either way.
+Quantized layers (kiln::QGemm, QUANT "int8" / "fp8"): w is int8 / FP8 E4M3 [K, N]; x is read as
+8-bit values, quantized first in one pass (kernels/rescale.py) when it arrives as floats, multiplied
+on the 8-bit Tensor Cores (int32 / fp32 accumulator), and the epilogue applies x_scale * w_scale[n]
+before the bias and activation (`dequantize`), then quantizes for the next layer if asked. Tiles
+quantized in registers before the dot were miscompiled on sm_90 for some convolutions (Triton 3.6,
+the whole output range off; tests/kernels/test_quantized.py runs ResNet-50's layer kinds on the
+GPU), and an 8-bit tile read from memory is half the bytes of an FP16 one.
 
 Reference: kiln.ops.fused.fused_gemm (torch.matmul + bias + activation); `reference` below;
 kiln.ops.fused.qgemm for the quantized form.
@@ -58,11 +61,11 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
 
 
 @triton.jit
-def quantize(a, xs_ptr, QUANT: tl.constexpr, DONE: tl.constexpr = False):
+def quantize(a, xs_ptr, QUANT: tl.constexpr):
     """A float tile quantized in registers with the per-tensor scale *xs_ptr (QUANT "int8" / "fp8", as
-    kiln.ops.fused.quantize does), or `a` as is (QUANT "", or DONE: x arrived as 8-bit values)."""
-    if QUANT != "" and not DONE:
-        # x * (1/sx) rather than x / sx: a division per element would dominate this ALU-bound prologue. It can
+    kiln.ops.fused.quantize does), or `a` as is (QUANT "")."""
+    if QUANT != "":
+        # x * (1/sx) rather than x / sx: a division per element would dominate an ALU-bound pass. It can
         # differ from the reference's quotient by an ulp, moving a value within an ulp of a rounding tie by
         # one quantization step (never when sx is a power of two).
         v = a.to(tl.float32) * (1.0 / tl.load(xs_ptr).to(tl.float32))
@@ -91,7 +94,7 @@ def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wk, stride_wn, stride_ym, stride_yn, stride_ws, p0, p1,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                 QUANT: tl.constexpr, X_QUANTIZED: tl.constexpr, Y_QUANTIZED: tl.constexpr,
+                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -121,8 +124,8 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
             k_left = K - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        # out_dtype names the accumulator (int32 for int8): Triton 3.6 does not infer it. Masked-off K: quantized 0s.
-        acc = tl.dot(quantize(a, xs_ptr, QUANT, X_QUANTIZED), b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        # out_dtype names the accumulator (int32 for int8): Triton 3.6 does not infer it.
+        acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -242,13 +245,13 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     bias = b.reshape(-1) if b is not None else None
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    xs, ws, stride_ws = quant_args(x2, qtype, x_scale, w_scale)
+    x2, xs, ws, stride_ws = quant_args(x2, qtype, x_scale, w_scale)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
         x2, w, bias if bias is not None else x2, y2, xs, ws, y_scale if y_scale is not None else xs, M, N, K,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
         HAS_BIAS=bias is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
-        EVEN_K=K % config.block_k == 0, QUANT=qtype, X_QUANTIZED=bool(qtype) and x.dtype == QTYPES[qtype],
+        EVEN_K=K % config.block_k == 0, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -256,13 +259,18 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
 
 
 def quant_args(x: torch.Tensor, qtype: str, x_scale, w_scale) -> tuple:
-    """The kernels' (x_scale, w_scale, w_scale stride) arguments; unused placeholders for float layers."""
+    """The kernels' (x, x_scale, w_scale, w_scale stride) arguments: x as 8-bit values for a quantized layer
+    (quantized here in one pass if it arrives as floats); unused scale placeholders for float layers."""
     if not qtype:
-        return x, x, 0
+        return x, x, x, 0
     if qtype not in QTYPES or x_scale is None or w_scale is None:
         raise ValueError(f"a quantized kernel needs qtype int8/fp8 and both scales, got {qtype!r}")
+    if x.dtype != QTYPES[qtype]:
+        from .rescale import rescale
+
+        x = rescale(x, y_scale=x_scale, qtype=qtype)
     w_scale = w_scale.reshape(-1)
-    return x_scale, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0)  # one scale: read with stride 0
+    return x, x_scale, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0)  # one scale: read with stride 0
 
 
 def _params(act: str, params) -> tuple[float, float]:

@@ -44,9 +44,13 @@ def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch
     when y_scale is given. Scales go together (both or neither); w_scale has one or N values."""
     if act not in ACTIVATIONS or (x_scale is None) != (w_scale is None) or (y_scale is not None and qtype not in QTYPES):
         raise ValueError(f"rescale: unsupported activation {act!r} or scale combination (qtype {qtype!r})")
-    a = a.contiguous()
+    dtype = QTYPES[qtype] if y_scale is not None else out_dtype or a.dtype
+    if x_scale is None and bias is None and _dense(a):  # elementwise: walk memory in a's own order, keep its strides
+        y = torch.empty_like(a, dtype=dtype)
+    else:  # per-column scales or bias: row-major, n the last axis
+        a = a.contiguous()
+        y = torch.empty(a.shape, dtype=dtype, device=a.device)
     n = a.shape[-1]
-    y = torch.empty(a.shape, dtype=QTYPES[qtype] if y_scale is not None else out_dtype or a.dtype, device=a.device)
     if a.numel() == 0:
         return y
     ws = w_scale.reshape(-1) if w_scale is not None else a
@@ -57,6 +61,11 @@ def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch
         p0, p1, SCALED=x_scale is not None, HAS_BIAS=bias is not None, ACT=act,
         QUANT=qtype if y_scale is not None else "", BLOCK=BLOCK)
     return y
+
+
+def _dense(a: torch.Tensor) -> bool:
+    """Contiguous in some axis order that empty_like reproduces (row-major or channels-last)."""
+    return a.is_contiguous() or (a.dim() == 4 and a.is_contiguous(memory_format=torch.channels_last))
 
 
 def reference(a, x_scale=None, w_scale=None, bias=None, act="", params=(), y_scale=None, qtype="", out_dtype=None):
