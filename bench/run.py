@@ -102,13 +102,17 @@ def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
 
 
 def tactic_summary(engine) -> dict:
-    """What the builder chose per op type, and why candidates were excluded, naming up to three layers per
-    reason (for the next diagnosis)."""
+    """What the builder chose per op type, why candidates were excluded (naming up to three layers per
+    reason), and each candidate's timing summed over its layers (for the next diagnosis)."""
     from collections import Counter
 
-    chosen, excluded, where = Counter(), Counter(), {}
+    chosen, excluded, where, timed = Counter(), Counter(), {}, {}
     for rep in engine.tactics:
         chosen[f"{rep['op']}:{rep.get('chosen')}"] += 1
+        for name, ms in rep.get("timings", {}).items():  # each candidate's time summed over the layers it ran on
+            t = timed.setdefault(f"{rep['op']}:{name}", {"layers": 0, "ms": 0.0})
+            t["layers"] += 1
+            t["ms"] = round(t["ms"] + ms, 4)
         for name, why in rep.get("excluded", {}).items():
             key = f"{rep['op']}:{name.split('_')[0]}: {why[:90]}"
             excluded[key] += 1
@@ -116,7 +120,7 @@ def tactic_summary(engine) -> dict:
             if len(layers) < 3 and rep["layer"] not in layers:
                 layers.append(rep["layer"])
     return {"chosen": dict(chosen.most_common()),
-            "excluded": {k: {"count": c, "layers": where[k]} for k, c in excluded.most_common(12)}}
+            "excluded": {k: {"count": c, "layers": where[k]} for k, c in excluded.most_common(12)}, "timed": timed}
 
 
 def count_flops(model, inputs: dict) -> float:

@@ -132,14 +132,14 @@ CONFIGS: list[tuple[TileConfig, int]] = [
 
 
 # Quantized (QConv) configurations, offered at their own level (triton_gemm registers them unshifted:
-# without them an INT8/FP8 convolution only has the float fallback). Level 3 has one tile for the
-# large early layers and one for ResNet's 14x14 / 7x7 stages (fewer pixels: more programs); both
-# compile for sm_90 without register spills. BLOCK_K >= 32: 8-bit Tensor Core dots.
+# without them an INT8/FP8 convolution only has the float fallback). Level 3 has tiles for the
+# large early layers, for ResNet's 14x14 / 7x7 stages (fewer pixels: more programs) and a deep-K one
+# for the wide late layers; all compile for sm_90 without register spills. BLOCK_K >= 32: 8-bit Tensor Core dots.
 QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(128, 128, 64, 8, 3), 3),
     (TileConfig(64, 128, 64, 8, 3), 3),
     (TileConfig(128, 64, 64, 4, 4), 4),
-    (TileConfig(128, 128, 128, 8, 3), 4),
+    (TileConfig(128, 128, 128, 8, 3), 3),
     (TileConfig(64, 128, 128, 8, 3), 4),
     (TileConfig(128, 256, 64, 8, 3), 5),
     (TileConfig(256, 128, 64, 8, 3), 5),
