@@ -79,7 +79,8 @@ def run(graph: Graph) -> None:
         name = fused_name([mm])
         graph.initializers[f"{name}.weight_q"] = w_q.t().contiguous() if trans_b else w_q
         n_out = w_q.shape[0] if (conv or trans_b) else w_q.shape[1]
-        graph.initializers[f"{name}.weight_scale"] = w_scale.float().reshape(-1).expand(n_out).contiguous()
+        # One scale per tensor (kept as one: cuBLASLt's FP8 GEMM takes no other) or one per output channel.
+        graph.initializers[f"{name}.weight_scale"] = w_scale.float().reshape(-1).contiguous()
         bias, out = "", mm.outputs[0]
         if conv or mm.op_type == "Gemm":
             bias = mm.inputs[2] if len(mm.inputs) > 2 else ""
