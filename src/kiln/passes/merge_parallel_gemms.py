@@ -1,6 +1,8 @@
 """Parallel GEMMs reading one input (attention's Q, K, V) -> one wider GEMM + Split.
 
-One launch that reads the activation once instead of three.
+One launch that reads the activation once instead of three. Quantized GEMMs (QGemm) merge
+when they quantize that input alike (same type and scale): the input is then quantized once
+too; their weight scales become one per output channel unless they were one and the same.
 """
 
 from __future__ import annotations
@@ -10,33 +12,59 @@ import torch
 from ..ir.graph import Graph, Node
 from .rewrite import View, fused_name
 
+_BIAS_AT = {"FusedGemm": 2, "QGemm": 4}  # (x, w, bias) and (x, w_q, x_scale, w_scale, bias)
+
+
+def _key(view: View, n: Node) -> tuple | None:
+    """What GEMMs must share to merge: input, epilogue, K and weight type (and, quantized, how x is quantized)."""
+    if n.domain != "kiln" or n.op_type not in _BIAS_AT or view.const(n.inputs[1]) is None:
+        return None
+    w, at = view.const(n.inputs[1]), _BIAS_AT[n.op_type]
+    key = (n.op_type, n.inputs[0], n.attr("activation", ""), tuple(n.attr("activation_params", [])),
+           len(n.inputs) > at and bool(n.inputs[at]), w.shape[0], w.dtype)
+    if n.op_type == "FusedGemm":
+        return key
+    x_scale = view.const(n.inputs[2])
+    if len(n.inputs) > 5 or x_scale is None or x_scale.numel() != 1 or view.const(n.inputs[3]) is None:
+        return None
+    return key + (n.attr("qtype", "int8"), float(x_scale.reshape(-1)[0]), n.attr("x_quantized", 0))
+
+
+def _weight_scales(view: View, gemms: list[Node], widths: list[int]) -> torch.Tensor:
+    scales = [view.const(g.inputs[3]).float().reshape(-1) for g in gemms]
+    if all(s.numel() == 1 for s in scales) and all(torch.equal(s, scales[0]) for s in scales):
+        return scales[0].clone()
+    return torch.cat([s.expand(n) for s, n in zip(scales, widths)])
+
 
 def run(graph: Graph) -> None:
     view = View(graph)
     groups: dict[tuple, list[Node]] = {}
     for n in graph.nodes:
-        if n.op_type == "FusedGemm" and n.domain == "kiln":
-            w = view.const(n.inputs[1])
-            key = (n.inputs[0], n.attr("activation", ""), tuple(n.attr("activation_params", [])),
-                   bool(n.inputs[2]), w.shape[0], w.dtype)
+        key = _key(view, n)
+        if key is not None:
             groups.setdefault(key, []).append(n)
-    for (x, act, params, has_bias, _, _), gemms in groups.items():
+    for key, gemms in groups.items():
         if len(gemms) < 2:
             continue
+        quantized, has_bias, bias_at = key[0] == "QGemm", key[4], _BIAS_AT[key[0]]
         ws = [view.const(g.inputs[1]) for g in gemms]
+        widths = [w.shape[1] for w in ws]
         name = fused_name(gemms)
         w_name = f"merged_weight:{gemms[0].name}"
         graph.initializers[w_name] = torch.cat(ws, dim=1)
-        inputs = [x, w_name, ""]
+        inputs = [key[1], w_name, gemms[0].inputs[2], "", ""] if quantized else [key[1], w_name, ""]
+        if quantized:
+            inputs[3] = f"merged_weight_scale:{gemms[0].name}"
+            graph.initializers[inputs[3]] = _weight_scales(view, gemms, widths)
         if has_bias:
             b_name = f"merged_bias:{gemms[0].name}"
-            graph.initializers[b_name] = torch.cat([view.const(g.inputs[2]).reshape(-1) for g in gemms])
-            inputs[2] = b_name
+            graph.initializers[b_name] = torch.cat([view.const(g.inputs[bias_at]).reshape(-1) for g in gemms])
+            inputs[bias_at] = b_name
         wide = f"{gemms[0].outputs[0]}.merged"
-        merged = Node("FusedGemm", inputs, [wide], {"activation": act, "activation_params": list(params)},
-                      name=name, domain="kiln")
+        merged = Node(key[0], inputs, [wide], dict(gemms[0].attrs), name=name, domain="kiln")
         split_sizes = f"split_sizes:{gemms[0].name}"
-        graph.initializers[split_sizes] = torch.tensor([w.shape[1] for w in ws], dtype=torch.int64)
+        graph.initializers[split_sizes] = torch.tensor(widths, dtype=torch.int64)
         split = Node("Split", [wide, split_sizes], [g.outputs[0] for g in gemms], {"axis": -1},
                      name=f"split({name})")
         # At the first GEMM's place: later layers may read the first GEMM's output before the last GEMM ran.
