@@ -16,6 +16,7 @@ from ..ir.dtypes import FLOAT_TYPES
 from ..ir.graph import Graph, Node
 from ..ops.registry import lookup
 from ..tactics import implementation
+from .precision import saturating_cast
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,12 +31,12 @@ def cast_for(node: Node, entry, args: list):
         if not node.note.startswith(("kept FP32", "pinned")):
             return args
         want = torch.float32
-    return [
-        a.to(want)
-        if isinstance(a, torch.Tensor) and a.dtype in FLOAT_TYPES and a.dtype != want and i not in entry.host_inputs
-        else a
-        for i, a in enumerate(args)
-    ]
+    def cast(i, a):
+        if not isinstance(a, torch.Tensor) or a.dtype not in FLOAT_TYPES or a.dtype == want or i in entry.host_inputs:
+            return a
+        return saturating_cast(a, want) if i in entry.saturating_inputs else a.to(want)
+
+    return [cast(i, a) for i, a in enumerate(args)]
 
 
 def call_node(node: Node, args: list, env: MutableMapping | None = None) -> tuple:

@@ -60,7 +60,7 @@ def fused_gemm(node, x, w, b=None):
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
 
 
-@register("Attention", domain=KILN)
+@register("Attention", domain=KILN, saturating_inputs=(3,))
 def attention(node, q, k, v, mask=None):
     """softmax(q @ k^T * scale + mask) @ v, as one layer (SDPA/flash class).
 

@@ -42,6 +42,9 @@ class OpEntry:
     keep_fp32: str | None = None
     # Ops whose inputs are not cast to the layer precision (Cast, Q/DQ, ...).
     keeps_input_types: bool = False
+    # Input positions narrowed to the layer precision saturating (finite stays finite): an attention
+    # mask's "masked" constant, float32's lowest value, must not become -inf in FP16.
+    saturating_inputs: tuple[int, ...] = ()
     # Control flow: impl also receives `scope=` (the enclosing values) to run subgraphs.
     uses_scope: bool = False
     # Returns a reason string when this node's attributes/inputs are outside
