@@ -1,9 +1,10 @@
 """Quantization-aware training: fake-quant with learned (LSQ) scales, exported as Q/DQ ONNX.
 
-    net = kiln.quant.qat.prepare(net, bits=8, weight_bits=4, group_size=32)
+    net = kiln.quant.qat.prepare(net, bits=8, weight_bits=4, group_size=32,
+                                 calib=x_calib)         # optional: input scales from calibration
     opt = torch.optim.Adam(net.parameters(), lr=1e-4)   # after prepare: the scales are parameters
-    for x, y in loader:                                 # the user's own loop; the first batch
-        loss = F.cross_entropy(net(x), y)               # initializes the input scales
+    for x, y in loader:                                 # the user's own loop; without calib, the
+        loss = F.cross_entropy(net(x), y)               # first batch initializes the input scales
         opt.zero_grad(); loss.backward(); opt.step()
     model = kiln.quant.qat.export_onnx(net, (x[:2],), "net_qdq.onnx")
     engine = kiln.build(model)
@@ -19,11 +20,17 @@ Fake quantization is LSQ (Esser et al., "Learned Step Size Quantization"):
 with a straight-through estimator for the rounding (gradient 1 inside the range,
 0 outside) and the step s a Parameter whose gradient is scaled by
 1 / sqrt(n * Qp) (n: the elements one scale covers). Weight scales start at
-max|w| / Qp of their channel or group (the naive post-training rounding); input
-scales start at max|x| / Qp of the first batch the layer sees. An input whose
-first batch has no negative values (after a ReLU) is quantized unsigned
-(UINT8 / UINT4, zero point 0); others signed. Weights are symmetric and
-narrow-range ([-127, 127], [-7, 7]); all zero points are 0.
+max|w| / Qp of their channel or group (the naive post-training rounding). Input
+scales start at amax / Qp: by default amax = max|x| of the first batch the layer
+sees whose max is finite and nonzero (an all-zero input, such as an RNN's state
+at step 0, is skipped); with `prepare(..., calib=batches, calib_method=...)` (or
+`calibrate_inputs`), the amax that Kiln's post-training calibrator ("entropy",
+the default, "minmax" or "percentile") picks from the layer's float inputs over
+those batches, so QAT starts from the PTQ scales (on heavy-tailed inputs max|x|
+leaves few levels for the bulk of the values). An input with no negative values
+(after a ReLU) is quantized unsigned (UINT8 / UINT4, zero point 0); others
+signed. Weights are symmetric and narrow-range ([-127, 127], [-7, 7]); all zero
+points are 0.
 
 `export_onnx` exports a float copy of the network (torch.onnx.export, dynamo)
 and inserts QuantizeLinear -> DequantizeLinear pairs with the learned scales in
@@ -80,6 +87,7 @@ class FakeQuantize(nn.Module):
         self.register_buffer("initialized", torch.tensor(False))
         self.register_buffer("signed", torch.tensor(bool(signed) if signed is not None else True))
         self.auto_sign = signed is None
+        self.enabled = True  # False: forward passes x through unchanged (float calibration passes)
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -128,9 +136,25 @@ class FakeQuantize(nn.Module):
         self.scale.data = s.reshape(self.scale.shape) if self.scale.numel() == s.numel() else s
         self.initialized.fill_(True)
 
+    @torch.no_grad()
+    def set_amax(self, amax: float, signed: bool | None = None) -> None:
+        """A per-tensor scale of amax / Qp (from a calibrator); `signed` overrides the sign (auto_sign only)."""
+        if self.axis is not None:
+            raise ConfigError("set_amax sets a per-tensor scale; this quantizer has one scale per channel or group.")
+        if signed is not None and self.auto_sign:
+            self.signed.fill_(bool(signed))
+        self.scale.data.fill_(max(float(amax), 1e-8) / self.qrange[1])
+        self.initialized.fill_(True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "enabled", True):
+            return x
         if not bool(self.initialized):
-            self.initialize(x)
+            # Only a batch with a positive, finite max sets the scale: an all-zero first input (an RNN's
+            # state at step 0) would give a scale of ~1e-8 that no later batch undoes.
+            m = x.detach().abs().max() if x.numel() else x.new_zeros(())
+            if bool(torch.isfinite(m)) and float(m) > 0:
+                self.initialize(x)
         qn, qp = self.qrange
         g = 1.0 / math.sqrt(self._per_scale_elements(x) * qp)
         s = self._layout(_grad_scale(self.scale, g).clamp(min=1e-8), x)
@@ -194,13 +218,16 @@ def _swap(layer: nn.Module, bits: int | None, weight_bits: int, group_size: int 
 
 
 def prepare(module: nn.Module, bits: int | None = 8, weight_bits: int = 8, group_size: int | None = None,
-            skip: tuple[str, ...] = ()) -> nn.Module:
+            skip: tuple[str, ...] = (), calib=None, calib_method: str = "entropy",
+            percentile: float = 99.99) -> nn.Module:
     """Fake-quantize every nn.Conv2d / nn.Linear of `module` (in place; returns it).
 
     bits: input (activation) bits, 8 or 4 (None: inputs stay float, weight-only).
     weight_bits: 8 or 4. group_size: group-wise weight scales for Linear layers
     (groups of that many input features; Conv2d keeps per-output-channel scales).
     skip: names of layers (as named_modules spells them) to leave in float.
+    calib: calibration inputs (see `calibrate_inputs`); the input scales then start from
+    `calib_method` ("entropy", "minmax" or "percentile") calibration instead of the first batch.
     Create the optimizer after prepare: the scales are new Parameters.
     """
     for b in (bits, weight_bits):
@@ -214,11 +241,14 @@ def prepare(module: nn.Module, bits: int | None = 8, weight_bits: int = 8, group
     if not targets and type(module) not in _SWAP:
         raise ConfigError(f"{type(module).__name__} has no nn.Conv2d or nn.Linear layer to quantize.")
     if type(module) in _SWAP and "" not in skip:
-        return _swap(module, bits, weight_bits, group_size)
-    for name, layer in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, _swap(layer, bits, weight_bits, group_size))
+        module = _swap(module, bits, weight_bits, group_size)
+    else:
+        for name, layer in targets:
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, _swap(layer, bits, weight_bits, group_size))
+    if calib is not None:
+        calibrate_inputs(module, calib, calib_method, percentile)
     return module
 
 
@@ -232,6 +262,96 @@ def calibrate(module: nn.Module, *example_inputs) -> nn.Module:
     """Initialize input scales that are still unset by running one batch (no gradients; eval mode kept)."""
     module(*example_inputs)
     return module
+
+
+def _batches(data) -> list:
+    """Calibration data as a list of forward() arguments: a tensor / array is one batch; otherwise an
+    iterable whose items are tensors / arrays (one input), tuples or lists (positional inputs) or dicts
+    (keyword inputs)."""
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        data = [data]
+    elif isinstance(data, (dict, str, bytes)) or not hasattr(data, "__iter__"):
+        raise ConfigError("calib must be a tensor or an iterable of input batches (tensors, tuples of tensors "
+                          f"or dicts of keyword inputs), not {type(data).__name__}.")
+    out = list(data)
+    if not out:
+        raise ConfigError("calib holds no batch.")
+    return out
+
+
+def _run(module: nn.Module, batch, device) -> None:
+    def conv(v):
+        v = torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+        return v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
+
+    if isinstance(batch, dict):
+        module(**{k: conv(v) for k, v in batch.items()})
+    elif isinstance(batch, (tuple, list)):
+        module(*[conv(v) for v in batch])
+    else:
+        module(conv(batch))
+
+
+@torch.no_grad()
+def calibrate_inputs(module: nn.Module, data, method: str = "entropy", percentile: float = 99.99,
+                     num_bins: int | None = None) -> dict[str, float]:
+    """Set every input scale of a prepared module from Kiln's post-training calibration (overwriting it).
+
+    The module runs in float (fake quantization off, eval mode) over `data`: a tensor (one batch) or an
+    iterable of batches, each a tensor, a tuple of positional inputs or a dict of keyword inputs (a
+    DataLoader yielding (x, y) pairs must be mapped to x first). Each quantized layer's input gets the
+    statistics Kiln's calibrate() takes on an FP32 engine (max |x|, then a histogram of |x| for entropy and
+    percentile) and the amax of kiln.quant.calibrators' `method`; scale = amax / Qp, unsigned if no input
+    value was negative. A layer whose inputs were all zero (or never seen) is left as it was.
+    Returns {layer name: amax}.
+    """
+    from .calibrate import _Collector
+    from .calibrators import DEFAULT_BINS, get_calibrator
+
+    calibrator = get_calibrator(method, percentile)
+    layers = {n: m for n, m in quant_layers(module).items() if m.input_quant is not None}
+    if not layers:
+        raise ConfigError("the module has no fake-quantized input to calibrate; prepare it with bits=8 or 4.")
+    batches = _batches(data)
+    device = next((p.device for p in module.parameters()), None)
+    quantizers = [m for m in module.modules() if isinstance(m, FakeQuantize)]
+    was_training = module.training
+    bins = num_bins or DEFAULT_BINS
+    col = [_Collector(bins)]
+    key = {n: n or "<module>" for n in layers}  # the collector skips empty names
+
+    def observe(name):
+        def hook(_layer, args):
+            col[0].add(name, args[0])
+        return hook
+
+    handles = [m.register_forward_pre_hook(observe(key[n])) for n, m in layers.items()]
+    try:
+        for q in quantizers:
+            q.enabled = False
+        module.eval()
+        for b in batches:  # pass 1: ranges
+            _run(module, b, device)
+        stats = col[0].stats
+        if calibrator.needs_histogram:  # pass 2: histograms of |x| over [0, max |x|], as calibrate() takes
+            col[0] = _Collector(bins, ranges=False, stats=stats,
+                                hist_ranges={k: s.absmax or 0.0 for k, s in stats.items()})
+            for b in batches:
+                _run(module, b, device)
+    finally:
+        for h in handles:
+            h.remove()
+        for q in quantizers:
+            q.enabled = True
+        module.train(was_training)
+    amax = {}
+    for name, layer in layers.items():
+        s = stats.get(key[name])
+        if s is None or s.absmax is None or not s.absmax > 0:
+            continue
+        amax[name] = calibrator.amax(s.absmax, s.hist, s.hist_max)
+        layer.input_quant.set_amax(amax[name], signed=s.min < 0)
+    return amax
 
 
 def strip(module: nn.Module) -> nn.Module:
