@@ -36,6 +36,7 @@ def _smem_limit(device_index: int) -> int:
 
 
 def _fits(x: torch.Tensor, smem_bytes: int) -> bool:
+    """Shared memory fits the device (a quantized kernel stages 8-bit x tiles, whatever x arrives as)."""
     return smem_bytes <= _smem_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
@@ -84,7 +85,7 @@ def _gemm_applies(config, quant: bool = False):
         if not gemm.supports(x, w, b, node.attr("activation", ""), node.attr("qtype", "int8") if quant else ""):
             return False
         m = x.numel() // x.shape[-1]
-        return (_fits(x, config.smem_bytes(x.element_size(), w.element_size()))
+        return (_fits(x, config.smem_bytes(w.element_size() if quant else x.element_size(), w.element_size()))
                 and _not_oversized(config.block_m, m) and _not_oversized(config.block_n, w.shape[1]))
 
     return applies
@@ -119,7 +120,7 @@ def _conv_applies(config, quant: bool = False):
         if not conv.supports(node, x, w, b, z, node.attr("qtype", "int8") if quant else ""):
             return False
         oh, ow = conv.geometry(node, x, w)[3]
-        return (_fits(x, config.smem_bytes(x.element_size(), w.element_size()))
+        return (_fits(x, config.smem_bytes(w.element_size() if quant else x.element_size(), w.element_size()))
                 and _not_oversized(config.block_m, x.shape[0] * oh * ow) and _not_oversized(config.block_n, w.shape[0]))
 
     return applies
