@@ -162,7 +162,8 @@ def _tactics(op, prefix):
 
 
 def test_tactic_names_and_levels():
-    for op, prefix, at_default_level in (("QGemm", "triton_qgemm_", 4), ("QConv", "triton_qconv_", 3)):
+    for op, prefix, at_default_level in (("QGemm", "triton_qgemm_", 4), ("QConv", "triton_qconv_", 3),
+                                         ("QConv", "triton_qconv1x1_", 4)):
         tactics = _tactics(op, prefix)
         assert sum(t.level == 3 for t in tactics) == at_default_level and all(3 <= t.level <= 5 for t in tactics), op
         assert len({t.name for t in tactics}) == len(tactics) >= 5
@@ -259,3 +260,45 @@ def test_int8_conv_tactics_match_the_reference_on_resnet50_layers(layer):
         assert t.applies(node, args), t.name
         ok, why = _close(t.fn(node, *args), want, "int8")
         assert ok, f"{t.name}: {why}"
+    pointwise = [t for t in _tactics("QConv", "triton_qconv1x1_") if t.level <= 3 and t.applies(node, args)]
+    assert bool(pointwise) == (k == 1 and s == 1)  # 1x1 layers also run through the GEMM kernel
+    for t in pointwise:
+        ok, why = _close(t.fn(node, *args), want, "int8")
+        assert ok, f"{t.name}: {why}"
+
+
+# --- 1x1 convolutions through the GEMM kernel -------------------------------------------------
+@pytest.mark.parametrize("x_int8, y_int8, residual", [(False, False, True), (True, True, False), (True, False, True)])
+def test_pointwise_qconv_as_a_gemm_matches_the_reference(x_int8, y_int8, residual):
+    from kiln.tactics.select import _close
+
+    node = _qconv_node(1, act="Relu")
+    node.precision = "int8"
+    sx, sy = torch.tensor(0.031, device=DEV), torch.tensor(0.07, device=DEV)
+    x = _rand(2, 40, 3, 5, seed=30).to(memory_format=torch.channels_last)
+    if x_int8:
+        node.attrs.update(x_quantized=1, float_type="float32")
+        x = quantize_int8(x, sx)
+    w = _weights(24, 40, 1, 1, seed=31).to(memory_format=torch.channels_last)
+    sw, b = _scales(24, seed=32), _rand(24, seed=33)
+    z = _rand(2, 24, 3, 5, seed=34).to(memory_format=torch.channels_last) if residual else None
+    assert conv.is_pointwise(node, x, w, z)
+    args = [x, w, sx, sw, b, z] + ([sy] if y_int8 else [])
+    y = conv.pointwise_as_gemm(node, *args[:2], b, z, config=SMALL, x_scale=sx, w_scale=sw,
+                               y_scale=sy if y_int8 else None, out_dtype=torch.float32)
+    want = qconv(node, *args)
+    assert y.shape == want.shape and y.dtype == want.dtype and y.is_contiguous(memory_format=torch.channels_last)
+    ok, why = _close(y, want, "int8")
+    assert ok, why
+
+
+def test_only_unpadded_stride_1_pointwise_layers_of_channels_last_data_go_through_the_gemm():
+    x = torch.randn(1, 8, 4, 4).to(memory_format=torch.channels_last)
+    w = torch.zeros(6, 8, 1, 1, dtype=torch.int8)
+    assert conv.is_pointwise(_qconv_node(1), x, w, None)
+    assert not conv.is_pointwise(_qconv_node(1), x.contiguous(), w, None)  # NCHW rows are not contiguous
+    assert not conv.is_pointwise(_qconv_node(1, strides=(2, 2)), x, w, None)  # a downsampling 1x1
+    assert not conv.is_pointwise(_qconv_node(1, pads=(1, 1, 1, 1)), x, w, None)
+    assert not conv.is_pointwise(_qconv_node(3), x, torch.zeros(6, 8, 3, 3, dtype=torch.int8), None)
+    z = torch.randn(1, 6, 1, 4).to(memory_format=torch.channels_last)  # broadcast residual: the conv kernel's
+    assert not conv.is_pointwise(_qconv_node(1), x, w, z)

@@ -91,9 +91,10 @@ def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
-                 stride_xm, stride_xk, stride_wk, stride_wn, stride_ym, stride_yn, stride_ws, p0, p1,
-                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
+                 stride_xm, stride_xk, stride_wk, stride_wn, stride_zm, stride_zn, stride_ym, stride_yn, stride_ws,
+                 p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+                 EVEN_K: tl.constexpr,
                  QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -132,6 +133,8 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
     acc = dequantize(acc, xs_ptr, ws_ptr, rbn, stride_ws, QUANT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rbn).to(tl.float32)[None, :]
+    if HAS_Z:  # a residual (a 1x1 convolution's shortcut, see conv.pointwise_as_gemm)
+        acc += tl.load(z_ptr + ram[:, None] * stride_zm + rbn[None, :] * stride_zn).to(tl.float32)
     acc = epilogue(acc, ACT, p0, p1)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
     if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
@@ -228,8 +231,9 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
          config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None,
          qtype: str = "", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-         y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
-    """act(x @ w + b) for x [.., K], w [K, N]; returns [.., N] in x's dtype (written into `out` if given).
+         y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None):
+    """act(x @ w + b [+ z]) for x [.., K], w [K, N], z of the output's shape; returns [.., N] in x's dtype
+    (written into `out` if given).
 
     qtype "int8" / "fp8": a QGemm, act(x_scale * w_scale * (q(x) @ w) + b) with w the quantized weights;
     x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
@@ -246,12 +250,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     bias = b.reshape(-1) if b is not None else None
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    z2 = z.reshape(M, N) if z is not None else None
     x2, xs, ws, stride_ws = quant_args(x2, qtype, x_scale, w_scale)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
-        x2, w, bias if bias is not None else x2, y2, xs, ws, y_scale if y_scale is not None else xs, M, N, K,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
-        HAS_BIAS=bias is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
+        x2, w, bias if bias is not None else x2, z2 if z2 is not None else x2, y2, xs, ws,
+        y_scale if y_scale is not None else xs, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+        *(z2.stride() if z2 is not None else (0, 0)), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
+        HAS_BIAS=bias is not None, HAS_Z=z2 is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
         EVEN_K=K % config.block_k == 0, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -7,9 +7,10 @@ the builder's timer picks the configuration per layer and shape on the target GP
   Attention  triton_flash_m<BM>_n<BN>_w<warps>_s<stages>     kiln/kernels/attention.py
   QGemm      triton_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>  gemm.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
+  QConv      triton_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  1x1 convolutions as gemm.py GEMMs
 A few configurations per layer type from level 4, more at level 5 (each kernel's CONFIGS
 level plus one, see _LEVEL_SHIFT). The quantized ones are offered at their QUANT_CONFIGS level
-(two each from the default level 3): they are the only integer/FP8 kernels most INT8/FP8
+(several from the default level 3): they are the only integer/FP8 kernels most INT8/FP8
 convolutions have, the alternative being the float fallback (dequantized_conv).
 applies() refuses what a kernel cannot run: non-CUDA tensors, other dtypes, FP8 below sm_89,
 grouped or non-2-D convolutions, unsupported head dims, a configuration whose pipeline
@@ -142,6 +143,34 @@ def _conv_run(config, quant: bool = False):
     return run_quant if quant else run
 
 
+# --- QConv 1x1 as a GEMM ---------------------------------------------------------
+def _pointwise_applies(config):
+    def applies(node, args) -> bool:
+        from ..kernels import conv
+
+        x, w, b, z = _operands(args, True)
+        if not _precision_ok(node, args, True, 0) or not conv.supports(node, x, w, b, z, node.attr("qtype", "int8")):
+            return False
+        if not conv.is_pointwise(node, x, w, z):
+            return False
+        m = x.numel() // x.shape[1]
+        return (_fits(x, config.smem_bytes(w.element_size(), w.element_size()))
+                and _not_oversized(config.block_m, m) and _not_oversized(config.block_n, w.shape[0]))
+
+    return applies
+
+
+def _pointwise_run(config):
+    def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
+        from ..kernels import conv
+        from ..ops.fused import float_type
+
+        return conv.pointwise_as_gemm(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale,
+                                      y_scale=y_scale, out_dtype=float_type(node, x))
+
+    return run
+
+
 # --- Attention ------------------------------------------------------------------
 def _flash_applies(config):
     def applies(node, args) -> bool:
@@ -190,6 +219,8 @@ def _register() -> None:
         tactic("QGemm", f"triton_qgemm_{cfg.name}", _gemm_applies(cfg, True), level=level)(_gemm_run(cfg, True))
     for cfg, level in conv.QUANT_CONFIGS:
         tactic("QConv", f"triton_qconv_{cfg.name}", _conv_applies(cfg, True), level=level)(_conv_run(cfg, True))
+    for cfg, level in gemm.QUANT_CONFIGS:  # 1x1 convolutions through the GEMM kernel
+        tactic("QConv", f"triton_qconv1x1_{cfg.name}", _pointwise_applies(cfg), level=level)(_pointwise_run(cfg))
 
 
 try:
