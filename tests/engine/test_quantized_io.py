@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnxruntime as ort
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
@@ -53,3 +54,51 @@ def test_quantized_layers_pass_int8_activations_and_still_match_onnxruntime():
     assert np.abs(got - ref).max() <= 0.1 * max(1.0, np.abs(ref).max())
     result = compare(model, engine, [{"x": x}], layerwise=True)  # the int8 tensor is scaled back to compare
     assert result.outputs[0].passed and all(layer.passed for layer in result.layers)
+
+
+def _residual_block():
+    """y = LayerNorm(a + b); out = MatMul(y, w) + c + y: y is read by a GEMM (quantized in an INT8 build)
+    and as a float residual, as BERT reads each LayerNorm's output."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "beta"),
+             numpy_helper.from_array((rng.standard_normal((16, 16)) / 4).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "c")]
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1),
+             helper.make_node("MatMul", ["y", "w"], ["h"]), helper.make_node("Add", ["h", "c"], ["hc"]),
+             helper.make_node("Add", ["hc", "y"], ["out"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 8, 16]) for n in ("a", "b", "out")]
+    g = helper.make_graph(nodes, "block", io[:2], io[2:], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_a_layernorm_read_as_float_and_by_a_quantized_gemm_writes_both(tmp_path):
+    model = _residual_block()
+    rng = np.random.default_rng(1)
+    feeds = lambda n: {k: rng.standard_normal((n, 8, 16)).astype(np.float32) for k in "ab"}  # noqa: E731
+    prof = kiln.Profile({k: ((1, 8, 16), (2, 8, 16), (4, 8, 16)) for k in "ab"})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True,
+                                                calib=[feeds(2) for _ in range(8)]))
+    ln, gemm = [n for n in engine.graph.nodes if n.op_type in ("SkipLayerNorm", "QGemm")]
+    assert ln.outputs[2] == gemm.inputs[0] == "y.int8" and ln.inputs[4] == gemm.inputs[2]
+    assert gemm.attrs["x_quantized"] == 1 and ln.attrs["qtype"] == "int8"
+    x = feeds(3)
+    seen = {}
+
+    def observe(node, outs):
+        if outs is not None:
+            seen.update(zip(node.outputs, outs))
+
+    engine.create_execution_context().run_layerwise(x, observe)
+    assert seen["y.int8"].dtype == torch.int8 and seen["y"].dtype == torch.float32  # both copies
+    scale = engine.graph.initializers[ln.inputs[4]]
+    assert torch.equal(seen["y.int8"], torch.clamp(torch.round(seen["y"] / scale), -128, 127).to(torch.int8))
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    got = engine.create_execution_context().run(x)["out"]
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()  # INT8 GEMM error only
+    assert compare(model, engine, [x], layerwise=True).outputs[0].passed
+    engine.save(tmp_path / "block.kiln")  # the extra output survives the engine file
+    again = kiln.load(tmp_path / "block.kiln")
+    assert [n.outputs for n in again.graph.nodes] == [n.outputs for n in engine.graph.nodes]
+    np.testing.assert_array_equal(again.create_execution_context().run(x)["out"], got)

@@ -8,6 +8,10 @@ quantized again, and the readers' GEMMs read 8-bit tiles straight from memory. R
 compute their epilogue in the engine's float type (attribute float_type), since their
 input no longer carries one. Every quantized layer records that type, so a float fallback
 computes in 16 bits only where the build allowed 16-bit floats.
+
+A residual add + LayerNorm (kiln::SkipLayerNorm) whose rows are also read as float (the next
+residual) writes a second, 8-bit copy of them for its quantized readers (input q_scale, attribute
+qtype, third output): BERT's QKV and FFN1 GEMMs then read 8-bit tiles with no quantize pass.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ Y_SCALE_INPUT = {"QGemm": 5, "QConv": 6}  # after (x, w_q, x_scale, w_scale, bia
 
 def _quantized(n: Node) -> bool:
     return n.domain == "kiln" and n.op_type in QUANTIZED and n.placement == "device"
+
+
+def _x_scale(graph: Graph, r: Node) -> float | None:
+    """The constant scale a quantized layer quantizes its input with, else None."""
+    s = graph.initializers.get(r.inputs[2])
+    return float(s.reshape(-1)[0]) if s is not None else None
 
 
 def link(graph: Graph, float_precision: str) -> None:
@@ -39,8 +49,7 @@ def link(graph: Graph, float_precision: str) -> None:
         if not all(_quantized(r) and r.inputs[0] == out and out not in r.inputs[1:] and r.attr("qtype", "int8") == qtype
                    for r in users):
             continue
-        scales = {float(graph.initializers[r.inputs[2]].reshape(-1)[0]) if r.inputs[2] in graph.initializers else None
-                  for r in users}
+        scales = {_x_scale(graph, r) for r in users}
         if len(scales) != 1 or None in scales:
             continue
         at = Y_SCALE_INPUT[n.op_type]
@@ -48,3 +57,25 @@ def link(graph: Graph, float_precision: str) -> None:
         n.inputs[at] = users[0].inputs[2]
         for r in users:
             r.attrs["x_quantized"] = 1
+    for n in list(graph.nodes):
+        if n.op_type == "SkipLayerNorm" and n.domain == "kiln" and n.placement == "device":
+            _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
+
+
+def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> None:
+    """Give a SkipLayerNorm an 8-bit copy of its rows when quantized layers read them with one scale."""
+    out = n.outputs[0]
+    quantized = [r for r in users if _quantized(r) and r.inputs[0] == out and out not in r.inputs[1:]
+                 and not r.attr("x_quantized", 0)]
+    kinds = {(r.attr("qtype", "int8"), _x_scale(graph, r)) for r in quantized}
+    if not quantized or len(kinds) != 1 or None in next(iter(kinds)):
+        return
+    qtype = next(iter(kinds))[0]
+    copy = f"{out}.{qtype}"
+    n.inputs = n.inputs + [""] * (5 - len(n.inputs))
+    n.inputs[4] = quantized[0].inputs[2]
+    n.outputs = n.outputs + [""] * (2 - len(n.outputs)) + [copy]
+    n.attrs["qtype"] = qtype
+    for r in quantized:
+        r.inputs[0] = copy
+        r.attrs["x_quantized"] = 1

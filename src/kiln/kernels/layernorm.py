@@ -2,7 +2,8 @@
 
 Rows are read through two leading strides, so a transposed view (ViT's sequence-first
 attention output, say) is read where it lies instead of being copied first; outputs are
-contiguous.
+contiguous. With a scale and a qtype it also writes the normalized rows as int8 / FP8 values,
+the input of the quantized GEMMs after it (BERT's QKV and FFN1), so they need no quantize pass.
 
 Reference: torch.nn.functional.layer_norm(a + b, ...), second output a + b.
 """
@@ -13,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import QTYPES, quantize
+
 
 @triton.jit
-def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, n_cols, eps, rows1, sa0, sa1, sb0, sb1,
-                           HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr):
+def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, n_cols, eps, rows1,
+                           sa0, sa1, sb0, sb1, HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr,
+                           QUANT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)
@@ -32,7 +36,10 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, n_cols, 
     y = d * rstd * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BETA:
         y += tl.load(beta_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + off, y, mask=mask)
+    if QUANT != "":  # quantized from the stored (rounded) values, as a reader quantizing y itself would
+        tl.store(q_ptr + off, quantize(y, qs_ptr, QUANT).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor):
@@ -52,19 +59,23 @@ def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
             and gamma.numel() == a.shape[-1] and a.shape[-1] <= 16384 and a.numel() > 0)
 
 
-def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True):
+def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
+                   q_scale: torch.Tensor | None = None, qtype: str = ""):
+    """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype])."""
     n = a.shape[-1]
     rows = a.numel() // n
     a3, b3 = _rows(a), _rows(b)
     y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     s = torch.empty(a.shape, dtype=a.dtype, device=a.device) if write_sum else y
+    q = torch.empty(a.shape, dtype=QTYPES[qtype], device=a.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
     _skip_layernorm_kernel[(rows,)](
-        a, b, gamma, beta if beta is not None else gamma, y, s, n, eps,
-        a3.shape[1], a3.stride(0), a3.stride(1), b3.stride(0), b3.stride(1),
-        HAS_BETA=beta is not None, WRITE_SUM=write_sum, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        a, b, gamma, beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q, n, eps,
+        a3.shape[1], a3.stride(0), a3.stride(1), b3.stride(0), b3.stride(1), HAS_BETA=beta is not None,
+        WRITE_SUM=write_sum, QUANT=qtype if q_scale is not None else "", BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
     )
-    return y, (s if write_sum else None)
+    return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 
 
 def reference(a, b, gamma, beta=None, eps: float = 1e-5):

@@ -81,11 +81,13 @@ def attention(node, q, k, v, mask=None):
 
 
 @register("SkipLayerNorm", domain=KILN)
-def skip_layer_norm(node, a, b, gamma, beta=None):
-    """LayerNorm(a + b) over the last axis; second output is the sum (residual stream)."""
+def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
+    """LayerNorm(a + b) over the last axis; second output is the sum (residual stream). With q_scale (input 4,
+    attribute qtype), a third output: the normalized rows as 8-bit values for the quantized layers that read
+    them (kiln/engine/quantized_io.py)."""
     s = a + b
     y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
-    return y, s
+    return (y, s) if q_scale is None else (y, s, quantize(node, y, q_scale))
 
 
 # --- generated elementwise chains ------------------------------------------------

@@ -208,9 +208,12 @@ tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspa
 
 # --- SkipLayerNorm ------------------------------------------------------------
 @tactic("SkipLayerNorm", "add_then_layer_norm", lambda n, a: a[0].is_cuda)
-def add_then_layer_norm(node, a, b, gamma, beta=None):
+def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
+    from ..kernels.rescale import rescale
+
     s = a + b
-    return F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5)), s
+    y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
+    return (y, s) if q_scale is None else (y, s, rescale(y, y_scale=q_scale, qtype=node.attr("qtype", "int8")))
 
 
 # --- QGemm on cuBLASLt (INT8, FP8) ------------------------------------------------

@@ -41,6 +41,8 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     refs = ref if isinstance(ref, (tuple, list)) else (ref,)
     worst, worst_8bit = 0.0, 0.0
+    if len(outs) != len(refs):
+        return False, f"{len(outs)} outputs where the reference gives {len(refs)}"
     for o, r in zip(outs, refs):
         if r is None or o is None:
             continue

@@ -15,12 +15,12 @@ def _skip_ln_ok(node, args) -> bool:
 
 
 @tactic("SkipLayerNorm", "triton_fused_add_layernorm", _skip_ln_ok, level=3)
-def triton_skip_layernorm(node, a, b, gamma, beta=None):
+def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None):
     from ..kernels import layernorm
 
-    y, s = layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
-                                    node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]))
-    return y, s
+    return layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
+                                    node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]),
+                                    q_scale=q_scale, qtype=node.attr("qtype", "int8"))
 
 
 def _elementwise_ok(node, args) -> bool:
