@@ -265,6 +265,12 @@ def test_int8_conv_tactics_match_the_reference_on_resnet50_layers(layer):
     for t in pointwise:
         ok, why = _close(t.fn(node, *args), want, "int8")
         assert ok, f"{t.name}: {why}"
+    if not y_int8:  # a float output can also be written as an int8 copy for quantized readers
+        args = args + [None, sy]
+        want = qconv(node, *args)
+        for t in [t for t in _tactics("QConv", "triton_qconv") if t.level <= 3 and t.applies(node, args)]:
+            ok, why = _close(t.fn(node, *args), want, "int8")
+            assert ok, f"{t.name} with a copy: {why}"
 
 
 # --- 1x1 convolutions through the GEMM kernel -------------------------------------------------
@@ -302,3 +308,20 @@ def test_only_unpadded_stride_1_pointwise_layers_of_channels_last_data_go_throug
     assert not conv.is_pointwise(_qconv_node(3), x, torch.zeros(6, 8, 3, 3, dtype=torch.int8), None)
     z = torch.randn(1, 6, 1, 4).to(memory_format=torch.channels_last)  # broadcast residual: the conv kernel's
     assert not conv.is_pointwise(_qconv_node(1), x, w, z)
+
+
+@pytest.mark.parametrize("pointwise", [False, True])
+def test_a_conv_writes_an_int8_copy_of_its_float_output(pointwise):
+    """A ResNet block's output is read as float (the residual) and as int8 (the next convolution): one kernel
+    writes both, the copy quantized from the stored float values."""
+    node = _qconv_node(1 if pointwise else 3, pads=(0,) * 4 if pointwise else (1,) * 4, act="Relu")
+    x = _rand(2, 40, 3, 5, seed=40).to(memory_format=torch.channels_last)
+    w = _weights(24, 40, *node.attr("kernel_shape"), seed=41).to(memory_format=torch.channels_last)
+    sx, sw, b, sq = torch.tensor(0.031, device=DEV), _scales(24, seed=42), _rand(24, seed=43), torch.tensor(0.0625)
+    run = conv.pointwise_as_gemm if pointwise else conv.conv2d
+    y, q = run(node, x, w, b, None, config=SMALL, x_scale=sx, w_scale=sw, out_dtype=torch.float32,
+               q_scale=sq.to(DEV))
+    want_y, want_q = qconv(node, x, w, sx, sw, b, None, None, sq.to(DEV))
+    torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+    assert q.dtype == torch.int8 and q.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(q, quantize_int8(y, sq.to(DEV)))  # exactly what a reader quantizing y would get

@@ -9,9 +9,11 @@ compute their epilogue in the engine's float type (attribute float_type), since 
 input no longer carries one. Every quantized layer records that type, so a float fallback
 computes in 16 bits only where the build allowed 16-bit floats.
 
-A residual add + LayerNorm (kiln::SkipLayerNorm) whose rows are also read as float (the next
-residual) writes a second, 8-bit copy of them for its quantized readers (input q_scale, attribute
-qtype, third output): BERT's QKV and FFN1 GEMMs then read 8-bit tiles with no quantize pass.
+An output read both as float and by quantized layers is written twice instead, float and as an
+8-bit copy for the quantized readers (input q_scale, one more output): a residual add + LayerNorm
+(kiln::SkipLayerNorm; attribute qtype), whose rows BERT's QKV and FFN1 GEMMs read and the next
+residual adds, and a QConv, whose output (a ResNet block's) the next block's first convolution
+reads and its last one adds as the residual. Those readers then need no quantize pass.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from ..ir.graph import Graph, Node
 
 QUANTIZED = ("QGemm", "QConv")
 Y_SCALE_INPUT = {"QGemm": 5, "QConv": 6}  # after (x, w_q, x_scale, w_scale, bias[, z])
+# Producers that can also write an 8-bit copy: (input q_scale, output of the copy)
+COPY_AT = {"SkipLayerNorm": (4, 2), "QConv": (7, 1)}
 
 
 def _quantized(n: Node) -> bool:
@@ -57,13 +61,13 @@ def link(graph: Graph, float_precision: str) -> None:
         n.inputs[at] = users[0].inputs[2]
         for r in users:
             r.attrs["x_quantized"] = 1
-    for n in list(graph.nodes):
-        if n.op_type == "SkipLayerNorm" and n.domain == "kiln" and n.placement == "device":
+    for n in graph.nodes:
+        if n.domain == "kiln" and n.op_type in COPY_AT and n.placement == "device" and n.outputs:
             _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
 
 
 def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> None:
-    """Give a SkipLayerNorm an 8-bit copy of its rows when quantized layers read them with one scale."""
+    """Give n an 8-bit copy of its output when quantized layers read it with one scale (others as float)."""
     out = n.outputs[0]
     quantized = [r for r in users if _quantized(r) and r.inputs[0] == out and out not in r.inputs[1:]
                  and not r.attr("x_quantized", 0)]
@@ -71,10 +75,14 @@ def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> Non
     if not quantized or len(kinds) != 1 or None in next(iter(kinds)):
         return
     qtype = next(iter(kinds))[0]
+    at_y = Y_SCALE_INPUT.get(n.op_type)
+    if at_y is not None and (n.attr("qtype", "int8") != qtype or (len(n.inputs) > at_y and n.inputs[at_y])):
+        return  # a copy in another 8-bit type than the layer's, or an output that is 8-bit already
+    at_in, at_out = COPY_AT[n.op_type]
     copy = f"{out}.{qtype}"
-    n.inputs = n.inputs + [""] * (5 - len(n.inputs))
-    n.inputs[4] = quantized[0].inputs[2]
-    n.outputs = n.outputs + [""] * (2 - len(n.outputs)) + [copy]
+    n.inputs = n.inputs + [""] * (at_in + 1 - len(n.inputs))
+    n.inputs[at_in] = quantized[0].inputs[2]
+    n.outputs = n.outputs + [""] * (at_out - len(n.outputs)) + [copy]
     n.attrs["qtype"] = qtype
     for r in quantized:
         r.inputs[0] = copy

@@ -46,12 +46,12 @@ FLAT_BELOW_C = 32  # input channels below which K is walked flat
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr,
                  C, H, W, OC, OH, OW, M, KW, KTOT,
                  sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw, stride_ws,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, FLAT: tl.constexpr,
+                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, FLAT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -119,7 +119,11 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr,
     y_ptrs = y_ptr + rm[:, None] * OC + rn[None, :]
     if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
         acc = quantize(acc, ys_ptr, QUANT)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < OC))
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < OC))
+    if COPY:  # an 8-bit copy for quantized readers, from the stored values (as they would quantize them)
+        q = quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rm[:, None] * OC + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < OC))
 
 
 CONFIGS: list[tuple[TileConfig, int]] = [
@@ -207,12 +211,13 @@ def block_k_for(config: TileConfig, channels: int) -> tuple[int, bool]:
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
            config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None,
            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-           y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           q_scale: torch.Tensor | None = None):
     """act(conv2d(x, w) + b + z) with the node's ONNX attributes; channels-last output of x's dtype.
 
     A QConv node (attribute qtype): act(x_scale * w_scale * conv2d(q(x), w) + b + z), w its quantized weights;
     x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
-    with y_scale.
+    with y_scale; with q_scale, (y, y quantized with q_scale) are returned.
     `out`, if given, is the [N, OH, OW, OC] contiguous buffer to write into.
     """
     strides, dilations, pads, (OH, OW) = geometry(node, x, w)
@@ -222,6 +227,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
     y_dtype = QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype
     y = out if out is not None else torch.empty((N, OH, OW, OC), dtype=y_dtype, device=x.device)
+    q = torch.empty((N, OH, OW, OC), dtype=QTYPES[qtype], device=x.device) if q_scale is not None else y
     act = node.attr("activation", "")
     p0, p1 = _params(act, node.attr("activation_params", []))
     if b is not None:
@@ -237,15 +243,16 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)
     _conv_kernel[grid](
         x, w, b if b is not None else w, z if z is not None else w, y, xs, ws, y_scale if y_scale is not None else xs,
+        q_scale if q_scale is not None else xs, q,
         C, H, W, OC, OH, OW, M, KW, KH * KW * C,
         *x.stride(), *w.stride(), *zs, stride_ws,
         strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision, qtype),
-        QUANT=qtype, Y_QUANTIZED=y_scale is not None, FLAT=flat,
+        QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, FLAT=flat,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return y.permute(0, 3, 1, 2)
+    return y.permute(0, 3, 1, 2) if q_scale is None else (y.permute(0, 3, 1, 2), q.permute(0, 3, 1, 2))
 
 
 # --- 1x1 convolutions as GEMMs ---------------------------------------------------------------
@@ -272,15 +279,17 @@ def is_pointwise(node, x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None)
 def pointwise_as_gemm(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                       z: torch.Tensor | None = None, config: TileConfig = CONFIGS[0][0],
                       x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                      y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      q_scale: torch.Tensor | None = None):
     """conv2d's result for an is_pointwise layer, computed by gemm.gemm; channels-last like conv2d's."""
     N, _, H, W = x.shape
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
-    y = gemm.gemm(_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, node.attr("activation", ""),
-                  node.attr("activation_params", []), config=config, precision=node.precision, qtype=qtype,
-                  x_scale=x_scale, w_scale=w_scale, y_scale=y_scale, out_dtype=out_dtype,
-                  z=_rows(z) if z is not None else None)
-    return y.view(N, H, W, -1).permute(0, 3, 1, 2)
+    ys = gemm.gemm(_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, node.attr("activation", ""),
+                   node.attr("activation_params", []), config=config, precision=node.precision, qtype=qtype,
+                   x_scale=x_scale, w_scale=w_scale, y_scale=y_scale, out_dtype=out_dtype,
+                   z=_rows(z) if z is not None else None, q_scale=q_scale)
+    ys = [t.view(N, H, W, -1).permute(0, 3, 1, 2) for t in (ys if q_scale is not None else (ys,))]
+    return ys[0] if q_scale is None else tuple(ys)
 
 
 def reference(node, x, w, b=None, z=None):

@@ -91,11 +91,11 @@ def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N, K,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wk, stride_wn, stride_zm, stride_zn, stride_ym, stride_yn, stride_ws,
                  p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr,
-                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
+                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -139,7 +139,11 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, M, N
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
     if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
         acc = quantize(acc, ys_ptr, QUANT)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if COPY:  # an 8-bit copy for quantized readers ([M, N] contiguous), from the stored values
+        q = quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @dataclass(frozen=True)
@@ -231,9 +235,10 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
          config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None,
          qtype: str = "", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-         y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None):
+         y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None,
+         q_scale: torch.Tensor | None = None):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z of the output's shape; returns [.., N] in x's dtype
-    (written into `out` if given).
+    (written into `out` if given), and with q_scale also its 8-bit copy (y, q).
 
     qtype "int8" / "fp8": a QGemm, act(x_scale * w_scale * (q(x) @ w) + b) with w the quantized weights;
     x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
@@ -246,6 +251,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     y_dtype = QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype
     y = out if out is not None else torch.empty((M, N), dtype=y_dtype, device=x.device)
     y2 = y.view(M, N)
+    q = torch.empty((M, N), dtype=QTYPES[qtype], device=x.device) if q_scale is not None else y2
     p0, p1 = _params(act, params)
     bias = b.reshape(-1) if b is not None else None
     if bias is not None and bias.stride(0) != 1:
@@ -255,14 +261,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
         x2, w, bias if bias is not None else x2, z2 if z2 is not None else x2, y2, xs, ws,
-        y_scale if y_scale is not None else xs, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+        y_scale if y_scale is not None else xs, q_scale if q_scale is not None else xs, q, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
         *(z2.stride() if z2 is not None else (0, 0)), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z2 is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
-        EVEN_K=K % config.block_k == 0, QUANT=qtype,
-        Y_QUANTIZED=y_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        EVEN_K=K % config.block_k == 0, QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return y2.view(*lead, N)
+    return y2.view(*lead, N) if q_scale is None else (y2.view(*lead, N), q.view(*lead, N))
 
 
 def quant_args(x: torch.Tensor, qtype: str, x_scale, w_scale) -> tuple:

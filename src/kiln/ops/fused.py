@@ -167,8 +167,10 @@ def qgemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 
 
 @register("QConv", domain=KILN, keeps_input_types=True)
-def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
-    """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional float residual (ResNet's shortcut Add)."""
+def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
+    """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional float residual (ResNet's shortcut Add). With
+    q_scale (input 7), a second output: y quantized for the quantized layers that read it, while others
+    read y as float (a ResNet block's output: the next block's first convolution and its residual)."""
     ft = float_type(node, x)
     acc = lookup("Conv").impl(node, quantized_input(node, x, x_scale).double(), w_q.double())  # exact in float64
     scale = (x_scale.double() * w_scale.double()).reshape(1, -1, *([1] * (acc.dim() - 2)))
@@ -177,8 +179,8 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
         y = y + b.to(ft).reshape(1, -1, *([1] * (acc.dim() - 2)))
     if z is not None:
         y = y + z.to(ft)
-    return quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])),
-                            y_scale)
+    y = quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])), y_scale)
+    return y if q_scale is None else (y, quantize(node, y, q_scale))
 
 
 @register("Int4Gemm", domain=KILN, keeps_input_types=True)

@@ -318,7 +318,8 @@ def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 
 
 @tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)
-def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
+def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
+    from ..kernels.rescale import rescale
     from ..ops.fused import float_type, quantized_output
     from ..ops.registry import lookup
 
@@ -328,4 +329,5 @@ def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=Non
     if z is not None:  # the fused residual (ResNet's shortcut Add)
         y = y + z.to(dt)
     y = activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(float_type(node, x))
-    return quantized_output(node, y, y_scale)
+    y = quantized_output(node, y, y_scale)
+    return y if q_scale is None else (y, rescale(y, y_scale=q_scale, qtype=node.attr("qtype", "int8")))

@@ -133,12 +133,12 @@ def _conv_run(config, quant: bool = False):
 
         return conv.conv2d(node, x, w, b, z, config=config)
 
-    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
+    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
         from ..kernels import conv
         from ..ops.fused import float_type
 
         return conv.conv2d(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale, y_scale=y_scale,
-                           out_dtype=float_type(node, x))
+                           out_dtype=float_type(node, x), q_scale=q_scale)
 
     return run_quant if quant else run
 
@@ -161,12 +161,12 @@ def _pointwise_applies(config):
 
 
 def _pointwise_run(config):
-    def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None):
+    def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
         from ..kernels import conv
         from ..ops.fused import float_type
 
         return conv.pointwise_as_gemm(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale,
-                                      y_scale=y_scale, out_dtype=float_type(node, x))
+                                      y_scale=y_scale, out_dtype=float_type(node, x), q_scale=q_scale)
 
     return run
 
