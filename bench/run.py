@@ -190,7 +190,8 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             calib = [{k: v.numpy() for k, v in make_inputs(lo, g).items()} for _ in range(max(1, 128 // lo))]
             quant = {prec: True, "calib": calib}
         cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False, timing_cache=cache,
-                               fp16=prec in ("fp16", "int8", "fp8"), bf16=prec == "bf16", tf32=prec == "tf32", **quant)
+                               fp16=prec in ("fp16", "int8", "fp8"), bf16=prec == "bf16", tf32=prec == "tf32",
+                               optimization_level=args.level, **quant)
         t0 = time.perf_counter()
         engines[prec] = (kiln.build(onnx_path, cfg), time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -340,6 +341,7 @@ def main(argv=None):
     p.add_argument("--compile-modes", default="max-autotune-no-cudagraphs,reduce-overhead")
     p.add_argument("--kernel-profile", action="store_true", help="per-kernel GPU time of each Kiln engine")
     p.add_argument("--name", default=None, help="results file stem (default: GPU name)")
+    p.add_argument("--level", type=int, default=3, help="Kiln's builderOptimizationLevel (tactic search breadth)")
     args = p.parse_args(argv)
     args.precisions = args.precisions.split(",")
     out = Path(args.out)
