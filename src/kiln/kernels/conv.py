@@ -119,11 +119,11 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     y_ptrs = y_ptr + rm[:, None] * OC + rn[None, :]
     if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
         acc = quantize(acc, ys_ptr, QUANT)
-    out = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < OC))
+    out, inside = acc.to(y_ptr.dtype.element_ty), (rm[:, None] < M) & (rn[None, :] < OC)
+    tl.store(y_ptrs, out, mask=inside)
     if COPY:  # an 8-bit copy for quantized readers, from the stored values (as they would quantize them)
-        q = quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rm[:, None] * OC + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < OC))
+        tl.store(q_ptr + rm[:, None] * OC + rn[None, :], quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty),
+                 mask=inside)
 
 
 CONFIGS: list[tuple[TileConfig, int]] = [

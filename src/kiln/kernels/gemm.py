@@ -139,11 +139,11 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
     if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
         acc = quantize(acc, ys_ptr, QUANT)
-    out = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out, inside = acc.to(y_ptr.dtype.element_ty), (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptrs, out, mask=inside)
     if COPY:  # an 8-bit copy for quantized readers ([M, N] contiguous), from the stored values
-        q = quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(q_ptr + rm[:, None] * N + rn[None, :], quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty),
+                 mask=inside)
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
         x2, w, bias if bias is not None else x2, z2 if z2 is not None else x2, y2, xs, ws,
-        y_scale if y_scale is not None else xs, q_scale if q_scale is not None else xs, q, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
-        *(z2.stride() if z2 is not None else (0, 0)), y2.stride(0), y2.stride(1), stride_ws, p0, p1,
+        y_scale if y_scale is not None else xs, q_scale if q_scale is not None else xs, q, M, N, K,
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), *(z2.stride() if z2 is not None else (0, 0)),
+        y2.stride(0), y2.stride(1), stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z2 is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
         EVEN_K=K % config.block_k == 0, QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,

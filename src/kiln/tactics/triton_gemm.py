@@ -37,8 +37,13 @@ def _smem_limit(device_index: int) -> int:
 
 
 def _fits(x: torch.Tensor, smem_bytes: int) -> bool:
-    """Shared memory fits the device (a quantized kernel stages 8-bit x tiles, whatever x arrives as)."""
     return smem_bytes <= _smem_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def _tile_fits(config, x: torch.Tensor, w: torch.Tensor, quant: bool) -> bool:
+    """A GEMM/convolution configuration's pipeline fits shared memory (a quantized kernel stages 8-bit x tiles,
+    whatever x arrives as)."""
+    return _fits(x, config.smem_bytes(w.element_size() if quant else x.element_size(), w.element_size()))
 
 
 def _dtype_ok(node, t: torch.Tensor) -> bool:
@@ -86,8 +91,8 @@ def _gemm_applies(config, quant: bool = False):
         if not gemm.supports(x, w, b, node.attr("activation", ""), node.attr("qtype", "int8") if quant else ""):
             return False
         m = x.numel() // x.shape[-1]
-        return (_fits(x, config.smem_bytes(w.element_size() if quant else x.element_size(), w.element_size()))
-                and _not_oversized(config.block_m, m) and _not_oversized(config.block_n, w.shape[1]))
+        return (_tile_fits(config, x, w, quant) and _not_oversized(config.block_m, m)
+                and _not_oversized(config.block_n, w.shape[1]))
 
     return applies
 
@@ -111,7 +116,8 @@ def _gemm_run(config, quant: bool = False):
 
 
 # --- FusedConv / QConv ----------------------------------------------------------
-def _conv_applies(config, quant: bool = False):
+# pointwise: a 1x1 QConv run by the GEMM kernel (kernels/conv.py pointwise_as_gemm).
+def _conv_applies(config, quant: bool = False, pointwise: bool = False):
     def applies(node, args) -> bool:
         from ..kernels import conv
 
@@ -120,14 +126,16 @@ def _conv_applies(config, quant: bool = False):
             return False
         if not conv.supports(node, x, w, b, z, node.attr("qtype", "int8") if quant else ""):
             return False
+        if pointwise and not conv.is_pointwise(node, x, w, z):
+            return False
         oh, ow = conv.geometry(node, x, w)[3]
-        return (_fits(x, config.smem_bytes(w.element_size() if quant else x.element_size(), w.element_size()))
-                and _not_oversized(config.block_m, x.shape[0] * oh * ow) and _not_oversized(config.block_n, w.shape[0]))
+        return (_tile_fits(config, x, w, quant) and _not_oversized(config.block_m, x.shape[0] * oh * ow)
+                and _not_oversized(config.block_n, w.shape[0]))
 
     return applies
 
 
-def _conv_run(config, quant: bool = False):
+def _conv_run(config, quant: bool = False, pointwise: bool = False):
     def run(node, x, w, b=None, z=None):
         from ..kernels import conv
 
@@ -137,38 +145,11 @@ def _conv_run(config, quant: bool = False):
         from ..kernels import conv
         from ..ops.fused import float_type
 
-        return conv.conv2d(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale, y_scale=y_scale,
-                           out_dtype=float_type(node, x), q_scale=q_scale)
+        kernel = conv.pointwise_as_gemm if pointwise else conv.conv2d
+        return kernel(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale, y_scale=y_scale,
+                      out_dtype=float_type(node, x), q_scale=q_scale)
 
     return run_quant if quant else run
-
-
-# --- QConv 1x1 as a GEMM ---------------------------------------------------------
-def _pointwise_applies(config):
-    def applies(node, args) -> bool:
-        from ..kernels import conv
-
-        x, w, b, z = _operands(args, True)
-        if not _precision_ok(node, args, True, 0) or not conv.supports(node, x, w, b, z, node.attr("qtype", "int8")):
-            return False
-        if not conv.is_pointwise(node, x, w, z):
-            return False
-        m = x.numel() // x.shape[1]
-        return (_fits(x, config.smem_bytes(w.element_size(), w.element_size()))
-                and _not_oversized(config.block_m, m) and _not_oversized(config.block_n, w.shape[0]))
-
-    return applies
-
-
-def _pointwise_run(config):
-    def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
-        from ..kernels import conv
-        from ..ops.fused import float_type
-
-        return conv.pointwise_as_gemm(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale,
-                                      y_scale=y_scale, out_dtype=float_type(node, x), q_scale=q_scale)
-
-    return run
 
 
 # --- Attention ------------------------------------------------------------------
@@ -220,7 +201,8 @@ def _register() -> None:
     for cfg, level in conv.QUANT_CONFIGS:
         tactic("QConv", f"triton_qconv_{cfg.name}", _conv_applies(cfg, True), level=level)(_conv_run(cfg, True))
     for cfg, level in gemm.QUANT_CONFIGS:  # 1x1 convolutions through the GEMM kernel
-        tactic("QConv", f"triton_qconv1x1_{cfg.name}", _pointwise_applies(cfg), level=level)(_pointwise_run(cfg))
+        tactic("QConv", f"triton_qconv1x1_{cfg.name}", _conv_applies(cfg, True, pointwise=True),
+               level=level)(_conv_run(cfg, True, pointwise=True))
 
 
 try:
