@@ -279,12 +279,10 @@ def quant_args(x: torch.Tensor, qtype: str, x_scale, w_scale) -> tuple:
         return x, x, x, 0
     if qtype not in QTYPES or x_scale is None or w_scale is None:
         raise ValueError(f"a quantized kernel needs qtype int8/fp8 and both scales, got {qtype!r}")
-    if x.dtype != QTYPES[qtype]:
-        from .rescale import rescale
+    from .rescale import to_8bit
 
-        x = rescale(x, y_scale=x_scale, qtype=qtype)
     w_scale = w_scale.reshape(-1)
-    return x, x_scale, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0)  # one scale: read with stride 0
+    return to_8bit(x, x_scale, qtype), x_scale, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0)  # one scale: read with stride 0
 
 
 def _params(act: str, params) -> tuple[float, float]:

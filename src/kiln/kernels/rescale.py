@@ -63,13 +63,19 @@ def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch
     return y
 
 
+def to_8bit(x: torch.Tensor, scale: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x as qtype's 8-bit values: as it is if it already is (quantized by the layer before), else quantized
+    with `scale` in one pass."""
+    return x if x.dtype == QTYPES[qtype] else rescale(x, y_scale=scale, qtype=qtype)
+
+
 def _dense(a: torch.Tensor) -> bool:
     """Contiguous in some axis order that empty_like reproduces (row-major or channels-last)."""
     return a.is_contiguous() or (a.dim() == 4 and a.is_contiguous(memory_format=torch.channels_last))
 
 
 def reference(a, x_scale=None, w_scale=None, bias=None, act="", params=(), y_scale=None, qtype="", out_dtype=None):
-    from ..ops.fused import activation, quantize_fp8, quantize_int8
+    from ..ops.fused import activation, quantize_as
 
     v = a.float()
     if x_scale is not None:
@@ -78,5 +84,5 @@ def reference(a, x_scale=None, w_scale=None, bias=None, act="", params=(), y_sca
         v = v + bias.float().reshape(-1)
     v = activation(act, v, list(params))
     if y_scale is not None:
-        return quantize_fp8(v, y_scale) if qtype == "fp8" else quantize_int8(v, y_scale)
+        return quantize_as(qtype, v, y_scale)
     return v.to(out_dtype or a.dtype)

@@ -134,8 +134,12 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x.float() / scale.float(), -448.0, 448.0).to(torch.float8_e4m3fn)
 
 
+def quantize_as(qtype: str, x, scale):
+    return quantize_fp8(x, scale) if qtype == "fp8" else quantize_int8(x, scale)
+
+
 def quantize(node, x, scale):
-    return quantize_fp8(x, scale) if node.attr("qtype", "int8") == "fp8" else quantize_int8(x, scale)
+    return quantize_as(node.attr("qtype", "int8"), x, scale)
 
 
 def quantized_input(node, x, x_scale):

@@ -209,11 +209,11 @@ tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspa
 # --- SkipLayerNorm ------------------------------------------------------------
 @tactic("SkipLayerNorm", "add_then_layer_norm", lambda n, a: a[0].is_cuda)
 def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
-    from ..kernels.rescale import rescale
+    from ..kernels.rescale import to_8bit
 
     s = a + b
     y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
-    return (y, s) if q_scale is None else (y, s, rescale(y, y_scale=q_scale, qtype=node.attr("qtype", "int8")))
+    return (y, s) if q_scale is None else (y, s, to_8bit(y, q_scale, node.attr("qtype", "int8")))
 
 
 # --- QGemm on cuBLASLt (INT8, FP8) ------------------------------------------------
@@ -226,20 +226,13 @@ def _int_mm_ok(node, args):
     return x.is_cuda and m > 16 and x.shape[-1] % 8 == 0 and w_q.shape[1] % 8 == 0
 
 
-def _quantized_input(node, x2, x_scale):
-    """x [M, K] as the layer's 8-bit values: as it arrived, or quantized in one pass (kernels/rescale.py)."""
-    from ..kernels.rescale import rescale
-
-    return x2 if node.attr("x_quantized", 0) else rescale(x2, y_scale=x_scale, qtype=node.attr("qtype", "int8"))
-
-
 @tactic("QGemm", "cublaslt_int8", _int_mm_ok)
 def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     """cuBLASLt's int8 GEMM to int32 sums, then scales, bias, activation and any re-quantization in one pass."""
-    from ..kernels.rescale import rescale
+    from ..kernels.rescale import rescale, to_8bit
     from ..ops.fused import float_type
 
-    acc = torch._int_mm(_quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale), w_q)
+    acc = torch._int_mm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "int8"), w_q)
     y = rescale(acc, x_scale, w_scale, b, node.attr("activation", ""), node.attr("activation_params", []),
                 y_scale, "int8", out_dtype=float_type(node, x))
     return y.reshape(*x.shape[:-1], w_q.shape[1])
@@ -256,14 +249,14 @@ def _scaled_mm_ok(node, args):
 def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     """cuBLASLt's FP8 GEMM with the scales and bias in its epilogue; an activation or re-quantization after it
     in one more pass."""
-    from ..kernels.rescale import rescale
+    from ..kernels.rescale import rescale, to_8bit
     from ..ops.fused import float_type
 
     ft = float_type(node, x)
     out_dtype = ft if ft in _LOW else torch.float32
     bias = b.to(out_dtype) if b is not None and out_dtype != torch.float32 else None  # FP32 output takes no bias
     # cuBLASLt takes B column-major: a no-op for the engine's weights, stored so (kiln/engine/layout.py).
-    y = torch._scaled_mm(_quantized_input(node, x.reshape(-1, x.shape[-1]), x_scale), w_q.t().contiguous().t(),
+    y = torch._scaled_mm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "fp8"), w_q.t().contiguous().t(),
                          scale_a=x_scale.float().reshape(()), scale_b=w_scale.float().reshape(()), bias=bias,
                          out_dtype=out_dtype)
     act = node.attr("activation", "")
@@ -319,7 +312,7 @@ def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 
 @tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)
 def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
-    from ..kernels.rescale import rescale
+    from ..kernels.rescale import to_8bit
     from ..ops.fused import float_type, quantized_output
     from ..ops.registry import lookup
 
@@ -330,4 +323,4 @@ def dequantized_conv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=Non
         y = y + z.to(dt)
     y = activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(float_type(node, x))
     y = quantized_output(node, y, y_scale)
-    return y if q_scale is None else (y, rescale(y, y_scale=q_scale, qtype=node.attr("qtype", "int8")))
+    return y if q_scale is None else (y, to_8bit(y, q_scale, node.attr("qtype", "int8")))
