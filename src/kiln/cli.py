@@ -60,7 +60,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(a):
-    from .engine.config import BuildConfig, parse_layer_precisions, parse_mem_pool, profile_from_flags
+    from .engine.config import (
+        BuildConfig,
+        parse_layer_precisions,
+        parse_mem_pool,
+        profile_from_flags,
+    )
     from .tools.verify import parse_budgets
 
     counts = {len(a.minShapes), len(a.optShapes), len(a.maxShapes)} - {0}
