@@ -12,27 +12,24 @@ from __future__ import annotations
 from ..ir.graph import Graph
 
 
+def _weights(graph: Graph, op_types: tuple[str, ...], dim: int) -> list[str]:
+    """Names of the dim-D weights (input 1) of device layers of these types."""
+    names = set()
+    for n in graph.nodes:
+        if n.op_type in op_types and n.placement == "device" and len(n.inputs) > 1:
+            w = graph.initializers.get(n.inputs[1])
+            if w is not None and w.dim() == dim:
+                names.add(n.inputs[1])
+    return sorted(names)
+
+
 def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> list[str]:
     # FP32 convolutions have no Tensor Core path (without TF32): NCHW kernels are as good there.
     if target_kind != "cuda" or precision == "float32":
         return []
-    names = []
-    for n in graph.nodes:
-        if n.op_type in ("Conv", "FusedConv", "QConv") and n.placement == "device" and len(n.inputs) > 1:
-            w = graph.initializers.get(n.inputs[1])
-            if w is not None and w.dim() == 4:
-                names.append(n.inputs[1])
-    return sorted(set(names))
+    return _weights(graph, ("Conv", "FusedConv", "QConv"), 4)
 
 
 def column_major_weights(graph: Graph, target_kind: str) -> list[str]:
     """Quantized GEMM weights [K, N] to store K-contiguous (a [K, N] view of [N, K] memory)."""
-    if target_kind != "cuda":
-        return []
-    names = []
-    for n in graph.nodes:
-        if n.op_type == "QGemm" and n.domain == "kiln" and n.placement == "device":
-            w = graph.initializers.get(n.inputs[1])
-            if w is not None and w.dim() == 2:
-                names.append(n.inputs[1])
-    return sorted(set(names))
+    return _weights(graph, ("QGemm",), 2) if target_kind == "cuda" else []
