@@ -28,8 +28,7 @@ def _last_axis_mean(view: View, r) -> bool:
         return False
     axes = r.attr("axes")
     if axes is None and len(r.inputs) > 1 and r.inputs[1]:
-        t = view.const(r.inputs[1])
-        axes = t.tolist() if t is not None else None
+        axes = view.ints(r.inputs[1])
     return axes == [-1]
 
 
