@@ -386,9 +386,12 @@ def prepare_samples(data, inputs, what: str = "calibration data", engine=None, p
     return samples, rows
 
 
-def rebatch(samples: list[dict], inputs, batch_size: int | None) -> list[dict]:
+def rebatch(samples: list[dict], inputs, batch_size: int | None, model_or_engine, build_config) -> list[dict]:
     """Cut samples into batches of at most batch_size rows, where every input has a dynamic axis 0 and
-    all of a sample's inputs share its length (the last batch may be smaller)."""
+    all of a sample's inputs share its length (the last batch may be smaller). Only for a model whose FP32
+    engine Kiln profiles itself: an engine's, or the caller's own profiles, take the samples as they are."""
+    if _is_engine(model_or_engine) or (build_config and (build_config.profiles or build_config.shapes)):
+        return samples
     if not batch_size or not all(v.shape and not isinstance(v.shape[0], int) for v in inputs):
         return samples
     out = []
@@ -610,8 +613,7 @@ def calibrate(model_or_engine, data=None, method: str = "entropy", percentile: f
         warnings.warn(f"calibration set has only {rows} samples; INT8 scales need {min_samples} to 1000 "
                       "representative samples, or they may clip or waste range on real inputs.",
                       CalibrationWarning, stacklevel=2)
-    if not _is_engine(model_or_engine) and not (build_config and (build_config.profiles or build_config.shapes)):
-        samples = rebatch(samples, inputs, batch_size)
+    samples = rebatch(samples, inputs, batch_size, model_or_engine, build_config)
     engine = fp32_engine(model_or_engine, samples, device, build_config)
     if not _is_engine(model_or_engine):
         samples, _ = prepare_samples(samples, inputs, engine=engine, profile=profile)

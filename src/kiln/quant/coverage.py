@@ -151,8 +151,7 @@ def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0
     samples, rows = prepare_samples(validation, inputs, what="validation data",
                                     engine=model_or_engine if _is_engine(model_or_engine) else None,
                                     profile=profile)
-    if not _is_engine(model_or_engine) and not (build_config and (build_config.profiles or build_config.shapes)):
-        samples = rebatch(samples, inputs, batch_size)
+    samples = rebatch(samples, inputs, batch_size, model_or_engine, build_config)
     engine = fp32_engine(model_or_engine, samples, device, build_config, what="the coverage check")
     if not _is_engine(model_or_engine):
         samples, _ = prepare_samples(samples, inputs, what="validation data", engine=engine, profile=profile)
