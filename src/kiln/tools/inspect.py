@@ -317,6 +317,11 @@ def compact_range(shapes: list) -> str:
     return " | ".join(parts) if parts else "-"
 
 
+def no_findings(precision: str) -> str:
+    """The inspector's verdict when it found nothing (the console, the report's litmus row and its pages)."""
+    return f"every expected fusion fired and no layer runs above the requested precision ({precision})"
+
+
 def describe_finding(f: dict) -> str:
     kind = f.get("kind")
     if kind == "fusion-missed":
@@ -368,7 +373,7 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
         for f in ins.findings:
             con.print(f"  - {describe_finding(f)}")
     else:
-        con.print(f"Findings: none: every expected fusion fired and no layer runs above the requested precision ({ins.precision}).")
+        con.print(f"Findings: none: {no_findings(ins.precision)}.")
 
 
 # --- command line ------------------------------------------------------------------------------------

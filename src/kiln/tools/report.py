@@ -422,7 +422,7 @@ def _answer(rep: Report) -> None:
     prec = [f for f in fs if f.get("kind") == "precision"]
     unexplained = [f for f in prec if not f.get("reason") or f.get("reason") == "no reason recorded by the builder"]
     if not fs:
-        rep.litmus.append(Litmus(q4, "pass", f"every expected fusion fired; no layer runs above the requested precision ({rep.precision})."))
+        rep.litmus.append(Litmus(q4, "pass", f"{inspect_tool.no_findings(rep.precision)}."))
     else:
         status = "fail" if unexplained else "warn"
         bits = []
@@ -568,7 +568,7 @@ def render_html(rep: Report) -> str:
     if fs:
         out.append("<ul>" + "".join(f"<li>{escape(inspect_tool.describe_finding(f))}</li>" for f in fs) + "</ul>")
     else:
-        out.append(f"<p>None: every expected fusion fired and no layer runs above the requested precision ({escape(rep.precision)}).</p>")
+        out.append(f"<p>None: {escape(inspect_tool.no_findings(rep.precision))}.</p>")
     if rep.inspection:
         dev = [x for x in rep.inspection.layers if x.placement == "device"]
         counts: dict[str, int] = {}
@@ -737,7 +737,7 @@ def render_markdown(rep: Report) -> str:
     L += ["## 4. Inspector findings", ""]
     fs = rep.inspection.findings if rep.inspection else []
     L += [f"- {inspect_tool.describe_finding(f)}" for f in fs] or [
-        f"None: every expected fusion fired and no layer runs above the requested precision ({rep.precision})."]
+        f"None: {inspect_tool.no_findings(rep.precision)}."]
     L += ["", f"Kiln {rep.versions.get('kiln')}, torch {rep.versions.get('torch')}, CUDA {rep.versions.get('cuda')} · "
               f"command: `{rep.command}`", ""]
     return "\n".join(L)
