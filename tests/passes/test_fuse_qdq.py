@@ -68,15 +68,21 @@ def test_int8_tactic_matches_the_reference():
     torch.testing.assert_close(int8_int_mm(node, x, w_q, sx, sw, b), want, rtol=1e-5, atol=1e-5)
 
 
+def _qdq_conv_inits(rng, weight_shape):
+    """sx/zx for the activation's Q/DQ, int8 weights wq with per-channel sw/zw, bias b."""
+    oc = weight_shape[0]
+    return [
+        numpy_helper.from_array(np.float32(0.04), "sx"), numpy_helper.from_array(np.int8(0), "zx"),
+        numpy_helper.from_array(rng.integers(-127, 128, weight_shape).astype(np.int8), "wq"),
+        numpy_helper.from_array(rng.uniform(0.001, 0.01, oc).astype(np.float32), "sw"),
+        numpy_helper.from_array(np.zeros(oc, np.int8), "zw"),
+        numpy_helper.from_array(rng.standard_normal(oc).astype(np.float32), "b"),
+    ]
+
+
 def test_qdq_conv_matches_onnxruntime():
     rng = np.random.default_rng(4)
-    inits = [
-        numpy_helper.from_array(np.float32(0.04), "sx"), numpy_helper.from_array(np.int8(0), "zx"),
-        numpy_helper.from_array(rng.integers(-127, 128, (8, 3, 3, 3)).astype(np.int8), "wq"),
-        numpy_helper.from_array(rng.uniform(0.001, 0.01, 8).astype(np.float32), "sw"),
-        numpy_helper.from_array(np.zeros(8, np.int8), "zw"),
-        numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
-    ]
+    inits = _qdq_conv_inits(rng, (8, 3, 3, 3))
     nodes = [
         helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
         helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xdq"]),
@@ -117,13 +123,7 @@ def test_dequantized_fallback_tactics_match_the_reference():
 def _qdq_conv_block(shortcut_const=False):
     """x -> Q/DQ -> Conv(int8 weights, bias) -> Add(shortcut) -> Relu: a ResNet block's last conv and its shortcut."""
     rng = np.random.default_rng(5)
-    inits = [
-        numpy_helper.from_array(np.float32(0.04), "sx"), numpy_helper.from_array(np.int8(0), "zx"),
-        numpy_helper.from_array(rng.integers(-127, 128, (6, 6, 1, 1)).astype(np.int8), "wq"),
-        numpy_helper.from_array(rng.uniform(0.001, 0.01, 6).astype(np.float32), "sw"),
-        numpy_helper.from_array(np.zeros(6, np.int8), "zw"),
-        numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
-    ]
+    inits = _qdq_conv_inits(rng, (6, 6, 1, 1))
     if shortcut_const:
         inits.append(numpy_helper.from_array(rng.standard_normal((1, 6, 1, 1)).astype(np.float32), "s"))
     nodes = [
