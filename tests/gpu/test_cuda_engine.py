@@ -148,3 +148,26 @@ def test_host_values_used_as_data_follow_the_input_shape():
         for n in (2, 5, 2, 8):
             x = torch.randn(n, 4, device="cuda")
             torch.testing.assert_close(ctx.run({"x": x})["y"], x + 1)
+
+
+def test_int8_pointwise_convolutions_are_timed_on_channels_last_inputs():
+    """The builder's timing run computes QConv by its float64 reference, which cuDNN returns NCHW; the layers
+    after it must still see the channels-last activations the engine's tactics write, or the 1x1-as-GEMM
+    tactics (which need them) are never offered."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n)
+             for n, s in [("w0", (32, 3, 3, 3)), ("w1", (64, 32, 1, 1))]]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv3x3", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1"], ["c1"], name="conv1x1"),
+             helper.make_node("Relu", ["c1"], ["y"], name="relu1")]
+    g = helper.make_graph(nodes, "pointwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64, 16, 16])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    calib = [{"x": rng.standard_normal((8, 3, 16, 16)).astype(np.float32)} for _ in range(16)]
+    prof = [kiln.Profile({"x": ((1, 3, 16, 16), (8, 3, 16, 16), (8, 3, 16, 16))})]
+    eng = kiln.build(model, _cfg(profiles=prof, int8=True, fp16=True, calib=calib))
+    pointwise = [t for t in eng.tactics if t["op"] == "QConv" and "conv1x1" in t["layer"]]
+    assert pointwise and any(name.startswith("triton_qconv1x1_") for name in pointwise[0]["timings"]), pointwise

@@ -177,6 +177,10 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=
     read y as float (a ResNet block's output: the next block's first convolution and its residual)."""
     ft = float_type(node, x)
     acc = lookup("Conv").impl(node, quantized_input(node, x, x_scale).double(), w_q.double())  # exact in float64
+    if acc.is_cuda and acc.dim() == 4:
+        # cuDNN has no float64 NHWC kernels, but every QConv tactic on a GPU writes channels-last: the
+        # builder times the layers after this one on the layout they will read (1x1 tactics need it)
+        acc = acc.contiguous(memory_format=torch.channels_last)
     scale = (x_scale.double() * w_scale.double()).reshape(1, -1, *([1] * (acc.dim() - 2)))
     y = (acc * scale).to(ft)
     if b is not None:
