@@ -89,6 +89,14 @@ def test_entropy_search_by_hand():
     assert amax == 4.0
 
 
+def test_entropy_keeps_the_range_when_every_value_is_in_the_first_bin():
+    # The search drops bin 0 (it takes bin 1's count); with all values there nothing is left to divide by.
+    hist = np.zeros(2048)
+    hist[0] = 1000
+    with np.errstate(all="raise"):  # no division by zero on the way
+        assert C.entropy_amax(hist, 3.0) == 3.0
+
+
 @pytest.mark.parametrize("dist", ["normal", "laplace", "student", "relu-lognormal"])
 def test_entropy_matches_nvidia_reference(dist):
     rng = np.random.default_rng(1)

@@ -93,6 +93,8 @@ def entropy_search(hist, hist_max: float, num_quant_bins: int = 128, start_bin: 
         return float(hist_max), np.array([n]), np.zeros(1)
     if n > 1:
         bins[0] = bins[1]
+    if bins.sum() == 0:  # every value fell in the first bin (dropped above): nothing to clip
+        return float(hist_max), np.array([n]), np.zeros(1)
     starting = min(start_bin, n)
     candidates = np.arange(starting, n + 1, stride)
     divergences = _kl_all(bins, candidates, num_quant_bins)
