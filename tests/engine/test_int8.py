@@ -89,10 +89,20 @@ def _search_cfg(trained, budget):
                             budget_data=str(trained / "digits_test.npz"))
 
 
-def test_precision_search_keeps_full_int8_when_it_meets_the_budget(trained):
+def test_precision_search_keeps_full_int8_when_it_meets_the_budget(trained, monkeypatch):
+    from kiln.engine import builder
+
+    built, original = [], builder.build
+
+    def counted(model, config):  # the INT8 builds (calibration builds an FP32 engine too)
+        built.extend([1] if config.int8 else [])
+        return original(model, config)
+
+    monkeypatch.setattr(builder, "build", counted)
     eng = kiln.build(str(trained / "digits.onnx"), _search_cfg(trained, {"top1": 0.5}))
     report = next(f for f in eng.findings if f.get("kind") == "precision-search")
-    assert report["kept_in_float"] == [] and report["engines_built"] == 1
+    assert report["kept_in_float"] == [] and report["engines_built"] == 1 == len(built)  # not rebuilt to validate
+    assert len(eng.arena_bytes) == 1  # but validated, as a plain build is
     assert report["full_quantization_drop"]["top1"] <= 0.5
     assert any(n.precision == "int8" for n in eng.graph.nodes)
 

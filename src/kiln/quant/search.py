@@ -41,6 +41,15 @@ def _quantized_anchors(engine, onnx_names: dict[str, str]) -> list[str]:
     return anchors
 
 
+def _validated(engine, config):
+    """The chosen engine, validated as a normal build is (the candidates were built without it)."""
+    from ..engine.builder import validate
+
+    if config.validate:
+        validate(engine)
+    return engine
+
+
 def search(model, config, budgets: dict[str, float], data, build):
     """Returns (engine, report). `build` is kiln.build; `config` an INT8/FP8 BuildConfig."""
     if not config.quantized:
@@ -60,7 +69,7 @@ def search(model, config, budgets: dict[str, float], data, build):
     report = {"kind": "precision-search", "budget": budgets, "quantized_layers": len(anchors),
               "full_quantization_drop": drops, "kept_in_float": [], "engines_built": 1}
     if ok:
-        return build(proto, dataclasses.replace(base, validate=config.validate)), report
+        return _validated(full, config), report
     sensitivity = {}
     for layer in anchors:  # only `layer` quantized
         others = {a: float_prec for a in anchors if a != layer}
@@ -78,8 +87,6 @@ def search(model, config, budgets: dict[str, float], data, build):
             report["kept_in_float"] = [{"layer": a, "drop_when_only_it_is_quantized": sensitivity[a]}
                                        for a in order[:k]]
             report["final_drop"] = drops
-            final = dataclasses.replace(base, layer_precisions={**config.layer_precisions, **kept},
-                                        validate=config.validate)
-            return build(proto, final), report
+            return _validated(eng, config), report
     raise ConfigError(f"no quantized mix meets the budget {budgets}: even with every quantized layer in float "
                       f"the drop is {drops}. Check the budget and the held-out data.")
