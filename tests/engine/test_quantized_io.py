@@ -56,6 +56,26 @@ def test_quantized_layers_pass_int8_activations_and_still_match_onnxruntime():
     assert result.outputs[0].passed and all(layer.passed for layer in result.layers)
 
 
+def test_a_quantized_layer_reading_the_fp32_input_writes_the_engines_float_type():
+    """In an FP16 engine the first convolution reads the FP32 graph input; its float output is FP16 like every
+    other layer's, not FP32 that the next FP16 layer would cast back."""
+    model = _qdq_conv_chain()
+    at = next(i for i, n in enumerate(model.graph.node) if n.output == ["r1"])
+    del model.graph.node[at]  # r1 now comes from a float MaxPool, so the first conv writes float
+    model.graph.node.insert(at, helper.make_node("MaxPool", ["c1"], ["r1"], kernel_shape=[1, 1]))
+    prof = kiln.Profile({"x": ((1, 3, 6, 6), (2, 3, 6, 6), (4, 3, 6, 6))})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], fp16=True))
+    first = next(n for n in engine.graph.nodes if n.op_type == "QConv")
+    seen = {}
+
+    def observe(node, outs):
+        if outs is not None:
+            seen[node.outputs[0]] = outs[0]
+
+    engine.create_execution_context().run_layerwise({"x": np.ones((2, 3, 6, 6), np.float32)}, observe)
+    assert seen[first.outputs[0]].dtype == torch.float16
+
+
 def _residual_block():
     """y = LayerNorm(a + b); out = MatMul(y, w) + c + y: y is read by a GEMM (quantized in an INT8 build)
     and as a float residual, as BERT reads each LayerNorm's output."""
