@@ -154,7 +154,8 @@ def float_type(node, x) -> torch.dtype:
     and cast it back for the FP16 layer after it (ResNet-50's stem: two passes over 25.7M values at batch 32)."""
     from ..ir.dtypes import from_name
 
-    return from_name(node.attr("float_type")) if node.attr("float_type") else x.dtype
+    name = node.attr("float_type") or ("float32" if node.attr("x_quantized", 0) else None)  # 8-bit x: no float type
+    return from_name(name) if name else x.dtype
 
 
 def quantized_output(node, y, y_scale):
