@@ -1,18 +1,17 @@
 """8-bit GEMM candidates on BERT-base's batch-32 shapes, timed two ways, against FP16 cuBLAS.
 
-The builder's timings of the INT8/FP8 GEMM candidates summed to within 1% of each other over BERT's
-72 GEMMs (bench/results/H200-quant-bert-cublaslt-fp8.json), although cuBLASLt's FP8 GEMM ran at
-~1000 TFLOP/s where it was chosen. This script times each candidate alone, outside the builder:
-(a) with Kiln's own timer (kiln.tactics.timer.median_ms, CUDA-graph replays, as the selector does) and
-(b) as the GPU time of its kernels per call from CUPTI (bench/run.py's kernel_profile), which involves
-no graph and no events. If (a) and (b) disagree, the selector's timing is what to fix.
+Each candidate is timed alone, outside the builder: (a) with Kiln's own timer
+(kiln.tactics.timer.median_ms, CUDA-graph replays, as the selector does) and (b) as the GPU time of
+its kernels per call from CUPTI (bench/run.py's kernel_profile), which involves no graph and no events.
+If (a) and (b) disagree, the selector's timing is what to fix (on the H200 they agree within about
+15%, (a) mostly the higher: it includes the gaps between calls, as an engine does).
 
-The first run (2026-11-30 05:48) used narrow data (weights of a few int8 steps) and found every candidate
-faster than the builder had timed it inside BERT. Tensor Core power depends on how many bits toggle, so
-the candidates now see what a calibrated model feeds them: weights quantized per output channel to the
-full int8/FP8 range, activations spread over it. A sustained-load probe then runs the FP16 GEMM and the
-best 8-bit candidates for half a second each, on both kinds of data, and reads the SM clock and board
-power (nvidia-smi) while they run: a power-bound GEMM shows a clock below the maximum.
+The operands look like what a calibrated model feeds the kernels: INT8 weights per output channel and FP8
+weights per tensor at the top of their range, activations spread over it ("realistic"). Tensor Core
+power depends on how many bits toggle, so a sustained-load probe runs the FP16 GEMM and the best 8-bit
+candidates for half a second each, on these and on narrow data (weights of a few int8 steps), and reads
+the SM clock and board power (nvidia-smi) meanwhile: a power-bound GEMM shows a clock below the maximum.
+(H200, 2026-11-30: not power-bound; both kinds of data run at the same speed.)
 
     python bench/gemm8.py --out bench/results        (GPU; writes gemm8.md)
 """
