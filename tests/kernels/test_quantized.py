@@ -156,7 +156,7 @@ def test_supports_refuses_what_the_quantized_kernels_cannot_do():
 
 # --- the registered tactics ---------------------------------------------------------------
 def _tactics(op, prefix):
-    from kiln.tactics import _TACTICS, triton_gemm  # noqa: F401  (registers)
+    from kiln.tactics import _TACTICS, library, triton_gemm  # noqa: F401  (registers)
 
     return [t for t in _TACTICS[("kiln", op)] if t.name.startswith(prefix)]
 
@@ -258,6 +258,11 @@ def test_int8_conv_tactics_match_the_reference_on_resnet50_layers(layer):
     want = qconv(node, *args)
     for t in (t for t in _tactics("QConv", "triton_qconv_") if t.level <= 3):
         assert t.applies(node, args), t.name
+        ok, why = _close(t.fn(node, *args), want, "int8")
+        assert ok, f"{t.name}: {why}"
+    fallbacks = [t for t in _tactics("QConv", "dequantized_") if t.applies(node, args)]
+    assert len(fallbacks) == 2  # the float fallback, and cuDNN's fused ReLU (with or without the residual)
+    for t in fallbacks:
         ok, why = _close(t.fn(node, *args), want, "int8")
         assert ok, f"{t.name}: {why}"
     pointwise = [t for t in _tactics("QConv", "triton_qconv1x1_") if t.level <= 3 and t.applies(node, args)]
