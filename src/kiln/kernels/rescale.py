@@ -27,12 +27,14 @@ def _rescale_kernel(a_ptr, xs_ptr, ws_ptr, b_ptr, ys_ptr, y_ptr, numel, N, strid
                     BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
-    col = offs % N
     v = tl.load(a_ptr + offs, mask=ok, other=0).to(tl.float32)
+    # The column (an int64 modulo per element) only where per-column values are read: quantizing an
+    # activation (the commonest use) needs none.
     if SCALED:
-        v = v * (tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + col * stride_ws, mask=ok, other=0.0).to(tl.float32))
+        ws = tl.load(ws_ptr + (offs % N) * stride_ws, mask=ok, other=0.0).to(tl.float32)
+        v = v * (tl.load(xs_ptr).to(tl.float32) * ws)
     if HAS_BIAS:
-        v += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        v += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     v = epilogue(v, ACT, p0, p1)
     tl.store(y_ptr + offs, quantize(v, ys_ptr, QUANT).to(y_ptr.dtype.element_ty), mask=ok)
 
