@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.fused import activation, attention
+from ..ops.fused import activation, attention, float_type, fused_conv
 from . import tactic
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -230,7 +230,6 @@ def _int_mm_ok(node, args):
 def int8_int_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     """cuBLASLt's int8 GEMM to int32 sums, then scales, bias, activation and any re-quantization in one pass."""
     from ..kernels.rescale import rescale, to_8bit
-    from ..ops.fused import float_type
 
     acc = torch._int_mm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "int8"), w_q)
     y = rescale(acc, x_scale, w_scale, b, node.attr("activation", ""), node.attr("activation_params", []),
@@ -250,7 +249,6 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     """cuBLASLt's FP8 GEMM with the scales and bias in its epilogue; an activation or re-quantization after it
     in one more pass."""
     from ..kernels.rescale import rescale, to_8bit
-    from ..ops.fused import float_type
 
     ft = float_type(node, x)
     out_dtype = ft if ft in _LOW else torch.float32
@@ -268,22 +266,12 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
 # The same quantized math (quantized activation, quantized weight, both scaled back) computed by a
-# 16-bit GEMM/convolution: int8 values are exact in FP16, and this is the fallback wherever the integer
-# and FP8 kernels do not apply. The reference sums in float64, which is slow on a GPU.
-def _dequantized_dtype(node, x: torch.Tensor) -> torch.dtype:
-    """The float type of the fallback: the layer's if 16-bit, else FP16 on a GPU when the build allowed
-    16-bit floats (attribute float_type). An FP32 input (a network's first layer reads the FP32 graph
-    input) would otherwise run an FP32 convolution; FP16's rounding of q * scale (2^-11 relative) is far
-    below the 8-bit quantization step, and sums stay FP32. An FP32 build keeps FP32: there FP16 rounding
-    would flip the re-quantized output's rounding more often than the build's precision allows."""
-    from ..ir.dtypes import from_name
-    from ..ops.fused import float_type
-
-    ft = float_type(node, x)
-    allowed = from_name(node.attr("float_type", "float32"))
-    return ft if ft in _LOW else allowed if x.is_cuda and allowed in _LOW else torch.float32
-
-
+# GEMM/convolution in the engine's float type (ops.fused.float_type): int8 values are exact in FP16, and
+# this is the fallback wherever the integer and FP8 kernels do not apply. The reference sums in float64,
+# which is slow on a GPU. A network's first layer reads the FP32 graph input but computes in FP16 in an
+# FP16 engine: FP16's rounding of q * scale (2^-11 relative) is far below the 8-bit step, and sums stay
+# FP32. An FP32 build keeps FP32: there FP16 rounding would flip the re-quantized output's rounding more
+# often than the build's precision allows.
 def _fake_quantized(node, x, x_scale, dt):
     """x quantized (here or by the layer before) and scaled back, in dt. INT8 in one kernel (torch's
     fake-quantize: round half to even, saturate), instead of the divide, round, clamp, cast and multiply
@@ -300,24 +288,14 @@ def _fake_quantized(node, x, x_scale, dt):
 
 @tactic("QGemm", "dequantized_gemm", lambda n, a: a[0].is_cuda)
 def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
-    from ..ops.fused import float_type, quantized_output
+    from ..ops.fused import quantized_output
 
-    dt = _dequantized_dtype(node, x)
+    dt = float_type(node, x)
     y = torch.matmul(_fake_quantized(node, x, x_scale, dt), w_q.to(dt) * w_scale.to(dt))
     if b is not None:
         y = y + b.to(dt)
-    y = activation(node.attr("activation", ""), y, node.attr("activation_params", [])).to(float_type(node, x))
-    return quantized_output(node, y, y_scale)
-
-
-def _conv_then_epilogue(node, x, w, b=None, z=None):
-    """Convolution, then the residual (ResNet's shortcut Add) and the activation, each a pass."""
-    from ..ops.registry import lookup
-
-    y = lookup("Conv").impl(node, x, w, b)
-    if z is not None:
-        y = y + z.to(y.dtype)
-    return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+    return quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])),
+                            y_scale)
 
 
 def _dequantized_conv(conv):
@@ -325,12 +303,12 @@ def _dequantized_conv(conv):
     the residual and activation) on the fake-quantized x and the dequantized weights."""
     def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
         from ..kernels.rescale import to_8bit
-        from ..ops.fused import float_type, quantized_output
+        from ..ops.fused import quantized_output
 
-        dt = _dequantized_dtype(node, x)
+        dt = float_type(node, x)
         wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
         y = conv(node, _fake_quantized(node, x, x_scale, dt), wd, b.to(dt) if b is not None else None,
-                 z.to(dt) if z is not None else None).to(float_type(node, x))
+                 z.to(dt) if z is not None else None)
         y = quantized_output(node, y, y_scale)
         return y if q_scale is None else (y, to_8bit(y, q_scale, node.attr("qtype", "int8")))
 
@@ -342,7 +320,7 @@ def _float_conv_args(args):
     return [args[0], args[1], args[4] if len(args) > 4 else None, args[5] if len(args) > 5 else None]
 
 
-dequantized_conv = _dequantized_conv(_conv_then_epilogue)
+dequantized_conv = _dequantized_conv(fused_conv)
 tactic("QConv", "dequantized_conv", lambda n, a: a[0].is_cuda)(dequantized_conv)
 # The same with cuDNN's fused bias + (residual +) ReLU epilogue: where the 8-bit kernels lose (a network's
 # first layer, reading 3 channels), the ReLU pass over the output is saved (ResNet-50's stem: 25.7M values).
