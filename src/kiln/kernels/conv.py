@@ -38,7 +38,7 @@ from .gemm import (
     epilogue,
     operand_dtypes_ok,
     quant_args,
-    quantize,
+    store_output,
 )
 
 _INT32_MAX = 2**31 - 1
@@ -115,15 +115,10 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
         z_off = (n * szn + oh * szh + ow * szw)[:, None] + (oc * szc)[None, :]
         acc += tl.load(z_ptr + z_off).to(tl.float32)
     acc = epilogue(acc, ACT, p0, p1)
-    # channels-last output: [N, OH, OW, OC] row-major, i.e. pixel-major with OC contiguous
-    y_ptrs = y_ptr + rm[:, None] * OC + rn[None, :]
-    if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
-        acc = quantize(acc, ys_ptr, QUANT)
-    out, inside = acc.to(y_ptr.dtype.element_ty), (rm[:, None] < M) & (rn[None, :] < OC)
-    tl.store(y_ptrs, out, mask=inside)
-    if COPY:  # an 8-bit copy for quantized readers, from the stored values (as they would quantize them)
-        tl.store(q_ptr + rm[:, None] * OC + rn[None, :], quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty),
-                 mask=inside)
+    # channels-last output (and copy): [N, OH, OW, OC] row-major, i.e. pixel-major with OC contiguous
+    offs = rm[:, None] * OC + rn[None, :]
+    store_output(acc, y_ptr + offs, q_ptr + offs, (rm[:, None] < M) & (rn[None, :] < OC), ys_ptr, qs_ptr, QUANT,
+                 Y_QUANTIZED, COPY)
 
 
 CONFIGS: list[tuple[TileConfig, int]] = [

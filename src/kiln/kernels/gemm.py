@@ -82,6 +82,20 @@ def quantize(a, xs_ptr, QUANT: tl.constexpr):
 
 
 @triton.jit
+def store_output(acc, y_ptrs, q_ptrs, inside, ys_ptr, qs_ptr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
+                 COPY: tl.constexpr):
+    """A GEMM/convolution tile's output store: quantized with *ys_ptr when the next layer reads 8-bit values
+    (Y_QUANTIZED: quantized here instead of by it), and with COPY also an 8-bit copy for quantized readers,
+    made from the stored values as they would quantize them."""
+    if Y_QUANTIZED:
+        acc = quantize(acc, ys_ptr, QUANT)
+    out = acc.to(y_ptrs.dtype.element_ty)
+    tl.store(y_ptrs, out, mask=inside)
+    if COPY:
+        tl.store(q_ptrs, quantize(out, qs_ptr, QUANT).to(q_ptrs.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
     """The quantized accumulator (int32 / fp32) times x_scale * w_scale[cols], in FP32; float layers' as is."""
     if QUANT != "":
@@ -136,14 +150,9 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     if HAS_Z:  # a residual (a 1x1 convolution's shortcut, see conv.pointwise_as_gemm)
         acc += tl.load(z_ptr + ram[:, None] * stride_zm + rbn[None, :] * stride_zn).to(tl.float32)
     acc = epilogue(acc, ACT, p0, p1)
-    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
-    if Y_QUANTIZED:  # the next layer's 8-bit input, quantized here with its scale instead of by it
-        acc = quantize(acc, ys_ptr, QUANT)
-    out, inside = acc.to(y_ptr.dtype.element_ty), (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y_ptrs, out, mask=inside)
-    if COPY:  # an 8-bit copy for quantized readers ([M, N] contiguous), from the stored values
-        tl.store(q_ptr + rm[:, None] * N + rn[None, :], quantize(out, qs_ptr, QUANT).to(q_ptr.dtype.element_ty),
-                 mask=inside)
+    store_output(acc, y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+                 q_ptr + rm[:, None] * N + rn[None, :],  # the copy is [M, N] contiguous
+                 (rm[:, None] < M) & (rn[None, :] < N), ys_ptr, qs_ptr, QUANT, Y_QUANTIZED, COPY)
 
 
 @dataclass(frozen=True)
