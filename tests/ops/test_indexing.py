@@ -67,6 +67,29 @@ def test_gather_negative_scalar_and_matrix_indices():
     _same("Gather", {"x": x, "i": np.array([[0, -5], [4, -2]], np.int32)}, axis=-2)
 
 
+@pytest.mark.gpu
+def test_gathers_wrap_negative_indices_on_the_gpu_too():
+    # the device path wraps with one remainder kernel instead of the CPU's where()
+    import torch
+
+    from kiln.ops.indexing import gather, gather_elements, gather_nd
+
+    class Node:
+        def __init__(self, **attrs):
+            self.attrs = attrs
+
+        def attr(self, name, default=None):
+            return self.attrs.get(name, default)
+
+    x = torch.randn(3, 5, 4)
+    i = torch.tensor([[-1, 0], [4, -5]])
+    nd = torch.tensor([[-1, 0], [2, -4]])
+    cases = [(gather, Node(axis=1), i), (gather_elements, Node(axis=1), torch.randint(-5, 5, (3, 2, 4))),
+             (gather_nd, Node(), nd)]
+    for op, node, idx in cases:
+        assert torch.equal(op(node, x.cuda(), idx.cuda()).cpu(), op(node, x, idx))
+
+
 def test_gather_elements_negative_indices_on_inner_axis():
     x = _randn(2, 4, 3)
     i = rng.integers(-4, 4, size=(2, 2, 3)).astype(np.int64)

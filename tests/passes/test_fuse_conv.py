@@ -38,3 +38,14 @@ def test_conv_output_read_twice_keeps_the_activation_separate():
     _, after = check_pass(fuse_conv, m, {"x": rand(1, 4, 6, 6)})
     assert ops(after) == ["Conv", "Relu", "Neg"]
     assert after.findings and "2 readers" in after.findings[0]["reason"]
+
+
+def test_conv_without_bias_gets_a_zero_bias():
+    # torch's fused cuDNN calls would otherwise allocate and zero a bias on every call
+    m = model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), helper.make_node("Relu", ["c"], ["y"])],
+              [X], [("y", [1, 2, 6, 6])], {"w": rand(2, 4, 1, 1)})
+    _, after = check_pass(fuse_conv, m, {"x": rand(1, 4, 6, 6, seed=2)}, atol=1e-4)
+    fused = after.nodes[0]
+    assert ops(after) == ["kiln::FusedConv"] and fused.inputs[2] == "conv.zero_bias"
+    bias = after.initializers["conv.zero_bias"]
+    assert bias.shape == (2,) and not bias.any()

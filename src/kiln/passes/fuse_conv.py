@@ -2,9 +2,14 @@
 
 ResNet's bottleneck ends in conv -> (folded BN) -> Add(shortcut) -> Relu: one
 layer, one cuDNN call (cudnn_convolution_add_relu) instead of three kernels.
+A fused convolution always carries a bias (zeros when the model has none): torch's
+fused cuDNN calls otherwise allocate and zero one on every call, a fill kernel per
+layer that the H200 trace of ResNet-50 at batch 1 showed as 14% of the run.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..ir.graph import Graph, Node
 from . import activations
@@ -32,6 +37,10 @@ def run(graph: Graph) -> None:
         if len(group) == 1:
             continue
         inputs = list(conv.inputs) + [""] * (3 - len(conv.inputs))
+        w = view.const(inputs[1])
+        if not inputs[2] and w is not None:
+            inputs[2] = f"{conv.name}.zero_bias"
+            graph.initializers[inputs[2]] = torch.zeros(w.shape[0], dtype=w.dtype)
         if residual:
             inputs.append(residual)
         attrs = dict(conv.attrs, activation=act.name if act else "", activation_params=act.params if act else [])

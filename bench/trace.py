@@ -1,0 +1,88 @@
+"""The kernel timeline of one CUDA-graph replay: every kernel in launch order, its time and the idle
+gap before it. Where a per-kernel-name profile (bench/run.py --kernel-profile) says what runs, this says
+where the device waits between kernels, which dominates at batch 1.
+
+    python bench/trace.py --model bert-base --batch 1 --precision fp16 [--level 4] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kiln  # noqa: E402
+from bench.models import MODELS  # noqa: E402
+
+
+def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
+    """Kernels of the last of `runs` calls, in start order: name, duration and the gap before it (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(feeds)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn(feeds)
+            torch.cuda.synchronize()  # separates the calls, so the last one can be picked out by its idle gap
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
+                    key=lambda e: e.time_range.start)
+    starts = [0] + [i for i in range(1, len(events))
+                    if events[i].time_range.start - events[i - 1].time_range.end > 50]  # a new call begins
+    last = events[starts[-1]:]
+    rows, prev_end = [], None
+    for e in last:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        rows.append({"kernel": e.name[:100], "us": e.time_range.elapsed_us(), "gap_us": gap})
+        prev_end = e.time_range.end
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="bert-base", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--precision", default="fp16", choices=["fp16", "int8", "fp8"])
+    p.add_argument("--level", type=int, default=3)
+    p.add_argument("--out", default=None, help="folder for <model>-b<batch>-<precision>-trace.md")
+    args = p.parse_args(argv)
+
+    model, names, make = MODELS[args.model]()
+    g = torch.Generator().manual_seed(0)
+    feeds = make(args.batch, g)
+    dim = torch.export.Dim("batch", min=1, max=max(2, args.batch))
+    onnx_model, _ = kiln.from_torch(model, tuple(make(2, g).values()), dynamic_shapes={k: {0: dim} for k in names},
+                                    opset=18)
+    import onnx
+
+    path = Path(tempfile.mkdtemp()) / f"{args.model}.onnx"
+    onnx.save(onnx_model, str(path))
+    shapes = {k: tuple(v.shape) for k, v in feeds.items()}
+    quant = {}
+    if args.precision != "fp16":  # speed only: calibrated on random inputs
+        quant = {args.precision: True, "calib": [{k: v.numpy() for k, v in make(args.batch, g).items()}]}
+    cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
+                           progress=False, fp16=True, optimization_level=args.level, **quant)
+    engine = kiln.build(str(path), cfg)
+    ctx = engine.create_execution_context()
+    dev_feeds = {k: v.cuda() for k, v in feeds.items()}
+    rows = timeline(lambda f: ctx.run(f, copy_outputs=False), dev_feeds)
+    busy, idle = sum(r["us"] for r in rows), sum(r["gap_us"] for r in rows)
+    lines = [f"# {args.model} batch {args.batch} {args.precision} level {args.level}: one CUDA-graph replay",
+             "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {len(engine.graph.nodes)} layers",
+             f"{len(rows)} kernels, busy {busy:.1f} us, idle between kernels {idle:.1f} us, span {busy + idle:.1f} us",
+             "", "| # | gap us | kernel us | kernel |", "|---|---|---|---|"]
+    lines += [f"| {i} | {r['gap_us']:.1f} | {r['us']:.1f} | `{r['kernel']}` |" for i, r in enumerate(rows)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out, f"{args.model}-b{args.batch}-{args.precision}-trace.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
