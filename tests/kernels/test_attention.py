@@ -97,6 +97,15 @@ def test_every_output_element_is_written():
     torch.testing.assert_close(got, attention.reference(q, k, v), atol=1e-4, rtol=1e-4)
 
 
+def test_heads_interleaved_like_q_after_a_qkv_projection():
+    # q, k, v as BERT's split QKV gives them: [B, S, H*D] rows viewed as [B, H, S, D]
+    qkv = _rand(B, SQ, 3 * H * 32, seed=9)
+    q, k, v = (t.reshape(B, SQ, H, 32).transpose(1, 2) for t in qkv.split(H * 32, dim=-1))
+    got = _check(q, k, v)
+    merged = got.transpose(1, 2).reshape(B, SQ, H * 32)  # the head merge after attention
+    assert merged.data_ptr() == got.data_ptr()  # a view: the output was written interleaved
+
+
 def test_supports_refuses_what_the_kernel_cannot_do():
     q, k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 7, 64), torch.randn(1, 2, 7, 64)
     assert attention.supports(q, k, v) and attention.supports(q, k.transpose(-1, -2), v, None, True)

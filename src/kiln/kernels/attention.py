@@ -159,13 +159,23 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(0)
 
 
+def _like_q(q: torch.Tensor, shape) -> torch.Tensor:
+    """An output whose heads are interleaved within each position when q's are ([B, S, H, D] in memory,
+    as after a fused QKV projection): the head merge after attention (transpose, reshape) is then a view,
+    not a copy per layer. Otherwise contiguous."""
+    if q.dim() == 4 and q.stride(1) < q.stride(2):
+        b, h, s, dv = shape
+        return torch.empty((b, s, h, dv), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty(shape, dtype=q.dtype, device=q.device)
+
+
 def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed: bool = False,
                     nan_guard: bool = False, precision: str = "float32", config: FlashConfig = CONFIGS[0][0],
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q @ k^T * scale + mask) @ v; returns a contiguous [.., Sq, Dv] tensor of q's dtype."""
+    """softmax(q @ k^T * scale + mask) @ v; returns a [.., Sq, Dv] tensor of q's dtype, laid out like q."""
     lead, sq, sk, d, dv = _shapes(q, k, v, k_transposed)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    o = out if out is not None else torch.empty((*lead, sq, dv), dtype=q.dtype, device=q.device)
+    o = out if out is not None else _like_q(q, (*lead, sq, dv))
     q4, k4, v4, o4 = _as4d(q), _as4d(k), _as4d(v), _as4d(o)
     B, H = q4.shape[0], q4.shape[1]
     k4 = k4.expand(B, H, *k4.shape[2:])

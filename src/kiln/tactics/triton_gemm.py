@@ -8,8 +8,8 @@ the builder's timer picks the configuration per layer and shape on the target GP
   QGemm      triton_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>  gemm.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  1x1 convolutions as gemm.py GEMMs
-A few configurations per layer type from level 4, more at level 5 (each kernel's CONFIGS
-level plus one, see _LEVEL_SHIFT). The quantized ones are offered at their QUANT_CONFIGS level
+A few float GEMM/convolution configurations from level 4, more at level 5 (each kernel's
+CONFIGS level plus one, see _LEVEL_SHIFT); flash attention from the default level 3. The quantized ones are offered at their QUANT_CONFIGS level
 (several from the default level 3): they are the only integer/FP8 kernels most INT8/FP8
 convolutions have, the alternative being the float fallback (dequantized_conv).
 applies() refuses what a kernel cannot run: non-CUDA tensors, other dtypes, FP8 below sm_89,
@@ -195,8 +195,8 @@ def _register() -> None:
         tactic("FusedGemm", f"triton_gemm_{cfg.name}", _gemm_applies(cfg), level=lvl(level))(_gemm_run(cfg))
     for cfg, level in conv.CONFIGS:
         tactic("FusedConv", f"triton_conv_{cfg.name}", _conv_applies(cfg), level=lvl(level))(_conv_run(cfg))
-    for cfg, level in attention.CONFIGS:
-        tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=lvl(level))(_flash_run(cfg))
+    for cfg, level in attention.CONFIGS:  # at their own level: cuDNN's SDPA adds a memset and ~4 us per call
+        tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=level)(_flash_run(cfg))
     for cfg, level in gemm.QUANT_CONFIGS:
         tactic("QGemm", f"triton_qgemm_{cfg.name}", _gemm_applies(cfg, True), level=level)(_gemm_run(cfg, True))
     for cfg, level in conv.QUANT_CONFIGS:
