@@ -131,8 +131,7 @@ def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
                                cpu.create_execution_context().run({"x": x})["y"], rtol=1e-3, atol=1e-3)
 
 
-def test_host_values_used_as_data_follow_the_input_shape():
-    """ConstantOfShape(Shape(x)) is computed on the host per shape and uploaded: never reused stale."""
+def _x_plus_ones_of_its_shape():
     from onnx import TensorProto, helper
 
     nodes = [helper.make_node("Shape", ["x"], ["s"]),
@@ -141,13 +140,27 @@ def test_host_values_used_as_data_follow_the_input_shape():
              helper.make_node("Add", ["x", "ones"], ["y"])]
     g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    eng = kiln.build(model, _cfg(profiles=[kiln.Profile({"x": ((1, 4), (2, 4), (8, 4))})]))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_host_values_used_as_data_follow_the_input_shape():
+    """ConstantOfShape(Shape(x)) is computed on the host per shape and uploaded: never reused stale."""
+    eng = kiln.build(_x_plus_ones_of_its_shape(), _cfg(profiles=[kiln.Profile({"x": ((1, 4), (2, 4), (8, 4))})]))
     for graphs in (False, True):
         ctx = eng.create_execution_context(cuda_graphs=graphs)
         for n in (2, 5, 2, 8):
             x = torch.randn(n, 4, device="cuda")
             torch.testing.assert_close(ctx.run({"x": x})["y"], x + 1)
+
+
+def test_host_values_are_uploaded_in_the_layers_precision():
+    """An FP32 host value read by an FP16 layer is cast once on upload, not by a kernel in every replay."""
+    eng = kiln.build(_x_plus_ones_of_its_shape(), _cfg(fp16=True, profiles=[kiln.Profile({"x": ((4, 4),) * 3})]))
+    ctx = eng.create_execution_context()
+    x = torch.randn(4, 4, device="cuda")
+    torch.testing.assert_close(ctx.run({"x": x})["y"], x + 1, rtol=1e-3, atol=1e-3)
+    uploads = next(iter(ctx._captured.values())).uploads
+    assert uploads[("ones", torch.float16)].dtype == torch.float16 and "ones" not in uploads
 
 
 def test_int8_pointwise_convolutions_are_timed_on_channels_last_inputs():

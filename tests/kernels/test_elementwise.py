@@ -22,13 +22,31 @@ def test_generated_kernel_matches_reference(n):
 
 def test_every_element_is_written():
     a = torch.randn(777).to(DEV)
-    real = torch.empty_like
-    try:
-        torch.empty_like = lambda t, **kw: torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device)
-        out = elementwise.run(["Neg t0 i0"], [a], block=128)
-    finally:
-        torch.empty_like = real
+    poisoned = torch.full_like(a, float("nan"))
+    out = elementwise.run(["Neg t0 i0"], [a], block=128, out=poisoned)
+    assert out.data_ptr() == poisoned.data_ptr()
     torch.testing.assert_close(out, -a)
+
+
+@pytest.mark.parametrize("small", [(1, 5, 7), (5, 7), (7,), ()])
+def test_inputs_with_the_outputs_trailing_shape_repeat(small):
+    # BERT's embeddings: word + token type [B, S, H] + position [1, S, H]; biases and scalars too
+    g = torch.Generator().manual_seed(len(small))
+    a, b = torch.randn(3, 5, 7, generator=g).to(DEV), torch.randn(small, generator=g).to(DEV)
+    program = ["Add t0 i0 i1", "Mul t1 t0 i1"]
+    node = Node("Elementwise", ["a", "b"], ["y"], {"program": program}, domain="kiln")
+    for inputs in ([a, b], [b, a]):
+        assert elementwise.supports(inputs)
+        poisoned = torch.full((3, 5, 7), float("nan"), device=DEV)
+        got = elementwise.run(program, inputs, block=16, out=poisoned)
+        torch.testing.assert_close(got, reference(node, *inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_other_broadcasts_are_left_to_the_reference():
+    a = torch.randn(3, 5, 7)
+    assert not elementwise.supports([a, torch.randn(3, 1, 7)])  # repeats inside, not along leading dims
+    assert not elementwise.supports([a, torch.randn(5, 1)])
+    assert not elementwise.supports([a, torch.randn(7).half()])  # mixed types
 
 
 def test_source_is_straight_line_code():

@@ -21,7 +21,7 @@ from ..ir import dtypes
 from ..ir.dtypes import FLOAT_TYPES
 from ..ops.registry import lookup
 from ..passes.dead_code import reads
-from .interpreter import call_node, run_node
+from .interpreter import call_node, cast_input, compute_type, run_node
 
 
 class NonFiniteInputWarning(UserWarning):
@@ -39,7 +39,7 @@ class _Captured:
     outputs: list[torch.Tensor]
     pool_bytes: int
     # Device copies of host values the graph reads: they must live as long as the graph.
-    uploads: dict[str, torch.Tensor]
+    uploads: dict  # name (or (name, dtype) for a cast copy) -> device tensor
 
 
 @dataclass
@@ -207,7 +207,8 @@ class ExecutionContext:
         return dict(self._weight_uploads)
 
     def _keep_weight_uploads(self, uploads: dict) -> None:
-        self._weight_uploads.update({k: t for k, t in uploads.items() if k in self._weights})
+        self._weight_uploads.update({k: t for k, t in uploads.items() if (k[0] if isinstance(k, tuple) else k)
+                                     in self._weights})
 
     def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None, on_args=None) -> None:
         dev = self.device
@@ -217,15 +218,20 @@ class ExecutionContext:
                 if run_host:
                     run_node(node, env)
                 continue
-            args = []
-            for pos, name in enumerate(node.inputs):
-                t = env[name] if name else None
-                if t is not None and t.device != dev and pos not in entry.host_inputs:
-                    up = uploads.get(name)
-                    if up is None:
-                        up = uploads[name] = t.to(dev)
-                    t = up
-                args.append(t)
+            args = [env[name] if name else None for name in node.inputs]
+            host = [pos for pos, t in enumerate(args)
+                    if isinstance(t, torch.Tensor) and t.device != dev and pos not in entry.host_inputs]
+            if host:
+                # Host values (weights, per-shape constants) reach the device in the layer's precision:
+                # cast once on upload, not by a kernel in every replay.
+                want = compute_type(node, entry)
+                for pos in host:
+                    name, t = node.inputs[pos], args[pos]
+                    cast = want is not None and t.dtype in FLOAT_TYPES and t.dtype != want
+                    key = (name, want) if cast else name
+                    if key not in uploads:
+                        uploads[key] = cast_input(entry, pos, t, want).to(dev)
+                    args[pos] = uploads[key]
             if on_args:
                 on_args(node, args)
             if observer:

@@ -21,22 +21,29 @@ from .precision import saturating_cast
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def cast_for(node: Node, entry, args: list):
-    """Cast float inputs to the layer's compute precision: FP16/BF16 layers get low-precision
-    inputs, layers kept in FP32 inside a low-precision engine get FP32 ones."""
+def compute_type(node: Node, entry) -> torch.dtype | None:
+    """The float type a layer's float inputs are cast to, or None when they are taken as they come:
+    FP16/BF16 layers get low-precision inputs, layers kept in FP32 inside a low-precision engine FP32."""
     if entry.keeps_input_types:
-        return args
+        return None
     want = _LOW.get(node.precision)
-    if want is None:
-        if not node.note.startswith(("kept FP32", "pinned")):
-            return args
+    if want is None and node.note.startswith(("kept FP32", "pinned")):
         want = torch.float32
-    def cast(i, a):
-        if not isinstance(a, torch.Tensor) or a.dtype not in FLOAT_TYPES or a.dtype == want or i in entry.host_inputs:
-            return a
-        return saturating_cast(a, want) if i in entry.saturating_inputs else a.to(want)
+    return want
 
-    return [cast(i, a) for i, a in enumerate(args)]
+
+def cast_input(entry, pos: int, a, want: torch.dtype | None):
+    """Input `pos` of a layer, cast to `want` where that applies (not to shape arguments)."""
+    if (want is None or not isinstance(a, torch.Tensor) or a.dtype not in FLOAT_TYPES or a.dtype == want
+            or pos in entry.host_inputs):
+        return a
+    return saturating_cast(a, want) if pos in entry.saturating_inputs else a.to(want)
+
+
+def cast_for(node: Node, entry, args: list):
+    """Cast float inputs to the layer's compute precision (compute_type)."""
+    want = compute_type(node, entry)
+    return args if want is None else [cast_input(entry, i, a, want) for i, a in enumerate(args)]
 
 
 def call_node(node: Node, args: list, env: MutableMapping | None = None) -> tuple:

@@ -27,9 +27,14 @@ _EXPR = {
 _loaded: dict[str, object] = {}
 
 
-def source(program: list[str], n_inputs: int) -> str:
+def source(program: list[str], n_inputs: int, repeats: tuple[bool, ...] = ()) -> str:
+    """repeats[k]: input k repeats along the output (it has the output's trailing shape, like a
+    position embedding or a bias), so element i of the output reads its element i mod size."""
+    repeats = repeats or (False,) * n_inputs
     ins = ", ".join(f"i{k}" for k in range(n_inputs))
-    body = [f"    x{k} = tl.load(i{k} + offs, mask=m).to(tl.float32)" for k in range(n_inputs)]
+    sizes = "".join(f", n{k}" for k in range(n_inputs) if repeats[k])
+    body = [f"    x{k} = tl.load(i{k} + {f'offs % n{k}' if repeats[k] else 'offs'}, mask=m).to(tl.float32)"
+            for k in range(n_inputs)]
     last = None
     for op, dst, args in parse_program(program):
         vals = [f"x{a[1:]}" if a.startswith("i") else (a if a.startswith("t") else f"{float(a[1:])!r}") for a in args]
@@ -38,7 +43,7 @@ def source(program: list[str], n_inputs: int) -> str:
     return "\n".join([
         "import triton", "import triton.language as tl", "", "",
         "@triton.jit",
-        f"def kernel({ins}, out, n, BLOCK: tl.constexpr):",
+        f"def kernel({ins}, out, n{sizes}, BLOCK: tl.constexpr):",
         "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
         "    m = offs < n",
         *body,
@@ -46,8 +51,8 @@ def source(program: list[str], n_inputs: int) -> str:
     ])
 
 
-def kernel_for(program: list[str], n_inputs: int):
-    src = source(program, n_inputs)
+def kernel_for(program: list[str], n_inputs: int, repeats: tuple[bool, ...] = ()):
+    src = source(program, n_inputs, repeats)
     key = hashlib.sha256(src.encode()).hexdigest()[:20]
     if key not in _loaded:
         folder = Path(os.environ.get("KILN_KERNEL_CACHE", Path(tempfile.gettempdir()) / "kiln-kernels"))
@@ -64,16 +69,35 @@ def kernel_for(program: list[str], n_inputs: int):
     return _loaded[key]
 
 
+def _out_shape(inputs: list[torch.Tensor]):
+    try:
+        return torch.broadcast_shapes(*(x.shape for x in inputs))
+    except RuntimeError:
+        return None
+
+
+def _repeats(x: torch.Tensor, shape) -> bool:
+    """x has `shape`'s trailing dims (after leading 1s): it repeats along the output's leading dims."""
+    dims = list(x.shape)
+    while dims and dims[0] == 1:
+        dims.pop(0)
+    return x.shape != shape and tuple(dims) == tuple(shape[len(shape) - len(dims):])
+
+
 def supports(inputs: list[torch.Tensor]) -> bool:
-    first = inputs[0]
-    return all(x.shape == first.shape and x.dtype == first.dtype and x.is_contiguous() for x in inputs) \
-        and first.dtype in (torch.float32, torch.float16, torch.bfloat16) and first.numel() > 0
+    first, shape = inputs[0], _out_shape(inputs)
+    return shape is not None and all(
+        x.dtype == first.dtype and x.is_contiguous() and x.numel() > 0 and (x.shape == shape or _repeats(x, shape))
+        for x in inputs) and first.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
-def run(program: list[str], inputs: list[torch.Tensor], block: int = 1024) -> torch.Tensor:
-    out = torch.empty_like(inputs[0])
+def run(program: list[str], inputs: list[torch.Tensor], block: int = 1024, out: torch.Tensor | None = None):
+    shape = _out_shape(inputs)
+    out = torch.empty(shape, dtype=inputs[0].dtype, device=inputs[0].device) if out is None else out
     n = out.numel()
-    kernel_for(program, len(inputs))[(triton_cdiv(n, block),)](*inputs, out, n, BLOCK=block)
+    repeats = tuple(x.shape != shape for x in inputs)
+    sizes = [x.numel() for x, r in zip(inputs, repeats) if r]
+    kernel_for(program, len(inputs), repeats)[(triton_cdiv(n, block),)](*inputs, out, n, *sizes, BLOCK=block)
     return out
 
 
