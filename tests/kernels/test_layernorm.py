@@ -19,6 +19,16 @@ def test_skip_layernorm_matches_reference(rows, cols, with_beta):
     torch.testing.assert_close(s, rs)
 
 
+@pytest.mark.parametrize("rows, cols", [(1, 7), (5, 33)])
+def test_plain_layernorm_matches_torch(rows, cols):
+    # the LayerNormalization tactic: no residual
+    g = torch.Generator().manual_seed(rows + cols)
+    x = torch.randn(rows, cols, generator=g).to(DEV) * 3 + 1
+    gamma, beta = torch.randn(cols, generator=g).to(DEV), torch.randn(cols, generator=g).to(DEV)
+    y = layernorm.layernorm(x, gamma, beta, 1e-5)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (cols,), gamma, beta, 1e-5), atol=1e-4, rtol=1e-4)
+
+
 def test_transposed_inputs_are_read_in_place():
     # ViT's sequence-first attention output: a [B, S, E] view of a [S, B, E] tensor.
     g = torch.Generator().manual_seed(3)
@@ -62,3 +72,19 @@ def test_an_8bit_copy_of_the_rows_for_quantized_readers(qtype):
     assert q.dtype == want.dtype
     assert torch.equal(q, want) if qtype == "int8" else _close(q, want, "fp8")[0]  # FP8: x * (1/s) vs x / s
     torch.testing.assert_close(y, layernorm.reference(a, b, gamma, beta, 1e-5)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_layernorm_tactic_matches_the_op_reference():
+    from kiln.ir.graph import Node
+    from kiln.ops.norm import layer_norm
+    from kiln.tactics import _TACTICS, triton_tactics  # noqa: F401  (registers)
+
+    tactic = next(t for t in _TACTICS[("", "LayerNormalization")] if t.name == "triton_layernorm")
+    x = torch.randn(2, 3, 24).to(DEV)
+    gamma, beta = torch.randn(24).to(DEV), torch.randn(24).to(DEV)
+    node = Node("LayerNormalization", ["x", "g", "b"], ["y"], {"epsilon": 1e-3}, opset=17)
+    assert tactic.applies(node, [x, gamma, beta]) == x.is_cuda  # CPU tensors are refused
+    torch.testing.assert_close(tactic.fn(node, x, gamma, beta), layer_norm(node, x, gamma, beta), atol=1e-4, rtol=1e-4)
+    stats = Node("LayerNormalization", ["x", "g"], ["y", "mean", ""], {}, opset=17)
+    axis1 = Node("LayerNormalization", ["x", "g"], ["y"], {"axis": 1}, opset=17)
+    assert not tactic.applies(stats, [x, gamma]) and not tactic.applies(axis1, [x, torch.randn(3, 24).to(DEV)])

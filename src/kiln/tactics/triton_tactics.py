@@ -23,6 +23,23 @@ def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None):
                                     q_scale=q_scale, qtype=node.attr("qtype", "int8"))
 
 
+def _layernorm_ok(node, args) -> bool:
+    from ..kernels import layernorm
+
+    x, gamma = args[0], args[1]
+    last_axis = node.attr("axis", -1) in (-1, x.dim() - 1)
+    return (x.is_cuda and last_axis and not any(node.outputs[1:]) and node.attr("stash_type", 1) == 1
+            and layernorm.supports(x, x, gamma))
+
+
+@tactic("LayerNormalization", "triton_layernorm", _layernorm_ok, domain="", level=3)
+def triton_layernorm(node, x, gamma, beta=None):
+    from ..kernels import layernorm
+
+    return layernorm.layernorm(x, gamma.to(x.dtype), beta.to(x.dtype) if beta is not None else None,
+                               node.attr("epsilon", 1e-5))
+
+
 def _elementwise_ok(node, args) -> bool:
     from ..kernels import elementwise
 
