@@ -88,3 +88,18 @@ def test_layernorm_tactic_matches_the_op_reference():
     stats = Node("LayerNormalization", ["x", "g"], ["y", "mean", ""], {}, opset=17)
     axis1 = Node("LayerNormalization", ["x", "g"], ["y"], {"axis": 1}, opset=17)
     assert not tactic.applies(stats, [x, gamma]) and not tactic.applies(axis1, [x, torch.randn(3, 24).to(DEV)])
+
+
+def test_rms_norm_kernel_and_tactic_match_the_layer_reference():
+    from kiln.ir.graph import Node
+    from kiln.ops.fused import rms_norm
+    from kiln.tactics import _TACTICS, triton_tactics  # noqa: F401  (registers)
+
+    tactic = next(t for t in _TACTICS[("kiln", "RMSNorm")] if t.name == "triton_rms_norm")
+    x = torch.randn(3, 5, 37).to(DEV) * 2 + 0.5
+    gamma = torch.randn(37).to(DEV)
+    node = Node("RMSNorm", ["x", "g"], ["y"], {"epsilon": 1e-5}, domain="kiln")
+    want = rms_norm(node, x, gamma)
+    torch.testing.assert_close(layernorm.rms_norm(x, gamma, 1e-5), want, atol=1e-5, rtol=1e-5)
+    assert tactic.applies(node, [x, gamma]) == x.is_cuda and not tactic.applies(node, [x, None])
+    torch.testing.assert_close(tactic.fn(node, x, gamma), want, atol=1e-5, rtol=1e-5)

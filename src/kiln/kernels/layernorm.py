@@ -1,6 +1,7 @@
 """Fused residual add + LayerNorm over the last axis (one read of each input, one write);
 without the add, plain LayerNorm (BERT's embedding LayerNorm, where torch's kernel took 10 us
-for what this one does in 6.5 at batch 32).
+for what this one does in 6.5 at batch 32) or RMSNorm (Llama's: one pass where the reference
+casts, normalizes and scales).
 
 Rows are read through two leading strides, so a transposed view (ViT's sequence-first
 attention output, say) is read where it lies instead of being copied first; outputs are
@@ -22,7 +23,7 @@ from .gemm import QTYPES, quantize
 @triton.jit
 def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, n_cols, eps, rows1,
                            sa0, sa1, sb0, sb1, HAS_SKIP: tl.constexpr, HAS_BETA: tl.constexpr,
-                           WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                           WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)
@@ -34,8 +35,10 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
         s += tl.load(b_ptr + r0 * sb0 + r1 * sb1 + cols, mask=mask, other=0.0).to(tl.float32)
     if WRITE_SUM:
         tl.store(s_ptr + off, s.to(s_ptr.dtype.element_ty), mask=mask)
-    mean = tl.sum(s, axis=0) / n_cols
-    d = tl.where(mask, s - mean, 0.0)
+    if RMS:  # RMSNorm: no centring
+        d = s
+    else:
+        d = tl.where(mask, s - tl.sum(s, axis=0) / n_cols, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
     y = d * rstd * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BETA:
@@ -64,9 +67,9 @@ def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
 
 
 def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
-                   q_scale: torch.Tensor | None = None, qtype: str = ""):
+                   q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False):
     """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype]).
-    b=None: LayerNorm(a)."""
+    b=None: LayerNorm(a). rms: RMSNorm instead of LayerNorm."""
     n = a.shape[-1]
     rows = a.numel() // n
     a3 = _rows(a)
@@ -79,13 +82,17 @@ def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = 
         a, b if b is not None else a, gamma, beta if beta is not None else gamma, y, s,
         q_scale if q_scale is not None else gamma, q, n, eps, a3.shape[1], a3.stride(0), a3.stride(1),
         b3.stride(0), b3.stride(1), HAS_SKIP=b is not None, HAS_BETA=beta is not None, WRITE_SUM=write_sum,
-        QUANT=qtype if q_scale is not None else "", BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        QUANT=qtype if q_scale is not None else "", RMS=rms, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 
 
 def layernorm(x, gamma, beta=None, eps: float = 1e-5):
     return skip_layernorm(x, None, gamma, beta, eps, write_sum=False)[0]
+
+
+def rms_norm(x, gamma, eps: float = 1e-6):
+    return skip_layernorm(x, None, gamma, None, eps, write_sum=False, rms=True)[0]
 
 
 def reference(a, b, gamma, beta=None, eps: float = 1e-5):

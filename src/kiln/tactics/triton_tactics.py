@@ -40,6 +40,34 @@ def triton_layernorm(node, x, gamma, beta=None):
                                node.attr("epsilon", 1e-5))
 
 
+def _rms_norm_ok(node, args) -> bool:
+    from ..kernels import layernorm
+
+    return len(args) > 1 and args[1] is not None and args[0].is_cuda and layernorm.supports(args[0], args[0], args[1])
+
+
+@tactic("RMSNorm", "triton_rms_norm", _rms_norm_ok, level=3)
+def triton_rms_norm(node, x, gamma):
+    from ..kernels import layernorm
+
+    return layernorm.rms_norm(x, gamma.to(x.dtype), node.attr("epsilon", 1e-6))
+
+
+def _softmax_ok(node, args) -> bool:
+    from ..kernels import softmax
+
+    x = args[0]
+    last_axis = node.opset >= 13 and node.attr("axis", -1) in (-1, x.dim() - 1)
+    return x.is_cuda and last_axis and softmax.supports(x)
+
+
+@tactic("Softmax", "triton_softmax", _softmax_ok, domain="", level=3)
+def triton_softmax(node, x):
+    from ..kernels import softmax
+
+    return softmax.softmax(x)
+
+
 def _elementwise_ok(node, args) -> bool:
     from ..kernels import elementwise
 
