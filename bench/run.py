@@ -78,9 +78,9 @@ def layer_profile(engine, feeds, runs: int = 5) -> dict:
             for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]}
 
 
-def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
-    """GPU time per kernel name (torch.profiler / CUPTI, which sees kernels inside CUDA graphs), per call:
-    what the device really runs, without the launch gaps a layer-by-layer profile adds."""
+def kernel_events(fn, feeds: dict, runs: int) -> list:
+    """The device events of `runs` calls after a warm-up call, from torch.profiler (CUPTI), which sees
+    kernels inside CUDA graphs."""
     from torch.profiler import ProfilerActivity, profile
 
     fn(feeds)
@@ -89,13 +89,17 @@ def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
         for _ in range(runs):
             fn(feeds)
         torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+
+
+def kernel_profile(fn, feeds: dict, runs: int = 10, top: int = 12) -> list:
+    """GPU time per kernel name, per call: what the device really runs, without the launch gaps a
+    layer-by-layer profile adds."""
     totals: dict[str, list] = {}
-    for e in prof.events():
-        us = e.time_range.elapsed_us()
-        if e.device_type.name == "CUDA" and us > 0:
-            t = totals.setdefault(e.name[:90], [0.0, 0])
-            t[0] += us / 1000 / runs
-            t[1] += 1
+    for e in kernel_events(fn, feeds, runs):
+        t = totals.setdefault(e.name[:90], [0.0, 0])
+        t[0] += e.time_range.elapsed_us() / 1000 / runs
+        t[1] += 1
     total = sum(v[0] for v in totals.values()) or 1.0
     return [{"kernel": k, "ms": round(v[0], 4), "share": round(v[0] / total, 4), "calls": v[1] // runs}
             for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]

@@ -17,20 +17,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kiln  # noqa: E402
 from bench.models import MODELS  # noqa: E402
+from bench.run import kernel_events  # noqa: E402
 
 
 def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
     """Kernels of the last of `runs` calls, in start order: name, duration and the gap before it (us)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(feeds)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn(feeds)
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
-                    key=lambda e: e.time_range.start)
+    events = sorted(kernel_events(fn, feeds, runs), key=lambda e: e.time_range.start)
     last = events[-(len(events) // runs):]  # every call launches the same kernels
     rows, prev_end = [], None
     for e in last:
