@@ -9,9 +9,10 @@ the builder's timer picks the configuration per layer and shape on the target GP
   QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  1x1 convolutions as gemm.py GEMMs
 A few float GEMM/convolution configurations from level 4, more at level 5 (each kernel's
-CONFIGS level plus one, see _LEVEL_SHIFT); flash attention from the default level 3. The quantized ones are offered at their QUANT_CONFIGS level
-(several from the default level 3): they are the only integer/FP8 kernels most INT8/FP8
-convolutions have, the alternative being the float fallback (dequantized_conv).
+CONFIGS level plus one, see _LEVEL_SHIFT); flash attention from the default level 3. The
+quantized ones are offered at their QUANT_CONFIGS level (several from the default level 3):
+they are the only integer/FP8 kernels most INT8/FP8 convolutions have, the alternative being
+the float fallback (dequantized_conv).
 applies() refuses what a kernel cannot run: non-CUDA tensors, other dtypes, FP8 below sm_89,
 grouped or non-2-D convolutions, unsupported head dims, a configuration whose pipeline
 would not fit in the GPU's shared memory, or a tile far larger than the problem
@@ -179,9 +180,9 @@ def _flash_run(config):
     return run
 
 
-# Offered one level above each kernel's own CONFIGS level. At level 4 on the H200 (2026-11-30) they made
-# batch 1 faster (ResNet-50 0.427 -> 0.403 ms, BERT-base 0.577 -> 0.523) and the cold builds took 15 s and
-# 12 s; they join the default level once a batch-32 run at level 4 shows no loss there.
+# Float GEMM/convolution tiles are offered one level above their CONFIGS level. At level 4 on the H200
+# (2026-11-30) they made ResNet-50 faster (batch 1 0.427 -> 0.403 ms, batch 32 1.155 -> 1.110) and took
+# the cold build to 15 s; BERT's GEMMs stayed on cuBLAS at every batch. Too little for the default.
 _LEVEL_SHIFT = 1
 
 
