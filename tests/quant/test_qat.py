@@ -89,16 +89,20 @@ def test_group_wise_weights_and_auto_sign():
         qat.export_onnx(qat.prepare(nn.Linear(4, 4)), (torch.randn(2, 4),))
 
 
-@pytest.mark.parametrize("weight_bits, group_size, weight_format", [(8, None, "qdq"), (4, 32, "int")])
-def test_export_runs_in_onnxruntime_and_kiln(trained, weight_bits, group_size, weight_format):
+@pytest.mark.parametrize("weight_bits, group_size, weight_format, per_channel", [
+    (8, None, "qdq", True), (4, 32, "int", True), (8, None, "qdq", False), (8, None, "int", False)])
+def test_export_runs_in_onnxruntime_and_kiln(trained, weight_bits, group_size, weight_format, per_channel):
     net, split = trained
-    q = _prepared(net, split, bits=8, weight_bits=weight_bits, group_size=group_size)
+    q = _prepared(net, split, bits=8, weight_bits=weight_bits, group_size=group_size, weight_per_channel=per_channel)
     x = split[2]
     model = qat.export_onnx(q, (torch.from_numpy(x[:2]),), input_names=["image"], weight_format=weight_format)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("DequantizeLinear") == 6 and ops.count("QuantizeLinear") == (6 if weight_format == "qdq" else 3)
     blocked = [n for n in model.graph.node if any(a.name == "block_size" for a in n.attribute)]
     assert bool(blocked) == (group_size is not None)
+    weight_scales = [t for t in model.graph.initializer if t.name.endswith("weight_scale")]
+    assert len(weight_scales) == 3
+    assert all((list(t.dims) == []) == (not per_channel) for t in weight_scales)  # per tensor: a scalar scale
     with torch.no_grad():
         want = q(torch.from_numpy(x)).numpy()
     ref = _ort(model, x)  # reference kernels: the Q/DQ semantics exactly
@@ -108,6 +112,37 @@ def test_export_runs_in_onnxruntime_and_kiln(trained, weight_bits, group_size, w
     # only the decisions are compared.
     fused = _ort(model, x, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     assert (fused.argmax(1) == want.argmax(1)).mean() >= 0.97
+
+
+def test_per_tensor_weights_on_a_depthwise_separable_net():
+    """weight_per_channel=False: one LSQ step per layer (also for a depthwise conv, groups == channels), a
+    scalar weight scale in the export, and onnxruntime and Kiln compute what the fake-quantized module does."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(),  # depthwise
+                        nn.Conv2d(16, 32, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    with torch.no_grad():  # channel ranges spanning 100x, as BatchNorm folding leaves in depthwise convs
+        net[2].weight.mul_(torch.logspace(-1, 1, 16).reshape(-1, 1, 1, 1))
+    x_tr, _, x, _ = digits.load_split(0)
+    q = qat.prepare(copy.deepcopy(net), bits=8, weight_bits=8, weight_per_channel=False)
+    dw = q[2]
+    assert dw.weight_quant.axis is None and dw.weight_quant.scale.numel() == 1
+    torch.testing.assert_close(dw.weight_quant.scale.detach(), net[2].weight.abs().max() / 127)
+    assert dw.weight_quant._per_scale_elements(dw.weight) == dw.weight.numel()  # LSQ's n: the whole layer
+    # The smallest channel really is rounded coarsely: a few of the 255 levels (per channel: all of them).
+    assert dw.weight_quant.quantize(dw.weight)[0].abs().max() <= 3
+    qat.calibrate(q, torch.from_numpy(x_tr[:256]))
+    y = q(torch.from_numpy(x))
+    y.pow(2).mean().backward()
+    assert dw.weight_quant.scale.grad is not None and torch.isfinite(dw.weight_quant.scale.grad).all()
+    model = qat.export_onnx(q, (torch.from_numpy(x[:2]),), input_names=["image"])
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.endswith("weight_DequantizeLinear")]
+    assert len(dq) == 4 and all(not any(a.name == "axis" for a in n.attribute) for n in dq)
+    ref = _ort(model, x)
+    _close(ref, y.detach().numpy())
+    _close(_kiln(model, x), ref)
+    with pytest.raises(ConfigError, match="exclusive"):
+        qat.prepare(nn.Linear(64, 4), weight_bits=4, group_size=32, weight_per_channel=False)
 
 
 def test_qat_accuracy_on_digits(trained):

@@ -11,16 +11,17 @@
 
 `prepare` swaps every nn.Conv2d / nn.Linear (in place) for a subclass that
 fake-quantizes its input (per tensor) and its weight (per output channel, or
-group-wise along the input features for Linear) before the float op. The
-original weight and bias Parameters are kept, so an optimizer made earlier still
-updates them.
+group-wise along the input features for Linear, or with `weight_per_channel=False`
+one scale per layer, as onnxruntime's quantize_static writes by default and some
+deployment targets require) before the float op. The original weight and bias
+Parameters are kept, so an optimizer made earlier still updates them.
 
 Fake quantization is LSQ (Esser et al., "Learned Step Size Quantization"):
     y = round(clamp(x / s, Qn, Qp)) * s
 with a straight-through estimator for the rounding (gradient 1 inside the range,
 0 outside) and the step s a Parameter whose gradient is scaled by
 1 / sqrt(n * Qp) (n: the elements one scale covers). Weight scales start at
-max|w| / Qp of their channel or group (the naive post-training rounding). Input
+max|w| / Qp of their channel, group or layer (the naive post-training rounding). Input
 scales start at amax / Qp: by default amax = max|x| of the first batch the layer
 sees whose max is finite and nonzero (an all-zero input, such as an RNN's state
 at step 0, is skipped); with `prepare(..., calib=batches, calib_method=...)` (or
@@ -34,9 +35,9 @@ points are 0.
 
 `export_onnx` exports a float copy of the network (torch.onnx.export, dynamo)
 and inserts QuantizeLinear -> DequantizeLinear pairs with the learned scales in
-front of each quantized layer's input and weight (per-axis, or blocked with
-`block_size` for group-wise weights). INT4 values need ONNX opset 21, which is
-the default.
+front of each quantized layer's input and weight (per-axis, blocked with
+`block_size` for group-wise weights, or a scalar scale for per-tensor weights).
+INT4 values need ONNX opset 21, which is the default.
 """
 
 from __future__ import annotations
@@ -69,20 +70,22 @@ def _grad_scale(s: torch.Tensor, g: float) -> torch.Tensor:
 class FakeQuantize(nn.Module):
     """LSQ fake quantization with a learned step (scale); zero point 0.
 
-    axis=None: one scale (per tensor). axis=a: one scale per index of dimension a
+    axis=None: one scale (per tensor; `is_weight=True` counts all of x's elements in LSQ's gradient
+    scale, otherwise those of one sample, x[0]). axis=a: one scale per index of dimension a
     (per channel). group_size=g (with axis=a): dimension a is cut into groups of g
     consecutive elements and each group of each other row gets its own scale; only
     2-D tensors ([out, in], a=1). `signed=None` decides from the first batch.
     """
 
     def __init__(self, bits: int = 8, signed: bool | None = True, narrow: bool = False,
-                 axis: int | None = None, group_size: int | None = None, scale_shape=()):
+                 axis: int | None = None, group_size: int | None = None, scale_shape=(), is_weight: bool = False):
         super().__init__()
         if not 2 <= bits <= 8:
             raise ConfigError(f"fake quantization needs 2 to 8 bits, not {bits}.")
         if group_size is not None and (axis is None or group_size < 1):
             raise ConfigError("group-wise quantization needs an axis and a positive group_size.")
         self.bits, self.narrow, self.axis, self.group_size = bits, narrow, axis, group_size
+        self.is_weight = is_weight
         self.scale = nn.Parameter(torch.ones(scale_shape))
         self.register_buffer("initialized", torch.tensor(False))
         self.register_buffer("signed", torch.tensor(bool(signed) if signed is not None else True))
@@ -107,8 +110,9 @@ class FakeQuantize(nn.Module):
         return s.reshape(shape)
 
     def _per_scale_elements(self, x: torch.Tensor) -> int:
-        if self.axis is None:
-            return max(x[0].numel() if x.dim() > 1 else x.numel(), 1)
+        if self.axis is None:  # a weight has no batch axis: its one scale covers every element
+            per_sample = x.dim() > 1 and not self.is_weight
+            return max(x[0].numel() if per_sample else x.numel(), 1)
         if self.group_size is not None:
             return min(self.group_size, x.shape[self.axis]) * (x.numel() // (x.shape[0] * x.shape[self.axis]))
         return max(x.numel() // x.shape[self.axis], 1)
@@ -168,7 +172,8 @@ class FakeQuantize(nn.Module):
     def extra_repr(self) -> str:
         kind = "per-tensor" if self.axis is None else (
             f"group {self.group_size} along axis {self.axis}" if self.group_size else f"per-axis {self.axis}")
-        sign = "auto" if self.auto_sign and not bool(self.initialized) else ("signed" if bool(self.signed) else "unsigned")
+        sign = ("auto" if self.auto_sign and not bool(self.initialized)
+                else "signed" if bool(self.signed) else "unsigned")
         return f"bits={self.bits}, {sign}, {kind}"
 
 
@@ -197,7 +202,8 @@ class QuantLinear(nn.Linear, _QuantMixin):
 _SWAP = {nn.Conv2d: QuantConv2d, nn.Linear: QuantLinear}
 
 
-def _swap(layer: nn.Module, bits: int | None, weight_bits: int, group_size: int | None) -> nn.Module:
+def _swap(layer: nn.Module, bits: int | None, weight_bits: int, group_size: int | None,
+          weight_per_channel: bool = True) -> nn.Module:
     q = _SWAP[type(layer)].__new__(_SWAP[type(layer)])
     q.__dict__ = layer.__dict__.copy()  # same Parameters, buffers, hooks and settings
     q._modules = dict(layer._modules)
@@ -205,7 +211,9 @@ def _swap(layer: nn.Module, bits: int | None, weight_bits: int, group_size: int 
     q._buffers = dict(layer._buffers)
     w = layer.weight
     q.input_quant = FakeQuantize(bits, signed=None) if bits else None
-    if group_size and isinstance(layer, nn.Linear):
+    if not weight_per_channel:
+        wq = FakeQuantize(weight_bits, narrow=True, axis=None, is_weight=True)
+    elif group_size and isinstance(layer, nn.Linear):
         wq = FakeQuantize(weight_bits, narrow=True, axis=1, group_size=group_size,
                           scale_shape=(w.shape[0], -(-w.shape[1] // group_size)))
     else:
@@ -219,12 +227,14 @@ def _swap(layer: nn.Module, bits: int | None, weight_bits: int, group_size: int 
 
 def prepare(module: nn.Module, bits: int | None = 8, weight_bits: int = 8, group_size: int | None = None,
             skip: tuple[str, ...] = (), calib=None, calib_method: str = "entropy",
-            percentile: float = 99.99) -> nn.Module:
+            percentile: float = 99.99, weight_per_channel: bool = True) -> nn.Module:
     """Fake-quantize every nn.Conv2d / nn.Linear of `module` (in place; returns it).
 
     bits: input (activation) bits, 8 or 4 (None: inputs stay float, weight-only).
     weight_bits: 8 or 4. group_size: group-wise weight scales for Linear layers
     (groups of that many input features; Conv2d keeps per-output-channel scales).
+    weight_per_channel: False gives every layer one weight scale (per tensor) instead of one per
+    output channel.
     skip: names of layers (as named_modules spells them) to leave in float.
     calib: calibration inputs (see `calibrate_inputs`); the input scales then start from
     `calib_method` ("entropy", "minmax" or "percentile") calibration instead of the first batch.
@@ -237,16 +247,19 @@ def prepare(module: nn.Module, bits: int | None = 8, weight_bits: int = 8, group
         raise ConfigError("weight_bits must be 8 or 4.")
     if group_size is not None and (group_size < 2 or group_size % 2):
         raise ConfigError(f"group_size must be an even number of input features, not {group_size}.")
+    if group_size is not None and not weight_per_channel:
+        raise ConfigError("group_size and weight_per_channel=False are exclusive: group-wise scales are finer "
+                          "than per-channel ones, per-tensor scales coarser.")
     targets = [(n, m) for n, m in module.named_modules() if type(m) in _SWAP and n not in skip]
     if not targets and type(module) not in _SWAP:
         raise ConfigError(f"{type(module).__name__} has no nn.Conv2d or nn.Linear layer to quantize.")
     if type(module) in _SWAP and "" not in skip:
-        module = _swap(module, bits, weight_bits, group_size)
+        module = _swap(module, bits, weight_bits, group_size, weight_per_channel)
     else:
         for name, layer in targets:
             parent_name, _, attr = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
-            setattr(parent, attr, _swap(layer, bits, weight_bits, group_size))
+            setattr(parent, attr, _swap(layer, bits, weight_bits, group_size, weight_per_channel))
     if calib is not None:
         calibrate_inputs(module, calib, calib_method, percentile)
     return module
@@ -392,8 +405,11 @@ def _zeros(name: str, fq: FakeQuantize, shape) -> onnx.TensorProto:
 
 
 def _weight_qparams(fq: FakeQuantize, transposed: bool):
-    """(scale array, axis, block_size) for a weight initializer stored as W ([out, in, ...]) or W.T."""
+    """(scale array, axis, block_size) for a weight initializer stored as W ([out, in, ...]) or W.T;
+    a per-tensor weight gets a scalar scale and axis None."""
     s = fq.scale.detach().float().cpu().numpy().astype(np.float32)
+    if fq.axis is None:
+        return s.reshape(()), None, 0
     if fq.group_size is not None:  # s [N, G] over W [N, K]
         return (np.ascontiguousarray(s.T), 0, fq.group_size) if transposed else (s, 1, fq.group_size)
     return s.reshape(-1), (1 if transposed else 0), 0
@@ -448,7 +464,7 @@ def _insert_qdq(model: onnx.ModelProto, specs: list[_Spec], inputs: dict[str, Fa
             tag = init_name.replace("/", "_")
             s_name, z_name, dq_name = f"{tag}_scale", f"{tag}_zero_point", f"{tag}_dequantized"
             new_inits += [numpy_helper.from_array(scale, s_name), _zeros(z_name, spec.fq, scale.shape)]
-            attrs = {"axis": axis}
+            attrs = {} if axis is None else {"axis": axis}
             if block:
                 attrs["block_size"] = block
             if weight_format == "qdq":
