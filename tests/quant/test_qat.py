@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import numpy_helper
 from torch import nn
 
 import kiln
@@ -73,6 +74,27 @@ def test_fake_quant_rounds_to_the_grid_and_learns_its_scale():
     fq2.initialize(torch.tensor([1.0, -1.0]))
     fq2(x).sum().backward()
     assert x.grad.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_step_pushed_below_zero_keeps_quantizing_and_learning():
+    # an optimizer step can take the raw scale negative: its magnitude quantizes, its gradient flows
+    fq = qat.FakeQuantize(bits=8)
+    x = torch.linspace(-1, 1, 11)
+    fq.initialize(x)
+    want = fq(x).detach()
+    with torch.no_grad():
+        fq.scale.neg_()
+    y = fq(x)
+    torch.testing.assert_close(y.detach(), want)
+    y.pow(2).sum().backward()
+    assert fq.scale.grad is not None and float(fq.scale.grad) != 0.0
+    layer = qat.calibrate(qat.prepare(nn.Linear(4, 2)), torch.randn(8, 4))
+    with torch.no_grad():
+        layer.weight_quant.scale.neg_()
+        layer.input_quant.scale.neg_()
+    model = qat.export_onnx(layer, (torch.randn(2, 4),))
+    scales = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_scale")]
+    assert len(scales) == 2 and all((s > 0).all() for s in scales)  # Q/DQ scales must be positive
 
 
 def test_group_wise_weights_and_auto_sign():

@@ -150,6 +150,12 @@ class FakeQuantize(nn.Module):
         self.scale.data.fill_(max(float(amax), 1e-8) / self.qrange[1])
         self.initialized.fill_(True)
 
+    def step(self, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The step in use: |scale|, at least 1e-8. An optimizer step can take the raw parameter below
+        zero; clamping it there would leave it stuck (no gradient below the clamp) and the layer's
+        output at zero, while its magnitude keeps quantizing and its gradient keeps flowing."""
+        return (self.scale if scale is None else scale).abs().clamp(min=1e-8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not getattr(self, "enabled", True):
             return x
@@ -161,13 +167,13 @@ class FakeQuantize(nn.Module):
                 self.initialize(x)
         qn, qp = self.qrange
         g = 1.0 / math.sqrt(self._per_scale_elements(x) * qp)
-        s = self._layout(_grad_scale(self.scale, g).clamp(min=1e-8), x)
+        s = self._layout(self.step(_grad_scale(self.scale, g)), x)
         return _round_ste(torch.clamp(x / s, qn, qp)) * s
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """The integers (in x's float dtype) this quantizer maps x to."""
         qn, qp = self.qrange
-        return torch.clamp(torch.round(x / self._layout(self.scale.detach().clamp(min=1e-8), x)), qn, qp)
+        return torch.clamp(torch.round(x / self._layout(self.step().detach(), x)), qn, qp)
 
     def extra_repr(self) -> str:
         kind = "per-tensor" if self.axis is None else (
@@ -407,7 +413,7 @@ def _zeros(name: str, fq: FakeQuantize, shape) -> onnx.TensorProto:
 def _weight_qparams(fq: FakeQuantize, transposed: bool):
     """(scale array, axis, block_size) for a weight initializer stored as W ([out, in, ...]) or W.T;
     a per-tensor weight gets a scalar scale and axis None."""
-    s = fq.scale.detach().float().cpu().numpy().astype(np.float32)
+    s = fq.step().detach().float().cpu().numpy().astype(np.float32)
     if fq.axis is None:
         return s.reshape(()), None, 0
     if fq.group_size is not None:  # s [N, G] over W [N, K]
@@ -492,7 +498,7 @@ def _insert_qdq(model: onnx.ModelProto, specs: list[_Spec], inputs: dict[str, Fa
                     continue
                 x = node.input[data]
                 xt = f"{spec.name or 'input'}.{node.name}.input"
-                xs = np.asarray(float(fq.scale.detach().reshape(())), np.float32)
+                xs = np.asarray(float(fq.step().detach().reshape(())), np.float32)
                 new_inits += [numpy_helper.from_array(xs, f"{xt}_scale"), _zeros(f"{xt}_zero_point", fq, ())]
                 before.setdefault(idx, []).extend([
                     helper.make_node("QuantizeLinear", [x, f"{xt}_scale", f"{xt}_zero_point"], [f"{xt}_quantized"],
