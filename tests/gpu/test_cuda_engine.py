@@ -163,6 +163,23 @@ def test_host_values_are_uploaded_in_the_layers_precision():
     assert uploads[("ones", torch.float16)].dtype == torch.float16 and "ones" not in uploads
 
 
+def test_a_host_value_that_is_also_an_output_is_captured():
+    """'ones' is an engine output and is read by an FP16 layer (which gets its cast copy): its own
+    device copy is made by the warm-up, so the capture holds no host-to-device copy."""
+    from onnx import TensorProto, helper
+
+    model = _x_plus_ones_of_its_shape()
+    model.graph.output.append(helper.make_tensor_value_info("ones", TensorProto.FLOAT, ["N", 4]))
+    eng = kiln.build(model, _cfg(fp16=True, profiles=[kiln.Profile({"x": ((4, 4),) * 3})]))
+    ctx = eng.create_execution_context()
+    for _ in range(2):  # capture, then replay
+        x = torch.randn(4, 4, device="cuda")
+        out = ctx.run({"x": x})
+        torch.testing.assert_close(out["y"], x + 1, rtol=1e-3, atol=1e-3)
+        assert out["ones"].dtype == torch.float32 and bool((out["ones"] == 1).all())
+    assert ctx.uses_cuda_graphs and not ctx.capture_failures and len(ctx._captured) == 1
+
+
 def test_int8_pointwise_convolutions_are_timed_on_channels_last_inputs():
     """The builder's timing run computes QConv by its float64 reference, which cuDNN returns NCHW; the layers
     after it must still see the channels-last activations the engine's tactics write, or the 1x1-as-GEMM

@@ -260,8 +260,10 @@ class ExecutionContext:
         outs = []
         for v in self.engine.outputs:
             t = env[v.name]
-            if t.device != self.device:
-                t = uploads.get(v.name) if v.name in uploads else t.to(self.device)
+            if t.device != self.device:  # a host value as an output: uploaded once (by the warm-up, not in a capture)
+                if v.name not in uploads:
+                    uploads[v.name] = t.to(self.device)
+                t = uploads[v.name]
             if v.dtype is not None and t.dtype != v.dtype and t.dtype in FLOAT_TYPES and v.dtype in FLOAT_TYPES:
                 t = t.to(v.dtype)  # FP16/BF16 engines keep the model's output types
             outs.append(t)
@@ -302,6 +304,7 @@ class ExecutionContext:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._forward(env, uploads, run_host=True)  # warm-up: host values, uploads, library handles
+            self._collect(env, uploads)
         torch.cuda.current_stream(self.device).wait_stream(side)
         host = {o: env[o] for n in self.engine.graph.nodes if n.placement == "host" for o in n.outputs if o}
         env = dict(self._weights)
