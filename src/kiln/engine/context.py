@@ -21,7 +21,7 @@ from ..ir import dtypes
 from ..ir.dtypes import FLOAT_TYPES
 from ..ops.registry import lookup
 from ..passes.dead_code import reads
-from .interpreter import call_node, cast_input, compute_type, run_node
+from .interpreter import call_node, cast_input, casts, compute_type, run_node
 
 
 class NonFiniteInputWarning(UserWarning):
@@ -227,8 +227,7 @@ class ExecutionContext:
                 want = compute_type(node, entry)
                 for pos in host:
                     name, t = node.inputs[pos], args[pos]
-                    cast = want is not None and t.dtype in FLOAT_TYPES and t.dtype != want
-                    key = (name, want) if cast else name
+                    key = (name, want) if casts(entry, pos, t, want) else name
                     if key not in uploads:
                         uploads[key] = cast_input(entry, pos, t, want).to(dev)
                     args[pos] = uploads[key]

@@ -32,10 +32,15 @@ def compute_type(node: Node, entry) -> torch.dtype | None:
     return want
 
 
+def casts(entry, pos: int, a, want: torch.dtype | None) -> bool:
+    """Whether input `pos` of a layer is cast to `want` (float tensors of another type; not shape arguments)."""
+    return (want is not None and isinstance(a, torch.Tensor) and a.dtype in FLOAT_TYPES and a.dtype != want
+            and pos not in entry.host_inputs)
+
+
 def cast_input(entry, pos: int, a, want: torch.dtype | None):
-    """Input `pos` of a layer, cast to `want` where that applies (not to shape arguments)."""
-    if (want is None or not isinstance(a, torch.Tensor) or a.dtype not in FLOAT_TYPES or a.dtype == want
-            or pos in entry.host_inputs):
+    """Input `pos` of a layer, cast to `want` where that applies (casts)."""
+    if not casts(entry, pos, a, want):
         return a
     return saturating_cast(a, want) if pos in entry.saturating_inputs else a.to(want)
 
