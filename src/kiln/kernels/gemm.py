@@ -291,7 +291,8 @@ def quant_args(x: torch.Tensor, qtype: str, x_scale, w_scale) -> tuple:
     from .rescale import to_8bit
 
     w_scale = w_scale.reshape(-1)
-    return to_8bit(x, x_scale, qtype), x_scale, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0)  # one scale: read with stride 0
+    stride_ws = w_scale.stride(0) if w_scale.numel() > 1 else 0  # one scale: read with stride 0
+    return to_8bit(x, x_scale, qtype), x_scale, w_scale, stride_ws
 
 
 def _params(act: str, params) -> tuple[float, float]:
