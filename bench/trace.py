@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kiln  # noqa: E402
 from bench.models import MODELS  # noqa: E402
-from bench.run import kernel_events  # noqa: E402
+from bench.run import kernel_events, time_fn  # noqa: E402
 
 
 def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
@@ -30,6 +30,22 @@ def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
         rows.append({"kernel": e.name[:100], "us": e.time_range.elapsed_us(), "gap_us": gap})
         prev_end = e.time_range.end
     return rows
+
+
+def device_ms(fn, feeds: dict, iterations: int = 100) -> float:
+    """Median CUDA-event time of one call with the host's part hidden: a sleep kernel keeps the GPU busy
+    while the host enqueues the call, so the events bracket device work only. bench/run.py's per-call
+    timing minus this is the host time the device waits for (input checks, copies, graph launch)."""
+    times = []
+    for _ in range(iterations):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # about 1 ms at H200 clocks, far more than the host needs
+        e0.record()
+        fn(feeds)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> int:
@@ -62,9 +78,13 @@ def main(argv=None) -> int:
     dev_feeds = {k: v.cuda() for k, v in feeds.items()}
     rows = timeline(lambda f: ctx.run(f, copy_outputs=False), dev_feeds)
     busy, idle = sum(r["us"] for r in rows), sum(r["gap_us"] for r in rows)
+    run = lambda f: ctx.run(f, copy_outputs=False)  # noqa: E731
+    per_call, device = 1000 * time_fn(run, [dev_feeds], 100)["median_ms"], 1000 * device_ms(run, dev_feeds)
     lines = [f"# {args.model} batch {args.batch} {args.precision} level {args.level}: one CUDA-graph replay",
              "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {len(engine.graph.nodes)} layers",
              f"{len(rows)} kernels, busy {busy:.1f} us, idle between kernels {idle:.1f} us, span {busy + idle:.1f} us",
+             f"per call as bench/run.py times it {per_call:.1f} us; device time with the host hidden {device:.1f} us "
+             f"(so the device waits {per_call - device:.1f} us for the host)",
              "", "| # | gap us | kernel us | kernel |", "|---|---|---|---|"]
     lines += [f"| {i} | {r['gap_us']:.1f} | {r['us']:.1f} | `{r['kernel']}` |" for i, r in enumerate(rows)]
     text = "\n".join(lines) + "\n"
