@@ -201,3 +201,29 @@ def test_int8_pointwise_convolutions_are_timed_on_channels_last_inputs():
     eng = kiln.build(model, _cfg(profiles=prof, int8=True, fp16=True, calib=calib))
     pointwise = [t for t in eng.tactics if t["op"] == "QConv" and "conv1x1" in t["layer"]]
     assert pointwise and any(name.startswith("triton_qconv1x1_") for name in pointwise[0]["timings"]), pointwise
+
+
+def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
+    """BERT's out-projection at batch 1 (M = 128 rows): GemmSkipLayerNorm offers cuBLASLt + the norm kernel and
+    split-K GEMMs whose slices the norm kernel sums; every candidate is checked against the reference."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float32), n)
+             for n, s in [("w", (768, 768)), ("b", (768,)), ("g", (768,)), ("beta", (768,))]]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["lin"]),
+             helper.make_node("Add", ["lin", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "beta"], ["y"], axis=-1, epsilon=1e-12)]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", 128, 768]) for n in ("x", "r", "y")]
+    model = helper.make_model(helper.make_graph(nodes, "out_proj", io[:2], io[2:], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    prof = kiln.Profile({"x": ((1, 128, 768),) * 3, "r": ((1, 128, 768),) * 3})
+    eng = kiln.build(model, _cfg(fp16=True, profiles=[prof]))
+    assert [n.op_type for n in eng.graph.nodes] == ["GemmSkipLayerNorm"]
+    timed = eng.tactics[0]
+    assert {"cublaslt_then_triton_layernorm", "triton_splitk_s4_64x64x64_w4_s4"} <= set(timed["timings"]), timed
+    assert not timed["excluded"], timed["excluded"]
+    x, r = torch.randn(1, 128, 768, device="cuda"), torch.randn(1, 128, 768, device="cuda")
+    ref = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof])).create_execution_context()
+    torch.testing.assert_close(eng.create_execution_context().run({"x": x, "r": r})["y"].float().cpu(),
+                               ref.run({"x": x.cpu(), "r": r.cpu()})["y"], rtol=2e-2, atol=2e-2)

@@ -108,3 +108,21 @@ def test_rms_norm_kernel_and_tactic_match_the_layer_reference():
     torch.testing.assert_close(layernorm.rms_norm(x, gamma, 1e-5), want, atol=1e-5, rtol=1e-5)
     assert tactic.applies(node, [x, gamma]) == x.is_cuda and not tactic.applies(node, [x, None])
     torch.testing.assert_close(tactic.fn(node, x, gamma), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parts, rows, cols", [(1, 3, 7), (3, 5, 33), (4, 2, 100)])
+def test_norm_sums_split_k_partials_with_bias_and_skip(parts, rows, cols):
+    # GemmSkipLayerNorm's split-K tactic: the norm reduces the GEMM's FP32 slices
+    g = torch.Generator().manual_seed(parts * rows * cols)
+    p = torch.randn(parts, rows, cols, generator=g).to(DEV)
+    bias, b = torch.randn(cols, generator=g).to(DEV), torch.randn(rows, cols, generator=g).to(DEV)
+    gamma, beta = torch.randn(cols, generator=g).to(DEV), torch.randn(cols, generator=g).to(DEV)
+    real = torch.empty
+    try:  # poisoned outputs: any unwritten element stays NaN
+        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
+        y, s = layernorm.partials_layernorm(p, bias, b, gamma, beta, 1e-5)
+    finally:
+        torch.empty = real
+    ry, rs = layernorm.reference(p.sum(0) + bias, b, gamma, beta, 1e-5)
+    torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, rs, atol=1e-5, rtol=1e-5)

@@ -7,6 +7,8 @@ Rows are read through two leading strides, so a transposed view (ViT's sequence-
 attention output, say) is read where it lies instead of being copied first; outputs are
 contiguous. With a scale and a qtype it also writes the normalized rows as int8 / FP8 values,
 the input of the quantized GEMMs after it (BERT's QKV and FFN1), so they need no quantize pass.
+With `parts`, the first input is a split-K GEMM's FP32 partial products [S, rows, n]
+(kernels/splitk_gemm.py) plus a bias: the GEMM's reduction happens here, in the same pass.
 
 Reference: torch.nn.functional.layer_norm(a + b, ...), second output a + b.
 """
@@ -21,16 +23,23 @@ from .gemm import QTYPES, quantize
 
 
 @triton.jit
-def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, n_cols, eps, rows1,
-                           sa0, sa1, sb0, sb1, HAS_SKIP: tl.constexpr, HAS_BETA: tl.constexpr,
-                           WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
+def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
+                           rows1, n_rows, sa0, sa1, sb0, sb1, HAS_SKIP: tl.constexpr, HAS_BETA: tl.constexpr,
+                           WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr, PARTS: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     off = row * n_cols + cols
-    a = tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=mask, other=0.0).to(tl.float32)
-    s = a
+    if PARTS > 0:  # a split-K GEMM's FP32 partial products, contiguous [PARTS, n_rows, n_cols]
+        s = tl.load(a_ptr + off, mask=mask, other=0.0)
+        for i in tl.static_range(1, PARTS):
+            s += tl.load(a_ptr + i * n_rows * n_cols + off, mask=mask, other=0.0)
+    else:
+        s = tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SKIP:
         s += tl.load(b_ptr + r0 * sb0 + r1 * sb1 + cols, mask=mask, other=0.0).to(tl.float32)
     if WRITE_SUM:
@@ -70,19 +79,32 @@ def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = 
                    q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False):
     """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype]).
     b=None: LayerNorm(a). rms: RMSNorm instead of LayerNorm."""
-    n = a.shape[-1]
-    rows = a.numel() // n
-    a3 = _rows(a)
+    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms)
+
+
+def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True):
+    """(LayerNorm(parts.sum(0) + bias + b), that sum or None), shaped and typed like b: parts are a split-K
+    GEMM's FP32 partial products [S, rows, n] (bias may be None)."""
+    return _launch(b, _rows(b), b, gamma, beta, eps, write_sum, None, "", False, parts=parts, bias=bias)
+
+
+def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None):
+    """The kernel over the rows of `like` (its shape and dtype are the outputs'); a3: the first input as a
+    3-D row view, or the skip's when the first input is `parts`."""
+    n = like.shape[-1]
+    rows = like.numel() // n
     b3 = _rows(b) if b is not None else a3
-    y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    s = torch.empty(a.shape, dtype=a.dtype, device=a.device) if write_sum else y
-    q = torch.empty(a.shape, dtype=QTYPES[qtype], device=a.device) if q_scale is not None else y
+    y = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    s = torch.empty(like.shape, dtype=like.dtype, device=like.device) if write_sum else y
+    q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
     _skip_layernorm_kernel[(rows,)](
-        a, b if b is not None else a, gamma, beta if beta is not None else gamma, y, s,
-        q_scale if q_scale is not None else gamma, q, n, eps, a3.shape[1], a3.stride(0), a3.stride(1),
+        parts if parts is not None else like, b if b is not None else like, gamma,
+        beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q,
+        bias if bias is not None else gamma, n, eps, a3.shape[1], rows, a3.stride(0), a3.stride(1),
         b3.stride(0), b3.stride(1), HAS_SKIP=b is not None, HAS_BETA=beta is not None, WRITE_SUM=write_sum,
-        QUANT=qtype if q_scale is not None else "", RMS=rms, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 

@@ -90,6 +90,14 @@ def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
     return (y, s) if q_scale is None else (y, s, quantize(node, y, q_scale))
 
 
+@register("GemmSkipLayerNorm", domain=KILN)
+def gemm_skip_layer_norm(node, x, w, bias, skip, gamma, beta=None):
+    """LayerNorm(x @ w + bias + skip): a GEMM without activation whose only reader is a SkipLayerNorm, as
+    one layer, so a split-K GEMM can leave the sum of its partial products to the norm (one kernel fewer)."""
+    y = fused_gemm(node, x, w, bias)
+    return skip_layer_norm(node, y, skip, gamma, beta)
+
+
 # --- generated elementwise chains ------------------------------------------------
 # An Elementwise node carries a small program: one instruction per fused ONNX node,
 # "OP DST A B..." where operands are inputs (i0, i1...), temporaries (t0...) or

@@ -15,11 +15,13 @@ from . import (
     fuse_conv,
     fuse_elementwise,
     fuse_gemm,
+    fuse_gemm_skip_layernorm,
     fuse_int4_weights,
     fuse_qdq,
     fuse_rmsnorm,
     fuse_skip_layernorm,
     gather_as_slice,
+    gather_nd_host_index,
     insert_qdq,
     merge_heads_as_view,
     merge_parallel_gemms,
@@ -32,6 +34,7 @@ PIPELINE = [
     remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
     dead_code,  # nodes nothing reads, weights nothing uses
     gather_as_slice,  # Gather of one constant index -> Slice (+ Squeeze): a view, not a copy
+    gather_nd_host_index,  # GatherND on shape-arithmetic indices: offsets once per shape on the host
     split_heads_as_view,  # sequence-first head split (merge batch*heads, split again) -> a view
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
     insert_qdq,  # INT8 builds: calibrated Q/DQ around GEMMs and convolutions (post-training quantization)
@@ -43,6 +46,7 @@ PIPELINE = [
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
     merge_heads_as_view,  # sequence-first head merge after attention, batch-major: no copy
     fuse_skip_layernorm,  # residual Add + LayerNorm
+    fuse_gemm_skip_layernorm,  # a GEMM feeding only that norm joins it (split-K with the norm summing the parts)
     fuse_rmsnorm,  # x / sqrt(mean(x^2) + eps) * gamma as exporters write it
     fuse_elementwise,  # remaining chains of elementwise ops -> one generated kernel
     dead_code,  # weights the rewrites replaced

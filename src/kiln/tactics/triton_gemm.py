@@ -8,6 +8,8 @@ the builder's timer picks the configuration per layer and shape on the target GP
   QGemm      triton_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>  gemm.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  1x1 convolutions as gemm.py GEMMs
+  GemmSkipLayerNorm  triton_splitk_s<slices>_<BM>x<BN>x<BK>_w<warps>_s<stages>  kiln/kernels/splitk_gemm.py,
+             the norm (layernorm.py) summing the slices; from level 3
 A few float GEMM/convolution configurations from level 4, more at level 5 (each kernel's
 CONFIGS level plus one, see _LEVEL_SHIFT); flash attention from the default level 3. The
 quantized ones are offered at their QUANT_CONFIGS level (several from the default level 3):
@@ -180,6 +182,37 @@ def _flash_run(config):
     return run
 
 
+def _splitk_applies(cfg):
+    def applies(node, args):
+        from .triton_tactics import gemm_ln_ok
+
+        x = args[0]
+        # Small M only: on the H200 cuBLAS already won at M = 512, so larger shapes are not worth timing.
+        return (gemm_ln_ok(node, args) and x.dtype in (torch.float16, torch.bfloat16)
+                and _fits(x, cfg.smem_bytes(x.element_size())) and _flat_rows(x) is not None
+                and x.numel() // x.shape[-1] <= 1024)
+    return applies
+
+
+def _flat_rows(x: torch.Tensor):
+    """x as [M, K] without a copy, or None."""
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _splitk_run(cfg):
+    def run(node, x, w, bias, skip, gamma, beta=None):
+        from ..kernels import layernorm, splitk_gemm
+
+        parts = splitk_gemm.partial_products(_flat_rows(x), w, cfg)
+        return layernorm.partials_layernorm(parts, bias, skip, gamma.to(skip.dtype),
+                                            beta.to(skip.dtype) if beta is not None else None,
+                                            node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]))
+    return run
+
+
 # Float GEMM/convolution tiles are offered one level above their CONFIGS level. At level 4 on the H200
 # (2026-11-30) they made ResNet-50 faster (batch 1 0.427 -> 0.403 ms, batch 32 1.155 -> 1.110) and took
 # the cold build to 15 s; BERT's GEMMs stayed on cuBLAS at every batch. Too little for the default.
@@ -187,7 +220,7 @@ _LEVEL_SHIFT = 1
 
 
 def _register() -> None:
-    from ..kernels import attention, conv, gemm
+    from ..kernels import attention, conv, gemm, splitk_gemm
 
     def lvl(level):
         return min(5, level + _LEVEL_SHIFT)
@@ -205,6 +238,8 @@ def _register() -> None:
     for cfg, level in gemm.QUANT_CONFIGS:  # 1x1 convolutions through the GEMM kernel
         tactic("QConv", f"triton_qconv1x1_{cfg.name}", _conv_applies(cfg, True, pointwise=True),
                level=level)(_conv_run(cfg, True, pointwise=True))
+    for cfg in splitk_gemm.CONFIGS:
+        tactic("GemmSkipLayerNorm", f"triton_splitk_{cfg.name}", _splitk_applies(cfg), level=3)(_splitk_run(cfg))
 
 
 try:

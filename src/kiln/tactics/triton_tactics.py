@@ -23,6 +23,25 @@ def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None):
                                     q_scale=q_scale, qtype=node.attr("qtype", "int8"))
 
 
+def gemm_ln_ok(node, args) -> bool:
+    """GemmSkipLayerNorm's operands as the Triton norm takes them: the GEMM's rows [.., N] and the skip alike."""
+    from ..kernels import layernorm
+
+    x, w, bias, skip, gamma = args[:5]
+    return (x.is_cuda and x.dim() >= 2 and x.dtype == w.dtype == skip.dtype and w.dim() == 2
+            and (bias is None or bias.dtype == x.dtype) and skip.shape == (*x.shape[:-1], w.shape[1])
+            and layernorm.supports(skip, skip, gamma))
+
+
+@tactic("GemmSkipLayerNorm", "cublaslt_then_triton_layernorm", gemm_ln_ok, level=3)
+def cublaslt_then_triton_layernorm(node, x, w, bias, skip, gamma, beta=None):
+    """The two layers as they were before joining: cuBLASLt GEMM + bias, then the fused add + norm kernel."""
+    from .library import cublas_matmul, cublaslt_bias
+
+    y = cublaslt_bias(node, x, w, bias) if bias is not None else cublas_matmul(node, x, w)
+    return triton_skip_layernorm(node, y, skip, gamma, beta)
+
+
 def _layernorm_ok(node, args) -> bool:
     from ..kernels import layernorm
 
