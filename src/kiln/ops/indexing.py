@@ -85,6 +85,29 @@ def gather_nd(node, x, indices):
     return out.reshape(*indices.shape[:-1], *rest)
 
 
+# GatherND on index tuples that are shape arithmetic (host values: HF transformers' padding mask is a
+# GatherND over arange-built indices) is split by kiln/passes/gather_nd_host_index.py: the offsets once per
+# input shape on the host, then one gather kernel on the device instead of the offset arithmetic each run.
+@register("GatherNDOffsets", domain="kiln")
+def gather_nd_offsets(node, indices, data_shape):
+    """Row-major offsets of GatherND's (batch_dims 0) index tuples within the data's leading axes."""
+    dims = [int(d) for d in data_shape[:indices.shape[-1]]]
+    for axis, dim in enumerate(dims):
+        bad = (indices[..., axis] < -dim) | (indices[..., axis] >= dim)
+        if bool(bad.any()):
+            raise IndexError(f"GatherND index {int(indices[..., axis][bad][0])} is out of range for data axis "
+                             f"{axis} of size {dim}.")
+    return _flat_positions(dims, indices)
+
+
+@register("GatherNDRows", domain="kiln", host_inputs=(2,))
+def gather_nd_rows(node, x, offsets, indices):
+    """GatherND (batch_dims 0) by precomputed offsets; `indices` (read on the host) gives only the number of
+    leading data axes the tuples address."""
+    rest = x.shape[indices.shape[-1]:]
+    return x.reshape(-1, *rest).index_select(0, offsets.reshape(-1)).reshape(*offsets.shape, *rest)
+
+
 # --- scatters --------------------------------------------------------------------
 
 _REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
