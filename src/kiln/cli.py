@@ -47,6 +47,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timingCacheFile", metavar="FILE", help="reuse and update tactic timings in this JSON file")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
+    p.add_argument("--maxAuxStreams", type=int, default=1, choices=range(2), metavar="0..1",
+                   help="auxiliary streams for layers beside the main chain in the CUDA graph (default 1)")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -79,7 +81,7 @@ def _config_from_args(a):
         int8=a.int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions),
         accuracy_budget=parse_budgets([a.accuracyBudget]) if a.accuracyBudget else {}, budget_data=a.budgetData, calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
-        cuda_graphs=not a.noCudaGraph, optimization_level=a.builderOptimizationLevel,
+        cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
     )
 

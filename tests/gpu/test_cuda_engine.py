@@ -227,3 +227,21 @@ def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
     ref = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof])).create_execution_context()
     torch.testing.assert_close(eng.create_execution_context().run({"x": x, "r": r})["y"].float().cpu(),
                                ref.run({"x": x.cpu(), "r": r.cpu()})["y"], rtol=2e-2, atol=2e-2)
+
+
+def test_a_branch_on_the_auxiliary_stream_gives_the_same_results():
+    """A ResNet stage's downsample convolution is captured on the auxiliary stream, beside conv1-conv2."""
+    from ..engine.test_streams import _Stage
+
+    torch.manual_seed(0)
+    proto, _ = kiln.from_torch(_Stage().eval(), (torch.randn(4, 8, 16, 16),), opset=18)
+    name = proto.graph.input[0].name
+    prof = [kiln.Profile({name: ((1, 8, 16, 16), (4, 8, 16, 16), (4, 8, 16, 16))})]
+    ctxs = [kiln.build(proto, _cfg(fp16=True, profiles=prof, max_aux_streams=n)).create_execution_context()
+            for n in (1, 0)]
+    assert len(ctxs[0]._branches) == 1 and not ctxs[1]._branches
+    for batch in (4, 2, 4, 4):  # capture, then replays with new inputs
+        x = torch.randn(batch, 8, 16, 16, device="cuda")
+        aux, single = (next(iter(c.run({name: x}).values())) for c in ctxs)
+        torch.testing.assert_close(aux, single)
+    assert all(c.uses_cuda_graphs and not c.capture_failures for c in ctxs)

@@ -46,6 +46,9 @@ class BuildConfig:
     workspace_bytes: int | None = None
     device: str = "auto"  # "auto" (a GPU if there is one), "cuda", "cuda:N" or "cpu"
     cuda_graphs: bool = True
+    # Auxiliary streams in the CUDA graph for layers beside the main chain (engine/streams.py):
+    # 0 runs every layer on one stream; Kiln uses at most one (trtexec --maxAuxStreams).
+    max_aux_streams: int = 1
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
     # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also
@@ -74,6 +77,7 @@ class BuildConfig:
             "precision": self.precision, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
             "int8": self.int8, "fp8": self.fp8, "calib_method": self.calib_method if self.quantized else None,
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
+            "max_aux_streams": min(1, max(0, self.max_aux_streams)),
             "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
         }
 

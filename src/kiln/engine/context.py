@@ -21,6 +21,7 @@ from ..ir import dtypes
 from ..ir.dtypes import FLOAT_TYPES
 from ..ops.registry import lookup
 from ..passes.dead_code import reads
+from . import streams
 from .interpreter import call_node, cast_input, casts, compute_type, run_node
 
 
@@ -76,6 +77,11 @@ class ExecutionContext:
         self._free_after = _liveness(engine.graph, keep)
         use_graphs = engine.build_config.get("cuda_graphs", True) if cuda_graphs is None else cuda_graphs
         self.uses_cuda_graphs = bool(use_graphs and engine.capturable and self.device.type == "cuda")
+        # Layers captured on an auxiliary stream, beside the main chain (engine/streams.py).
+        aux = engine.build_config.get("max_aux_streams", 1) and self.uses_cuda_graphs
+        self._branches = streams.plan(engine.graph) if aux else {}
+        self._forks = {x for b in self._branches.values() for x in b.after}
+        self._aux = torch.cuda.Stream(self.device) if self._branches else None
         self._captured: dict[tuple, _Captured | None] = {}
         self.capture_failures: list[str] = []
         self._weight_uploads: dict[str, torch.Tensor] = {}
@@ -214,9 +220,16 @@ class ExecutionContext:
         self._weight_uploads.update({k: t for k, t in uploads.items() if (k[0] if isinstance(k, tuple) else k)
                                      in self._weights})
 
-    def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None, on_args=None) -> None:
+    def _forward(self, env: dict, uploads: dict, run_host: bool, observer=None, on_args=None, aux=False) -> None:
+        """Run the layers in order; aux (only while capturing): branch layers on the auxiliary stream."""
         dev = self.device
         live = peak = 0
+        aux = aux and bool(self._branches)
+        main, start, ready, joins = None, None, {}, {}
+        if aux:
+            main = torch.cuda.current_stream(dev)
+            start = torch.cuda.Event()  # the auxiliary stream joins the capture after this point
+            start.record(main)
         for i, (node, entry) in enumerate(zip(self.engine.graph.nodes, self._entries)):
             if node.placement == "host":
                 if run_host:
@@ -244,7 +257,17 @@ class ExecutionContext:
                 body = {n: env[n] for n in reads(node) if n in env and isinstance(env[n], torch.Tensor)
                         and env[n].device != dev}
                 scope = ChainMap({n: t.to(dev) for n, t in body.items()}, env) if body else env
-            outs = call_node(node, args, scope)
+            branch = self._branches.get(i) if aux else None
+            if branch:
+                outs = self._on_aux_stream(node, args, scope, branch, ready, start, joins)
+            else:
+                for done in joins.pop(i, ()):
+                    main.wait_event(done)
+                outs = call_node(node, args, scope)
+            if aux and self._forks.intersection(node.outputs):
+                for name in self._forks.intersection(node.outputs):
+                    ready[name] = torch.cuda.Event()
+                    ready[name].record(main)
             if observer:
                 observer(node, outs)
             for name, t in zip(node.outputs, outs):
@@ -258,6 +281,27 @@ class ExecutionContext:
                 if isinstance(t, torch.Tensor) and t.device == dev and name not in uploads:
                     live -= t.numel() * t.element_size()
         self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, peak)
+
+    def _on_aux_stream(self, node, args, scope, branch, ready, start, joins):
+        """Run one branch layer on the auxiliary stream: it waits only for its inputs' producers, and its
+        reader (branch.join) will wait for it."""
+        main, side = torch.cuda.current_stream(self.device), self._aux
+        side.wait_event(start)
+        for name in branch.after:
+            side.wait_event(ready[name])
+        with torch.cuda.stream(side):
+            outs = call_node(node, args, scope)
+        # Memory freed on one stream must not be reused while the other still reads it.
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                t.record_stream(side)
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(main)
+        done = torch.cuda.Event()
+        done.record(side)
+        joins.setdefault(branch.join, []).append(done)
+        return outs
 
     def _collect(self, env: dict, uploads: dict) -> list[torch.Tensor]:
         outs = []
@@ -318,7 +362,7 @@ class ExecutionContext:
         torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too; measuring before that would undercount
         before = torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph):
-            self._forward(env, uploads, run_host=False)
+            self._forward(env, uploads, run_host=False, aux=True)
             outs = self._collect(env, uploads)
         pool = torch.cuda.memory_reserved(self.device) - before
         self.stats.pool_bytes[str(list(inputs.values())[0].shape if inputs else ())] = pool
