@@ -47,8 +47,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timingCacheFile", metavar="FILE", help="reuse and update tactic timings in this JSON file")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
-    p.add_argument("--maxAuxStreams", type=int, default=1, choices=range(2), metavar="0..1",
-                   help="auxiliary streams for layers beside the main chain in the CUDA graph (default 1)")
+    p.add_argument("--maxAuxStreams", type=int, default=0, choices=range(2), metavar="0..1",
+                   help="auxiliary streams for layers beside the main chain in the CUDA graph (default 0)")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:

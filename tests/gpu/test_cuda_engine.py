@@ -234,7 +234,8 @@ def test_a_branch_on_the_auxiliary_stream_gives_the_same_results():
     from ..engine.test_streams import _Stage
 
     torch.manual_seed(0)
-    proto, _ = kiln.from_torch(_Stage().eval(), (torch.randn(4, 8, 16, 16),), opset=18)
+    proto, _ = kiln.from_torch(_Stage().eval(), (torch.randn(4, 8, 16, 16),), opset=18,
+                               dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4)},))
     name = proto.graph.input[0].name
     prof = [kiln.Profile({name: ((1, 8, 16, 16), (4, 8, 16, 16), (4, 8, 16, 16))})]
     ctxs = [kiln.build(proto, _cfg(fp16=True, profiles=prof, max_aux_streams=n)).create_execution_context()

@@ -46,9 +46,11 @@ class BuildConfig:
     workspace_bytes: int | None = None
     device: str = "auto"  # "auto" (a GPU if there is one), "cuda", "cuda:N" or "cpu"
     cuda_graphs: bool = True
-    # Auxiliary streams in the CUDA graph for layers beside the main chain (engine/streams.py):
-    # 0 runs every layer on one stream; Kiln uses at most one (trtexec --maxAuxStreams).
-    max_aux_streams: int = 1
+    # Auxiliary streams in the CUDA graph for layers beside the main chain (engine/streams.py); Kiln uses
+    # at most one (trtexec --maxAuxStreams). Off by default: on the H200 (2026-11-30) ResNet-50's downsample
+    # branches overlapped (batch-1 device time 334 vs 342 us) yet bench/run.py's per-call time rose
+    # (batch 1 0.383 vs 0.348-0.353 ms, batch 32 1.087 vs 1.056-1.061), not yet understood.
+    max_aux_streams: int = 0
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
     # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also

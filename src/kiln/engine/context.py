@@ -78,7 +78,7 @@ class ExecutionContext:
         use_graphs = engine.build_config.get("cuda_graphs", True) if cuda_graphs is None else cuda_graphs
         self.uses_cuda_graphs = bool(use_graphs and engine.capturable and self.device.type == "cuda")
         # Layers captured on an auxiliary stream, beside the main chain (engine/streams.py).
-        aux = engine.build_config.get("max_aux_streams", 1) and self.uses_cuda_graphs
+        aux = engine.build_config.get("max_aux_streams", 0) and self.uses_cuda_graphs
         self._branches = streams.plan(engine.graph) if aux else {}
         self._forks = {x for b in self._branches.values() for x in b.after}
         self._aux = torch.cuda.Stream(self.device) if self._branches else None

@@ -8,7 +8,7 @@ run on an auxiliary stream: a heavy layer whose outputs have one reader, with
 another heavy layer between its inputs' producers and that reader (work to overlap).
 In the captured graph such a layer waits only for the producers of its inputs and
 its reader waits for it, so the two chains become parallel branches of the graph
-(TensorRT's auxiliary streams, trtexec --maxAuxStreams).
+(TensorRT's auxiliary streams, trtexec --maxAuxStreams; off by default, see BuildConfig).
 """
 
 from __future__ import annotations
