@@ -1,5 +1,4 @@
-"""2-D max pooling written channels-last, one read of the input; and the mean over H and W
-(global average pooling, before ResNet's classifier).
+"""2-D max pooling written channels-last, one read of the input.
 
 torch's channels-last max-pool kernel runs ResNet-50's stem pool (3x3, stride 2, on
 [32, 64, 112, 112] FP16) at about 0.6 TB/s, 10% of the engine's time at batch 32. Here each
@@ -62,28 +61,3 @@ def max_pool2d(node, x: torch.Tensor, block_p: int = 32, block_c: int = 64) -> t
                            dil_h=dilations[0], dil_w=dilations[1], BLOCK_P=block_p, BLOCK_C=block_c)
     return y.permute(0, 3, 1, 2)
 
-
-@triton.jit
-def _spatial_mean_kernel(x_ptr, y_ptr, C, HW, W, sxn, sxc, sxh, sxw, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr):
-    n = tl.program_id(0)
-    rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = rc < C
-    acc = tl.zeros((BLOCK_C,), tl.float32)
-    for start in range(0, HW, BLOCK_HW):
-        p = start + tl.arange(0, BLOCK_HW)
-        ptrs = x_ptr + n * sxn + ((p // W) * sxh + (p % W) * sxw)[:, None] + rc[None, :] * sxc
-        v = tl.load(ptrs, mask=(p < HW)[:, None] & c_ok[None, :], other=0.0)
-        acc += tl.sum(v.to(tl.float32), axis=0)
-    tl.store(y_ptr + n * C + rc, (acc / HW).to(y_ptr.dtype.element_ty), mask=c_ok)
-
-
-def spatial_mean(x: torch.Tensor, block_hw: int = 16, block_c: int = 128) -> torch.Tensor:
-    """Mean over H and W of an [N, C, H, W] tensor (any strides), as [N, C, 1, 1]: ResNet's global
-    average pool. torch's reduction took 6.4 us for ResNet-50's [1, 2048, 7, 7] channels-last tensor
-    on the H200; here each program sums a block of channels, which are contiguous in channels-last."""
-    N, C, H, W = x.shape
-    y = torch.empty((N, C), dtype=x.dtype, device=x.device)
-    block_c = min(block_c, triton.next_power_of_2(C))
-    _spatial_mean_kernel[(N, triton.cdiv(C, block_c))](x, y, C, H * W, W, *x.stride(), BLOCK_HW=block_hw,
-                                                        BLOCK_C=block_c)
-    return y.reshape(N, C, 1, 1)

@@ -113,28 +113,6 @@ def triton_max_pool(node, x):
     return pool.max_pool2d(node, x)
 
 
-def _spatial_mean_ok(node, args) -> bool:
-    from ..ops.reduce import _dims
-
-    x = args[0]
-    if not (x.is_cuda and x.dim() == 4 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and x.numel() > 0):
-        return False
-    if node.op_type == "GlobalAveragePool":
-        return True
-    return node.attr("keepdims", 1) == 1 and _dims(node, x, args[1] if len(args) > 1 else None) == (2, 3)
-
-
-def triton_spatial_mean(node, x, axes=None):
-    from ..kernels import pool
-
-    return pool.spatial_mean(x)
-
-
-for _op in ("ReduceMean", "GlobalAveragePool"):
-    tactic(_op, "triton_spatial_mean", _spatial_mean_ok, domain="", level=3)(triton_spatial_mean)
-
-
 def _int4_ok(node, args) -> bool:
     x = args[0]
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
