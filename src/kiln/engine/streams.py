@@ -25,7 +25,6 @@ HEAVY = {"Conv", "FusedConv", "QConv", "MatMul", "Gemm", "FusedGemm", "QGemm", "
 
 @dataclass(frozen=True)
 class Branch:
-    node: int  # the layer run on the auxiliary stream
     join: int  # its outputs' only reader, which waits for it on the main stream
     after: tuple[str, ...]  # values it reads that device layers on the main stream produce
 
@@ -52,11 +51,7 @@ def plan(graph: Graph) -> dict[int, Branch]:
     # Earliest-ready first: of ResNet's conv2 (reads conv1) and the downsample beside it (reads the block
     # input), the downsample is the one off the chain.
     for i in sorted(heavy_at, key=lambda i: (ready_at(i), i)):
-        node = nodes[i]
-        if any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
-               for v in node.attrs.values()):
-            continue  # control flow: bodies read the enclosing scope
-        outs = [o for o in node.outputs if o]
+        outs = [o for o in nodes[i].outputs if o]
         joins = {j for o in outs for j in readers.get(o, [])}
         if len(joins) != 1 or any(o in outputs for o in outs):
             continue
@@ -66,5 +61,5 @@ def plan(graph: Graph) -> dict[int, Branch]:
             continue  # one layer per branch: it reads main-stream values only
         start = ready_at(i)
         if any(start < k < join and k != i and k not in branches for k in heavy_at):  # main-stream work to overlap
-            branches[i] = Branch(i, join, after)
+            branches[i] = Branch(join, after)
     return branches
