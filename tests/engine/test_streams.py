@@ -1,8 +1,24 @@
 import torch
-from torchvision.models.resnet import Bottleneck
 
 import kiln
 from kiln.engine import streams
+
+
+class _Bottleneck(torch.nn.Module):
+    """ResNet's bottleneck: 1x1, 3x3, 1x1 convolutions plus the residual, through a strided 1x1
+    downsample convolution when the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        mid = cout // 4
+        self.conv1 = torch.nn.Conv2d(cin, mid, 1)
+        self.conv2 = torch.nn.Conv2d(mid, mid, 3, stride=stride, padding=1)
+        self.conv3 = torch.nn.Conv2d(mid, cout, 1)
+        self.down = torch.nn.Conv2d(cin, cout, 1, stride=stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        y = self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+        return torch.relu(y + (self.down(x) if self.down is not None else x))
 
 
 class _Stage(torch.nn.Module):
@@ -10,8 +26,7 @@ class _Stage(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        down = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 1, stride=2, bias=False), torch.nn.BatchNorm2d(16))
-        self.blocks = torch.nn.Sequential(Bottleneck(8, 4, stride=2, downsample=down), Bottleneck(16, 4))
+        self.blocks = torch.nn.Sequential(_Bottleneck(8, 16, stride=2), _Bottleneck(16, 16))
 
     def forward(self, x):
         return self.blocks(x)
