@@ -1,6 +1,7 @@
 """The kernel timeline of one CUDA-graph replay: every kernel in launch order, its time and the idle
 gap before it. Where a per-kernel-name profile (bench/run.py --kernel-profile) says what runs, this says
-where the device waits between kernels, which dominates at batch 1.
+where the device waits between kernels, which dominates at batch 1, and how long each call's device
+work waits for the host (checks, input copies, graph launch).
 
     python bench/trace.py --model bert-base --batch 1 --precision fp16 [--level 4] [--out DIR]
 """
