@@ -60,3 +60,24 @@ def test_shape_outside_profile_is_refused(tmp_path):
     code, _, err = kiln_cmd("run", f"--onnx={model_path}", "--minShapes=x:1x8", "--optShapes=x:2x8",
                             "--maxShapes=x:4x8", "--shapes=x:9x8", "--device=cpu", cwd=tmp_path)
     assert code != 0 and "input 'x' axis 0 is 9" in err and "[1, 4]" in err and "Traceback" not in err
+
+
+def test_best_builds_fp16_without_calibration_and_int8_with_it(tmp_path):
+    """trtexec's --best: every precision that can be made accurate. Without calibration data Kiln builds FP16
+    and says why it did not quantize; with it, the GEMMs run on INT8."""
+    import kiln
+
+    model_path = tmp_path / "mlp.onnx"
+    model_path.write_bytes(mlp().SerializeToString())
+    shapes = ["--minShapes=x:1x8", "--optShapes=x:4x8", "--maxShapes=x:16x8"]
+    code, _, err = kiln_cmd("build", f"--onnx={model_path}", "--best", "--saveEngine=fp16.kiln", "--skipInference",
+                            "--device=cpu", *shapes, cwd=tmp_path)
+    assert code == 0, err
+    assert "--best without calibration data builds FP16" in err
+    assert kiln.load(str(tmp_path / "fp16.kiln")).build_config["precision"] == "float16"
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((128, 8)).astype(np.float32))
+    code, _, err = kiln_cmd("build", f"--onnx={model_path}", "--best", f"--calib={tmp_path / 'calib.npz'}",
+                            "--saveEngine=int8.kiln", "--skipInference", "--device=cpu", *shapes, cwd=tmp_path)
+    assert code == 0, err
+    engine = kiln.load(str(tmp_path / "int8.kiln"))
+    assert engine.build_config["int8"] and sum(n.op_type == "QGemm" for n in engine.graph.nodes) == 2

@@ -27,6 +27,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tf32", action="store_true", help="allow TF32 for FP32 matmuls and convolutions")
     p.add_argument("--int8", action="store_true", help="INT8 GEMMs and convolutions (needs --calib or --calibCache)")
     p.add_argument("--fp8", action="store_true", help="FP8 E4M3 GEMMs and convolutions on Ada/Hopper (calibrated)")
+    p.add_argument("--best", action="store_true", help="every precision that can be made accurate: FP16, plus INT8 "
+                   "GEMMs and convolutions when --calib/--calibCache gives scales; the fastest tactic wins per layer")
     p.add_argument("--calib", metavar="DATA", help="calibration samples: .npz by input name, folder of .npz, NAME:FILE.npy")
     p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
                    "it exists, else written")
@@ -76,14 +78,24 @@ def _config_from_args(a):
     n = max(counts) if counts else 0
     pick = lambda xs, i: xs[i] if xs else ""  # noqa: E731
     profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
+    # trtexec's --best quantizes with placeholder scales when there is no calibration data; Kiln never
+    # invents scales, so without data --best means FP16, and says so.
+    best_int8 = a.best and _has_calibration(a)
+    if a.best and not best_int8:
+        err.print("[yellow]note:[/] --best without calibration data builds FP16: INT8 layers need scales measured on "
+                  "real inputs (--calib=DATA or an existing --calibCache), and Kiln does not make them up.")
     return BuildConfig(
-        fp16=a.fp16, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
-        int8=a.int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions),
+        fp16=a.fp16 or a.best, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
+        int8=a.int8 or best_int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions),
         accuracy_budget=parse_budgets([a.accuracyBudget]) if a.accuracyBudget else {}, budget_data=a.budgetData, calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
     )
+
+
+def _has_calibration(a) -> bool:
+    return bool(a.calib or (a.calibCache and Path(a.calibCache).exists()))
 
 
 # --- kiln build ---------------------------------------------------------------
