@@ -190,8 +190,10 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
         profile = kiln.Profile({k: (shape_of(k, lo), shape_of(k, b), shape_of(k, hi)) for k in input_names})
         engines, builds = {}, {}
         levels = [int(v) for v in str(args.level).split(",")]
-        for prec, level in [(p, lv) for lv in levels for p in args.precisions]:
+        auxes = [int(v) for v in str(args.max_aux_streams).split(",")]
+        for prec, level, aux in [(p, lv, ax) for ax in auxes for lv in levels for p in args.precisions]:
             key = prec if level == levels[0] else f"{prec}_level{level}"  # a second level is a second engine
+            key += "" if aux == auxes[0] else f"_aux{aux}"  # and so is a second auxiliary-stream setting
             cache = str(onnx_dir / f"{name}-{key}.timing.json")
             if os.path.exists(cache):
                 os.remove(cache)
@@ -201,7 +203,7 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
                 quant = {prec: True, "calib": calib}
             cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False, timing_cache=cache,
                                    fp16=prec in ("fp16", "int8", "fp8"), bf16=prec == "bf16", tf32=prec == "tf32",
-                                   optimization_level=level, **quant)
+                                   optimization_level=level, max_aux_streams=aux, **quant)
             t0 = time.perf_counter()
             engines[key] = (kiln.build(onnx_path, cfg), time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -354,6 +356,8 @@ def main(argv=None):
     p.add_argument("--compile-modes", default="max-autotune-no-cudagraphs,reduce-overhead")
     p.add_argument("--kernel-profile", action="store_true", help="per-kernel GPU time of each Kiln engine")
     p.add_argument("--name", default=None, help="results file stem (default: GPU name)")
+    p.add_argument("--max-aux-streams", default="0", help="Kiln's --maxAuxStreams; a list (0,1) builds one engine "
+                   "per value, the later ones named kiln_<precision>_aux<N>")
     p.add_argument("--level", default="3", help="Kiln's builderOptimizationLevel (tactic search breadth); "
                    "a list (3,4) builds one engine per level, the later ones named kiln_<precision>_level<N>")
     args = p.parse_args(argv)
