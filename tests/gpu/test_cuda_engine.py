@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.errors import EngineFileError
+from kiln.errors import EngineFileError, InputError, ShapeError
 from kiln.models import DEFAULT_PROFILE, tiny_cnn
 
 from ..engine.util import rewrite_manifest
@@ -246,3 +246,17 @@ def test_a_branch_on_the_auxiliary_stream_gives_the_same_results():
         aux, single = (next(iter(c.run({name: x}).values())) for c in ctxs)
         torch.testing.assert_close(aux, single)
     assert all(c.uses_cuda_graphs and not c.capture_failures for c in ctxs)
+
+
+def test_repeat_calls_skip_the_checks_but_new_inputs_are_still_checked():
+    """The replay's fast path: a device-tensor signature seen before skips the input checks; any other shape
+    or dtype goes through them and is refused as before."""
+    ctx = kiln.build(tiny_cnn(), _cfg(profiles=[kiln.Profile(dict(DEFAULT_PROFILE))])).create_execution_context()
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    first = ctx.run({"image": x})["probs"]
+    assert len(ctx._checked) == 1
+    torch.testing.assert_close(ctx.run({"image": x})["probs"], first)
+    with pytest.raises(ShapeError, match="outside optimization profile"):
+        ctx.run({"image": torch.randn(64, 3, 32, 32, device="cuda")})
+    with pytest.raises(InputError, match="float16"):
+        ctx.run({"image": x.half()})
