@@ -216,11 +216,17 @@ def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
     return (y, s) if q_scale is None else (y, s, to_8bit(y, q_scale, node.attr("qtype", "int8")))
 
 
+def gemm_without_activation(node, x, w, bias):
+    """GemmSkipLayerNorm's GEMM on cuBLAS(Lt): the bias in the epilogue where the types allow it."""
+    if bias is not None and _gemm_ok(node, [x, w, bias], ("",)):
+        return cublaslt_bias(node, x, w, bias)
+    y = cublas_matmul(node, x, w)
+    return y if bias is None else y + bias
+
+
 @tactic("GemmSkipLayerNorm", "cublaslt_then_layer_norm", lambda n, a: a[0].is_cuda and a[0].dim() >= 2)
 def cublaslt_then_layer_norm(node, x, w, bias, skip, gamma, beta=None):
-    y = cublaslt_bias(node, x, w, bias) if bias is not None and _gemm_ok(node, [x, w, bias], ("",)) else \
-        cublas_matmul(node, x, w)
-    return add_then_layer_norm(node, y, skip, gamma, beta)
+    return add_then_layer_norm(node, gemm_without_activation(node, x, w, bias), skip, gamma, beta)
 
 
 # --- QGemm on cuBLASLt (INT8, FP8) ------------------------------------------------

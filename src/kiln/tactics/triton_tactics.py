@@ -36,10 +36,9 @@ def gemm_ln_ok(node, args) -> bool:
 @tactic("GemmSkipLayerNorm", "cublaslt_then_triton_layernorm", gemm_ln_ok, level=3)
 def cublaslt_then_triton_layernorm(node, x, w, bias, skip, gamma, beta=None):
     """The two layers as they were before joining: cuBLASLt GEMM + bias, then the fused add + norm kernel."""
-    from .library import cublas_matmul, cublaslt_bias
+    from .library import gemm_without_activation
 
-    y = cublaslt_bias(node, x, w, bias) if bias is not None else cublas_matmul(node, x, w)
-    return triton_skip_layernorm(node, y, skip, gamma, beta)
+    return triton_skip_layernorm(node, gemm_without_activation(node, x, w, bias), skip, gamma, beta)
 
 
 def _layernorm_ok(node, args) -> bool:
