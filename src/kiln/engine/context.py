@@ -264,10 +264,9 @@ class ExecutionContext:
                 for done in joins.pop(i, ()):
                     main.wait_event(done)
                 outs = call_node(node, args, scope)
-            if aux and self._forks.intersection(node.outputs):
-                for name in self._forks.intersection(node.outputs):
-                    ready[name] = torch.cuda.Event()
-                    ready[name].record(main)
+            for name in self._forks.intersection(node.outputs) if aux else ():
+                ready[name] = torch.cuda.Event()
+                ready[name].record(main)
             if observer:
                 observer(node, outs)
             for name, t in zip(node.outputs, outs):

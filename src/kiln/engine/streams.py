@@ -40,26 +40,22 @@ def plan(graph: Graph) -> dict[int, Branch]:
     outputs = {v.name for v in graph.outputs}
     heavy_at = [i for i, n in enumerate(nodes) if n.placement == "device" and n.op_type in HEAVY]
 
-    def inputs_from_device(i):
-        return tuple(x for x in dict.fromkeys(nodes[i].inputs) if x and x in producer
-                     and nodes[producer[x]].placement == "device")
-
-    def ready_at(i):  # the last device layer it waits for
-        return max((producer[x] for x in inputs_from_device(i)), default=-1)
+    # Per heavy layer: the values it reads that device layers produce, and the last of those producers.
+    after_of = {i: tuple(x for x in dict.fromkeys(nodes[i].inputs) if x and x in producer
+                         and nodes[producer[x]].placement == "device") for i in heavy_at}
+    ready_at = {i: max((producer[x] for x in after_of[i]), default=-1) for i in heavy_at}
 
     branches: dict[int, Branch] = {}
     # Earliest-ready first: of ResNet's conv2 (reads conv1) and the downsample beside it (reads the block
     # input), the downsample is the one off the chain.
-    for i in sorted(heavy_at, key=lambda i: (ready_at(i), i)):
+    for i in sorted(heavy_at, key=lambda i: (ready_at[i], i)):
         outs = [o for o in nodes[i].outputs if o]
         joins = {j for o in outs for j in readers.get(o, [])}
         if len(joins) != 1 or any(o in outputs for o in outs):
             continue
-        join = joins.pop()
-        after = inputs_from_device(i)
+        join, after, start = joins.pop(), after_of[i], ready_at[i]
         if any(producer[x] in branches for x in after):
             continue  # one layer per branch: it reads main-stream values only
-        start = ready_at(i)
         if any(start < k < join and k != i and k not in branches for k in heavy_at):  # main-stream work to overlap
             branches[i] = Branch(join, after)
     return branches
