@@ -46,14 +46,17 @@ def _alarm(seconds):
     signal.alarm(seconds)
 
 
-def time_fn(fn, input_sets, iterations: int, warmup: int = 20) -> dict:
-    """CUDA-event timing, one event pair per call, rotating input sets; ms."""
+def time_fn(fn, input_sets, iterations: int, warmup: int = 20, before=None) -> dict:
+    """CUDA-event timing, one event pair per call, rotating input sets; ms. before(): enqueued ahead of each
+    call's first event (bench/trace.py queues a sleep kernel there to hide the host's share)."""
     for i in range(warmup):
         fn(input_sets[i % len(input_sets)])
     torch.cuda.synchronize()
     times = []
     for i in range(iterations):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before:
+            before()
         e0.record()
         fn(input_sets[i % len(input_sets)])
         e1.record()

@@ -34,19 +34,11 @@ def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
 
 
 def device_ms(fn, feeds: dict, iterations: int = 100) -> float:
-    """Median CUDA-event time of one call with the host's part hidden: a sleep kernel keeps the GPU busy
-    while the host enqueues the call, so the events bracket device work only. bench/run.py's per-call
-    timing minus this is the host time the device waits for (input checks, copies, graph launch)."""
-    times = []
-    for _ in range(iterations):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # about 1 ms at H200 clocks, far more than the host needs
-        e0.record()
-        fn(feeds)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return sorted(times)[len(times) // 2]
+    """Median time of one call with the host's part hidden: a sleep kernel (about 1 ms at H200 clocks, far
+    more than the host needs) keeps the GPU busy while the host enqueues the call, so the events bracket
+    device work only. bench/run.py's per-call timing minus this is the host time the device waits for
+    (input checks, copies, graph launch)."""
+    return time_fn(fn, [feeds], iterations, before=lambda: torch.cuda._sleep(2_000_000))["median_ms"]
 
 
 def main(argv=None) -> int:
