@@ -4,6 +4,8 @@ Each kernel configuration (tile sizes, warps, pipeline stages) is its own tactic
 the builder's timer picks the configuration per layer and shape on the target GPU:
   FusedGemm  triton_gemm_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/gemm.py
   FusedConv  triton_conv_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/conv.py
+  FusedConv  triton_conv_splitk_s<slices>_<BM>x<BN>x<BK>_w<warps>_s<stages>  kiln/kernels/splitk_conv.py,
+             K split over the slices and summed by a second kernel; from level 3, few-pixel deep-K layers only
   Attention  triton_flash_m<BM>_n<BN>_w<warps>_s<stages>     kiln/kernels/attention.py
   QGemm      triton_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>  gemm.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
@@ -155,6 +157,39 @@ def _conv_run(config, quant: bool = False, pointwise: bool = False):
     return run_quant if quant else run
 
 
+def _conv_splitk_applies(cfg):
+    def applies(node, args) -> bool:
+        from ..kernels import splitk_conv
+
+        x, w, b, z = _operands(args, False)
+        return (_precision_ok(node, args, False, 0) and splitk_conv.supports(node, x, w, b, z, cfg)
+                and _fits(x, cfg.smem_bytes(x.element_size())) and _splitk_conv_worth_timing(node, x, w, cfg))
+
+    return applies
+
+
+def _splitk_conv_worth_timing(node, x: torch.Tensor, w: torch.Tensor, cfg) -> bool:
+    """A channel-block convolution with few output tiles and a deep K (ResNet-50's layer3/layer4 3x3 at batch 1)."""
+    import triton
+
+    from ..kernels import conv
+
+    oh, ow = conv.geometry(node, x, w)[3]
+    tiles = triton.cdiv(x.shape[0] * oh * ow, cfg.block_m) * triton.cdiv(w.shape[0], cfg.block_n)
+    k = w.shape[1] * w.shape[2] * w.shape[3]
+    # < 64 tiles: unsplit, under half of an H200's 132 SMs work; K >= 1024: 16+ iterations of 64 to share out.
+    return x.shape[1] >= conv.FLAT_BELOW_C and tiles < 64 and k >= 1024
+
+
+def _conv_splitk_run(cfg):
+    def run(node, x, w, b=None, z=None):
+        from ..kernels import splitk_conv
+
+        return splitk_conv.conv2d_splitk(node, x, w, b, z, config=cfg)
+
+    return run
+
+
 # --- Attention ------------------------------------------------------------------
 def _flash_applies(config):
     def applies(node, args) -> bool:
@@ -220,7 +255,7 @@ _LEVEL_SHIFT = 1
 
 
 def _register() -> None:
-    from ..kernels import attention, conv, gemm, splitk_gemm
+    from ..kernels import attention, conv, gemm, splitk_conv, splitk_gemm
 
     def lvl(level):
         return min(5, level + _LEVEL_SHIFT)
@@ -229,6 +264,9 @@ def _register() -> None:
         tactic("FusedGemm", f"triton_gemm_{cfg.name}", _gemm_applies(cfg), level=lvl(level))(_gemm_run(cfg))
     for cfg, level in conv.CONFIGS:
         tactic("FusedConv", f"triton_conv_{cfg.name}", _conv_applies(cfg), level=lvl(level))(_conv_run(cfg))
+    for cfg in splitk_conv.CONFIGS:
+        tactic("FusedConv", f"triton_conv_splitk_{cfg.name}", _conv_splitk_applies(cfg),
+               level=3)(_conv_splitk_run(cfg))
     for cfg, level in attention.CONFIGS:  # at their own level: cuDNN's SDPA adds a memset and ~4 us per call
         tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=level)(_flash_run(cfg))
     for cfg, level in gemm.QUANT_CONFIGS:

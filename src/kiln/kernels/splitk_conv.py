@@ -1,0 +1,171 @@
+"""Split-K implicit-GEMM convolution: y = act(sum_s p[s] + b + z), p[s] the convolution over slice s of K.
+
+ResNet-50's late 3x3 convolutions at batch 1 have few output pixels (M = N*OH*OW = 49 or 196) and
+deep reductions (K = KH*KW*C = 4608 or 2304): 64x64 output tiles give conv.py's kernel 8-16 programs
+on a GPU of 132 SMs, each streaming all of K. Here every (pixel tile, channel tile, slice) program
+walks 1/S of K's iterations (conv.py's two walks: by (kh, kw, channel block), or flat for small C)
+and stores its FP32 partial product in p [S, M, OC]; a second kernel sums the S slices and applies
+bias, residual z (broadcastable to the output, read through its strides) and the activation before
+the single store. S is the configuration's slice count, lowered so that no slice is empty.
+
+Float convolutions only (FP16/BF16 on Tensor Cores; FP32 exact or TF32 as the layer's precision says),
+groups == 1; the output is channels-last ([N, OH, OW, OC] in memory, an NCHW-shaped view), as conv2d's.
+Reference: conv.reference (kiln.ops.fused.fused_conv in FP32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import conv
+from .gemm import _params, dot_precision, epilogue
+from .splitk_gemm import SplitKConfig
+
+_INT32_MAX = 2**31 - 1
+_REDUCE_BLOCK = 512  # output elements per program of the reduction
+
+
+@triton.jit
+def _partials_kernel(x_ptr, w_ptr, p_ptr, C, H, W, OC, OH, OW, M, KW, KTOT, iters, per_slice,
+                     sxn, sxc, sxh, sxw, swo, swc, swh, sww, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                     PREC: tl.constexpr, FLAT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixel index (n, oh, ow) flattened
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel
+    rk = tl.arange(0, BLOCK_K)
+    pix = rm % M  # rows past the edge compute a valid pixel; the store masks them
+    oc = rn % OC
+    ow = pix % OW
+    oh = (pix // OW) % OH
+    n = pix // (OW * OH)
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    x_base = x_ptr + n * sxn
+    w_base = w_ptr + oc * swo
+    c_blocks = tl.cdiv(C, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid_s * per_slice
+    for it in range(first, tl.minimum(first + per_slice, iters)):  # this slice's K iterations
+        if FLAT:
+            kk = it * BLOCK_K + rk  # flattened (kh, kw, c), c fastest
+            c = kk % C
+            tap = kk // C
+            kh = tap // KW
+            kw = tap % KW
+            ih = ih0[:, None] + kh[None, :] * dil_h
+            iw = iw0[:, None] + kw[None, :] * dil_w
+            ok = (kk[None, :] < KTOT) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
+            b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
+                        mask=(kk < KTOT)[:, None], other=0.0)
+        else:  # (kh, kw, channel block), channel block fastest
+            tap = it // c_blocks
+            c = (it % c_blocks) * BLOCK_K + rk
+            kh = tap // KW
+            kw = tap % KW
+            ih = ih0 + kh * dil_h
+            iw = iw0 + kw * dil_w
+            pix_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            c_ok = c < C
+            a = tl.load((x_base + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc,
+                        mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
+            b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
+                        mask=c_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+
+    out = p_ptr + pid_s * M * OC + rm[:, None] * OC + rn[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < OC))
+
+
+@triton.jit
+def _reduce_kernel(p_ptr, b_ptr, z_ptr, y_ptr, S, M, OC, OH, OW, szn, szc, szh, szw, p0, p1,
+                   HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # pixel * OC + oc: p's and y's (channels-last) offset
+    inside = offs < M * OC
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(p_ptr + s * M * OC + offs, mask=inside, other=0.0)
+    oc = offs % OC
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + oc, mask=inside, other=0.0).to(tl.float32)
+    if HAS_Z:
+        pix = offs // OC
+        ow = pix % OW
+        oh = (pix // OW) % OH
+        n = pix // (OW * OH)
+        acc += tl.load(z_ptr + n * szn + oc * szc + oh * szh + ow * szw, mask=inside, other=0.0).to(tl.float32)
+    acc = epilogue(acc, ACT, p0, p1)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+# Not yet timed on a GPU. ResNet-50 at batch 1, 64x64 tiles: layer4's 3x3 (M = 49, OC = 512, 72 K
+# iterations of 64 channels) has 8 output tiles, layer3's (M = 196, OC = 256, 36 iterations) 16;
+# 4-16 slices make 32-224 programs. The 32x64 tile halves the rows wasted on layer3's M = 196.
+CONFIGS = (SplitKConfig(4, 64, 64, 64), SplitKConfig(8, 64, 64, 64), SplitKConfig(16, 64, 64, 64),
+           SplitKConfig(8, 32, 64, 64))
+
+
+def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
+             config: SplitKConfig) -> bool:
+    """conv.supports' float convolutions (no quantized weights) whose partials [slices, M, OC] int32 offsets reach."""
+    if not conv.supports(node, x, w, b, z):
+        return False
+    oh, ow = conv.geometry(node, x, w)[3]
+    return config.slices * x.shape[0] * oh * ow * w.shape[0] <= _INT32_MAX
+
+
+def k_iterations(config: SplitKConfig, w: torch.Tensor) -> int:
+    """The K walk's iteration count for weights [OC, C, KH, KW]: (kh, kw, channel block)s, or flat K blocks."""
+    _, c, kh, kw = w.shape
+    block_k, flat = conv.block_k_for(config, c)
+    return triton.cdiv(kh * kw * c, block_k) if flat else kh * kw * triton.cdiv(c, block_k)
+
+
+def slicing(iters: int, slices: int) -> tuple[int, int]:
+    """(iterations per slice, slice count): cdiv(iters, slices) iterations each, and only as many slices as
+    that takes, so none is empty (10 iterations over 8 slices: 5 slices of 2)."""
+    per_slice = triton.cdiv(iters, slices)
+    return per_slice, triton.cdiv(iters, per_slice)
+
+
+def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                  z: torch.Tensor | None = None, config: SplitKConfig = CONFIGS[0]):
+    """act(conv2d(x, w) + b + z) with the node's ONNX attributes, K split over config.slices programs per
+    output tile; channels-last output of x's dtype, as conv.conv2d returns it."""
+    strides, dilations, pads, (OH, OW) = conv.geometry(node, x, w)
+    N, C, H, W = x.shape
+    OC, _, KH, KW = w.shape
+    M = N * OH * OW
+    block_k, flat = conv.block_k_for(config, C)
+    iters = k_iterations(config, w)
+    per_slice, slices = slicing(iters, config.slices)
+    p = torch.empty((slices, M, OC), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, config.block_m), triton.cdiv(OC, config.block_n), slices)
+    _partials_kernel[grid](
+        x, w, p, C, H, W, OC, OH, OW, M, KW, KH * KW * C, iters, per_slice,
+        *x.stride(), *w.stride(), strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1],
+        PREC=dot_precision(x.dtype, node.precision), FLAT=flat,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+    y = torch.empty((N, OH, OW, OC), dtype=x.dtype, device=x.device)
+    act = node.attr("activation", "")
+    p0, p1 = _params(act, node.attr("activation_params", []))
+    if b is not None:
+        b = b.reshape(-1)
+        if b.stride(0) != 1:
+            b = b.contiguous()
+    zs = (0, 0, 0, 0)
+    if z is not None:
+        z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
+        zs = z.stride()
+    _reduce_kernel[(triton.cdiv(M * OC, _REDUCE_BLOCK),)](
+        p, b if b is not None else p, z if z is not None else p, y, slices, M, OC, OH, OW, *zs, p0, p1,
+        HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, BLOCK=_REDUCE_BLOCK,
+    )
+    return y.permute(0, 3, 1, 2)
