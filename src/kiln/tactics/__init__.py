@@ -61,6 +61,6 @@ def load_all() -> None:
     """Register every tactic module, once (implementation() calls this for every eager layer)."""
     global _loaded
     if not _loaded:
-        from . import library, triton_gemm, triton_tactics  # noqa: F401  (registering)
+        from . import library, triton_gemm, triton_tactics, triton_tma  # noqa: F401  (registering)
 
         _loaded = True

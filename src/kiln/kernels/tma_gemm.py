@@ -1,0 +1,199 @@
+"""Persistent GEMM on Hopper's tensor-memory accelerator (TMA): y = act(x @ w + b), fused epilogue.
+
+kernels/gemm.py gathers its tiles with per-thread pointer loads. Here every tile moves by TMA
+descriptor (one bulk copy per tile; rows and columns past the edge read as zeros and are not
+written, so no masks and no wrapped indices) and a fixed grid of one program per SM walks the
+output tiles. Swept on the H200 (2026-11-30, against gemm.py and cuBLAS(Lt), CUDA graphs): it
+beat gemm.py on most 8-bit GEMMs (BERT's QKV in FP8 18.4 us against 25.5, and cuBLASLt's 23.6)
+and cuBLAS on ResNet-50's K=64 1x1 convolutions at batch 32 (21 us against 34); it lost to
+cuBLAS on BERT's FP16 GEMMs and to either with a GELU epilogue (erf in a 128x256 tile's epilogue
+spills registers). The builder times it against both, per layer.
+
+x [M, K], y [M, N] and a residual z [M, N] row-major; w either [K, N] row-major or, for 8-bit weights, K-major
+([N, K] row-major, passed as its [K, N] transpose view): Hopper's 8-bit Tensor Core instruction
+reads its right operand K-major only. TMA wants 16-byte-aligned base addresses and row strides
+(`supports`). The epilogue is gemm.py's: dequantization (quantized layers: x_scale * w_scale[n]),
+bias, activation, one store.
+
+Reference: gemm.reference; kiln.ops.fused.qgemm for the quantized form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .gemm import (
+    ACTIVATIONS,
+    QTYPES,
+    _params,
+    dequantize,
+    epilogue,
+    quant_args,
+    quantize,
+)
+
+_ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
+
+
+@triton.jit
+def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, M, N, K,
+                     stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
+                     QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, W_KMAJOR: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     PROGRAMS: tl.constexpr):
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    width = GROUP_M * grid_n
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+        # GROUP_M swizzle as in gemm.py: neighbouring tiles share columns of w in L2.
+        group = tile // width
+        first_m = group * GROUP_M
+        group_m = tl.minimum(grid_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % width) % group_m) * BLOCK_M
+        off_n = ((tile % width) // group_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
+        for kb in range(k_tiles):
+            a = x_desc.load([off_m, kb * BLOCK_K])
+            if W_KMAJOR:
+                b = w_desc.load([off_n, kb * BLOCK_K]).T
+            else:
+                b = w_desc.load([kb * BLOCK_K, off_n])
+            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+        cols = (off_n + tl.arange(0, BLOCK_N)) % N  # columns past N compute garbage the store drops
+        acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        if HAS_Z:  # a residual: a 1x1 convolution's shortcut
+            acc += z_desc.load([off_m, off_n]).to(tl.float32)
+        acc = epilogue(acc, ACT, p0, p1)
+        if Y_QUANTIZED:  # the next layer reads 8-bit values: quantized here instead of by it
+            acc = quantize(acc, ys_ptr, QUANT)
+        out = acc.to(y_desc.dtype)
+        y_desc.store([off_m, off_n], out)
+        if COPY:  # an 8-bit copy for quantized readers, from the stored values
+            q_desc.store([off_m, off_n], quantize(out, qs_ptr, QUANT).to(q_desc.dtype))
+
+
+@dataclass(frozen=True)
+class TmaConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+    def smem_bytes(self, itemsize: int, epilogue_tiles: int = 1) -> int:
+        """The operand pipeline plus the 16-bit output (and residual) tiles TMA moves in the epilogue."""
+        return (self.num_stages * (self.block_m + self.block_n) * self.block_k * itemsize
+                + epilogue_tiles * self.block_m * self.block_n * 2)
+
+
+# (config, lowest optimization level that tries it). K tiles of 128 bytes, the widest TMA swizzle: 64
+# 16-bit values, 128 8-bit ones. Chosen from a sweep on the H200 at BERT's and ResNet-50's batch-32
+# shapes (2026-11-30): each level-3 tile was the fastest at one of them.
+CONFIGS: list[tuple[TmaConfig, int]] = [
+    (TmaConfig(128, 256, 64, 8, 3), 3),
+    (TmaConfig(128, 128, 64, 4, 4), 3),
+    (TmaConfig(128, 64, 64, 4, 4), 3),
+    (TmaConfig(64, 128, 64, 4, 4), 4),
+]
+QUANT_CONFIGS: list[tuple[TmaConfig, int]] = [
+    (TmaConfig(128, 256, 128, 8, 3), 3),
+    (TmaConfig(128, 128, 128, 4, 4), 3),
+    (TmaConfig(128, 64, 128, 4, 4), 3),
+    (TmaConfig(64, 128, 128, 4, 4), 3),
+    (TmaConfig(256, 128, 128, 8, 3), 4),
+]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """A 2-D matrix TMA can address: unit last stride, 16-byte-aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % _ALIGN == 0
+            and (t.stride(0) * t.element_size()) % _ALIGN == 0)
+
+
+def weight_matrix(w: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(the row-major matrix a descriptor covers, K-major?) for w [K, N], or None if TMA cannot read it."""
+    if _aligned(w):
+        return w, False
+    if _aligned(w.t()):
+        return w.t(), True
+    return None
+
+
+def rows(t: torch.Tensor, cols: int) -> torch.Tensor | None:
+    """t as the [rows, cols] matrix TMA reads (a view), or None."""
+    try:
+        m = t.view(-1, cols)
+    except RuntimeError:
+        return None
+    return m if _aligned(m) else None
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str, qtype: str = "",
+             z: torch.Tensor | None = None) -> bool:
+    """x [.., K] and z [.., N] whose rows TMA reads in place, w [K, N] (K-major for 8-bit weights), 16-bit floats
+    or the qtype's 8-bit weights; K and N multiples of 16, so every row of every operand is 16-byte aligned."""
+    if x.dim() < 2 or w.dim() != 2 or x.shape[-1] != w.shape[0] or act not in ACTIVATIONS or x.numel() == 0:
+        return False
+    K, N = w.shape
+    if qtype:
+        if w.dtype != QTYPES.get(qtype) or x.dtype not in (torch.float16, torch.bfloat16, w.dtype):
+            return False
+    elif x.dtype not in (torch.float16, torch.bfloat16) or w.dtype != x.dtype:
+        return False
+    mat = weight_matrix(w)
+    if mat is None or (qtype and not mat[1]) or K % 16 or N % 16 or rows(x, K) is None:
+        return False
+    if z is not None and (z.numel() != x.numel() // K * N or not z.dtype.is_floating_point or rows(z, N) is None):
+        return False
+    return b is None or (b.numel() == N and b.dtype.is_floating_point)
+
+
+def programs(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
+         config: TmaConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
+         w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None):
+    """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows; [.., N] in x's dtype, as gemm.gemm computes
+    it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or quantized with
+    y_scale; with q_scale also its 8-bit copy (y, q)."""
+    lead, (K, N) = x.shape[:-1], w.shape
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype, device=x.device)
+    q = torch.empty((M, N), dtype=QTYPES[qtype], device=x.device) if q_scale is not None else y
+    x2, xs, ws, stride_ws = quant_args(x2, qtype, x_scale, w_scale)
+    w_mat, k_major = weight_matrix(w)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    z_desc = desc(rows(z, N), [bm, bn]) if z is not None else None
+    p0, p1 = _params(act, params)
+    bias = b.reshape(-1).contiguous() if b is not None else None
+    n_programs = min(programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    _tma_gemm_kernel[(n_programs,)](
+        desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
+        z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
+        bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
+        q_scale if q_scale is not None else xs, M, N, K, stride_ws, p0, p1,
+        HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
+        COPY=q_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))

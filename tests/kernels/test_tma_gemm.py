@@ -1,0 +1,96 @@
+"""The TMA GEMM (kernels/tma_gemm.py) against gemm.py's kernel and the FP32 reference, under TRITON_INTERPRET=1
+on the CPU (the interpreter runs tensor descriptors, zero-filling reads past the edge)."""
+
+import pytest
+import torch
+
+from kiln.kernels import gemm, tma_gemm
+from kiln.kernels.tma_gemm import TmaConfig
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = TmaConfig(16, 16, 32, 4, 2)  # small tiles: the test shapes span several, with ragged edges
+
+
+def _poisoned(fn):
+    """fn() with every buffer it allocates through torch.empty filled with NaN first: unwritten elements show."""
+    real = torch.empty
+    try:
+        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan")) if kw.get("dtype", torch.float32) \
+            .is_floating_point else real(*a, **kw).fill_(-77)
+        return fn()
+    finally:
+        torch.empty = real
+
+
+@pytest.mark.parametrize("M", [1, 37])  # not a multiple of the tile
+@pytest.mark.parametrize("act, residual", [("", False), ("Relu", True), ("GeluErf", False)])
+def test_float_gemm_matches_the_reference(M, act, residual):
+    g = torch.Generator().manual_seed(M)
+    K, N = 80, 48
+    x = torch.randn(M, K, generator=g).half().to(DEV)
+    w = (torch.randn(K, N, generator=g) / 8).half().to(DEV)
+    b = torch.randn(N, generator=g).half().to(DEV)
+    z = torch.randn(M, N, generator=g).half().to(DEV) if residual else None
+    assert tma_gemm.supports(x, w, b, act, z=z)
+    y = _poisoned(lambda: tma_gemm.gemm(x, w, b, act, config=SMALL, z=z))
+    want = gemm.reference(x, w, b, act).float() if z is None else torch.relu(x.float() @ w.float() + b.float()
+                                                                              + z.float())
+    torch.testing.assert_close(y.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def _int8_operands(M, K, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 30).round().clamp(-128, 127).to(torch.int8).to(DEV)
+    w = (torch.randn(N, K, generator=g) * 30).round().clamp(-127, 127).to(torch.int8).to(DEV).t()  # K-major [K, N]
+    sx = torch.tensor(0.05, device=DEV)
+    sw = (torch.rand(N, generator=g) * 0.01 + 0.001).to(DEV)
+    return x, w, sx, sw, torch.randn(N, generator=g).half().to(DEV)
+
+
+@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy"])
+def test_int8_gemm_matches_the_pointer_kernel(outputs):
+    # gemm.py's quantized GEMM is the tested reference for the epilogue: identical integer sums, same FP32 math
+    M, K, N = 37, 96, 48
+    x, w, sx, sw, b = _int8_operands(M, K, N)
+    z = torch.randn(M, N).half().to(DEV)
+    kw = dict(qtype="int8", x_scale=sx, w_scale=sw, out_dtype=torch.float16, z=z,
+              y_scale=torch.tensor(0.03, device=DEV) if outputs == "int8" else None,
+              q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
+    assert tma_gemm.supports(x, w, b, "Relu", "int8", z=z)
+    got = _poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw))
+    want = gemm.gemm(x, w, b, "Relu", config=gemm.TileConfig(16, 16, 32, 4, 2), **kw)
+    for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
+        assert g_.dtype == w_.dtype and torch.equal(g_, w_)
+
+
+def test_float_input_to_a_quantized_gemm_is_quantized_first():
+    M, K, N = 20, 64, 32
+    _, w, sx, sw, b = _int8_operands(M, K, N, seed=1)
+    x = torch.randn(M, K).half().to(DEV)
+    kw = dict(qtype="int8", x_scale=sx, w_scale=sw, out_dtype=torch.float16)
+    torch.testing.assert_close(tma_gemm.gemm(x, w, b, config=SMALL, **kw),
+                               gemm.gemm(x, w, b, config=gemm.TileConfig(16, 16, 32, 4, 2), **kw))
+
+
+def test_what_tma_cannot_read_is_refused():
+    x, w = torch.randn(8, 64).half(), torch.randn(64, 32).half()
+    assert tma_gemm.supports(x, w, None, "")
+    assert not tma_gemm.supports(torch.randn(8, 72).half(), torch.randn(72, 40).half(), None, "")  # N % 16
+    assert not tma_gemm.supports(x[:, 1:33], torch.randn(32, 32).half(), None, "")  # base off the 16-byte grid
+    assert not tma_gemm.supports(x.float(), w.float(), None, "")  # FP32: not a TMA tactic
+    w8 = torch.zeros(64, 32, dtype=torch.int8)  # row-major [K, N]: 8-bit Tensor Cores read w K-major only
+    assert not tma_gemm.supports(x, w8, None, "", "int8") and tma_gemm.supports(x, w8.t().contiguous().t(), None,
+                                                                                 "", "int8")
+
+
+def test_tactics_are_registered_and_refuse_cpu_tensors():
+    from kiln.ir.graph import Node
+    from kiln.tactics import _TACTICS, load_all
+
+    load_all()
+    for op in ("FusedGemm", "FusedConv", "QGemm", "QConv"):
+        names = [t.name for t in _TACTICS[("kiln", op)] if t.name.startswith("triton_tma_")]
+        assert names, op
+    t = next(t for t in _TACTICS[("kiln", "FusedGemm")] if t.name.startswith("triton_tma_gemm_"))
+    node = Node("FusedGemm", ["x", "w", "b"], ["y"], {}, domain="kiln")
+    assert not t.applies(node, [torch.randn(8, 64).half(), torch.randn(64, 32).half(), torch.randn(32).half()])
