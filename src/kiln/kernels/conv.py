@@ -46,6 +46,38 @@ FLAT_BELOW_C = 32  # input channels below which K is walked flat
 
 
 @triton.jit
+def k_tiles(x_base, w_base, it, ih0, iw0, rk, C, H, W, KW, KTOT, c_blocks, sxc, sxh, sxw, swc, swh, sww,
+            dil_h, dil_w, FLAT: tl.constexpr):
+    """Iteration `it` of the K walk: the input patch tile [pixels, BLOCK_K] and the weight tile [BLOCK_K, channels].
+    FLAT: K = (kh, kw, c) flattened, c fastest, BLOCK_K at a time; else (kh, kw, channel block), block fastest.
+    x_base / w_base point at each row's image and each column's filter; rk = arange(BLOCK_K)."""
+    if FLAT:
+        kk = it * rk.shape[0] + rk
+        c = kk % C
+        tap = kk // C
+        kh = tap // KW
+        kw = tap % KW
+        ih = ih0[:, None] + kh[None, :] * dil_h
+        iw = iw0[:, None] + kw[None, :] * dil_w
+        ok = (kk[None, :] < KTOT) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
+        b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None], mask=(kk < KTOT)[:, None], other=0.0)
+    else:
+        tap = it // c_blocks
+        c = (it % c_blocks) * rk.shape[0] + rk
+        kh = tap // KW
+        kw = tap % KW
+        ih = ih0 + kh * dil_h
+        iw = iw0 + kw * dil_w
+        pix_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        c_ok = c < C
+        a = tl.load((x_base + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc,
+                    mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
+        b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww), mask=c_ok[:, None], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr,
                  C, H, W, OC, OH, OW, M, KW, KTOT,
                  sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw, stride_ws,
@@ -77,36 +109,15 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     w_base = w_ptr + oc * swo
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
+    c_blocks = tl.cdiv(C, BLOCK_K)
     if FLAT:
-        for k0 in range(0, KTOT, BLOCK_K):
-            kk = k0 + rk  # flattened (kh, kw, c), c fastest
-            c = kk % C
-            tap = kk // C
-            kh = tap // KW
-            kw = tap % KW
-            ih = ih0[:, None] + kh[None, :] * dil_h
-            iw = iw0[:, None] + kw[None, :] * dil_w
-            ok = (kk[None, :] < KTOT) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
-            b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
-                        mask=(kk < KTOT)[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        iters = tl.cdiv(KTOT, BLOCK_K)
     else:
-        c_blocks = tl.cdiv(C, BLOCK_K)
-        for it in range(0, KTOT // C * c_blocks):  # (kh, kw, channel block), channel block fastest
-            tap = it // c_blocks
-            c = (it % c_blocks) * BLOCK_K + rk
-            kh = tap // KW
-            kw = tap % KW
-            ih = ih0 + kh * dil_h
-            iw = iw0 + kw * dil_w
-            pix_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            c_ok = c < C
-            a = tl.load((x_base + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc,
-                        mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
-            b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
-                        mask=c_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        iters = KTOT // C * c_blocks
+    for it in range(0, iters):
+        a, b = k_tiles(x_base, w_base, it, ih0, iw0, rk, C, H, W, KW, KTOT, c_blocks, sxc, sxh, sxw, swc, swh, sww,
+                       dil_h, dil_w, FLAT)
+        acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     acc = dequantize(acc, xs_ptr, ws_ptr, oc, stride_ws, QUANT)
     if HAS_BIAS:
@@ -288,8 +299,10 @@ def pointwise_as_gemm(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
 
 
 def reference(node, x, w, b=None, z=None):
-    """kiln's FusedConv reference computed in FP32, returned in x's dtype."""
+    """kiln's FusedConv reference computed in exact FP32 (torch lets cuDNN use TF32 for FP32 convolutions by
+    default, which on a GPU is off by ~1e-3 relative), returned in x's dtype."""
     from ..ops.fused import fused_conv
 
-    return fused_conv(node, x.float(), w.float(), b.float() if b is not None else None,
-                      z.float() if z is not None else None).to(x.dtype)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        return fused_conv(node, x.float(), w.float(), b.float() if b is not None else None,
+                          z.float() if z is not None else None).to(x.dtype)

@@ -50,31 +50,8 @@ def _partials_kernel(x_ptr, w_ptr, p_ptr, C, H, W, OC, OH, OW, M, KW, KTOT, iter
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = pid_s * per_slice
     for it in range(first, tl.minimum(first + per_slice, iters)):  # this slice's K iterations
-        if FLAT:
-            kk = it * BLOCK_K + rk  # flattened (kh, kw, c), c fastest
-            c = kk % C
-            tap = kk // C
-            kh = tap // KW
-            kw = tap % KW
-            ih = ih0[:, None] + kh[None, :] * dil_h
-            iw = iw0[:, None] + kw[None, :] * dil_w
-            ok = (kk[None, :] < KTOT) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            a = tl.load(x_base[:, None] + c[None, :] * sxc + ih * sxh + iw * sxw, mask=ok, other=0.0)
-            b = tl.load(w_base[None, :] + (c * swc + kh * swh + kw * sww)[:, None],
-                        mask=(kk < KTOT)[:, None], other=0.0)
-        else:  # (kh, kw, channel block), channel block fastest
-            tap = it // c_blocks
-            c = (it % c_blocks) * BLOCK_K + rk
-            kh = tap // KW
-            kw = tap % KW
-            ih = ih0 + kh * dil_h
-            iw = iw0 + kw * dil_w
-            pix_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            c_ok = c < C
-            a = tl.load((x_base + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc,
-                        mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
-            b = tl.load(w_base[None, :] + (c * swc)[:, None] + (kh * swh + kw * sww),
-                        mask=c_ok[:, None], other=0.0)
+        a, b = conv.k_tiles(x_base, w_base, it, ih0, iw0, rk, C, H, W, KW, KTOT, c_blocks, sxc, sxh, sxw, swc, swh,
+                            sww, dil_h, dil_w, FLAT)
         acc = tl.dot(a, b, acc, input_precision=PREC)
 
     out = p_ptr + pid_s * M * OC + rm[:, None] * OC + rn[None, :]
@@ -102,9 +79,11 @@ def _reduce_kernel(p_ptr, b_ptr, z_ptr, y_ptr, S, M, OC, OH, OW, szn, szc, szh, 
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-# Not yet timed on a GPU. ResNet-50 at batch 1, 64x64 tiles: layer4's 3x3 (M = 49, OC = 512, 72 K
-# iterations of 64 channels) has 8 output tiles, layer3's (M = 196, OC = 256, 36 iterations) 16;
-# 4-16 slices make 32-224 programs. The 32x64 tile halves the rows wasted on layer3's M = 196.
+# ResNet-50 at batch 1, 64x64 tiles: layer4's 3x3 (M = 49, OC = 512, 72 K iterations of 64 channels) has
+# 8 output tiles, layer3's (M = 196, OC = 256, 36 iterations) 16; 4-16 slices make 32-224 programs. On the
+# H200 (2026-11-30) the builder chose them over cuDNN for 12 of ResNet-50's layers at batch 1 (s8 for 6,
+# s4 and s16 for 3 each; the 32x64 tile never), worth about 10 us of the engine's ~350 (same-process A/B,
+# within run-to-run noise). The reduction's block size is untimed.
 CONFIGS = (SplitKConfig(4, 64, 64, 64), SplitKConfig(8, 64, 64, 64), SplitKConfig(16, 64, 64, 64),
            SplitKConfig(8, 32, 64, 64))
 
