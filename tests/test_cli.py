@@ -81,3 +81,15 @@ def test_best_builds_fp16_without_calibration_and_int8_with_it(tmp_path):
     assert code == 0, err
     engine = kiln.load(str(tmp_path / "int8.kiln"))
     assert engine.build_config["int8"] and sum(n.op_type == "QGemm" for n in engine.graph.nodes) == 2
+
+
+def test_exclude_tactics_is_recorded_and_a_misspelt_one_refused(tmp_path):
+    import kiln
+
+    code, _, err = kiln_cmd("build", "--excludeTactics=triton_tma_*, cudnn_conv_relu", "--saveEngine=e.kiln",
+                            "--skipInference", cwd=tmp_path)
+    assert code == 0, err
+    assert kiln.load(str(tmp_path / "e.kiln")).build_config["exclude_tactics"] == ["triton_tma_*", "cudnn_conv_relu"]
+    code, out, err = kiln_cmd("build", "--excludeTactics=cudnn_conv_rleu", "--saveEngine=f.kiln", cwd=tmp_path)
+    assert code != 0 and "'cudnn_conv_rleu' matches no tactic" in err and "cudnn_conv_relu" in err
+    assert "Traceback" not in err and not (tmp_path / "f.kiln").exists()

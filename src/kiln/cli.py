@@ -47,6 +47,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
                    help="tactic search breadth: 0 reference kernels, 1-2 library tactics (cuDNN, cuBLASLt, SDPA), "
                         "3 +Triton norm/elementwise (default), 4-5 +Triton GEMM/conv/attention configs")
     p.add_argument("--timingCacheFile", metavar="FILE", help="reuse and update tactic timings in this JSON file")
+    p.add_argument("--excludeTactics", default="", metavar="NAMES",
+                   help="tactics never to time or choose, by name or pattern: triton_tma_*,cudnn_conv_relu")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
     p.add_argument("--maxAuxStreams", type=int, default=0, choices=range(2), metavar="0..1",
@@ -91,6 +93,7 @@ def _config_from_args(a):
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
+        exclude_tactics=tuple(p.strip() for p in a.excludeTactics.split(",") if p.strip()),
     )
 
 
@@ -166,6 +169,10 @@ def _print_build_summary(engine, source: str) -> None:
         capped = {name: why for t in engine.tactics for name, why in t["excluded"].items() if "workspace" in why}
         for name, why in sorted(capped.items()):
             out.print(f"  [yellow]workspace cap excluded {name}[/]: {escape(why)}")
+        asked = sorted({name for t in engine.tactics for name, why in t["excluded"].items()
+                        if "--excludeTactics" in why})
+        if asked:
+            out.print(f"  excluded as asked (--excludeTactics): {escape(', '.join(asked))}")
     for n in g.nodes:
         if n.note:
             out.print(f"  [yellow]{escape(n.name)}[/]: {escape(n.note)}")

@@ -33,3 +33,80 @@ def test_an_int8_output_may_differ_by_one_step():
     assert not _close(ref + torch.tensor([0, 0, 0, 4], dtype=torch.int8), ref, "int8")[0]
     assert not _close(torch.tensor([0, -128, 0, 5], dtype=torch.int8), ref, "int8")[0]  # 127 steps
     assert not _close(ref.float(), ref, "int8")[0]  # floats where 8-bit values were due
+
+
+# --- what the selector times, reuses from the timing cache, and skips -------------------------------------------
+def _selector_rig(monkeypatch):
+    """Three real tactics for ONNX Relu (A at level 1, B at level 4, C needing 1 MiB of workspace), a clock that
+    reports a fixed time per tactic (CUDA events need a GPU), and a counter of how often each one ran."""
+    from types import SimpleNamespace
+
+    from kiln import tactics
+    from kiln.ir.graph import Node
+    from kiln.tactics import Tactic, select
+    from kiln.tactics.cache import TimingCache
+
+    runs, last = {}, []
+
+    def relu_as(name):
+        def fn(node, x):
+            runs[name] = runs.get(name, 0) + 1
+            last.append(name)
+            return torch.relu(x)
+        return fn
+
+    rig = [Tactic("tac_a", relu_as("tac_a"), lambda n, a: True),
+           Tactic("tac_b", relu_as("tac_b"), lambda n, a: True, level=4),
+           Tactic("tac_c", relu_as("tac_c"), lambda n, a: True, workspace=lambda n, a: 2**20)]
+    monkeypatch.setitem(tactics._TACTICS, ("", "Relu"), rig)
+    times = {"tac_a": 0.3, "tac_b": 0.1, "tac_c": 0.2}
+
+    def clock(fn, **kw):
+        last.clear()
+        fn()
+        return times.get(last[-1], 1.0) if last else 1.0  # the reference records no name
+
+    monkeypatch.setattr(select, "median_ms", clock)
+    monkeypatch.setattr(select, "synchronizes", lambda fn: False)
+    node = Node("Relu", ["x"], ["y"], {}, name="relu", opset=17)
+    engine = SimpleNamespace(target=SimpleNamespace(name="test GPU", capability=(9, 0)), versions={},
+                             graph=SimpleNamespace(nodes=[node]))
+    cache = TimingCache(None)
+
+    def select_once(level=3, cap=None, exclude=()):
+        sel = select.Selector(engine, level, cap, cache, exclude=exclude)
+        sel.visit(node, [torch.randn(4, 8)])
+        return sel.assign()[0]
+
+    return select_once, runs
+
+
+def test_a_higher_level_times_only_the_tactics_the_cache_lacks(monkeypatch):
+    select_once, runs = _selector_rig(monkeypatch)
+    first = select_once(level=3)
+    assert set(first["timings"]) == {"reference", "tac_a", "tac_c"} and first["chosen"] == "tac_c"
+    ran = dict(runs)
+    second = select_once(level=4)  # same timing cache: only tac_b is new
+    assert set(second["timings"]) == {"reference", "tac_a", "tac_b", "tac_c"} and second["chosen"] == "tac_b"
+    assert runs["tac_a"] == ran["tac_a"] and runs["tac_c"] == ran["tac_c"] and runs["tac_b"] > 0
+
+
+def test_excluded_and_capped_tactics_are_reported_not_run_and_not_cached(monkeypatch):
+    select_once, runs = _selector_rig(monkeypatch)
+    rep = select_once(level=4, cap=2**19, exclude=("tac_b*",))
+    assert rep["chosen"] == "tac_a" and set(rep["timings"]) == {"reference", "tac_a"}
+    assert "--excludeTactics (tac_b*)" in rep["excluded"]["tac_b"] and "workspace" in rep["excluded"]["tac_c"]
+    assert "tac_b" not in runs and "tac_c" not in runs
+    rep = select_once(level=4)  # another build without the exclusions times both
+    assert rep["chosen"] == "tac_b" and not rep["excluded"]
+
+
+def test_an_exclusion_that_matches_no_tactic_is_refused():
+    import pytest
+
+    import kiln
+    from kiln.errors import ConfigError
+    from kiln.models import tiny_cnn
+
+    with pytest.raises(ConfigError, match="'trion_tma_\\*' matches no tactic"):
+        kiln.build(tiny_cnn(), kiln.BuildConfig(device="cpu", progress=False, exclude_tactics=("trion_tma_*",)))

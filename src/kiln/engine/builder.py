@@ -138,12 +138,29 @@ def _inputs_read_as_values(graph: Graph) -> list[str]:
     return sorted(found)
 
 
+def _check_excluded_tactics(patterns) -> None:
+    """Every --excludeTactics pattern names at least one tactic: a misspelt one would exclude nothing, silently."""
+    import difflib
+    import fnmatch
+
+    from ..tactics import _TACTICS, load_all
+
+    load_all()
+    names = sorted({t.name for ts in _TACTICS.values() for t in ts})
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
+            near = difflib.get_close_matches(p.rstrip("*?"), names, n=4, cutoff=0.5) or names[:4]
+            raise ConfigError(f"--excludeTactics: '{p}' matches no tactic (give names, or patterns with * and ?); "
+                              f"close names: {', '.join(near)}. `kiln inspect` lists the tactics an engine chose.")
+
+
 def build(model, config: BuildConfig | None = None) -> Engine:
     """Build an engine. `model`: an onnx.ModelProto, a path to an .onnx file, or a kiln Graph."""
     from ..frontend.onnx_loader import load_onnx
     from ..tools.progress import build_progress
 
     config = config or BuildConfig()
+    _check_excluded_tactics(config.exclude_tactics)
     if config.accuracy_budget:
         import dataclasses
 
@@ -224,7 +241,8 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
         count[0] += 1
         step(f"tactic timing: layer {count[0]} ({node.op_type})")
 
-    sel = Selector(engine, config.optimization_level, config.workspace_bytes, cache, on_layer)
+    sel = Selector(engine, config.optimization_level, config.workspace_bytes, cache, on_layer,
+                   exclude=config.exclude_tactics)
     for i in range(len(profiles)):
         ctx = engine.create_execution_context(profile=i, cuda_graphs=False)
         feeds = engine.random_inputs(profile=i, pick=1, device=engine.target.device)

@@ -58,6 +58,9 @@ class BuildConfig:
     # implicit-GEMM convolution and flash-attention configurations. Higher = longer build.
     optimization_level: int = 3
     timing_cache: str | None = None  # JSON file of tactic timings reused across builds
+    # Tactic names (shell-style patterns, e.g. "triton_tma_*") never to time or choose: to take a misbehaving
+    # tactic out of a build, or to measure what a family of tactics is worth (bench/ab_tactics.py).
+    exclude_tactics: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> str | None:
@@ -81,6 +84,7 @@ class BuildConfig:
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
             "max_aux_streams": min(1, max(0, self.max_aux_streams)),
             "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
+            "exclude_tactics": list(self.exclude_tactics),
         }
 
 

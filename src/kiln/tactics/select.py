@@ -4,10 +4,12 @@ The engine runs once per profile at its opt shape, layer by layer; at each layer
 with candidates, each candidate runs on that layer's real inputs, is checked
 against the reference implementation's output, and is timed. The fastest
 correct candidate wins (summed over profiles). Candidates excluded by the
-workspace cap, failing, or numerically wrong are reported, not silently dropped.
+workspace cap or --excludeTactics, failing, or numerically wrong are reported, not silently dropped.
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 
@@ -63,11 +65,19 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
 
 
 class Selector:
-    """Collects timings during the per-profile runs, then assigns node.tactic."""
+    """Collects timings during the per-profile runs, then assigns node.tactic.
 
-    def __init__(self, engine, level: int, workspace_bytes: int | None, cache: TimingCache, on_layer=None):
+    The timing cache holds each tactic's result per layer signature (its time, or why it cannot be used:
+    failed, numerically wrong, synchronizes). A build measures only the candidates the cache lacks, so a
+    cache written at a lower optimization level still gets the extra tactics of a higher one timed. What
+    depends on this build's settings (the workspace cap, --excludeTactics) is applied on top, never cached.
+    """
+
+    def __init__(self, engine, level: int, workspace_bytes: int | None, cache: TimingCache, on_layer=None,
+                 exclude: tuple[str, ...] = ()):
         load_all()
         self.engine, self.level, self.cap, self.cache = engine, level, workspace_bytes, cache
+        self.exclude = tuple(exclude)
         self.totals: dict[int, dict[str, float]] = {}
         self.report: dict[int, dict] = {}
         self.on_layer = on_layer
@@ -77,20 +87,45 @@ class Selector:
         if not cands:
             return
         args = cast_for(node, lookup(node.op_type, node.domain), args)  # as the layer will see them
-        idx = id(node)
+        usable, skipped = self._screen(node, args, cands)
         key = layer_key(self.engine.target, self.engine.versions, node, args)
-        cached = self.cache.get(key)
-        if cached is None:
-            cached = self._measure(node, args, cands)
+        cached = self.cache.get(key) or {"timings": {}, "excluded": {}}
+        todo = [t for t in usable if t.name not in cached["timings"] and t.name not in cached["excluded"]]
+        if todo or "reference" not in cached["timings"]:
+            found = self._measure(node, args, todo)
+            cached = {k: {**cached[k], **found[k]} for k in ("timings", "excluded")}
             self.cache.put(key, cached)
         if self.on_layer:
             self.on_layer(node)
-        rep = self.report.setdefault(idx, {"layer": node.name, "op": node.op_type, "timings": {}, "excluded": {}})
-        totals = self.totals.setdefault(idx, {})
+        names = {t.name for t in usable} | {"reference"}
+        rep = self.report.setdefault(id(node), {"layer": node.name, "op": node.op_type, "timings": {},
+                                                "excluded": {}})
+        totals = self.totals.setdefault(id(node), {})
         for name, ms in cached["timings"].items():
-            totals[name] = totals.get(name, 0.0) + ms
-            rep["timings"][name] = rep["timings"].get(name, 0.0) + ms
-        rep["excluded"].update(cached["excluded"])
+            if name in names:
+                totals[name] = totals.get(name, 0.0) + ms
+                rep["timings"][name] = rep["timings"].get(name, 0.0) + ms
+        rep["excluded"].update({n: why for n, why in cached["excluded"].items() if n in names}, **skipped)
+
+    def _screen(self, node, args, cands) -> tuple[list, dict]:
+        """(the candidates that apply to these inputs and this build allows, {name: why this build skips it})."""
+        usable, skipped = [], {}
+        for t in cands:
+            try:
+                if not t.applies(node, args):
+                    continue
+                need = t.workspace(node, args) if t.workspace else 0
+            except Exception as e:  # an applicability check that cannot judge these inputs: not offered
+                skipped[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                continue
+            pattern = next((p for p in self.exclude if fnmatch.fnmatchcase(t.name, p)), None)
+            if pattern is not None:
+                skipped[t.name] = f"excluded by --excludeTactics ({pattern})"
+            elif self.cap is not None and need > self.cap:
+                skipped[t.name] = f"needs {need / 2**20:.1f} MiB workspace, cap is {self.cap / 2**20:.1f} MiB"
+            else:
+                usable.append(t)
+        return usable, skipped
 
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
@@ -99,12 +134,6 @@ class Selector:
         excluded = {}
         for t in cands:
             try:
-                if not t.applies(node, args):
-                    continue
-                need = t.workspace(node, args) if t.workspace else 0
-                if self.cap is not None and need > self.cap:
-                    excluded[t.name] = f"needs {need / 2**20:.1f} MiB workspace, cap is {self.cap / 2**20:.1f} MiB"
-                    continue
                 if synchronizes(lambda: t.fn(node, *args)):  # the reference may (data-dependent ops); a tactic not
                     excluded[t.name] = "synchronizes with the host: it would break the engine's CUDA graph"
                     continue

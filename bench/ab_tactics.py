@@ -1,0 +1,83 @@
+"""Same-process A/B of tactic families: what a family of tactics is worth to a whole engine.
+
+Run-to-run noise on the GPU (other tenants, clocks, torch.compile's own variance) is as large as most
+single-tactic gains, so comparing two bench/run.py runs says little. This builds one engine with every
+tactic and one per --without group (BuildConfig.exclude_tactics, trtexec-style --excludeTactics patterns),
+then times them in interleaved rounds in one process, and reports each round.
+
+    python bench/ab_tactics.py --model resnet50 --batch 1 --without 'triton_conv_splitk_*' --without 'triton_tma_*'
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+import kiln  # noqa: E402
+from bench.models import MODELS  # noqa: E402
+from bench.run import time_fn  # noqa: E402
+
+
+def export(model_name: str, batch: int) -> tuple[Path, dict]:
+    """The bench model as ONNX with a dynamic batch, and one batch of its inputs."""
+    import onnx
+
+    model, names, make = MODELS[model_name]()
+    g = torch.Generator().manual_seed(0)
+    feeds = make(batch, g)
+    dim = torch.export.Dim("batch", min=1, max=max(2, batch))
+    proto, _ = kiln.from_torch(model, tuple(make(2, g).values()), dynamic_shapes={k: {0: dim} for k in names},
+                               opset=18)
+    path = Path(tempfile.mkdtemp()) / f"{model_name}.onnx"
+    onnx.save(proto, str(path))
+    return path, feeds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--without", action="append", default=[], metavar="PATTERNS",
+                   help="a variant without these tactics (comma-separated names or patterns); repeatable")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=100)
+    args = p.parse_args(argv)
+
+    path, feeds = export(args.model, args.batch)
+    shapes = {k: tuple(v.shape) for k, v in feeds.items()}
+    variants = {"all tactics": ()} | {f"without {w}": tuple(x.strip() for x in w.split(",")) for w in args.without}
+    contexts, chosen = {}, {}
+    for label, exclude in variants.items():
+        cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
+                               progress=False, fp16=True, exclude_tactics=exclude)
+        engine = kiln.build(str(path), cfg)
+        contexts[label] = engine.create_execution_context()
+        chosen[label] = [t["chosen"] for t in engine.tactics]
+    dev = {k: v.cuda() for k, v in feeds.items()}
+    rounds = {label: [] for label in contexts}
+    for _ in range(args.rounds):  # interleaved, so drift in clocks or load hits every variant alike
+        for label, ctx in contexts.items():
+            run = lambda f, ctx=ctx: ctx.run(f, copy_outputs=False)  # noqa: E731
+            rounds[label].append(1000 * time_fn(run, [dev], args.iterations)["median_ms"])
+
+    print(f"# {args.model} batch {args.batch} FP16, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| variant | median of rounds us | rounds us | layers using the excluded tactics in 'all tactics' |")
+    print("|---|---|---|---|")
+    for label, exclude in variants.items():
+        used = [c for c in chosen["all tactics"] if any(fnmatch.fnmatchcase(c, x) for x in exclude)]
+        counts = {c: used.count(c) for c in sorted(set(used))}
+        print(f"| {label} | {statistics.median(rounds[label]):.1f} | {', '.join(f'{r:.0f}' for r in rounds[label])} "
+              f"| {', '.join(f'{c} x{n}' for c, n in counts.items()) or '-'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

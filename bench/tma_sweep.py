@@ -1,0 +1,92 @@
+"""The TMA GEMM (kiln/kernels/tma_gemm.py) against cuBLAS(Lt) and gemm.py, each configuration alone, at
+BERT-base's and ResNet-50's batch-32 GEMM shapes (plus BERT's batch-1 FFN1), FP16, INT8 and FP8.
+
+Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's selector times tactics), us;
+8-bit operands are quantized as a calibrated engine holds them (per-channel INT8 / per-tensor FP8 weights,
+K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer sums and epilogue).
+
+    python bench/tma_sweep.py > bench/results/H200-tma-sweep.log        (GPU)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.ir.graph import Node  # noqa: E402
+from kiln.kernels import gemm, tma_gemm  # noqa: E402
+from kiln.kernels.tma_gemm import TmaConfig  # noqa: E402
+from kiln.tactics.library import fp8_scaled_mm  # noqa: E402
+from kiln.tactics.timer import median_ms  # noqa: E402
+
+F16 = [TmaConfig(128, 256, 64, 8, 3), TmaConfig(128, 128, 64, 8, 4), TmaConfig(128, 128, 64, 4, 4),
+       TmaConfig(64, 128, 64, 4, 4), TmaConfig(256, 128, 64, 8, 3), TmaConfig(128, 64, 64, 4, 4)]
+Q8 = [TmaConfig(128, 256, 128, 8, 3), TmaConfig(128, 128, 128, 8, 4), TmaConfig(128, 128, 128, 4, 4),
+      TmaConfig(64, 128, 128, 4, 4), TmaConfig(256, 128, 128, 8, 3), TmaConfig(128, 64, 128, 4, 4)]
+POINTER = gemm.TileConfig(128, 128, 64, 8, 3)  # gemm.py's level-3 8-bit tile
+# (name, M, K, N, activation)
+SHAPES = [("bert qkv", 4096, 768, 2304, ""), ("bert ffn1", 4096, 768, 3072, "GeluErf"),
+          ("bert ffn2", 4096, 3072, 768, ""), ("bert b1 ffn1", 128, 768, 3072, "GeluErf"),
+          ("r50 l1 1x1 64->256", 100352, 64, 256, ""), ("r50 l1 1x1 256->64", 100352, 256, 64, "Relu"),
+          ("r50 l2 1x1 512->128", 25088, 512, 128, "Relu"), ("r50 l3 1x1 256->1024", 6272, 256, 1024, ""),
+          ("r50 l4 1x1 2048->512", 1568, 2048, 512, "Relu")]
+
+
+def us(fn) -> str:
+    try:
+        return f"{median_ms(fn, runs=20) * 1000:.1f}"
+    except Exception as e:  # a configuration that does not compile or run here
+        return f"fail {type(e).__name__}: {str(e)[:150]}"
+
+
+def sweep_float(M, K, N, act):
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    w = torch.randn(K, N, device="cuda", dtype=torch.float16) / K ** 0.5
+    b = torch.randn(N, device="cuda", dtype=torch.float16)
+    ref = gemm.reference(x, w, b, act).float()
+    rows = [f"cublas addmm {us(lambda: torch.addmm(b, x, w))}"]
+    for c in F16:
+        err = (tma_gemm.gemm(x, w, b, act, config=c).float() - ref).abs().max().item()
+        rows.append(f"tma {c.name} {us(lambda c=c: tma_gemm.gemm(x, w, b, act, config=c))} (err {err:.1e})")
+    return x, w, b, rows
+
+
+def sweep_8bit(x, w, b, act, qtype):
+    wdtype, qmax = (torch.int8, 127.0) if qtype == "int8" else (torch.float8_e4m3fn, 448.0)
+    sw = w.float().abs().amax(0) / qmax if qtype == "int8" else (w.float().abs().amax() / qmax).reshape(1)
+    sx = torch.tensor(4.0 / qmax, device="cuda")
+
+    def q(t):
+        t = t.clamp(-qmax, qmax)
+        return (t.round() if qtype == "int8" else t).to(wdtype)
+
+    x8, w8 = q(x.float() / sx), q(w.float() / sw).t().contiguous().t()  # K-major weights
+    kw = dict(qtype=qtype, x_scale=sx, w_scale=sw, out_dtype=torch.float16)
+    ref = gemm.gemm(x8, w8, b, act, config=POINTER, **kw).float()
+    rows = [f"gemm.py {POINTER.name} {us(lambda: gemm.gemm(x8, w8, b, act, config=POINTER, **kw))}"]
+    if qtype == "fp8":
+        node = Node("QGemm", [], [], {"qtype": qtype, "x_quantized": 1, "float_type": "float16"}, domain="kiln")
+        rows.append(f"cublaslt scaled_mm (bias only) {us(lambda: fp8_scaled_mm(node, x8, w8, sx, sw, b))}")
+    for c in Q8:
+        err = (tma_gemm.gemm(x8, w8, b, act, config=c, **kw).float() - ref).abs().max().item()
+        t = us(lambda c=c: tma_gemm.gemm(x8, w8, b, act, config=c, **kw))
+        rows.append(f"tma {c.name} {t} (err vs gemm.py {err:.1e})")
+    return rows
+
+
+def main() -> int:
+    for name, M, K, N, act in SHAPES:
+        torch.manual_seed(0)
+        x, w, b, rows = sweep_float(M, K, N, act)
+        print(f"\n## {name} {M}x{K}x{N} {act} fp16\n" + "\n".join(rows))
+        for qtype in ("int8", "fp8"):
+            print(f"## {name} {qtype}\n" + "\n".join(sweep_8bit(x, w, b, act, qtype)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
