@@ -19,14 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from kiln.ir.graph import Node  # noqa: E402
 from kiln.kernels import gemm, tma_gemm  # noqa: E402
-from kiln.kernels.tma_gemm import TmaConfig  # noqa: E402
+from kiln.kernels.gemm import TileConfig  # noqa: E402
 from kiln.tactics.library import fp8_scaled_mm  # noqa: E402
 from kiln.tactics.timer import median_ms  # noqa: E402
 
-F16 = [TmaConfig(128, 256, 64, 8, 3), TmaConfig(128, 128, 64, 8, 4), TmaConfig(128, 128, 64, 4, 4),
-       TmaConfig(64, 128, 64, 4, 4), TmaConfig(256, 128, 64, 8, 3), TmaConfig(128, 64, 64, 4, 4)]
-Q8 = [TmaConfig(128, 256, 128, 8, 3), TmaConfig(128, 128, 128, 8, 4), TmaConfig(128, 128, 128, 4, 4),
-      TmaConfig(64, 128, 128, 4, 4), TmaConfig(256, 128, 128, 8, 3), TmaConfig(128, 64, 128, 4, 4)]
+F16 = [TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 128, 64, 4, 4),
+       TileConfig(64, 128, 64, 4, 4), TileConfig(256, 128, 64, 8, 3), TileConfig(128, 64, 64, 4, 4)]
+Q8 = [TileConfig(128, 256, 128, 8, 3), TileConfig(128, 128, 128, 8, 4), TileConfig(128, 128, 128, 4, 4),
+      TileConfig(64, 128, 128, 4, 4), TileConfig(256, 128, 128, 8, 3), TileConfig(128, 64, 128, 4, 4)]
 POINTER = gemm.TileConfig(128, 128, 64, 8, 3)  # gemm.py's level-3 8-bit tile
 # (name, M, K, N, activation)
 SHAPES = [("bert qkv", 4096, 768, 2304, ""), ("bert ffn1", 4096, 768, 3072, "GeluErf"),

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kiln.kernels import gemm, tma_gemm
-from kiln.kernels.tma_gemm import TmaConfig
+from kiln.kernels.gemm import TileConfig
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL = TmaConfig(16, 16, 32, 4, 2)  # small tiles: the test shapes span several, with ragged edges
+SMALL = TileConfig(16, 16, 32, 4, 2)  # small tiles: the test shapes span several, with ragged edges
 
 
 def _poisoned(fn):

@@ -46,6 +46,22 @@ FLAT_BELOW_C = 32  # input channels below which K is walked flat
 
 
 @triton.jit
+def conv_tile(pid_m, pid_n, M, OC, OH, OW, stride_h, stride_w, pad_h, pad_w, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Output tile (pid_m, pid_n): its pixels rm (n, oh, ow flattened) and channels rn, the channels oc and each
+    pixel's image n, position (oh, ow) and window corner (ih0, iw0) in the input. Rows and columns past the
+    edge wrap to valid ones (computed, then dropped by the masked store)."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pix = rm % M
+    oc = rn % OC
+    ow = pix % OW
+    oh = (pix // OW) % OH
+    n = pix // (OW * OH)
+    return rm, rn, oc, n, oh, ow, oh * stride_h - pad_h, ow * stride_w - pad_w
+
+
+@triton.jit
 def k_tiles(x_base, w_base, it, ih0, iw0, rk, C, H, W, KW, KTOT, c_blocks, sxc, sxh, sxw, swc, swh, sww,
             dil_h, dil_w, FLAT: tl.constexpr):
     """Iteration `it` of the K walk: the input patch tile [pixels, BLOCK_K] and the weight tile [BLOCK_K, channels].
@@ -95,16 +111,9 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     pid_m = first_m + (pid % width) % group_m
     pid_n = (pid % width) // group_m
 
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixel index (n, oh, ow) flattened
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel
+    rm, rn, oc, n, oh, ow, ih0, iw0 = conv_tile(pid_m, pid_n, M, OC, OH, OW, stride_h, stride_w, pad_h, pad_w,
+                                                BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    pix = rm % M  # rows past the edge compute a valid pixel; the store masks them
-    oc = rn % OC
-    ow = pix % OW
-    oh = (pix // OW) % OH
-    n = pix // (OW * OH)
-    ih0 = oh * stride_h - pad_h
-    iw0 = ow * stride_w - pad_w
     x_base = x_ptr + n * sxn
     w_base = w_ptr + oc * swo
 
@@ -214,6 +223,20 @@ def block_k_for(config: TileConfig, channels: int) -> tuple[int, bool]:
     return min(config.block_k, triton.next_power_of_2(channels)), False
 
 
+def epilogue_operands(node, b, z, out_shape):
+    """The epilogue's kernel arguments: (activation, its two parameters, the bias as a unit-stride vector or
+    None, the residual broadcast to the NCHW output shape (broadcast axes get stride 0) or None, its strides)."""
+    act = node.attr("activation", "")
+    p0, p1 = _params(act, node.attr("activation_params", []))
+    if b is not None:
+        b = b.reshape(-1)
+        if b.stride(0) != 1:
+            b = b.contiguous()
+    if z is not None:
+        z = z.expand(*out_shape)
+    return act, p0, p1, b, z, z.stride() if z is not None else (0, 0, 0, 0)
+
+
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
            config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None,
            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
@@ -234,16 +257,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     y_dtype = QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype
     y = out if out is not None else torch.empty((N, OH, OW, OC), dtype=y_dtype, device=x.device)
     q = torch.empty((N, OH, OW, OC), dtype=QTYPES[qtype], device=x.device) if q_scale is not None else y
-    act = node.attr("activation", "")
-    p0, p1 = _params(act, node.attr("activation_params", []))
-    if b is not None:
-        b = b.reshape(-1)
-        if b.stride(0) != 1:
-            b = b.contiguous()
-    zs = (0, 0, 0, 0)
-    if z is not None:
-        z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
-        zs = z.stride()
+    act, p0, p1, b, z, zs = epilogue_operands(node, b, z, (N, OC, OH, OW))
     x, xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
     block_k, flat = block_k_for(config, C)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)

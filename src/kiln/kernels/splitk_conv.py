@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import conv
-from .gemm import _params, dot_precision, epilogue
+from .gemm import dot_precision, epilogue
 from .splitk_gemm import SplitKConfig
 
 _INT32_MAX = 2**31 - 1
@@ -33,16 +33,9 @@ def _partials_kernel(x_ptr, w_ptr, p_ptr, C, H, W, OC, OH, OW, M, KW, KTOT, iter
                      PREC: tl.constexpr, FLAT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixel index (n, oh, ow) flattened
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel
+    rm, rn, oc, n, oh, ow, ih0, iw0 = conv.conv_tile(pid_m, pid_n, M, OC, OH, OW, stride_h, stride_w, pad_h, pad_w,
+                                                     BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    pix = rm % M  # rows past the edge compute a valid pixel; the store masks them
-    oc = rn % OC
-    ow = pix % OW
-    oh = (pix // OW) % OH
-    n = pix // (OW * OH)
-    ih0 = oh * stride_h - pad_h
-    iw0 = ow * stride_w - pad_w
     x_base = x_ptr + n * sxn
     w_base = w_ptr + oc * swo
     c_blocks = tl.cdiv(C, BLOCK_K)
@@ -133,16 +126,7 @@ def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     )
 
     y = torch.empty((N, OH, OW, OC), dtype=x.dtype, device=x.device)
-    act = node.attr("activation", "")
-    p0, p1 = _params(act, node.attr("activation_params", []))
-    if b is not None:
-        b = b.reshape(-1)
-        if b.stride(0) != 1:
-            b = b.contiguous()
-    zs = (0, 0, 0, 0)
-    if z is not None:
-        z = z.expand(N, OC, OH, OW)  # broadcast dims get stride 0
-        zs = z.stride()
+    act, p0, p1, b, z, zs = conv.epilogue_operands(node, b, z, (N, OC, OH, OW))
     _reduce_kernel[(triton.cdiv(M * OC, _REDUCE_BLOCK),)](
         p, b if b is not None else p, z if z is not None else p, y, slices, M, OC, OH, OW, *zs, p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, BLOCK=_REDUCE_BLOCK,

@@ -20,8 +20,6 @@ Reference: gemm.reference; kiln.ops.fused.qgemm for the quantized form.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .gemm import (
     ACTIVATIONS,
     QTYPES,
+    TileConfig,
     _params,
     dequantize,
     epilogue,
@@ -80,40 +79,28 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
             q_desc.store([off_m, off_n], quantize(out, qs_ptr, QUANT).to(q_desc.dtype))
 
 
-@dataclass(frozen=True)
-class TmaConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
-
-    @property
-    def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-
-    def smem_bytes(self, itemsize: int, epilogue_tiles: int = 1) -> int:
-        """The operand pipeline plus the 16-bit output (and residual) tiles TMA moves in the epilogue."""
-        return (self.num_stages * (self.block_m + self.block_n) * self.block_k * itemsize
-                + epilogue_tiles * self.block_m * self.block_n * 2)
+def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> int:
+    """Shared memory a configuration holds: its operand pipeline plus the 16-bit output (and residual) tiles
+    TMA moves in the epilogue."""
+    return (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
+            + epilogue_tiles * config.block_m * config.block_n * 2)
 
 
 # (config, lowest optimization level that tries it). K tiles of 128 bytes, the widest TMA swizzle: 64
 # 16-bit values, 128 8-bit ones. Chosen from a sweep on the H200 at BERT's and ResNet-50's batch-32
 # shapes (2026-11-30): each level-3 tile was the fastest at one of them.
-CONFIGS: list[tuple[TmaConfig, int]] = [
-    (TmaConfig(128, 256, 64, 8, 3), 3),
-    (TmaConfig(128, 128, 64, 4, 4), 3),
-    (TmaConfig(128, 64, 64, 4, 4), 3),
-    (TmaConfig(64, 128, 64, 4, 4), 4),
+CONFIGS: list[tuple[TileConfig, int]] = [
+    (TileConfig(128, 256, 64, 8, 3), 3),
+    (TileConfig(128, 128, 64, 4, 4), 3),
+    (TileConfig(128, 64, 64, 4, 4), 3),
+    (TileConfig(64, 128, 64, 4, 4), 4),
 ]
-QUANT_CONFIGS: list[tuple[TmaConfig, int]] = [
-    (TmaConfig(128, 256, 128, 8, 3), 3),
-    (TmaConfig(128, 128, 128, 4, 4), 3),
-    (TmaConfig(128, 64, 128, 4, 4), 3),
-    (TmaConfig(64, 128, 128, 4, 4), 3),
-    (TmaConfig(256, 128, 128, 8, 3), 4),
+QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
+    (TileConfig(128, 256, 128, 8, 3), 3),
+    (TileConfig(128, 128, 128, 4, 4), 3),
+    (TileConfig(128, 64, 128, 4, 4), 3),
+    (TileConfig(64, 128, 128, 4, 4), 3),
+    (TileConfig(256, 128, 128, 8, 3), 4),
 ]
 
 
@@ -166,7 +153,7 @@ def programs(device: torch.device) -> int:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
-         config: TmaConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
+         config: TileConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows; [.., N] in x's dtype, as gemm.gemm computes

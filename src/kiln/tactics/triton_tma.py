@@ -29,8 +29,10 @@ def _hopper(device_index: int) -> tuple[bool, int]:
 def _device_ok(x: torch.Tensor, config, itemsize: int, epilogue_tiles: int) -> bool:
     if not x.is_cuda:
         return False
+    from ..kernels.tma_gemm import smem_bytes
+
     tma, smem = _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return tma and config.smem_bytes(itemsize, epilogue_tiles) <= smem
+    return tma and smem_bytes(config, itemsize, epilogue_tiles) <= smem
 
 
 def _quantized(node) -> str:
