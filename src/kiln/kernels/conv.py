@@ -279,7 +279,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
 # A 1x1, stride-1, unpadded convolution over channels-last x is a GEMM of [N*H*W, C] x [C, OC] on
 # the same memory (w [OC, C, 1, 1] is C-contiguous: K-major), so the GEMM kernel runs it with whole
 # contiguous tiles instead of per-pixel gathers. 36 of ResNet-50's 53 convolutions are such layers.
-def _rows(t: torch.Tensor) -> torch.Tensor | None:
+def pixel_rows(t: torch.Tensor) -> torch.Tensor | None:
     """A channels-last [N, C, H, W] tensor as its [N*H*W, C] matrix (a view), else None."""
     nhwc = t.permute(0, 2, 3, 1)
     return nhwc.reshape(-1, t.shape[1]) if nhwc.is_contiguous() else None
@@ -291,9 +291,9 @@ def is_pointwise(node, x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None)
     if x.dim() != 4 or w.dim() != 4 or tuple(w.shape[2:]) != (1, 1) or node.attr("group", 1) != 1:
         return False
     geo = geometry(node, x, w)
-    if geo is None or geo[0] != [1, 1] or any(geo[2]) or _rows(x) is None:
+    if geo is None or geo[0] != [1, 1] or any(geo[2]) or pixel_rows(x) is None:
         return False
-    return z is None or (tuple(z.shape) == (x.shape[0], w.shape[0], *x.shape[2:]) and _rows(z) is not None)
+    return z is None or (tuple(z.shape) == (x.shape[0], w.shape[0], *x.shape[2:]) and pixel_rows(z) is not None)
 
 
 def pointwise_as_gemm(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -304,10 +304,10 @@ def pointwise_as_gemm(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
     """conv2d's result for an is_pointwise layer, computed by gemm.gemm; channels-last like conv2d's."""
     N, _, H, W = x.shape
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
-    ys = gemm.gemm(_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, node.attr("activation", ""),
+    ys = gemm.gemm(pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, node.attr("activation", ""),
                    node.attr("activation_params", []), config=config, precision=node.precision, qtype=qtype,
                    x_scale=x_scale, w_scale=w_scale, y_scale=y_scale, out_dtype=out_dtype,
-                   z=_rows(z) if z is not None else None, q_scale=q_scale)
+                   z=pixel_rows(z) if z is not None else None, q_scale=q_scale)
     ys = [t.view(N, H, W, -1).permute(0, 3, 1, 2) for t in (ys if q_scale is not None else (ys,))]
     return ys[0] if q_scale is None else tuple(ys)
 

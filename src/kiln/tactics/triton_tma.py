@@ -58,7 +58,9 @@ def _as_gemm(node, x: torch.Tensor, w: torch.Tensor):
 
     if node.op_type in ("FusedGemm", "QGemm"):
         return x, w
-    return (conv._rows(x), w.reshape(w.shape[0], w.shape[1]).t()) if conv.is_pointwise(node, x, w, None) else None
+    if not conv.is_pointwise(node, x, w, None):
+        return None
+    return conv.pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t()
 
 
 def _applies(config):
@@ -76,7 +78,7 @@ def _applies(config):
             return False
         mats = _as_gemm(node, x, w)
         if mats is None or not tma_gemm.supports(*mats, b, node.attr("activation", ""), qtype,
-                                                 conv._rows(z) if z is not None and x.dim() == 4 else z):
+                                                 conv.pixel_rows(z) if z is not None and x.dim() == 4 else z):
             return False
         tiles = 1 + (z is not None) + (q_scale is not None)
         return _device_ok(x, config, 1 if qtype else x.element_size(), tiles)
@@ -94,8 +96,8 @@ def _run(config):
         rows, w2 = _as_gemm(node, x, w)
         conv = node.op_type in ("FusedConv", "QConv")
         if conv and z is not None:
-            from ..kernels.conv import _rows
-            z = _rows(z)
+            from ..kernels.conv import pixel_rows
+            z = pixel_rows(z)
         quant = dict(qtype=qtype, x_scale=args[2], w_scale=args[3], y_scale=y_scale, q_scale=q_scale,
                      out_dtype=float_type(node, x)) if qtype else {}
         ys = tma_gemm.gemm(rows, w2, b, node.attr("activation", ""), node.attr("activation_params", []),
