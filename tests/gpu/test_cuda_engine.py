@@ -100,6 +100,23 @@ def test_tactics_are_timed_checked_and_cached(tmp_path):
                                ref.run({"image": x})["probs"], rtol=1e-2, atol=1e-2)
 
 
+def test_a_cache_from_a_lower_level_still_gets_the_extra_tactics_timed_and_exclusions_hold(tmp_path):
+    cache = str(tmp_path / "timing.json")
+    model, prof = tiny_cnn(), [kiln.Profile(dict(DEFAULT_PROFILE))]
+    low = kiln.build(model, _cfg(profiles=prof, fp16=True, timing_cache=cache, optimization_level=2))
+    assert not any(n.startswith("triton_") for t in low.tactics for n in t["timings"])
+    high = kiln.build(model, _cfg(profiles=prof, fp16=True, timing_cache=cache, optimization_level=4))
+    # timed now, not hidden by the level-2 cache entries
+    assert any(n.startswith("triton_") for t in high.tactics for n in t["timings"])
+    lib = {n for t in low.tactics for n in t["timings"]}
+    assert lib <= {n for t in high.tactics for n in t["timings"]}  # the level-2 timings were reused
+    none = kiln.build(model, _cfg(profiles=prof, fp16=True, timing_cache=cache, optimization_level=4,
+                                  exclude_tactics=("triton_*",)))
+    assert not any(n.startswith("triton_") for t in none.tactics for n in t["timings"])
+    assert any("--excludeTactics (triton_*)" in why for t in none.tactics for why in t["excluded"].values())
+    assert none.build_config["timing_cache"]["misses"] == 0
+
+
 def test_workspace_cap_excludes_and_reports_tactics():
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
