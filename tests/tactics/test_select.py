@@ -36,9 +36,10 @@ def test_an_int8_output_may_differ_by_one_step():
 
 
 # --- what the selector times, reuses from the timing cache, and skips -------------------------------------------
-def _selector_rig(monkeypatch):
+def _selector_rig(monkeypatch, times=None, small_only=()):
     """Three real tactics for ONNX Relu (A at level 1, B at level 4, C needing 1 MiB of workspace), a clock that
-    reports a fixed time per tactic (CUDA events need a GPU), and a counter of how often each one ran."""
+    reports each tactic's time from `times` (name -> fixed ms, or a function of the input's size; CUDA events need
+    a GPU), and a counter of how often each one ran. Tactics in small_only apply to inputs under 100 elements."""
     from types import SimpleNamespace
 
     from kiln import tactics
@@ -51,53 +52,63 @@ def _selector_rig(monkeypatch):
     def relu_as(name):
         def fn(node, x):
             runs[name] = runs.get(name, 0) + 1
-            last.append(name)
+            last.append((name, x.numel()))
             return torch.relu(x)
         return fn
 
-    rig = [Tactic("tac_a", relu_as("tac_a"), lambda n, a: True),
-           Tactic("tac_b", relu_as("tac_b"), lambda n, a: True, level=4),
-           Tactic("tac_c", relu_as("tac_c"), lambda n, a: True, workspace=lambda n, a: 2**20)]
+    def applies(name):
+        return lambda n, a: name not in small_only or a[0].numel() < 100
+
+    rig = [Tactic("tac_a", relu_as("tac_a"), applies("tac_a")),
+           Tactic("tac_b", relu_as("tac_b"), applies("tac_b"), level=4),
+           Tactic("tac_c", relu_as("tac_c"), applies("tac_c"), workspace=lambda n, a: 2**20)]
     monkeypatch.setitem(tactics._TACTICS, ("", "Relu"), rig)
-    times = {"tac_a": 0.3, "tac_b": 0.1, "tac_c": 0.2}
+    times = times or {"tac_a": 0.3, "tac_b": 0.1, "tac_c": 0.2}
 
     def clock(fn, **kw):
         last.clear()
         fn()
-        return times.get(last[-1], 1.0) if last else 1.0  # the reference records no name
+        if not last:  # the reference records no name
+            return 1.0
+        name, size = last[-1]
+        return times[name](size) if callable(times[name]) else times[name]
 
     monkeypatch.setattr(select, "median_ms", clock)
     monkeypatch.setattr(select, "synchronizes", lambda fn: False)
     node = Node("Relu", ["x"], ["y"], {}, name="relu", opset=17)
     engine = SimpleNamespace(target=SimpleNamespace(name="test GPU", capability=(9, 0)), versions={},
-                             graph=SimpleNamespace(nodes=[node]))
+                             graph=SimpleNamespace(nodes=[node]), profiles=[None])
     cache = TimingCache(None)
 
-    def select_once(level=3, cap=None, exclude=()):
+    def select_once(level=3, cap=None, exclude=(), inputs=((4, 8),)):
+        """One selection over len(inputs) profiles, the p-th running the layer on an input of shape inputs[p]."""
+        engine.profiles = [None] * len(inputs)
         sel = select.Selector(engine, level, cap, cache, exclude=exclude)
-        sel.visit(node, [torch.randn(4, 8)])
-        return sel.assign()[0]
+        for p, shape in enumerate(inputs):
+            sel.profile = p
+            sel.visit(node, [torch.randn(*shape)])
+        return sel.assign()[0], node
 
     return select_once, runs
 
 
 def test_a_higher_level_times_only_the_tactics_the_cache_lacks(monkeypatch):
     select_once, runs = _selector_rig(monkeypatch)
-    first = select_once(level=3)
+    first, _ = select_once(level=3)
     assert set(first["timings"]) == {"reference", "tac_a", "tac_c"} and first["chosen"] == "tac_c"
     ran = dict(runs)
-    second = select_once(level=4)  # same timing cache: only tac_b is new
+    second, _ = select_once(level=4)  # same timing cache: only tac_b is new
     assert set(second["timings"]) == {"reference", "tac_a", "tac_b", "tac_c"} and second["chosen"] == "tac_b"
     assert runs["tac_a"] == ran["tac_a"] and runs["tac_c"] == ran["tac_c"] and runs["tac_b"] > 0
 
 
 def test_excluded_and_capped_tactics_are_reported_not_run_and_not_cached(monkeypatch):
     select_once, runs = _selector_rig(monkeypatch)
-    rep = select_once(level=4, cap=2**19, exclude=("tac_b*",))
+    rep, _ = select_once(level=4, cap=2**19, exclude=("tac_b*",))
     assert rep["chosen"] == "tac_a" and set(rep["timings"]) == {"reference", "tac_a"}
     assert "--excludeTactics (tac_b*)" in rep["excluded"]["tac_b"] and "workspace" in rep["excluded"]["tac_c"]
     assert "tac_b" not in runs and "tac_c" not in runs
-    rep = select_once(level=4)  # another build without the exclusions times both
+    rep, _ = select_once(level=4)  # another build without the exclusions times both
     assert rep["chosen"] == "tac_b" and not rep["excluded"]
 
 
@@ -110,3 +121,23 @@ def test_an_exclusion_that_matches_no_tactic_is_refused():
 
     with pytest.raises(ConfigError, match="'trion_tma_\\*' matches no tactic"):
         kiln.build(tiny_cnn(), kiln.BuildConfig(device="cpu", progress=False, exclude_tactics=("trion_tma_*",)))
+
+
+def test_each_profile_gets_its_fastest_tactic(monkeypatch):
+    # tac_a wins on small inputs, tac_c on large ones; tac_b (level 4) is not offered
+    select_once, _ = _selector_rig(monkeypatch, {"tac_a": lambda n: 0.1 if n < 100 else 0.9,
+                                                 "tac_b": 0.05, "tac_c": lambda n: 0.2})
+    rep, node = select_once(inputs=((4, 8), (64, 8)))
+    assert node.profile_tactics == ["tac_a", "tac_c"] and rep["chosen_per_profile"] == ["tac_a", "tac_c"]
+    assert node.tactic == "tac_c"  # 0.4 ms over both profiles against tac_a's 1.0
+    assert node.tactic_for(0) == "tac_a" and node.tactic_for(1) == "tac_c"
+    rep, node = select_once(inputs=((64, 8),))  # one profile: no per-profile list
+    assert node.profile_tactics == [] and node.tactic_for(0) == node.tactic == "tac_c"
+
+
+def test_a_tactic_that_applies_in_one_profile_only_is_not_the_overall_choice(monkeypatch):
+    # tac_a is fastest but applies to small inputs only (split-K at batch 1, say)
+    select_once, _ = _selector_rig(monkeypatch, {"tac_a": 0.01, "tac_b": 0.05, "tac_c": 0.2}, small_only=("tac_a",))
+    rep, node = select_once(inputs=((4, 8), (64, 8)))
+    assert node.profile_tactics == ["tac_a", "tac_c"]
+    assert node.tactic == "tac_c"  # before, tac_a won on its batch-1 time alone and fell back to the reference

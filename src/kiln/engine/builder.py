@@ -246,6 +246,7 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
     for i in range(len(profiles)):
         ctx = engine.create_execution_context(profile=i, cuda_graphs=False)
         feeds = engine.random_inputs(profile=i, pick=1, device=engine.target.device)
+        sel.profile = i
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ctx.run_with_inputs_hook(feeds, sel.visit)

@@ -263,7 +263,7 @@ class ExecutionContext:
             else:
                 for done in joins.pop(i, ()):
                     main.wait_event(done)
-                outs = call_node(node, args, scope)
+                outs = call_node(node, args, scope, node.tactic_for(self.profile))
             for name in self._forks.intersection(node.outputs) if aux else ():
                 ready[name] = torch.cuda.Event()
                 ready[name].record(main)
@@ -289,7 +289,7 @@ class ExecutionContext:
         for name in branch.after:
             side.wait_event(ready[name])
         with torch.cuda.stream(side):
-            outs = call_node(node, args, scope)
+            outs = call_node(node, args, scope, node.tactic_for(self.profile))
         # Memory freed on one stream must not be reused while the other still reads it.
         for t in args:
             if isinstance(t, torch.Tensor) and t.device == self.device:

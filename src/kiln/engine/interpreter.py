@@ -51,14 +51,16 @@ def cast_for(node: Node, entry, args: list):
     return args if want is None else [cast_input(entry, i, a, want) for i, a in enumerate(args)]
 
 
-def call_node(node: Node, args: list, env: MutableMapping | None = None) -> tuple:
-    """Run one node's implementation on its input tensors; returns its outputs as a tuple."""
+def call_node(node: Node, args: list, env: MutableMapping | None = None, tactic: str | None = None) -> tuple:
+    """Run one node's implementation on its input tensors (tactic: the running profile's choice, default
+    node.tactic); returns its outputs as a tuple."""
     entry = lookup(node.op_type, node.domain)
     if entry is None:
         raise KilnError(f"node '{node.label}': operator {node.domain or 'ai.onnx'}::{node.op_type} is not implemented.")
     args = cast_for(node, entry, args)
     kwargs = {"scope": env if env is not None else {}} if entry.uses_scope else {}
-    fn = (node.tactic != "reference" and implementation(node, args)) or entry.impl
+    tactic = tactic or node.tactic
+    fn = (tactic != "reference" and implementation(node, args, tactic)) or entry.impl
     try:
         out = fn(node, *args, **kwargs)
     except KilnError:

@@ -34,7 +34,7 @@ from .target import Target, resolve, versions
 
 FORMAT = "kiln-engine"
 FORMAT_VERSION = 1
-_LAYER_FIELDS = ("precision", "placement", "tactic", "sources", "note")
+_LAYER_FIELDS = ("precision", "placement", "tactic", "profile_tactics", "sources", "note")
 
 
 def _sha(data: bytes) -> str:
@@ -179,7 +179,8 @@ def load(path, device: str = "auto") -> Engine:
         raise EngineFileError(f"'{path}' is inconsistent: manifest lists {len(layers)} layers, graph has {len(graph.nodes)}.")
     for node, info in zip(graph.nodes, layers):
         for f in _LAYER_FIELDS:
-            setattr(node, f, info[f])
+            if f in info:  # engines saved before per-profile tactics have no profile_tactics
+                setattr(node, f, info[f])
         precision.set_body(node, node.precision)  # control-flow bodies run in their layer's precision
     return Engine(
         graph=graph, profiles=[Profile.from_json(p) for p in m["profiles"]], target=target,

@@ -43,12 +43,18 @@ class Node:
     placement: str = "device"  # "device" or "host" (shape arithmetic, see engine/placement.py)
     sources: list[str] = field(default_factory=list)  # ONNX nodes fused into this one
     tactic: str = "reference"
+    # The fastest tactic per optimization profile, when they differ (tactic is then the best over all of them).
+    profile_tactics: list[str] = field(default_factory=list)
     note: str = ""  # why a layer deviates from the requested precision, etc.
     # Set when the engine is loaded onto a device; not serialized.
     device: torch.device = field(default=torch.device("cpu"), repr=False, compare=False)
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default)
+
+    def tactic_for(self, profile: int) -> str:
+        """The tactic this layer runs while the engine runs optimization profile `profile`."""
+        return self.profile_tactics[profile] if self.profile_tactics else self.tactic
 
     @property
     def label(self) -> str:

@@ -41,16 +41,18 @@ def candidates(node: Node) -> list[Tactic]:
     return _TACTICS.get((node.domain, node.op_type), [])
 
 
-def implementation(node: Node, args: list) -> Callable | None:
-    """The chosen tactic's function if it applies to these inputs, else None (the reference).
+def implementation(node: Node, args: list, tactic: str | None = None) -> Callable | None:
+    """The function of the chosen tactic (node.tactic, or `tactic`: the one for the running profile) if it
+    applies to these inputs, else None (the reference).
 
     Tactics are chosen at each profile's opt shape; a runtime shape elsewhere in the
     profile that the tactic cannot take (an int8 GEMM with M <= 16, say) uses the
     reference instead of failing. Checked while recording, so replays cost nothing."""
-    if node.tactic == "reference":
+    tactic = tactic or node.tactic
+    if tactic == "reference":
         return None
     load_all()  # an engine loaded from a file names tactics this process has not registered yet
-    t = _BY_NAME.get((node.domain, node.op_type, node.tactic))
+    t = _BY_NAME.get((node.domain, node.op_type, tactic))
     return t.fn if t is not None and t.applies(node, args) else None
 
 

@@ -3,7 +3,8 @@
 The engine runs once per profile at its opt shape, layer by layer; at each layer
 with candidates, each candidate runs on that layer's real inputs, is checked
 against the reference implementation's output, and is timed. The fastest
-correct candidate wins (summed over profiles). Candidates excluded by the
+correct candidate wins, per profile: a layer whose best tactic differs between
+profiles (split-K at batch 1, cuBLAS at 32) runs each profile's own. Candidates excluded by the
 workspace cap or --excludeTactics, failing, or numerically wrong are reported, not silently dropped.
 """
 
@@ -78,7 +79,8 @@ class Selector:
         load_all()
         self.engine, self.level, self.cap, self.cache = engine, level, workspace_bytes, cache
         self.exclude = tuple(exclude)
-        self.totals: dict[int, dict[str, float]] = {}
+        self.profile = 0  # the profile whose run visits the layers (the builder sets it)
+        self.totals: dict[int, dict[int, dict[str, float]]] = {}  # layer -> profile -> tactic -> ms
         self.report: dict[int, dict] = {}
         self.on_layer = on_layer
 
@@ -100,7 +102,7 @@ class Selector:
         names = {t.name for t in usable} | {"reference"}
         rep = self.report.setdefault(id(node), {"layer": node.name, "op": node.op_type, "timings": {},
                                                 "excluded": {}})
-        totals = self.totals.setdefault(id(node), {})
+        totals = self.totals.setdefault(id(node), {}).setdefault(self.profile, {})
         for name, ms in cached["timings"].items():
             if name in names:
                 totals[name] = totals.get(name, 0.0) + ms
@@ -147,13 +149,23 @@ class Selector:
         return {"timings": timings, "excluded": excluded}
 
     def assign(self) -> list[dict]:
+        """Each layer's tactic per profile, and node.tactic: the least total time over the profiles among the
+        tactics every profile timed (one that applies at batch 1 only must not win on its batch-1 time alone)."""
         by_id = {id(n): n for n in self.engine.graph.nodes}
         out = []
-        for idx, totals in self.totals.items():
+        for idx, per_profile in self.totals.items():
             node = by_id[idx]
-            node.tactic = min(totals, key=totals.get)
+            runs = [per_profile[p] for p in sorted(per_profile)]
+            everywhere = set.intersection(*(set(r) for r in runs))
+            node.tactic = min(everywhere, key=lambda name: sum(r[name] for r in runs))
+            n = max(len(self.engine.profiles), max(per_profile) + 1)
+            best = [min(per_profile[p], key=per_profile[p].get) if p in per_profile else node.tactic
+                    for p in range(n)]  # a profile that never ran the layer keeps the overall choice
+            node.profile_tactics = best if len(set(best)) > 1 else []
             rep = self.report[idx]
             rep["chosen"] = node.tactic
+            if node.profile_tactics:
+                rep["chosen_per_profile"] = list(best)
             rep["timings"] = {k: round(v, 5) for k, v in sorted(rep["timings"].items(), key=lambda kv: kv[1])}
             out.append(rep)
         return out

@@ -76,6 +76,12 @@ class LayerInfo:
     outputs: list[TensorInfo]
     weights: list[TensorInfo]
     activation_bytes: list  # per profile, bytes of this layer's outputs at the profile's max shape
+    profile_tactics: list = field(default_factory=list)  # per profile, when the fastest differs between them
+
+    @property
+    def tactic_text(self) -> str:
+        """The tactic, or each profile's when they differ ("p0 a | p1 b")."""
+        return " | ".join(f"p{i} {t}" for i, t in enumerate(self.profile_tactics)) or self.tactic
 
     @property
     def weight_count(self) -> int:
@@ -94,6 +100,7 @@ class LayerInfo:
             "Inputs": [t.to_trt("Host" if t.kind == "host" else loc) for t in self.inputs],
             "Outputs": [t.to_trt(loc) for t in self.outputs],
             "TacticName": self.tactic,
+            **({"TacticPerProfile": self.profile_tactics} if self.profile_tactics else {}),
             "Precision": self.precision,
             "Placement": self.placement,
             "Origin": self.node_name,
@@ -255,7 +262,8 @@ def inspect_engine(engine, measure: bool = True, device: str = "auto") -> Inspec
             act.append(total if tensors else None)
         layers.append(LayerInfo(
             index=i, name=layer_name(node), node_name=node.name, op_type=node.op_type, domain=node.domain,
-            tactic=node.tactic, precision=node.precision, placement=node.placement, note=node.note,
+            tactic=node.tactic, profile_tactics=list(node.profile_tactics), precision=node.precision,
+            placement=node.placement, note=node.note,
             sources=list(node.sources), inputs=ins, outputs=outs, weights=weights, activation_bytes=act))
     found = _merge_findings(engine.findings, getattr(g, "findings", []) or [])
     node_rows = [{"name": n.name, "placement": n.placement, "precision": n.precision, "note": n.note} for n in g.nodes]
@@ -287,6 +295,7 @@ def _from_manifest(m: dict, source: str, note: str) -> Inspection:
               else f"CPU ({t.get('name')}, reference kernels)")
     layers = [LayerInfo(index=i, name=" + ".join(x.get("sources") or []) or x["name"], node_name=x["name"],
                         op_type=x["op_type"], domain=x.get("domain", ""), tactic=x.get("tactic", ""),
+                        profile_tactics=x.get("profile_tactics") or [],
                         precision=x.get("precision", ""), placement=x.get("placement", "device"),
                         note=x.get("note", ""), sources=x.get("sources") or [], inputs=[], outputs=[], weights=[],
                         activation_bytes=[])
@@ -363,7 +372,7 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
             prec += f" ({'/'.join(in_types) or '?'} -> {'/'.join(out_types) or '?'})"
         act = max((a for a in x.activation_bytes if a is not None), default=None)
         table.add_row(
-            str(x.index), x.name, x.layer_type, x.tactic, prec,
+            str(x.index), x.name, x.layer_type, x.tactic_text, prec,
             "; ".join(f"{t.name} {'(host)' if t.kind == 'host' else compact_range(t.shapes)}" for t in x.inputs) or "-",
             "; ".join(f"{t.name} {compact_range(t.shapes)}" for t in x.outputs) or "-",
             f"{x.weight_count:,}" if x.weights else "-", common.fmt_bytes(act) if act else "-")
