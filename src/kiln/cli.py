@@ -169,6 +169,10 @@ def _print_build_summary(engine, source: str) -> None:
         capped = {name: why for t in engine.tactics for name, why in t["excluded"].items() if "workspace" in why}
         for name, why in sorted(capped.items()):
             out.print(f"  [yellow]workspace cap excluded {name}[/]: {escape(why)}")
+        for t in engine.tactics:
+            if t.get("chosen_per_profile"):
+                per = " | ".join(f"p{i} {name}" for i, name in enumerate(t["chosen_per_profile"]))
+                out.print(f"  {escape(t['layer'])}: {escape(per)}")
         asked = sorted({name for t in engine.tactics for name, why in t["excluded"].items()
                         if "--excludeTactics" in why})
         if asked:

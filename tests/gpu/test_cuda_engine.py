@@ -246,6 +246,32 @@ def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
                                ref.run({"x": x.cpu(), "r": r.cpu()})["y"], rtol=2e-2, atol=2e-2)
 
 
+def test_two_profiles_run_their_own_tactics_and_stay_right():
+    """BERT's out-projection with a batch-1 profile (split-K offered) and a batch-8 one (M = 1024: not offered)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float32), n)
+             for n, s in [("w", (768, 768)), ("b", (768,)), ("g", (768,)), ("beta", (768,))]]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["lin"]),
+             helper.make_node("Add", ["lin", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "beta"], ["y"], axis=-1, epsilon=1e-12)]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", 128, 768]) for n in ("x", "r", "y")]
+    model = helper.make_model(helper.make_graph(nodes, "out_proj", io[:2], io[2:], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    profs = [kiln.Profile({k: ((b, 128, 768),) * 3 for k in ("x", "r")}) for b in (1, 8)]
+    eng = kiln.build(model, _cfg(fp16=True, profiles=profs))
+    node, timed = eng.graph.nodes[0], eng.tactics[0]
+    assert node.tactic in timed["timings"] and not node.tactic.startswith("triton_splitk_")  # timed in both
+    assert all(t in timed["timings"] for t in node.profile_tactics)
+    ref = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=profs)).create_execution_context()
+    for p, batch in enumerate((1, 8)):
+        x, r = torch.randn(batch, 128, 768, device="cuda"), torch.randn(batch, 128, 768, device="cuda")
+        ref.set_optimization_profile(p)
+        got = eng.create_execution_context(profile=p).run({"x": x, "r": r})["y"].float().cpu()
+        torch.testing.assert_close(got, ref.run({"x": x.cpu(), "r": r.cpu()})["y"], rtol=2e-2, atol=2e-2)
+
+
 def test_a_branch_on_the_auxiliary_stream_gives_the_same_results():
     """A ResNet stage's downsample convolution is captured on the auxiliary stream, beside conv1-conv2."""
     from ..engine.test_streams import _Stage
