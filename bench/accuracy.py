@@ -111,7 +111,8 @@ def measure(rows, model_name, label, model, data, reference, prof, device, **bui
     m = verify(engine, str(data), reference=str(reference), metrics=["top1"]).metrics[0]
     layers = sorted({n.precision for n in engine.graph.nodes if n.placement == "device"})
     rows.append((model_name, label, m.engine, m.reference, ", ".join(layers)))
-    print(f"{model_name:8s} {label:36s} top-1 {m.engine:6.2f}%  (FP32 reference {m.reference:.2f}%)  {layers}", flush=True)
+    print(f"{model_name:8s} {label:36s} top-1 {m.engine:6.2f}%  (FP32 reference {m.reference:.2f}%)  {layers}",
+          flush=True)
 
 
 def ptq_rows(rows, model_name, onnx_path, data, calib, prof, device):

@@ -281,7 +281,8 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
                 v["vs_best_compile"] = v["median_ms"] / min(compiled) if compiled else None
                 v["vs_floor"] = v["median_ms"] / row["floor_ms"]
         results.append(row)
-        print(f"[{name} b{b}] " + json.dumps({k: round(v.get("median_ms", -1), 3) for k, v in row["results"].items()}), flush=True)
+        print(f"[{name} b{b}] " + json.dumps({k: round(v.get("median_ms", -1), 3) for k, v in row["results"].items()}),
+              flush=True)
         print(f"[{name} b{b}] accuracy " + json.dumps(row["accuracy"]), flush=True)
         torch.cuda.empty_cache()
 
@@ -308,15 +309,19 @@ def to_markdown(env: dict, results: list) -> str:
              f"- nvidia-smi: {env['nvidia_smi']}",
              f"- torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, kiln {env['kiln']}",
              "- median of CUDA-event timings per call, rotating 4 input sets; ratios are same-run.",
-             "- each batch's Kiln engines are built for it: one profile over all benchmarked batches, opt at that batch.",
-             f"- floor = max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, FP16 weight+IO bytes / {PEAK_BYTES / 1e12:.1f} TB/s)",
+             "- each batch's Kiln engines are built for it: one profile over all benchmarked batches, "
+             "opt at that batch.",
+             f"- floor = max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
+             f"FP16 weight+IO bytes / {PEAK_BYTES / 1e12:.1f} TB/s)",
              "- eager FP32 runs cuDNN convolutions in TF32 (torch's default cudnn.allow_tf32=True); Kiln FP32 is "
              "strict FP32, Kiln TF32 is the like-for-like peer.",
              "- accuracy passes when max |engine - reference| <= tol x max(1, max |reference|).",
              ""]
     for row in results:
-        lines += [f"## {row['model']}, batch {row['batch']} ({row['flops'] / 1e9:.1f} GFLOP, floor {row['floor_ms']:.3f} ms)", "",
-                  "| runner | median ms | p90 ms | p99 ms | vs eager FP32 | vs eager FP16 | vs best compile | vs floor |",
+        lines += [f"## {row['model']}, batch {row['batch']} "
+                  f"({row['flops'] / 1e9:.1f} GFLOP, floor {row['floor_ms']:.3f} ms)", "",
+                  "| runner | median ms | p90 ms | p99 ms | vs eager FP32 | vs eager FP16 | vs best compile | "
+                  "vs floor |",
                   "|---|---|---|---|---|---|---|---|"]
         for k, v in row["results"].items():
             if "median_ms" not in v:
@@ -337,7 +342,8 @@ def to_markdown(env: dict, results: list) -> str:
         lines += ["", "| Kiln build | cold build s | rebuild with warm timing cache s |", "|---|---|---|"]
         for k, bl in row.get("builds", {}).items():
             lines.append(f"| {k} | {bl['cold_s']:.1f} | {bl['warm_cache_s']:.1f} |")
-        lines += ["", "| engine vs onnxruntime (CPU FP32) | max abs err | max abs ref | err / range | rel L2 | tol | result |",
+        lines += ["", "| engine vs onnxruntime (CPU FP32) | max abs err | max abs ref | err / range | rel L2 | tol | "
+                      "result |",
                   "|---|---|---|---|---|---|---|"]
         for k, a in row["accuracy"].items():
             lines.append(f"| {k} | {a['max_abs']:.2e} | {a['ref_max_abs']:.3g} | {a['max_err_of_range']:.2e} | "

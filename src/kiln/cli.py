@@ -29,7 +29,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 E4M3 GEMMs and convolutions on Ada/Hopper (calibrated)")
     p.add_argument("--best", action="store_true", help="every precision that can be made accurate: FP16, plus INT8 "
                    "GEMMs and convolutions when --calib/--calibCache gives scales; the fastest tactic wins per layer")
-    p.add_argument("--calib", metavar="DATA", help="calibration samples: .npz by input name, folder of .npz, NAME:FILE.npy")
+    p.add_argument("--calib", metavar="DATA",
+                   help="calibration samples: .npz by input name, folder of .npz, NAME:FILE.npy")
     p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
                    "it exists, else written")
     p.add_argument("--calibMethod", default="entropy", choices=["entropy", "minmax", "percentile"])
@@ -37,7 +38,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
                    help="with --int8/--fp8: keep the most sensitive layers in float until e.g. top1=0.5 holds")
     p.add_argument("--budgetData", metavar="FILE.npz", help="held-out inputs and 'labels' for --accuracy-budget")
     p.add_argument("--layerPrecisions", default="", metavar="SPEC",
-                   help="pin layers (ONNX node names) to a float precision: conv1:fp32,fc:fp16 (pinned layers are not quantized)")
+                   help="pin layers (ONNX node names) to a float precision: conv1:fp32,fc:fp16 "
+                        "(pinned layers are not quantized)")
     p.add_argument("--minShapes", action="append", default=[], metavar="SPEC",
                    help="x:1x3x224x224,... ; repeat --minShapes/--optShapes/--maxShapes to add profiles")
     p.add_argument("--optShapes", action="append", default=[], metavar="SPEC")
@@ -89,7 +91,8 @@ def _config_from_args(a):
     return BuildConfig(
         fp16=a.fp16 or a.best, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
         int8=a.int8 or best_int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions),
-        accuracy_budget=parse_budgets([a.accuracyBudget]) if a.accuracyBudget else {}, budget_data=a.budgetData, calib_cache=a.calibCache, calib_method=a.calibMethod,
+        accuracy_budget=parse_budgets([a.accuracyBudget]) if a.accuracyBudget else {}, budget_data=a.budgetData,
+        calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile,
@@ -151,7 +154,8 @@ def _print_build_summary(engine, source: str) -> None:
               f"weights: {engine.weight_bytes / 2**20:.2f} MiB   "
               f"CUDA graph: {_graph_text(engine)}")
     for i, p in enumerate(engine.profiles):
-        shapes = ", ".join(f"{k}: {fmt_shape(a)}..{fmt_shape(c)} (opt {fmt_shape(b)})" for k, (a, b, c) in p.shapes.items())
+        shapes = ", ".join(f"{k}: {fmt_shape(a)}..{fmt_shape(c)} (opt {fmt_shape(b)})"
+                           for k, (a, b, c) in p.shapes.items())
         arena = engine.arena_bytes[i] if i < len(engine.arena_bytes) else None
         out.print(f"  profile {i}: {shapes}" + (f"   activations at max: {arena / 2**20:.2f} MiB" if arena else ""))
     fused = [n for n in g.nodes if n.domain == "kiln"]
@@ -165,7 +169,8 @@ def _print_build_summary(engine, source: str) -> None:
         cache = engine.build_config.get("timing_cache") or {}
         out.print(f"  tactics timed for {len(engine.tactics)} layers: "
                   + ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1]))
-                  + (f"   timing cache: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses" if cache.get("path") else ""))
+                  + (f"   timing cache: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses"
+                     if cache.get("path") else ""))
         capped = {name: why for t in engine.tactics for name, why in t["excluded"].items() if "workspace" in why}
         for name, why in sorted(capped.items()):
             out.print(f"  [yellow]workspace cap excluded {name}[/]: {escape(why)}")
@@ -201,13 +206,15 @@ def _run_and_report(engine, a) -> int:
     shapes = parse_shapes(a.shapes, "--shapes")
     unknown = [k for k in shapes if k not in {v.name for v in engine.inputs}]
     if unknown:
-        raise InputError(f"--shapes: {unknown} are not inputs of this engine; its inputs are {[v.name for v in engine.inputs]}.")
+        raise InputError(f"--shapes: {unknown} are not inputs of this engine; "
+                         f"its inputs are {[v.name for v in engine.inputs]}.")
     ctx = engine.create_execution_context(profile=a.profile)
     if a.loadInputs:
         loaded = load_samples(a.loadInputs, [v.name for v in engine.inputs])
         for k, x in loaded[0].items():
             if x.dtype.kind == "f" and not np.isfinite(x).all():
-                warnings.warn(f"input '{k}' from {a.loadInputs} contains NaN or Inf values; outputs will likely be NaN.")
+                warnings.warn(f"input '{k}' from {a.loadInputs} contains NaN or Inf values; "
+                              "outputs will likely be NaN.")
         input_sets = [{k: dtypes.to_torch(x) for k, x in sample.items()} for sample in loaded]
     else:
         input_sets = [engine.random_inputs(a.profile, shapes=shapes, seed=seed) for seed in range(4)]

@@ -94,7 +94,8 @@ def test_foreign_files_are_refused(tmp_path):
 def test_engine_for_another_gpu_is_refused(engine, tmp_path):
     path = tmp_path / "mlp.kiln"
     engine.save(path)
-    rewrite_manifest(path, lambda m: m.update(target={"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB", "capability": "8.0"}))
+    rewrite_manifest(path, lambda m: m.update(target={"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB",
+                                                      "capability": "8.0"}))
     with pytest.raises(EngineFileError, match=r"built for NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
         kiln.load(path)
 
@@ -122,7 +123,8 @@ def test_a_loaded_engine_finds_its_tactics_in_a_fresh_process(tmp_path):
     eng.graph.nodes[0].tactic = "cublaslt_bias"  # a GPU tactic name, as a GPU build would record
     eng.save(tmp_path / "t.kiln")
     code = ("import kiln, torch; from kiln import tactics; e = kiln.load(%r); n = e.graph.nodes[0]; "
-            "before = len(tactics._BY_NAME); tactics.implementation(n, [torch.zeros(2, 8), torch.zeros(8, 16), torch.zeros(16)]); "
+            "before = len(tactics._BY_NAME); "
+            "tactics.implementation(n, [torch.zeros(2, 8), torch.zeros(8, 16), torch.zeros(16)]); "
             "print(n.tactic, before, (n.domain, n.op_type, n.tactic) in tactics._BY_NAME)") % str(tmp_path / "t.kiln")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.stdout.split() == ["cublaslt_bias", "0", "True"], p.stderr[-2000:]

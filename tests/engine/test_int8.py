@@ -114,7 +114,8 @@ def test_precision_search_keeps_the_most_sensitive_layers_in_float(trained, monk
 
     from kiln.quant import search as search_mod
 
-    gemms = [n.name for n in onnx.load(str(trained / "digits.onnx")).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    gemms = [n.name for n in onnx.load(str(trained / "digits.onnx")).graph.node
+             if n.op_type in ("Conv", "Gemm", "MatMul")]
     cost = {name: float(i + 1) for i, name in enumerate(gemms)}  # the last layer is the most sensitive
 
     def fake_drop(engine, model, data, budgets):

@@ -16,7 +16,8 @@ def _qdq_conv_chain():
     inits = [numpy_helper.from_array(np.float32(s), n) for n, s in (("s1", 0.03), ("s2", 0.05))]
     inits += [numpy_helper.from_array(np.int8(0), "z0"), numpy_helper.from_array(np.zeros(8, np.int8), "zw")]
     for i in (1, 2):
-        inits += [numpy_helper.from_array(rng.integers(-127, 128, (8, 8 if i == 2 else 3, 3, 3)).astype(np.int8), f"w{i}"),
+        inits += [numpy_helper.from_array(rng.integers(-127, 128, (8, 8 if i == 2 else 3, 3, 3)).astype(np.int8),
+                                          f"w{i}"),
                   numpy_helper.from_array(rng.uniform(0.002, 0.01, 8).astype(np.float32), f"sw{i}"),
                   numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), f"b{i}")]
     nodes = []

@@ -84,7 +84,8 @@ def test_restriction_hit_and_partial_support(fake_ops):
 
 
 def test_op_older_than_supported_opset(fake_ops):
-    m = graph_model([helper.make_node("Softmax", ["x"], ["y"], name="sm")], [vi("x", [2, 3])], [vi("y", [2, 3])], opset=11)
+    m = graph_model([helper.make_node("Softmax", ["x"], ["y"], name="sm")], [vi("x", [2, 3])], [vi("y", [2, 3])],
+                    opset=11)
     r = check_model(m)
     assert r.blocking_nodes == ["sm"] and "upgrade-opset" in r.operators[0].restrictions[0]
     assert any("opset 11" in w and "17" in w for w in r.warnings)
@@ -121,7 +122,8 @@ def test_unproduced_graph_output(fake_ops):
 
 def test_shape_inference_error_names_node(fake_ops):
     w = numpy_helper.from_array(np.ones((5, 4), np.float32), "w")
-    m = graph_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="bad_mm")], [vi("x", [2, 4])], [vi("y", [2, 4])], [w])
+    m = graph_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="bad_mm")], [vi("x", [2, 4])],
+                    [vi("y", [2, 4])], [w])
     r = check_model(m)
     assert r.checker.passed  # structurally fine
     assert not r.shape_inference.passed and r.shape_inference.node == "bad_mm"
@@ -131,7 +133,8 @@ def test_shape_inference_error_names_node(fake_ops):
 
 def test_type_error_is_reported(fake_ops):
     w = numpy_helper.from_array(np.ones((4, 4), np.int64), "w")
-    m = graph_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mixed")], [vi("x", [2, 4])], [vi("y", [2, 4])], [w])
+    m = graph_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mixed")], [vi("x", [2, 4])],
+                    [vi("y", [2, 4])], [w])
     r = check_model(m)
     assert not r.shape_inference.passed and r.shape_inference.node == "mixed"
 
@@ -188,7 +191,8 @@ def test_upgrade_failure_is_reported(fake_ops):
     assert not r.upgrade.ok and "downgrade" in r.upgrade.error
     r = check_model(mlp(opset=17), upgrade_opset=999)
     assert not r.upgrade.ok and "not a valid target" in r.upgrade.error
-    frob = graph_model([helper.make_node("Frobnicate", ["x"], ["y"], name="frob")], [vi("x", [2])], [vi("y", [2])], opset=11)
+    frob = graph_model([helper.make_node("Frobnicate", ["x"], ["y"], name="frob")], [vi("x", [2])], [vi("y", [2])],
+                       opset=11)
     r = check_model(frob, upgrade_opset=17)
     assert not r.upgrade.ok and "'frob' (Frobnicate)" in r.upgrade.error
     r = check_model(os.path.join(LIGHT, "light_squeezenet.onnx"), upgrade_opset=9)
@@ -225,7 +229,8 @@ def test_external_data_model_is_checked_through_its_path(fake_ops, tmp_path, mon
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes_path", spy_infer)
     r = check_model(path)
     assert seen["checker"] == str(path)
-    assert seen["infer"][0] == str(path) and seen["infer"][2] == {"check_type": True, "strict_mode": True, "data_prop": True}
+    assert (seen["infer"][0] == str(path)
+            and seen["infer"][2] == {"check_type": True, "strict_mode": True, "data_prop": True})
     assert r.buildable and r.checker.passed and r.shape_inference.passed
     assert r.outputs[0].shape == ["batch", 64]
 
@@ -299,7 +304,8 @@ def test_cli_exit_codes_and_json(fake_ops, tmp_path, capsys):
 
 def test_cli_writes_upgraded_model(fake_ops, tmp_path, capsys):
     out = tmp_path / "squeeze17.onnx"
-    code, text = _run_cli(["check", os.path.join(LIGHT, "light_squeezenet.onnx"), "--upgrade-opset", "17", "-o", str(out)], capsys)
+    code, text = _run_cli(["check", os.path.join(LIGHT, "light_squeezenet.onnx"), "--upgrade-opset", "17",
+                           "-o", str(out)], capsys)
     assert "written to" in text
     m = onnx.load(str(out))
     assert m.opset_import[0].version == 17 and m.ir_version == 8

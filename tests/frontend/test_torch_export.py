@@ -80,7 +80,8 @@ def test_mlp_export_is_self_contained_and_symbolic(mlp_export):
     assert [i.name for i in model.graph.input] == ["features", "bias"]
     assert [o.name for o in model.graph.output] == ["logits"]
     assert _dims(model.graph.input[0]) == ["batch", 8] and _dims(model.graph.output[0]) == ["batch", 4]
-    assert all(t.data_location == onnx.TensorProto.DEFAULT and (t.raw_data or t.float_data) for t in model.graph.initializer)
+    assert all(t.data_location == onnx.TensorProto.DEFAULT and (t.raw_data or t.float_data)
+               for t in model.graph.initializer)
     assert {o.domain: o.version for o in model.opset_import}[""] == 18
     onnx.checker.check_model(model, full_check=True)
 

@@ -125,7 +125,8 @@ def test_workspace_cap_excludes_and_reports_tactics():
     nodes = [helper.make_node("MatMul", ["q", "kt"], ["s0"]), helper.make_node("Mul", ["s0", "scale"], ["s1"]),
              helper.make_node("Softmax", ["s1"], ["p"], axis=-1), helper.make_node("MatMul", ["p", "v"], ["y"])]
     shapes = {"q": [2, 4, 64, 32], "kt": [2, 4, 32, 64], "v": [2, 4, 64, 32]}
-    g = helper.make_graph(nodes, "attn", [helper.make_tensor_value_info(k, TensorProto.FLOAT, s) for k, s in shapes.items()],
+    g = helper.make_graph(nodes, "attn",
+                          [helper.make_tensor_value_info(k, TensorProto.FLOAT, s) for k, s in shapes.items()],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 64, 32])],
                           [numpy_helper.from_array(np.float32(32 ** -0.5), "scale")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])

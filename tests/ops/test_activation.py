@@ -103,4 +103,5 @@ def test_gelu_tanh_fp16_build_matches_onnxruntime():
 def test_gelu_unknown_approximation_is_reported():
     x = np.zeros((2,), np.float32)
     with pytest.raises(UnsupportedError, match="gelu_under_test.*approximate='erf'"):
-        kiln.build(_model("Gelu", {"x": x}, opset=20, approximate="erf"), kiln.BuildConfig(device="cpu", progress=False))
+        kiln.build(_model("Gelu", {"x": x}, opset=20, approximate="erf"),
+                   kiln.BuildConfig(device="cpu", progress=False))

@@ -18,8 +18,10 @@ def _qdq_mlp(zero_point=0):
     w = rng.integers(-127, 128, (16, 24)).astype(np.int8)
     inits = [
         numpy_helper.from_array(np.float32(0.05), "sx"), numpy_helper.from_array(np.int8(zero_point), "zx"),
-        numpy_helper.from_array(w, "wq"), numpy_helper.from_array(rng.uniform(0.001, 0.01, 24).astype(np.float32), "sw"),
-        numpy_helper.from_array(np.zeros(24, np.int8), "zw"), numpy_helper.from_array(rng.standard_normal(24).astype(np.float32), "b"),
+        numpy_helper.from_array(w, "wq"),
+        numpy_helper.from_array(rng.uniform(0.001, 0.01, 24).astype(np.float32), "sw"),
+        numpy_helper.from_array(np.zeros(24, np.int8), "zw"),
+        numpy_helper.from_array(rng.standard_normal(24).astype(np.float32), "b"),
     ]
     nodes = [
         helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),

@@ -109,9 +109,11 @@ def test_bad_data_is_refused_naming_the_input():
         run({"image": x[:, 0]})
     with pytest.raises(ShapeError, match=r"input 'image' axis 2 is 16, but the model fixes it at 8"):
         run({"image": np.zeros((8, 1, 16, 16), np.float32)})
-    with pytest.raises(ShapeError, match=r"input 'image' axis 0 is 2, outside optimization profile 0's range \[4, 64\]"):
+    with pytest.raises(ShapeError,
+                       match=r"input 'image' axis 0 is 2, outside optimization profile 0's range \[4, 64\]"):
         run([{"image": x[:8]}, {"image": x[:2]}])
-    with pytest.raises(InputError, match=r"item 1: \['img'\] are not inputs of the model and inputs \['image'\] are missing"):
+    with pytest.raises(InputError,
+                       match=r"item 1: \['img'\] are not inputs of the model and inputs \['image'\] are missing"):
         run([{"image": x[:8]}, {"img": x[:8]}])
     bad = x[:8].copy()
     bad[0, 0, 0, 0] = np.nan

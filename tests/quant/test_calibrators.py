@@ -103,7 +103,8 @@ def test_entropy_matches_nvidia_reference(dist):
     x = {"normal": lambda: rng.standard_normal(20000),
          "laplace": lambda: rng.laplace(size=20000),
          "student": lambda: rng.standard_t(2, size=5000),
-         "relu-lognormal": lambda: np.maximum(rng.standard_normal(20000) * np.exp(rng.standard_normal(20000)), 0)}[dist]()
+         "relu-lognormal": lambda: np.maximum(
+             rng.standard_normal(20000) * np.exp(rng.standard_normal(20000)), 0)}[dist]()
     a = np.abs(x)
     hist, _ = np.histogram(a, 512, (0, a.max()))
     want, want_kl = _reference_entropy_amax(hist, a.max())

@@ -48,7 +48,8 @@ def resolve_profiles(graph: Graph, config: BuildConfig) -> list[Profile]:
     for idx, prof in enumerate(profiles):
         unknown = [k for k in prof.shapes if k not in names]
         if unknown:
-            raise ConfigError(f"profile {idx} names input(s) {unknown}, which the model does not have; its inputs are {names}.")
+            raise ConfigError(f"profile {idx} names input(s) {unknown}, which the model does not have; "
+                              f"its inputs are {names}.")
         shapes = {}
         for v in graph.inputs:
             if v.name in prof.shapes:
@@ -111,7 +112,8 @@ def _calibration(model, config: BuildConfig, profiles: list[Profile]):
         return Calibration.load(cache)
     if config.calib is None:
         raise ConfigError(
-            f"an {config.quantized.upper()} build needs calibration data: pass --calib=DATA (100 to 1000 representative samples as a "
+            f"an {config.quantized.upper()} build needs calibration data: pass --calib=DATA (100 to 1000 "
+            "representative samples as a "
             ".npz keyed by input name, a folder of .npz files, or NAME:FILE.npy) or an existing --calibCache=FILE. "
             "Kiln never makes up quantization scales."
         )

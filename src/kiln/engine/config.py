@@ -95,7 +95,8 @@ def parse_dims(text: str, what: str) -> Shape:
     try:
         dims = tuple(int(d) for d in text.lower().split("x"))
     except ValueError:
-        raise ConfigError(f"{what}: '{text}' is not a shape; write dimensions joined by 'x', e.g. 1x3x224x224.") from None
+        raise ConfigError(f"{what}: '{text}' is not a shape; write dimensions joined by 'x', "
+                          "e.g. 1x3x224x224.") from None
     if any(d < 0 for d in dims):
         raise ConfigError(f"{what}: '{text}' has a negative dimension.")
     return dims

@@ -107,7 +107,8 @@ class ExecutionContext:
     def check_shape(self, name: str, shape: tuple) -> None:
         binding = next((v for v in self.engine.inputs if v.name == name), None)
         if binding is None:
-            raise InputError(f"'{name}' is not an input of this engine; its inputs are {[v.name for v in self.engine.inputs]}.")
+            raise InputError(f"'{name}' is not an input of this engine; "
+                             f"its inputs are {[v.name for v in self.engine.inputs]}.")
         lo, _, hi = self.engine.get_profile_shape(self.profile, name)
         if len(shape) != len(lo):
             raise ShapeError(
@@ -152,7 +153,8 @@ class ExecutionContext:
                 as_numpy = True
                 x = np.asarray(x)
                 if x.dtype.kind in "OUS":
-                    raise InputError(f"input '{v.name}' holds {x.dtype} values; the engine expects {dtypes.name_of(v.dtype)}.")
+                    raise InputError(f"input '{v.name}' holds {x.dtype} values; "
+                                     f"the engine expects {dtypes.name_of(v.dtype)}.")
                 x = dtypes.to_torch(x)
             elif not isinstance(x, torch.Tensor):
                 raise InputError(f"input '{v.name}' is a {type(x).__name__}; pass a torch tensor or a numpy array.")

@@ -99,7 +99,8 @@ def execute(nodes: Iterable[Node], env: MutableMapping[str, torch.Tensor],
                 env.pop(name, None)
 
 
-def run_subgraph(graph: Graph, feeds: dict[str, torch.Tensor], scope: MutableMapping[str, torch.Tensor]) -> list[torch.Tensor]:
+def run_subgraph(graph: Graph, feeds: dict[str, torch.Tensor],
+                 scope: MutableMapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """Run a control-flow body: its own inputs and initializers, then the enclosing scope."""
     local: dict[str, torch.Tensor] = dict(graph.initializers)
     local.update(feeds)

@@ -160,7 +160,8 @@ def load(path, device: str = "auto") -> Engine:
         raise EngineFileError(f"'{path}' is not a Kiln engine (format {m.get('format')!r}).")
     if m.get("format_version") != FORMAT_VERSION:
         raise EngineFileError(
-            f"'{path}' uses engine format {m.get('format_version')}, this Kiln reads format {FORMAT_VERSION}; rebuild it."
+            f"'{path}' uses engine format {m.get('format_version')}, "
+            f"this Kiln reads format {FORMAT_VERSION}; rebuild it."
         )
     for name, digest in m.get("checksums", {}).items():
         if name not in members or _sha(members[name]) != digest:
@@ -176,7 +177,8 @@ def load(path, device: str = "auto") -> Engine:
     graph.initializers = dict(weights)
     layers = m["layers"]
     if len(layers) != len(graph.nodes):
-        raise EngineFileError(f"'{path}' is inconsistent: manifest lists {len(layers)} layers, graph has {len(graph.nodes)}.")
+        raise EngineFileError(f"'{path}' is inconsistent: manifest lists {len(layers)} layers, "
+                              f"graph has {len(graph.nodes)}.")
     for node, info in zip(graph.nodes, layers):
         for f in _LAYER_FIELDS:
             if f in info:  # engines saved before per-profile tactics have no profile_tactics

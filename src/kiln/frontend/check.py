@@ -75,7 +75,8 @@ def check_model(model, upgrade_opset: int | None = None, *, base_dir=None) -> Ch
         report.shape_inference, inferred = _run_shape_inference(mem, path, proto)
 
     # Attribute and subgraph tensors are decoded for the op checks; weights are not read.
-    if any(external_data.is_external(s.tensor) and not s.top_level_initializer for s in external_data.iter_tensors(proto)):
+    if any(external_data.is_external(s.tensor) and not s.top_level_initializer
+           for s in external_data.iter_tensors(proto)):
         proto = _copy(proto)
         external_data.load(proto, loaded.base_dir, loaded.label, skip_top_level_initializers=True)
 
@@ -213,7 +214,8 @@ def _data_prop_blocker(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def _run_shape_inference(mem: onnx.ModelProto | None, path: Path | None, skeleton: onnx.ModelProto) -> tuple[Step, onnx.ModelProto | None]:
+def _run_shape_inference(mem: onnx.ModelProto | None, path: Path | None,
+                         skeleton: onnx.ModelProto) -> tuple[Step, onnx.ModelProto | None]:
     name = "shape inference (strict)"
     blocker = _data_prop_blocker(skeleton)
     data_prop = blocker is None
@@ -223,12 +225,14 @@ def _run_shape_inference(mem: onnx.ModelProto | None, path: Path | None, skeleto
         else:
             with tempfile.TemporaryDirectory(prefix="kiln-infer-") as tmp:
                 out = Path(tmp) / "inferred.onnx"
-                onnx.shape_inference.infer_shapes_path(str(path), str(out), check_type=True, strict_mode=True, data_prop=data_prop)
+                onnx.shape_inference.infer_shapes_path(str(path), str(out), check_type=True, strict_mode=True,
+                                                       data_prop=data_prop)
                 inferred = onnx.load(str(out), load_external_data=False)
     except Exception as e:  # InferenceError, or a ValidationError for malformed models
         msg = _one_line(e)
         return Step(name, False, msg, node_in_message(msg)), None
-    note = "passed" if data_prop else f"passed without data propagation ({blocker}; onnx would need ~70 bytes per element)"
+    note = ("passed" if data_prop
+            else f"passed without data propagation ({blocker}; onnx would need ~70 bytes per element)")
     return Step(name, True, note), inferred
 
 
@@ -269,7 +273,8 @@ def _structure(report: CheckReport, model: onnx.ModelProto, inferred: onnx.Model
         if bad:
             report.other_problems.append(f"graph input '{vi.name}' {bad}.")
         elif info.shape is None:
-            report.warnings.append(f"graph input '{vi.name}' has no shape; give one at build time (--shapes or a profile).")
+            report.warnings.append(f"graph input '{vi.name}' has no shape; "
+                                   "give one at build time (--shapes or a profile).")
         elif info.dynamic_axes:
             report.warnings.append(
                 f"graph input '{vi.name}' ({info.dims}) has dynamic axes {info.dynamic_axes}: give them a profile "
@@ -283,7 +288,8 @@ def _structure(report: CheckReport, model: onnx.ModelProto, inferred: onnx.Model
             report.other_problems.append(f"graph output '{vi.name}' {bad}.")
     for t in g.initializer:
         if t.data_type == TensorProto.STRING:
-            report.other_problems.append(f"initializer '{t.name}' is a string tensor; Kiln supports numeric tensors only.")
+            report.other_problems.append(f"initializer '{t.name}' is a string tensor; "
+                                         "Kiln supports numeric tensors only.")
         elif t.data_type != TensorProto.UNDEFINED and not _kiln_type(t.data_type):
             report.other_problems.append(
                 f"initializer '{t.name}' has element type {_type_name(t.data_type)}, which Kiln does not support."
@@ -302,7 +308,8 @@ def _kiln_type(elem_type: int) -> bool:
     return True
 
 
-def _walk(graph: onnx.GraphProto, outer: frozenset[str], prefix: str = "") -> Iterator[tuple[onnx.NodeProto, str, frozenset[str]]]:
+def _walk(graph: onnx.GraphProto, outer: frozenset[str],
+          prefix: str = "") -> Iterator[tuple[onnx.NodeProto, str, frozenset[str]]]:
     """(node, label, names visible to it) for every node, subgraphs included.
 
     A node's label is its name, or op_type_index as kiln.ir names unnamed nodes;
@@ -330,7 +337,8 @@ def missing_inputs(graph: onnx.GraphProto) -> list[MissingInput]:
     out = []
     for node, label, scope in _walk(graph, frozenset()):
         out += [MissingInput(label, i) for i in node.input if i and i not in scope]
-    top = {v.name for v in graph.input} | {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    top = ({v.name for v in graph.input} | {t.name for t in graph.initializer}
+           | {o for n in graph.node for o in n.output})
     out += [MissingInput("graph output", o.name) for o in graph.output if o.name not in top]
     return out
 
@@ -407,7 +415,8 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Handler of `kiln check`. Load errors are raised as KilnError (the CLI prints them), or printed as JSON with --json."""
+    """Handler of `kiln check`. Load errors are raised as KilnError (the CLI prints them), or printed as JSON
+    with --json."""
     from rich.console import Console
 
     if getattr(args, "output", None) and args.upgrade_opset is None:

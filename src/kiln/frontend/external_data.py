@@ -123,7 +123,8 @@ def resolve(site: TensorSite, base_dir: Path, model_label: str) -> ExternalRef:
     )
     if "\x00" in location:
         raise ModelError(refuse + "the path contains a NUL byte.")
-    if PurePosixPath(location).is_absolute() or PureWindowsPath(location).is_absolute() or PureWindowsPath(location).drive:
+    if (PurePosixPath(location).is_absolute() or PureWindowsPath(location).is_absolute()
+            or PureWindowsPath(location).drive):
         raise ModelError(
             refuse + "external data must be a relative path inside the model's folder, not an absolute path. "
             "Move the data file next to the model and re-save it with a relative location."
@@ -230,7 +231,8 @@ def validate(model: onnx.ModelProto, base_dir: Path | None, model_label: str) ->
     return refs
 
 
-def load(model: onnx.ModelProto, base_dir: Path | None, model_label: str, *, skip_top_level_initializers: bool = False) -> int:
+def load(model: onnx.ModelProto, base_dir: Path | None, model_label: str, *,
+         skip_top_level_initializers: bool = False) -> int:
     """Read external data into the tensors (in place); returns the number of tensors loaded."""
     count = 0
     for site in iter_tensors(model):

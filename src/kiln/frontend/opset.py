@@ -62,19 +62,23 @@ def upgrade_opset(model: onnx.ModelProto, target: int) -> UpgradeResult:
     source = opset_versions(model).get("")
     newest = onnx.defs.onnx_opset_version()
     if source is None:
-        return UpgradeResult(target, None, False, error="the model imports no ai.onnx opset, so there is nothing to convert.")
+        return UpgradeResult(target, None, False,
+                             error="the model imports no ai.onnx opset, so there is nothing to convert.")
     if not isinstance(target, int) or target < 1 or target > newest:
         return UpgradeResult(
             target, source, False,
-            error=f"opset {target} is not a valid target; the installed onnx {onnx.__version__} knows opsets 1..{newest}.",
+            error=f"opset {target} is not a valid target; "
+                  f"the installed onnx {onnx.__version__} knows opsets 1..{newest}.",
         )
     if target < source:
         return UpgradeResult(
             target, source, False,
-            error=f"the model is already at opset {source}; converting to {target} would be a downgrade, which Kiln does not do.",
+            error=f"the model is already at opset {source}; "
+                  f"converting to {target} would be a downgrade, which Kiln does not do.",
         )
     if target == source:
-        return UpgradeResult(target, source, True, changes=[f"already at opset {source}: nothing to convert"], model=model)
+        return UpgradeResult(target, source, True, changes=[f"already at opset {source}: nothing to convert"],
+                             model=model)
     unknown = [(n.name or n.op_type, n.op_type) for n in _walk_nodes(model.graph)
                if n.domain in ("", "ai.onnx") and _since(n.op_type, source) is None]
     if unknown:

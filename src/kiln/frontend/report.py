@@ -173,7 +173,8 @@ class CheckReport:
         opsets = ", ".join(f"{domain_name(d)} {v}" for d, v in self.opsets.items()) or "none"
         head = Text.assemble(("kiln check ", "bold"), (self.model, "cyan"))
         console.print(head)
-        console.print(Text(f"IR version {self.ir_version}, opsets: {opsets}" + (f", producer {self.producer}" if self.producer else ""), style="dim"))
+        console.print(Text(f"IR version {self.ir_version}, opsets: {opsets}"
+                           + (f", producer {self.producer}" if self.producer else ""), style="dim"))
 
         checks = Table(title="Checks", title_justify="left", show_lines=False)
         checks.add_column("check")
@@ -214,7 +215,8 @@ class CheckReport:
             name = op.op_type if not op.domain else f"{op.domain}::{op.op_type}"
             detail = ""
             if not op.supported:
-                nodes = ", ".join(op.blocking_nodes[:5]) + (f" (+{len(op.blocking_nodes) - 5} more)" if len(op.blocking_nodes) > 5 else "")
+                nodes = ", ".join(op.blocking_nodes[:5]) + (
+                    f" (+{len(op.blocking_nodes) - 5} more)" if len(op.blocking_nodes) > 5 else "")
                 detail = f"{'; '.join(op.restrictions)} -- {nodes}"
             status = Text(op.status, style="green" if op.supported else "red")
             ops.add_row(Text(name), str(op.count), status, Text(detail))

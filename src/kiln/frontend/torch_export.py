@@ -39,7 +39,8 @@ class DynamicAxis:
     max: int | None  # from the torch Dim's max (None when unbounded)
 
     def to_json(self) -> dict:
-        return {"input": self.input, "axis": self.axis, "name": self.name, "min": self.min, "opt": self.opt, "max": self.max}
+        return {"input": self.input, "axis": self.axis, "name": self.name,
+                "min": self.min, "opt": self.opt, "max": self.max}
 
 
 @dataclass
@@ -90,7 +91,8 @@ class ProfileHints:
 
     def __str__(self) -> str:
         parts = [f"{k}: {fmt_shape(v) if v is not None else '?'}" for k, v in self.shapes.items()]
-        axes = [f"{a.input}[{a.axis}] {a.name or ''} {a.min}..{a.max if a.max is not None else 'inf'}" for a in self.axes]
+        axes = [f"{a.input}[{a.axis}] {a.name or ''} {a.min}..{a.max if a.max is not None else 'inf'}"
+                for a in self.axes]
         return "; ".join(parts) + (" | dynamic: " + ", ".join(axes) if axes else "")
 
 
@@ -139,7 +141,8 @@ def from_torch(
     model = program.model_proto
     external = [s.where for s in external_data.iter_tensors(model) if external_data.is_external(s.tensor)]
     if external:  # model_proto serializes in-memory weights; this would be an exporter change
-        raise KilnError(f"the exported model of {cls} keeps {external[0]} in an external file; Kiln expected embedded weights.")
+        raise KilnError(f"the exported model of {cls} keeps {external[0]} in an external file; "
+                        "Kiln expected embedded weights.")
     return model, profile_hints(model, module, args, dynamic_shapes)
 
 

@@ -44,7 +44,8 @@ def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch
             qtype: str = "", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """act(a * x_scale * w_scale[n] + bias[n]) over a's last axis n, as out_dtype, or as qtype's 8-bit values
     when y_scale is given. Scales go together (both or neither); w_scale has one or N values."""
-    if act not in ACTIVATIONS or (x_scale is None) != (w_scale is None) or (y_scale is not None and qtype not in QTYPES):
+    if (act not in ACTIVATIONS or (x_scale is None) != (w_scale is None)
+            or (y_scale is not None and qtype not in QTYPES)):
         raise ValueError(f"rescale: unsupported activation {act!r} or scale combination (qtype {qtype!r})")
     dtype = QTYPES[qtype] if y_scale is not None else out_dtype or a.dtype
     if x_scale is None and bias is None and _dense(a):  # elementwise: walk memory in a's own order, keep its strides

@@ -88,7 +88,8 @@ def unsupported_reason(node: Node) -> str | None:
         dom = node.domain or "ai.onnx"
         return f"operator {dom}::{node.op_type} is not implemented"
     if node.opset < entry.since:
-        return f"{node.op_type} at opset {node.opset} is older than Kiln supports (>= {entry.since}); use --upgrade-opset"
+        return (f"{node.op_type} at opset {node.opset} is older than Kiln supports (>= {entry.since}); "
+                "use --upgrade-opset")
     if entry.check is not None:
         return entry.check(node)
     return None

@@ -72,7 +72,8 @@ def _gelu_erf(view: View, v: str, users: list[Node]) -> Act | None:
     if add is None or add.op_type != "Add" or not _near(view.scalar(view.other_input(add, erf.outputs[0]) or ""), 1.0):
         return None
     half = view.sole_reader(add.outputs[0])
-    if half is None or half.op_type != "Mul" or not _near(view.scalar(view.other_input(half, add.outputs[0]) or ""), 0.5):
+    if (half is None or half.op_type != "Mul"
+            or not _near(view.scalar(view.other_input(half, add.outputs[0]) or ""), 0.5)):
         return None
     last = view.sole_reader(half.outputs[0])
     if last is None or last.op_type != "Mul" or view.other_input(last, half.outputs[0]) != v or last not in users:

@@ -25,7 +25,8 @@ def run(graph: Graph) -> None:
         if prod is None or prod.op_type not in ("Conv", "Gemm") or prod.domain:
             continue
         if view.sole_reader(prod.outputs[0]) is not bn:
-            miss(graph, "BatchNorm folding", [prod, bn], f"{prod.op_type} output has {view.readers(prod.outputs[0])} readers")
+            miss(graph, "BatchNorm folding", [prod, bn],
+                 f"{prod.op_type} output has {view.readers(prod.outputs[0])} readers")
             continue
         affine = _bn_affine(view, bn)
         w = view.const(prod.inputs[1])

@@ -42,7 +42,8 @@ def _finite_mask(view: View, mask: str | None) -> bool:
     n = view.producer.get(mask)
     values = [mask] if n is None else n.inputs[1:] if n.op_type == "Where" and not n.domain else []
     consts = [view.const(v) for v in values]
-    return bool(consts) and all(c is not None and c.is_floating_point() and bool(torch.isfinite(c).all()) for c in consts)
+    return bool(consts) and all(c is not None and c.is_floating_point() and bool(torch.isfinite(c).all())
+                                for c in consts)
 
 
 def _guard(view: View, probs: str):

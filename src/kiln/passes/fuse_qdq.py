@@ -66,7 +66,8 @@ def run(graph: Graph) -> None:
             miss(graph, "INT8 layer", [mm], "the weights are not int8 constants with zero point 0 and "
                  "per-output-channel (or per-tensor) scales")
             continue
-        if mm.op_type == "Gemm" and (mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0 or mm.attr("beta", 1.0) != 1.0):
+        if mm.op_type == "Gemm" and (mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0
+                                     or mm.attr("beta", 1.0) != 1.0):
             continue
         x, x_scale, qdq = act_in
         dq_w, w_q, w_scale = weight

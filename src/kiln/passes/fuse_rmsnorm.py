@@ -42,7 +42,8 @@ def run(graph: Graph) -> None:
         if x is None or view.readers(sq.outputs[0]) != 1:
             continue
         add = view.sole_reader(r.outputs[0])
-        if add is None or add.op_type != "Add" or (eps := view.scalar(view.other_input(add, r.outputs[0]) or "")) is None:
+        if (add is None or add.op_type != "Add"
+                or (eps := view.scalar(view.other_input(add, r.outputs[0]) or "")) is None):
             continue
         sqrt = view.sole_reader(add.outputs[0])
         if sqrt is None or sqrt.op_type != "Sqrt":

@@ -25,12 +25,14 @@ def _heads(view: View, value: str) -> tuple[int, int, int] | None:
     if r is None or r.op_type != "Reshape" or r.domain or t.attr("perm") != [1, 2, 0, 3]:
         return None
     shape = view.ints(r.inputs[1])
-    return (shape[0], shape[2], shape[3]) if shape and len(shape) == 4 and shape[1] == -1 and min(shape[0], *shape[2:]) > 0 else None
+    return ((shape[0], shape[2], shape[3])
+            if shape and len(shape) == 4 and shape[1] == -1 and min(shape[0], *shape[2:]) > 0 else None)
 
 
 def _next(view: View, node, op_type: str, domain: str = ""):
     n = view.sole_reader(node.outputs[0])
-    return n if n is not None and n.op_type == op_type and n.domain == domain and n.inputs[0] == node.outputs[0] else None
+    return (n if n is not None and n.op_type == op_type and n.domain == domain and n.inputs[0] == node.outputs[0]
+            else None)
 
 
 def run(graph: Graph) -> None:

@@ -603,7 +603,8 @@ def calibrate(model_or_engine, data=None, method: str = "entropy", percentile: f
                           ".npz/.npy file, a folder of .npz files, or an iterable of {input: array} dicts) or an "
                           "existing calibration cache. Kiln never falls back to made-up scales.")
     if num_bins < 128:
-        raise ConfigError(f"num_bins must be at least 128 (the INT8 levels the entropy search compares), got {num_bins}.")
+        raise ConfigError("num_bins must be at least 128 (the INT8 levels the entropy search compares), "
+                          f"got {num_bins}.")
     if _is_engine(model_or_engine):
         fp32_engine(model_or_engine, [])  # refuse an FP16/BF16 engine before reading any data
     _, inputs = model_inputs(model_or_engine)

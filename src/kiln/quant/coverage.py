@@ -133,13 +133,15 @@ def _coarse(hist: np.ndarray, over: int = 0) -> np.ndarray:
 
 def check_coverage(calibration, model_or_engine, validation, *, profile: int = 0, device: str = "auto",
                    build_config=None, clip_tolerance: float = 2e-3, out_of_range_tolerance: float = 5e-3,
-                   max_clip_rate: float = 0.01, drift_threshold: float = 0.1, min_samples: int = MIN_SAMPLES, min_spread_ratio: float = 0.05,
+                   max_clip_rate: float = 0.01, drift_threshold: float = 0.1, min_samples: int = MIN_SAMPLES,
+                   min_spread_ratio: float = 0.05,
                    min_distinct_fraction: float = 0.5, spread_vs_validation: float = 0.25,
                    batch_size: int | None = 32, progress: bool = False) -> CoverageReport:
     """Compare `calibration` (a Calibration) with a validation set run through the same FP32 engine.
 
     A tensor is flagged when validation clips more than the calibration set did by over clip_tolerance
-    (a fraction) or clips over max_clip_rate at all, when over out_of_range_tolerance of its validation values fall outside the calibration
+    (a fraction) or clips over max_clip_rate at all, when over out_of_range_tolerance of its validation values
+    fall outside the calibration
     set's range, or when the histogram distance exceeds drift_threshold. The tolerances leave room for
     sampling noise: a representative set of N samples still leaves about 1/(N+1) of new samples' extremes
     beyond its range."""

@@ -222,7 +222,8 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "asymmetric"
         awq = ", awq" if self.in_scale is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, {kind}{awq}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, {kind}{awq}")
 
 
 @torch.no_grad()

@@ -91,7 +91,8 @@ class BenchResult:
         }
 
     def export_profile(self) -> list[dict]:
-        """trtexec's --exportProfile shape: [{"count": N}, {"name", "timeMs", "averageMs", "medianMs", "percentage"}]."""
+        """trtexec's --exportProfile shape:
+        [{"count": N}, {"name", "timeMs", "averageMs", "medianMs", "percentage"}]."""
         return [{"count": self.profile_iterations}] + [
             {"name": x.name, "timeMs": x.total_ms, "averageMs": x.mean_ms, "medianMs": x.median_ms,
              "percentage": x.share, "layerType": x.op_type, "precision": x.precision, "tactic": x.tactic}
@@ -294,7 +295,8 @@ def bench(engine, *, samples: list[dict] | None = None, profile: int = 0, shapes
     baselines = tuple(baselines or ())
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
-        raise ConfigError(f"--baseline: {unknown} unknown; choose from {list(BASELINES)} (e.g. --baseline eager,compile).")
+        raise ConfigError(f"--baseline: {unknown} unknown; choose from {list(BASELINES)} "
+                          "(e.g. --baseline eager,compile).")
     if baselines and torch_module is None:
         raise ConfigError("--baseline needs the PyTorch model: pass --torch MODULE:FACTORY (a callable returning the "
                           "nn.Module the engine was built from).")
@@ -376,7 +378,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("engine", metavar="ENGINE", help="the engine file (.kiln)")
     p.add_argument("--shapes", default="", metavar="SPEC", help="input shapes, x:8x3x224x224,... (default: opt)")
     p.add_argument("--profile", type=int, default=0, help="optimization profile")
-    p.add_argument("--loadInputs", metavar="PATH", help="a .npz keyed by input name, a folder of .npz, or NAME:FILE.npy")
+    p.add_argument("--loadInputs", metavar="PATH",
+                   help="a .npz keyed by input name, a folder of .npz, or NAME:FILE.npy")
     p.add_argument("--warmUp", type=float, default=200.0, help="warm-up time in ms (default 200)")
     p.add_argument("--iterations", type=int, default=100, help="timed runs, at least (default 100)")
     p.add_argument("--duration", type=float, default=0.0, help="time for at least this many seconds")

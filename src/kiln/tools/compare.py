@@ -167,8 +167,10 @@ def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol:
     res.nonfinite_mismatch = int((~both & ~same_nonfinite).sum())
     r, o = ref[both], out[both]
     if r.size:
-        res.reference_stats = {"mean": float(r.mean()), "std": float(r.std()), "min": float(r.min()), "max": float(r.max())}
-        res.engine_stats = {"mean": float(o.mean()), "std": float(o.std()), "min": float(o.min()), "max": float(o.max())}
+        res.reference_stats = {"mean": float(r.mean()), "std": float(r.std()),
+                               "min": float(r.min()), "max": float(r.max())}
+        res.engine_stats = {"mean": float(o.mean()), "std": float(o.std()),
+                            "min": float(o.min()), "max": float(o.max())}
     absdiff = np.abs(o - r)
     mag = np.abs(r)
     if of_range and mag.size and mag.max() > 1:
@@ -422,8 +424,10 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
             continue
         if o.reference_stats:
             rs, es = o.reference_stats, o.engine_stats
-            con.print(f"[I]     Reference: mean={rs['mean']:.5g}, std-dev={rs['std']:.5g}, range=[{rs['min']:.5g}, {rs['max']:.5g}]")
-            con.print(f"[I]     Engine:    mean={es['mean']:.5g}, std-dev={es['std']:.5g}, range=[{es['min']:.5g}, {es['max']:.5g}]")
+            con.print(f"[I]     Reference: mean={rs['mean']:.5g}, std-dev={rs['std']:.5g}, "
+                      f"range=[{rs['min']:.5g}, {rs['max']:.5g}]")
+            con.print(f"[I]     Engine:    mean={es['mean']:.5g}, std-dev={es['std']:.5g}, "
+                      f"range=[{es['min']:.5g}, {es['max']:.5g}]")
         a, r = o.abs_err, o.rel_err
         con.print(f"[I]     Absolute error: max={_g(a.get('max'))}, mean={_g(a.get('mean'))}, "
                   f"median={_g(a.get('median'))}, p99={_g(a.get('p99'))}")
@@ -443,8 +447,10 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
                       f"(atol={o.atol:g}, rtol={o.rtol:g})")
         else:
             w = o.worst or {}
-            worst = (f"; worst at index {tuple(w['index'])}" + (f" of sample {w['sample']}" if result.samples > 1 else "")
-                     + f": engine={w['engine']:.6g}, reference={w['reference']:.6g}") if w and not o.nonfinite_mismatch else ""
+            worst = ((f"; worst at index {tuple(w['index'])}"
+                      + (f" of sample {w['sample']}" if result.samples > 1 else "")
+                      + f": engine={w['engine']:.6g}, reference={w['reference']:.6g}")
+                     if w and not o.nonfinite_mismatch else "")
             con.print(f"[E]     FAILED | Output: '{o.name}' | {o.reason}{worst}")
     if result.layers or result.layers_skipped:
         con.print(f"[I] Layer-wise: {len(result.layers)} layer output(s) compared, {result.layers_skipped} layer(s) "

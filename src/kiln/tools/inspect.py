@@ -352,7 +352,8 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
               f"({len(ins.layers) - len(device_layers)} shape-arithmetic layers on the host)"
               + (f"   weights: {common.fmt_bytes(ins.weight_bytes)}" if ins.weight_bytes is not None else ""))
     for i, p in enumerate(ins.profiles):
-        txt = ", ".join(f"{k}: {common.fmt_shape(v['min'])}..{common.fmt_shape(v['max'])} (opt {common.fmt_shape(v['opt'])})"
+        txt = ", ".join(f"{k}: {common.fmt_shape(v['min'])}..{common.fmt_shape(v['max'])} "
+                        f"(opt {common.fmt_shape(v['opt'])})"
                         for k, v in p.items())
         arena = ins.arena_bytes[i] if i < len(ins.arena_bytes) else None
         con.print(f"  profile {i}: {txt}" + (f"   activations at max: {common.fmt_bytes(arena)}" if arena else ""))

@@ -82,7 +82,8 @@ def histogram(values: list[float], title: str, xlabel: str, bins: int = 30, mark
         body.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="{_TEXT}"/>')
         body.append(f'<text x="{x(t):.1f}" y="{top + ph + 16}" text-anchor="middle" fill="{_TEXT}">{_fmt(t)}</text>')
     body.append(f'<line x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}" stroke="{_TEXT}"/>')
-    body.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle" fill="{_TEXT}">{escape(xlabel)}</text>')
+    body.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle" fill="{_TEXT}">'
+                f'{escape(xlabel)}</text>')
     body.append(f'<text x="12" y="{top + ph / 2}" transform="rotate(-90 12 {top + ph / 2})" text-anchor="middle" '
                 f'fill="{_TEXT}">runs</text>')
     if marker is not None and math.isfinite(marker):
@@ -149,5 +150,6 @@ def columns(bins: list[tuple[str, int]], title: str, xlabel: str, width: int = 6
         body.append(f'<text x="{x0 + bw / 2:.1f}" y="{top + ph + 14}" text-anchor="middle" fill="{_TEXT}" '
                     f'style="font-size:9px">{escape(label)}</text>')
     body.append(f'<line x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}" stroke="{_TEXT}"/>')
-    body.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle" fill="{_TEXT}">{escape(xlabel)}</text>')
+    body.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle" fill="{_TEXT}">'
+                f'{escape(xlabel)}</text>')
     return _svg(width, height, title, body)

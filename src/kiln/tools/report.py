@@ -127,7 +127,8 @@ def load_traffic(path, engine) -> list[Request]:
                 try:
                     count = int(parts[-1].lstrip("x*"))
                 except ValueError:
-                    raise ConfigError(f"--traffic {path.name} line {no}: '{parts[-1]}' should be a request count.") from None
+                    raise ConfigError(f"--traffic {path.name} line {no}: "
+                                      f"'{parts[-1]}' should be a request count.") from None
                 line = " ".join(parts[:-1])
             entry = line.removeprefix("batch=").removeprefix("batch:")
             item = int(entry) if entry.isdigit() else line
@@ -250,7 +251,8 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
     requests = load_traffic(traffic, engine) if traffic else None
     rep = Report(engine=label, target=engine.target.describe(), on_gpu=engine.target.kind == "cuda",
                  device_note=common.device_note(engine.target), precision=engine.precision,
-                 versions=dict(engine.versions), created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                 versions=dict(engine.versions),
+                 created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  command=command, profiles=[p.to_json() for p in engine.profiles], latency_target=latency_target,
                  latency_stat=latency_stat)
 
@@ -430,7 +432,8 @@ def _answer(rep: Report) -> None:
             bits.append(f"{len(missed)} fusion(s) did not fire")
         if prec:
             bits.append(f"{len(prec)} layer(s) run above the requested precision"
-                        + (f" ({len(unexplained)} without a reason)" if unexplained else " (each with a recorded reason)"))
+                        + (f" ({len(unexplained)} without a reason)" if unexplained
+                           else " (each with a recorded reason)"))
         other = len(fs) - len(missed) - len(prec)
         if other:
             bits.append(f"{other} other finding(s)")
@@ -450,14 +453,18 @@ _CSS = """
 *{box-sizing:border-box}body{margin:0;background:var(--bg);color:var(--ink);
 font:14px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
 main{max-width:1040px;margin:0 auto;padding:24px}
-h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid var(--line);padding-bottom:4px}
+h1{font-size:22px;margin:0 0 4px}\
+h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid var(--line);padding-bottom:4px}
 .meta{color:#57606a;font-size:12.5px}
 section{background:#fff;border:1px solid var(--line);border-radius:8px;padding:14px 18px;margin:14px 0}
-table{border-collapse:collapse;width:100%;font-size:13px}th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);
-vertical-align:top}th{background:#f0f2f5;font-weight:600}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table{border-collapse:collapse;width:100%;font-size:13px}\
+th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);
+vertical-align:top}th{background:#f0f2f5;font-weight:600}\
+td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .badge{display:inline-block;min-width:64px;text-align:center;border-radius:12px;padding:1px 10px;font-weight:700;
 font-size:12px;color:#fff}
-.pass{background:var(--ok)}.fail{background:var(--bad)}.warn{background:var(--warn)}.unknown,.n\\/a{background:var(--unk)}
+.pass{background:var(--ok)}.fail{background:var(--bad)}.warn{background:var(--warn)}\
+.unknown,.n\\/a{background:var(--unk)}
 code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
 pre{background:#f6f8fa;border:1px solid var(--line);border-radius:6px;padding:8px;overflow-x:auto}
 .plots{display:flex;flex-wrap:wrap;gap:12px}.plots svg{background:#fff;max-width:100%;height:auto}
@@ -502,8 +509,8 @@ def render_html(rep: Report) -> str:
            '<meta name="viewport" content="width=device-width,initial-scale=1">',
            f"<title>Kiln report: {escape(rep.engine)}</title><style>{_CSS}</style></head><body><main>"]
     out.append(f"<h1>Kiln engine report: {escape(Path(rep.engine).name)}</h1>")
-    out.append(f'<div class="meta">{escape(rep.engine)} · {escape(rep.target)} · precision {escape(rep.precision)} · '
-               f'{escape(rep.created)}</div>')
+    out.append(f'<div class="meta">{escape(rep.engine)} · {escape(rep.target)} · '
+               f'precision {escape(rep.precision)} · {escape(rep.created)}</div>')
     if not rep.on_gpu:
         out.append(f'<p class="note"><b>Device:</b> {escape(rep.device_note)}.</p>')
     # summary
@@ -676,8 +683,8 @@ def render_markdown(rep: Report) -> str:
     else:
         j = b.timings.to_json()
         shape = ", ".join(f"{k}: {common.fmt_shape(v)}" for k, v in b.shapes.items())
-        L += [f"{b.device_note[0].upper() + b.device_note[1:]}; inputs {shape}; {b.mode}; {j['iterations']} timed runs; "
-              f"throughput {j['throughput_qps']:.2f} qps.", ""]
+        L += [f"{b.device_note[0].upper() + b.device_note[1:]}; inputs {shape}; {b.mode}; "
+              f"{j['iterations']} timed runs; throughput {j['throughput_qps']:.2f} qps.", ""]
         if rep.latency_target is not None:
             L += [f"Target: {rep.latency_stat} latency <= **{rep.latency_target:g} ms**.", ""]
         L += _md_table(["ms", "min", "median", "mean", "p90", "p95", "p99", "max"], _stat_rows(j))
@@ -700,7 +707,8 @@ def render_markdown(rep: Report) -> str:
               "would be rejected by every profile.", ""]
         L += _md_table(["Observed shape", "Requests", "Accepted by profile", "Rejections"],
                        [[r["shape"], r["count"], ", ".join(map(str, r["accepted_by"])) or "none",
-                         "; ".join(f"profile {i}: {why}" for i, why in r["reasons"].items()) or "-"] for r in c["rows"]])
+                         "; ".join(f"profile {i}: {why}" for i, why in r["reasons"].items()) or "-"]
+                        for r in c["rows"]])
     L += ["## 3. Accuracy", ""]
     cmp = rep.compare
     if cmp is not None:
@@ -765,7 +773,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--traffic", metavar="FILE", help="observed request shapes (JSON or text; see above)")
     p.add_argument("--reference", metavar="MODEL", help="the ONNX model (onnxruntime) or MODULE:FACTORY, for compare")
     p.add_argument("--data", metavar="FILE.npz", help="held-out inputs + 'labels' for the metric gate")
-    p.add_argument("--metric", action="append", metavar="NAME", help="top1, top5, mae or MODULE:FUNCTION (default top1)")
+    p.add_argument("--metric", action="append", metavar="NAME",
+                   help="top1, top5, mae or MODULE:FUNCTION (default top1)")
     p.add_argument("--budget", action="append", metavar="METRIC=DROP", help="e.g. top1=0.5")
     p.add_argument("--loadInputs", metavar="PATH", help="inputs for timing and compare (.npz, folder, NAME:FILE.npy)")
     p.add_argument("--shapes", default="", metavar="SPEC", help="input shapes to time at (default: profile opt)")
@@ -774,7 +783,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmUp", type=float, default=200.0, help="warm-up in ms (default 200)")
     p.add_argument("--profileIterations", type=int, default=5, help="layer-by-layer runs for the breakdown")
     p.add_argument("--no-bench", action="store_true", help="skip timing (the latency question stays unanswered)")
-    p.add_argument("--calibCache", metavar="FILE", help="the INT8/FP8 engine's calibration cache, for --calibValidation")
+    p.add_argument("--calibCache", metavar="FILE",
+                   help="the INT8/FP8 engine's calibration cache, for --calibValidation")
     p.add_argument("--calibValidation", metavar="DATA", help="validation inputs: flag tensors whose values fall "
                    "outside the calibrated ranges (clipping) and a calibration set too small or too uniform")
     p.add_argument("--json", metavar="FILE", help="also write the report's data as JSON")

@@ -170,7 +170,8 @@ def render(t: Timings, console) -> None:
                 f"percentile(95%) = {s['p95']:.4f} ms, percentile(99%) = {s['p99']:.4f} ms")
 
     console.print("=== Performance summary ===")
-    console.print(f"Throughput: {j['throughput_qps']:.2f} qps ({j['throughput_qps'] * t.batch:.1f} samples/s at batch {t.batch})")
+    console.print(f"Throughput: {j['throughput_qps']:.2f} qps "
+                  f"({j['throughput_qps'] * t.batch:.1f} samples/s at batch {t.batch})")
     console.print(line("Latency", j["latency_ms"]))
     console.print(line("Enqueue Time", j["enqueue_ms"]))
     if "h2d_ms" in j:

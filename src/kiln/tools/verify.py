@@ -49,7 +49,8 @@ def _class_scores(outputs: np.ndarray, labels: np.ndarray, k: int, name: str) ->
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
     if labels.ndim != 1:
-        raise InputError(f"{name} expects one class index per sample; 'labels' has shape {common.fmt_shape(labels.shape)}.")
+        raise InputError(f"{name} expects one class index per sample; "
+                         f"'labels' has shape {common.fmt_shape(labels.shape)}.")
     if labels.dtype.kind == "f":
         if not np.all(np.isfinite(labels)) or not np.all(labels == np.round(labels)):
             raise InputError(f"{name} expects integer class indices in 'labels'; they hold non-integer values.")
@@ -150,8 +151,8 @@ def load_data(data, input_names: list[str]) -> tuple[dict[str, np.ndarray], np.n
         raise InputError(f"{source}: {' and '.join(parts)}; the engine's inputs are {input_names}.")
     counts = {k: (np.shape(v)[0] if np.ndim(v) else None) for k, v in arrays.items()}
     if any(c is None for c in counts.values()):
-        raise InputError(f"{source}: every input needs a sample axis first; {[k for k, c in counts.items() if c is None]} "
-                         "are scalars.")
+        raise InputError(f"{source}: every input needs a sample axis first; "
+                         f"{[k for k, c in counts.items() if c is None]} are scalars.")
     if len(set(counts.values())) > 1:
         raise InputError(f"{source}: the inputs hold different numbers of samples (axis 0): {counts}.")
     n = next(iter(counts.values())) if counts else 0
