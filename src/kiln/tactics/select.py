@@ -156,8 +156,8 @@ class Selector:
         for idx, per_profile in self.totals.items():
             node = by_id[idx]
             runs = [per_profile[p] for p in sorted(per_profile)]
-            everywhere = set.intersection(*(set(r) for r in runs))
-            node.tactic = min(everywhere, key=lambda name: sum(r[name] for r in runs))
+            everywhere = [name for name in runs[0] if all(name in r for r in runs)]  # in timing order: ties resolve
+            node.tactic = min(everywhere, key=lambda name: sum(r[name] for r in runs))  # the same in every build
             n = max(len(self.engine.profiles), max(per_profile) + 1)
             best = [min(per_profile[p], key=per_profile[p].get) if p in per_profile else node.tactic
                     for p in range(n)]  # a profile that never ran the layer keeps the overall choice
