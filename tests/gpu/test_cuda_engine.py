@@ -221,9 +221,9 @@ def test_int8_pointwise_convolutions_are_timed_on_channels_last_inputs():
     assert pointwise and any(name.startswith("triton_qconv1x1_") for name in pointwise[0]["timings"]), pointwise
 
 
-def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
-    """BERT's out-projection at batch 1 (M = 128 rows): GemmSkipLayerNorm offers cuBLASLt + the norm kernel and
-    split-K GEMMs whose slices the norm kernel sums; every candidate is checked against the reference."""
+def _out_projection():
+    """BERT-base's attention out-projection and residual LayerNorm: y = LayerNorm(x @ w + b + r), x and r
+    [B, 128, 768]."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -233,8 +233,14 @@ def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
              helper.make_node("Add", ["lin", "r"], ["s"]),
              helper.make_node("LayerNormalization", ["s", "g", "beta"], ["y"], axis=-1, epsilon=1e-12)]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", 128, 768]) for n in ("x", "r", "y")]
-    model = helper.make_model(helper.make_graph(nodes, "out_proj", io[:2], io[2:], inits),
-                              opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(helper.make_graph(nodes, "out_proj", io[:2], io[2:], inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
+    """BERT's out-projection at batch 1 (M = 128 rows): GemmSkipLayerNorm offers cuBLASLt + the norm kernel and
+    split-K GEMMs whose slices the norm kernel sums; every candidate is checked against the reference."""
+    model = _out_projection()
     prof = kiln.Profile({"x": ((1, 128, 768),) * 3, "r": ((1, 128, 768),) * 3})
     eng = kiln.build(model, _cfg(fp16=True, profiles=[prof]))
     assert [n.op_type for n in eng.graph.nodes] == ["GemmSkipLayerNorm"]
@@ -249,17 +255,7 @@ def test_gemm_and_skip_layernorm_tactics_are_timed_and_right():
 
 def test_two_profiles_run_their_own_tactics_and_stay_right():
     """BERT's out-projection with a batch-1 profile (split-K offered) and a batch-8 one (M = 1024: not offered)."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float32), n)
-             for n, s in [("w", (768, 768)), ("b", (768,)), ("g", (768,)), ("beta", (768,))]]
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["lin"]),
-             helper.make_node("Add", ["lin", "r"], ["s"]),
-             helper.make_node("LayerNormalization", ["s", "g", "beta"], ["y"], axis=-1, epsilon=1e-12)]
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", 128, 768]) for n in ("x", "r", "y")]
-    model = helper.make_model(helper.make_graph(nodes, "out_proj", io[:2], io[2:], inits),
-                              opset_imports=[helper.make_opsetid("", 17)])
+    model = _out_projection()
     profs = [kiln.Profile({k: ((b, 128, 768),) * 3 for k in ("x", "r")}) for b in (1, 8)]
     eng = kiln.build(model, _cfg(fp16=True, profiles=profs))
     node, timed = eng.graph.nodes[0], eng.tactics[0]
