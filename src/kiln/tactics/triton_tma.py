@@ -12,27 +12,19 @@ for 10-13 of ResNet-50's 1x1 convolutions, and the engine ran 0-0.6% faster than
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import tactic
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(device_index: int) -> tuple[bool, int]:
-    """(TMA available, shared memory per block) for a CUDA device."""
-    props = torch.cuda.get_device_properties(device_index)
-    return (props.major, props.minor) >= (9, 0), int(getattr(props, "shared_memory_per_block_optin", 0) or 101376)
-
-
 def _device_ok(x: torch.Tensor, config, itemsize: int, epilogue_tiles: int) -> bool:
-    if not x.is_cuda:
+    """A Hopper-or-newer GPU (TMA) whose shared memory holds the configuration (triton_gemm's limit lookup)."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     from ..kernels.tma_gemm import smem_bytes
+    from .triton_gemm import _fits
 
-    tma, smem = _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return tma and smem_bytes(config, itemsize, epilogue_tiles) <= smem
+    return _fits(x, smem_bytes(config, itemsize, epilogue_tiles))
 
 
 def _quantized(node) -> str:
