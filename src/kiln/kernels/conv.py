@@ -296,20 +296,27 @@ def is_pointwise(node, x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None)
     return z is None or (tuple(z.shape) == (x.shape[0], w.shape[0], *x.shape[2:]) and pixel_rows(z) is not None)
 
 
+def pixels_as_nchw(ys, x: torch.Tensor):
+    """A pointwise layer's GEMM result over x's pixel rows ([N*H*W, OC], or a tuple: the result and its 8-bit
+    copy) as NCHW-shaped channels-last views, like conv2d's output."""
+    n, _, h, w = x.shape
+    if isinstance(ys, tuple):
+        return tuple(t.view(n, h, w, -1).permute(0, 3, 1, 2) for t in ys)
+    return ys.view(n, h, w, -1).permute(0, 3, 1, 2)
+
+
 def pointwise_as_gemm(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                       z: torch.Tensor | None = None, config: TileConfig = CONFIGS[0][0],
                       x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                       y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                       q_scale: torch.Tensor | None = None):
     """conv2d's result for an is_pointwise layer, computed by gemm.gemm; channels-last like conv2d's."""
-    N, _, H, W = x.shape
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
     ys = gemm.gemm(pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, node.attr("activation", ""),
                    node.attr("activation_params", []), config=config, precision=node.precision, qtype=qtype,
                    x_scale=x_scale, w_scale=w_scale, y_scale=y_scale, out_dtype=out_dtype,
                    z=pixel_rows(z) if z is not None else None, q_scale=q_scale)
-    ys = [t.view(N, H, W, -1).permute(0, 3, 1, 2) for t in (ys if q_scale is not None else (ys,))]
-    return ys[0] if q_scale is None else tuple(ys)
+    return pixels_as_nchw(ys, x)
 
 
 def reference(node, x, w, b=None, z=None):

@@ -96,9 +96,9 @@ def _run(config):
                            config=config, z=z, **quant)
         if not conv:
             return ys
-        n, _, h, wd = x.shape
-        ys = [t.view(n, h, wd, -1).permute(0, 3, 1, 2) for t in (ys if q_scale is not None else (ys,))]
-        return ys[0] if q_scale is None else tuple(ys)
+        from ..kernels.conv import pixels_as_nchw
+
+        return pixels_as_nchw(ys, x)
 
     return run
 
