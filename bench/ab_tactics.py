@@ -22,23 +22,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import kiln  # noqa: E402
-from bench.models import MODELS  # noqa: E402
+from bench.models import MODELS, export_onnx  # noqa: E402
 from bench.run import time_fn  # noqa: E402
 
 
-def export(model_name: str, batch: int) -> tuple[Path, dict]:
+def export(model_name: str, batch: int) -> tuple[str, dict]:
     """The bench model as ONNX with a dynamic batch, and one batch of its inputs."""
-    import onnx
-
     model, names, make = MODELS[model_name]()
     g = torch.Generator().manual_seed(0)
     feeds = make(batch, g)
-    dim = torch.export.Dim("batch", min=1, max=max(2, batch))
-    proto, _ = kiln.from_torch(model, tuple(make(2, g).values()), dynamic_shapes={k: {0: dim} for k in names},
-                               opset=18)
-    path = Path(tempfile.mkdtemp()) / f"{model_name}.onnx"
-    onnx.save(proto, str(path))
-    return path, feeds
+    return export_onnx(model, names, make(2, g), batch, Path(tempfile.mkdtemp()) / f"{model_name}.onnx"), feeds
 
 
 def main(argv=None) -> int:

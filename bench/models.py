@@ -54,6 +54,20 @@ def vit_b16():
 MODELS = {"resnet50": resnet50, "bert-base": bert_base, "vit-b16": vit_b16}
 
 
+def export_onnx(model, input_names, example: dict, max_batch: int, path) -> str:
+    """A bench model saved as ONNX at `path`, every input's batch axis dynamic (1..max_batch); the example
+    inputs have batch 2 (torch.export specializes a batch of 1)."""
+    import onnx
+
+    import kiln
+
+    dim = torch.export.Dim("batch", min=1, max=max(2, max_batch))
+    proto, _ = kiln.from_torch(model, tuple(example.values()), dynamic_shapes={k: {0: dim} for k in input_names},
+                               opset=18)
+    onnx.save(proto, str(path))
+    return str(path)
+
+
 def resnet50_module():
     """ResNet-50 alone, for `kiln bench --torch bench.models:resnet50_module` (same seed, same weights)."""
     return resnet50()[0]

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import kiln  # noqa: E402
-from bench.models import MODELS  # noqa: E402
+from bench.models import MODELS, export_onnx  # noqa: E402
 
 PEAK_FLOPS = 790e12  # measured dense bf16 matmul on the H200 here (BENCHMARKS.md)
 PEAK_BYTES = 4.3e12  # measured device copy bandwidth
@@ -172,14 +172,7 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
     cpu_sets = {b: [make_inputs(b, g) for _ in range(4)] for b in batches}
     print(f"[{name}] exporting to ONNX", flush=True)
     t0 = time.perf_counter()
-    batch_dim = torch.export.Dim("batch", min=1, max=max(2, *batches))  # the export example has batch 2
-    example = make_inputs(2, g)
-    dyn = {k: {0: batch_dim} for k in input_names}
-    onnx_model, _ = kiln.from_torch(model, tuple(example.values()), dynamic_shapes=dyn, opset=18)
-    onnx_path = str(onnx_dir / f"{name}.onnx")
-    import onnx
-
-    onnx.save(onnx_model, onnx_path)
+    onnx_path = export_onnx(model, input_names, make_inputs(2, g), max(batches), onnx_dir / f"{name}.onnx")
     export_s = time.perf_counter() - t0
 
     def shape_of(k, b):

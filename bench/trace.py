@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kiln  # noqa: E402
-from bench.models import MODELS  # noqa: E402
+from bench.models import MODELS, export_onnx  # noqa: E402
 from bench.run import kernel_events, time_fn  # noqa: E402
 
 
@@ -53,13 +53,7 @@ def main(argv=None) -> int:
     model, names, make = MODELS[args.model]()
     g = torch.Generator().manual_seed(0)
     feeds = make(args.batch, g)
-    dim = torch.export.Dim("batch", min=1, max=max(2, args.batch))
-    onnx_model, _ = kiln.from_torch(model, tuple(make(2, g).values()), dynamic_shapes={k: {0: dim} for k in names},
-                                    opset=18)
-    import onnx
-
-    path = Path(tempfile.mkdtemp()) / f"{args.model}.onnx"
-    onnx.save(onnx_model, str(path))
+    path = export_onnx(model, names, make(2, g), args.batch, Path(tempfile.mkdtemp()) / f"{args.model}.onnx")
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
     quant = {}
     if args.precision != "fp16":  # speed only: calibrated on random inputs
