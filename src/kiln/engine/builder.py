@@ -142,6 +142,8 @@ def _inputs_read_as_values(graph: Graph) -> list[str]:
 
 def _check_excluded_tactics(patterns) -> None:
     """Every --excludeTactics pattern names at least one tactic: a misspelt one would exclude nothing, silently."""
+    if not patterns:  # the common case: no reason to import every tactic module (Triton) at the start of a build
+        return
     import difflib
     import fnmatch
 
