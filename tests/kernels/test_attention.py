@@ -48,6 +48,15 @@ def test_broadcast_masks(mask_shape):
     _check(q, k, v, mask, k_transposed=True)
 
 
+def test_keys_that_fill_whole_blocks():
+    """Sk a multiple of BLOCK_N: the kernel drops its key-edge masking (EVEN_N)."""
+    q, k, v = _qkv(32, k_transposed=True, sk=32)
+    mask = _rand(B, 1, 1, 32, seed=4)
+    mask[..., :5] = float("-inf")
+    _check(q, k, v, mask, k_transposed=True)
+    _check(q, k, v, k_transposed=True)
+
+
 def test_causal_mask():
     q, k, v = _qkv(32, k_transposed=False, sk=SQ)
     causal = torch.full((SQ, SQ), float("-inf"), device=DEV).triu(1)

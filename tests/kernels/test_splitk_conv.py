@@ -76,6 +76,18 @@ def test_fp16_inputs():
     torch.testing.assert_close(y, conv.reference(node, x, w, b, z), atol=2e-2, rtol=2e-2)
 
 
+def test_one_kernel_leaves_its_workspace_zero_for_the_next_call():
+    """The last slice of each tile takes the sum and zeroes it and the tile's counter: a second call (as a
+    CUDA graph replays it) starts from zeros again and gives the same result."""
+    node = _node(3, pads=(1, 1, 1, 1), act="Relu")
+    x, w = _rand(1, 40, 6, 6, seed=9), _rand(20, 40, 3, 3, seed=10)
+    first = splitk_conv.conv2d_splitk(node, x, w, config=_small(3))
+    total, counters = splitk_conv.zeroed_workspace(x.device, 1, 1)
+    assert int(total.count_nonzero()) == 0 and int(counters.count_nonzero()) == 0
+    torch.testing.assert_close(splitk_conv.conv2d_splitk(node, x, w, config=_small(3)), first, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first, conv.reference(node, x, w), atol=1e-4, rtol=1e-4)
+
+
 def test_slices_cover_the_iterations_and_none_is_empty():
     assert splitk_conv.slicing(27, 4) == (7, 4)
     assert splitk_conv.slicing(10, 8) == (2, 5)  # 8 slices of 2 would leave 3 empty
@@ -115,7 +127,7 @@ def _meta(*shape, dtype=torch.float16):
 
 
 def test_offered_to_few_pixel_deep_k_layers_only(monkeypatch):
-    """ResNet-50's layer3/layer4 3x3 at batch 1 are offered every configuration; batch 32, the shallow layer1,
+    """ResNet-50's 3x3 convolutions at batch 1 are offered every configuration; batch 32, a 1x1 with K = 256,
     the RGB stem and FP32 without TF32 none. (No CUDA here: the device and shared-memory checks are stubbed.)"""
     from kiln.tactics import triton_gemm
 
@@ -130,7 +142,8 @@ def test_offered_to_few_pixel_deep_k_layers_only(monkeypatch):
     layer4, layer3 = (_meta(1, 512, 7, 7), _meta(512, 512, 3, 3)), (_meta(1, 256, 14, 14), _meta(256, 256, 3, 3))
     assert all(offered(*layer4, z=_meta(1, 512, 7, 7))) and all(offered(*layer3))
     assert not any(offered(_meta(32, 512, 7, 7), layer4[1]))  # 200 tiles of 64x64 fill the GPU
-    assert not any(offered(_meta(1, 64, 56, 56), _meta(64, 64, 3, 3)))  # K = 576
+    assert all(offered(_meta(1, 64, 56, 56), _meta(64, 64, 3, 3)))  # layer1's 3x3: K = 576, 49 tiles
+    assert not any(offered(_meta(1, 256, 56, 56), _meta(64, 256, 1, 1), node=_node(1)))  # K = 256
     stem = _node(7, strides=(2, 2), pads=(3, 3, 3, 3), act="Relu")
     assert not any(offered(_meta(1, 3, 224, 224), _meta(64, 3, 7, 7), node=stem))  # flat K walk
     fp32 = _meta(1, 512, 7, 7, dtype=torch.float32), _meta(512, 512, 3, 3, dtype=torch.float32)

@@ -28,6 +28,7 @@ import triton.language as tl
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)
 _INT32_MAX = 2**31 - 1
 
 
@@ -35,8 +36,9 @@ _INT32_MAX = 2**31 - 1
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_scale,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                       smb, smh, smm, smn, sob, soh, som, sod,
-                      HAS_MASK: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                      HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_N: tl.constexpr, NAN_GUARD: tl.constexpr,
+                      PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -52,7 +54,10 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
     k_base = k_ptr + b * skb + h * skh + rd[:, None] * skd  # k^T tile [BLOCK_D, BLOCK_N]
     v_base = v_ptr + b * svb + h * svh + rdv[None, :] * svd  # v tile [BLOCK_N, BLOCK_DV]
     if HAS_MASK:
-        mask_base = m_ptr + b * smb + h * smh + rm[:, None] * smm
+        if MASK_ROW:  # one mask row for every query (BERT's padding mask): load it once per key block
+            mask_base = m_ptr + b * smb + h * smh
+        else:
+            mask_base = m_ptr + b * smb + h * smh + rm[:, None] * smm
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -63,9 +68,13 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
         kt = tl.load(k_base + cols[None, :] * skn, mask=(rd[:, None] < D) & n_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
         if HAS_MASK:
-            s += tl.load(mask_base + cols[None, :] * smn, mask=m_ok[:, None] & n_ok[None, :],
-                         other=0.0).to(tl.float32) * 1.4426950408889634
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+            if MASK_ROW:
+                s += (tl.load(mask_base + cols * smn, mask=n_ok, other=0.0).to(tl.float32) * _LOG2E_C)[None, :]
+            else:
+                s += tl.load(mask_base + cols[None, :] * smn, mask=m_ok[:, None] & n_ok[None, :],
+                             other=0.0).to(tl.float32) * _LOG2E_C
+        if not EVEN_N:  # keys past the end (none when the block divides Sk)
+            s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys so far masked: nothing to subtract
         p = tl.math.exp2(s - m_ref[:, None])
@@ -194,7 +203,8 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
     _flash_fwd_kernel[grid](
         q4, k4, v4, m4, o4, H, sq, sk, d, dv, scale * _LOG2E,
         *q4.stride(), skb, skh, skn, skd, *v4.stride(), *ms, *o4.stride(),
-        HAS_MASK=mask is not None, NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision),
+        HAS_MASK=mask is not None, MASK_ROW=mask is not None and ms[2] == 0, EVEN_N=sk % config.block_n == 0,
+        NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -4,9 +4,15 @@ ResNet-50's late 3x3 convolutions at batch 1 have few output pixels (M = N*OH*OW
 deep reductions (K = KH*KW*C = 4608 or 2304): 64x64 output tiles give conv.py's kernel 8-16 programs
 on a GPU of 132 SMs, each streaming all of K. Here every (pixel tile, channel tile, slice) program
 walks 1/S of K's iterations (conv.py's two walks: by (kh, kw, channel block), or flat for small C)
-and stores its FP32 partial product in p [S, M, OC]; a second kernel sums the S slices and applies
-bias, residual z (broadcastable to the output, read through its strides) and the activation before
-the single store. S is the configuration's slice count, lowered so that no slice is empty.
+and adds its FP32 partial product into a zeroed FP32 sum [M, OC] with atomics. The last of a tile's S
+programs to arrive (a per-tile counter) applies bias, residual z (broadcastable to the output, read
+through its strides) and the activation to the sum before the single store, so the layer is one
+kernel: at batch 1 a second reduction kernel cost about as much as the split saved (2-3 us and a
+launch gap per layer), and a last program that summed S stored partials itself was slower still
+(11.5 us against 9 for layer4's 3x3, H200). That program also zeroes the tile's sum and counter for
+the next call. The atomics make the FP32 summation order vary from run to run (results differ in the
+last bits, as with any atomic split-K). S is the configuration's slice count, lowered so that no
+slice is empty.
 
 Float convolutions only (FP16/BF16 on Tensor Cores; FP32 exact or TF32 as the layer's precision says),
 groups == 1; the output is channels-last ([N, OH, OW, OC] in memory, an NCHW-shaped view), as conv2d's.
@@ -24,14 +30,14 @@ from .gemm import dot_precision, epilogue
 from .splitk_gemm import SplitKConfig
 
 _INT32_MAX = 2**31 - 1
-_REDUCE_BLOCK = 512  # output elements per program of the reduction
 
 
 @triton.jit
-def _partials_kernel(x_ptr, w_ptr, p_ptr, C, H, W, OC, OH, OW, M, KW, KTOT, iters, per_slice,
-                     sxn, sxc, sxh, sxw, swo, swc, swh, sww, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     PREC: tl.constexpr, FLAT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _splitk_conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, sum_ptr, count_ptr, C, H, W, OC, OH, OW, M, KW, KTOT,
+                        iters, per_slice, S, sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw,
+                        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
+                        HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+                        FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm, rn, oc, n, oh, ow, ih0, iw0 = conv.conv_tile(pid_m, pid_n, M, OC, OH, OW, stride_h, stride_w, pad_h, pad_w,
                                                      BLOCK_M, BLOCK_N)
@@ -47,37 +53,30 @@ def _partials_kernel(x_ptr, w_ptr, p_ptr, C, H, W, OC, OH, OW, M, KW, KTOT, iter
                             sww, dil_h, dil_w, FLAT)
         acc = tl.dot(a, b, acc, input_precision=PREC)
 
-    out = p_ptr + pid_s * M * OC + rm[:, None] * OC + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < OC))
-
-
-@triton.jit
-def _reduce_kernel(p_ptr, b_ptr, z_ptr, y_ptr, S, M, OC, OH, OW, szn, szc, szh, szw, p0, p1,
-                   HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # pixel * OC + oc: p's and y's (channels-last) offset
-    inside = offs < M * OC
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, S):
-        acc += tl.load(p_ptr + s * M * OC + offs, mask=inside, other=0.0)
-    oc = offs % OC
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + oc, mask=inside, other=0.0).to(tl.float32)
-    if HAS_Z:
-        pix = offs // OC
-        ow = pix % OW
-        oh = (pix // OW) % OH
-        n = pix // (OW * OH)
-        acc += tl.load(z_ptr + n * szn + oc * szc + oh * szh + ow * szw, mask=inside, other=0.0).to(tl.float32)
-    acc = epilogue(acc, ACT, p0, p1)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
+    offs = rm[:, None] * OC + rn[None, :]  # the sum's and y's (channels-last) offset of each tile element
+    inside = (rm[:, None] < M) & (rn[None, :] < OC)
+    tl.atomic_add(sum_ptr + offs, acc, mask=inside, sem="relaxed")  # spread over L2: no one program sums S tiles
+    tl.debug_barrier()  # every thread's share is added before the program's arrival is counted
+    tile = count_ptr + pid_m * tl.num_programs(1) + pid_n
+    if tl.atomic_add(tile, 1, sem="acq_rel") == S - 1:  # the last slice in: the sum is complete
+        tl.debug_barrier()
+        acc = tl.load(sum_ptr + offs, mask=inside, other=0.0, cache_modifier=".cg")
+        tl.store(sum_ptr + offs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=inside)  # for the next call
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + oc).to(tl.float32)[None, :]
+        if HAS_Z:
+            acc += tl.load(z_ptr + (n * szn + oh * szh + ow * szw)[:, None] + (oc * szc)[None, :]).to(tl.float32)
+        acc = epilogue(acc, ACT, p0, p1)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
+        tl.atomic_xchg(tile, 0)
 
 
 # ResNet-50 at batch 1, 64x64 tiles: layer4's 3x3 (M = 49, OC = 512, 72 K iterations of 64 channels) has
 # 8 output tiles, layer3's (M = 196, OC = 256, 36 iterations) 16; 4-16 slices make 32-224 programs. On the
 # H200 (2026-11-30) the builder chose them over cuDNN for 12 of ResNet-50's layers at batch 1 (s8 for 6,
 # s4 and s16 for 3 each), worth about 10 us of the engine's ~350 (same-process A/B, within run-to-run
-# noise). A 32x64 tile with 8 slices was never chosen and is no longer offered (each configuration is a
-# Triton compile in a cold build). The reduction's block size is untimed.
+# noise), when a second kernel still summed the slices. A 32x64 tile with 8 slices was never chosen and is
+# no longer offered (each configuration is a Triton compile in a cold build).
 CONFIGS = (SplitKConfig(4, 64, 64, 64), SplitKConfig(8, 64, 64, 64), SplitKConfig(16, 64, 64, 64))
 
 
@@ -115,20 +114,36 @@ def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     block_k, flat = conv.block_k_for(config, C)
     iters = k_iterations(config, w)
     per_slice, slices = slicing(iters, config.slices)
-    p = torch.empty((slices, M, OC), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, config.block_m), triton.cdiv(OC, config.block_n), slices)
-    _partials_kernel[grid](
-        x, w, p, C, H, W, OC, OH, OW, M, KW, KH * KW * C, iters, per_slice,
-        *x.stride(), *w.stride(), strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1],
-        PREC=dot_precision(x.dtype, node.precision), FLAT=flat,
+    y = torch.empty((N, OH, OW, OC), dtype=x.dtype, device=x.device)
+    total, counters = zeroed_workspace(x.device, M * OC, grid[0] * grid[1])
+    act, p0, p1, b, z, zs = conv.epilogue_operands(node, b, z, (N, OC, OH, OW))
+    _splitk_conv_kernel[grid](
+        x, w, b if b is not None else total, z if z is not None else total, y, total, counters,
+        C, H, W, OC, OH, OW, M, KW, KH * KW * C, iters, per_slice, slices,
+        *x.stride(), *w.stride(), *zs, strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
+        HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision), FLAT=flat,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-
-    y = torch.empty((N, OH, OW, OC), dtype=x.dtype, device=x.device)
-    act, p0, p1, b, z, zs = conv.epilogue_operands(node, b, z, (N, OC, OH, OW))
-    _reduce_kernel[(triton.cdiv(M * OC, _REDUCE_BLOCK),)](
-        p, b if b is not None else p, z if z is not None else p, y, slices, M, OC, OH, OW, *zs, p0, p1,
-        HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, BLOCK=_REDUCE_BLOCK,
-    )
     return y.permute(0, 3, 1, 2)
+
+
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured earlier still point at them
+
+
+def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP32 sum buffer and int32 tile counters for the current stream, zero between calls (each kernel
+    leaves them so) and reused by every call on the stream; per stream because kernels on two streams may
+    run at once. Allocated in the first, uncaptured warm-up call; one allocated during a capture is
+    zeroed by the graph itself."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    total, counters = _WORKSPACE.get(key, (None, None))
+    if total is None or total.numel() < sums or counters.numel() < tiles:
+        if total is not None:
+            _OUTGROWN.extend((total, counters))
+        total = torch.zeros(max(sums, 1 << 18), dtype=torch.float32, device=device)
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _WORKSPACE[key] = total, counters
+    return total, counters

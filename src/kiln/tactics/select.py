@@ -136,10 +136,11 @@ class Selector:
         excluded = {}
         for t in cands:
             try:
+                out = t.fn(node, *args)  # one-time work (cuDNN's plan search, a Triton compile) happens here
                 if synchronizes(lambda: t.fn(node, *args)):  # the reference may (data-dependent ops); a tactic not
                     excluded[t.name] = "synchronizes with the host: it would break the engine's CUDA graph"
                     continue
-                ok, err = _close(t.fn(node, *args), ref, node.precision)
+                ok, err = _close(out, ref, node.precision)
                 if not ok:
                     excluded[t.name] = f"numerically wrong ({err})"
                     continue

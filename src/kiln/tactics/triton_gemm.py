@@ -169,7 +169,8 @@ def _conv_splitk_applies(cfg):
 
 
 def _splitk_conv_worth_timing(node, x: torch.Tensor, w: torch.Tensor, cfg) -> bool:
-    """A channel-block convolution with few output tiles and a deep K (ResNet-50's layer3/layer4 3x3 at batch 1)."""
+    """A channel-block convolution with fewer output tiles than the GPU has SMs and a deep K (ResNet-50's
+    layer2-4 convolutions at batch 1)."""
     import triton
 
     from ..kernels import conv
@@ -177,8 +178,9 @@ def _splitk_conv_worth_timing(node, x: torch.Tensor, w: torch.Tensor, cfg) -> bo
     oh, ow = conv.geometry(node, x, w)[3]
     tiles = triton.cdiv(x.shape[0] * oh * ow, cfg.block_m) * triton.cdiv(w.shape[0], cfg.block_n)
     k = w.shape[1] * w.shape[2] * w.shape[3]
-    # < 64 tiles: unsplit, under half of an H200's 132 SMs work; K >= 1024: 16+ iterations of 64 to share out.
-    return x.shape[1] >= conv.FLAT_BELOW_C and tiles < 64 and k >= 1024
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    # unsplit, fewer tiles than SMs leave SMs idle; K >= 512: 8+ iterations of 64 to share out.
+    return x.shape[1] >= conv.FLAT_BELOW_C and tiles < sms and k >= 512
 
 
 def _conv_splitk_run(cfg):
