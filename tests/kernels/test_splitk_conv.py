@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kiln.ir.graph import Node
-from kiln.kernels import conv, splitk_conv
+from kiln.kernels import conv, splitk_conv, workspace
 from kiln.kernels.splitk_gemm import SplitKConfig
 from kiln.ops.fused import fused_conv
 
@@ -82,7 +82,7 @@ def test_one_kernel_leaves_its_workspace_zero_for_the_next_call():
     node = _node(3, pads=(1, 1, 1, 1), act="Relu")
     x, w = _rand(1, 40, 6, 6, seed=9), _rand(20, 40, 3, 3, seed=10)
     first = splitk_conv.conv2d_splitk(node, x, w, config=_small(3))
-    total, counters = splitk_conv.zeroed_workspace(x.device, 1, 1)
+    total, counters = workspace.zeroed_workspace(x.device, 1, 1)
     assert int(total.count_nonzero()) == 0 and int(counters.count_nonzero()) == 0
     torch.testing.assert_close(splitk_conv.conv2d_splitk(node, x, w, config=_small(3)), first, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(first, conv.reference(node, x, w), atol=1e-4, rtol=1e-4)

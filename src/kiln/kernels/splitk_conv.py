@@ -28,6 +28,7 @@ import triton.language as tl
 from . import conv
 from .gemm import dot_precision, epilogue
 from .splitk_gemm import SplitKConfig
+from .workspace import zeroed_workspace
 
 _INT32_MAX = 2**31 - 1
 
@@ -127,23 +128,3 @@ def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.permute(0, 3, 1, 2)
-
-
-_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured earlier still point at them
-
-
-def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP32 sum buffer and int32 tile counters for the current stream, zero between calls (each kernel
-    leaves them so) and reused by every call on the stream; per stream because kernels on two streams may
-    run at once. Allocated in the first, uncaptured warm-up call; one allocated during a capture is
-    zeroed by the graph itself."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    total, counters = _WORKSPACE.get(key, (None, None))
-    if total is None or total.numel() < sums or counters.numel() < tiles:
-        if total is not None:
-            _OUTGROWN.extend((total, counters))
-        total = torch.zeros(max(sums, 1 << 18), dtype=torch.float32, device=device)
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _WORKSPACE[key] = total, counters
-    return total, counters

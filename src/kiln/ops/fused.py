@@ -60,6 +60,13 @@ def fused_gemm(node, x, w, b=None):
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
 
 
+@register("PooledGemm", domain=KILN)
+def pooled_gemm(node, x, w, b=None):
+    """act(mean over H, W of x [N, C, H, W] @ w + b), w stored [C, N_out]: a CNN's global average pool and
+    classifier as one layer, so the pool's sums can feed the GEMM without a round trip through memory."""
+    return fused_gemm(node, x.mean(dim=(2, 3)), w, b)
+
+
 @register("Attention", domain=KILN, saturating_inputs=(3,))
 def attention(node, q, k, v, mask=None):
     """softmax(q @ k^T * scale + mask) @ v, as one layer (SDPA/flash class).

@@ -17,6 +17,7 @@ from . import (
     fuse_gemm,
     fuse_gemm_skip_layernorm,
     fuse_int4_weights,
+    fuse_pooled_gemm,
     fuse_qdq,
     fuse_rmsnorm,
     fuse_skip_layernorm,
@@ -42,6 +43,7 @@ PIPELINE = [
     fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8/FP8 layers (explicit quantization)
     fuse_conv,  # Conv + bias + residual Add + activation
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
+    fuse_pooled_gemm,  # global average pool + flatten + classifier GEMM -> one layer (a CNN's head)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
     merge_heads_as_view,  # sequence-first head merge after attention, batch-major: no copy

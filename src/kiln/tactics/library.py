@@ -168,6 +168,13 @@ def cublas_matmul(node, x, w, b=None):
     return _rowwise(lambda x: torch.matmul(x, w), x)
 
 
+# --- PooledGemm (a CNN's head) -----------------------------------------------------
+@tactic("PooledGemm", "mean_then_cublaslt", lambda n, a: a[0].dim() == 4 and _gemm_ok(n, a, ("", "Relu")))
+def mean_then_cublaslt(node, x, w, b=None):
+    """The unfused head's kernels: torch's mean over H and W, then cuBLASLt with its bias (+ ReLU) epilogue."""
+    return _addmm(x.mean(dim=(2, 3)), w, b, use_gelu=False if node.attr("activation", "") == "Relu" else None)
+
+
 # --- Attention ----------------------------------------------------------------
 def _sdpa(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -5,7 +5,8 @@ the builder's timer picks the configuration per layer and shape on the target GP
   FusedGemm  triton_gemm_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/gemm.py
   FusedConv  triton_conv_<BM>x<BN>x<BK>_w<warps>_s<stages>   kiln/kernels/conv.py
   FusedConv  triton_conv_splitk_s<slices>_<BM>x<BN>x<BK>_w<warps>_s<stages>  kiln/kernels/splitk_conv.py,
-             K split over the slices and summed by a second kernel; from level 3, few-pixel deep-K layers only
+             K split over the slices, summed with atomics; from level 3, few-tile deep-K layers only
+  PooledGemm triton_pooled_gemv_n<BN>_k<BK>_w<warps>        kiln/kernels/pooled_gemm.py, batch <= 8; level 3
   Attention  triton_flash_m<BM>_n<BN>_w<warps>_s<stages>     kiln/kernels/attention.py
   QGemm      triton_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>  gemm.py, INT8/FP8 (QUANT_CONFIGS)
   QConv      triton_qconv_<BM>x<BN>x<BK>_w<warps>_s<stages>  conv.py, INT8/FP8 (QUANT_CONFIGS)
@@ -251,6 +252,27 @@ def _splitk_run(cfg):
     return run
 
 
+def _pooled_gemv_applies(cfg):
+    def applies(node, args) -> bool:
+        from ..kernels import pooled_gemm
+
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else None
+        return isinstance(x, torch.Tensor) and x.is_cuda and pooled_gemm.supports(x, w, b, node.attr("activation", ""))
+
+    return applies
+
+
+def _pooled_gemv_run(cfg):
+    def run(node, x, w, b=None):
+        from ..kernels import pooled_gemm
+
+        return pooled_gemm.pooled_gemv(x, w, b, node.attr("activation", ""), node.attr("activation_params", []),
+                                       config=cfg)
+
+    return run
+
+
 # Float GEMM/convolution tiles are offered one level above their CONFIGS level. At level 4 on the H200
 # (2026-11-30) they made ResNet-50 faster (batch 1 0.427 -> 0.403 ms, batch 32 1.155 -> 1.110) and took
 # the cold build to 15 s; BERT's GEMMs stayed on cuBLAS at every batch. Too little for the default.
@@ -258,7 +280,7 @@ _LEVEL_SHIFT = 1
 
 
 def _register() -> None:
-    from ..kernels import attention, conv, gemm, splitk_conv, splitk_gemm
+    from ..kernels import attention, conv, gemm, pooled_gemm, splitk_conv, splitk_gemm
 
     def lvl(level):
         return min(5, level + _LEVEL_SHIFT)
@@ -279,6 +301,8 @@ def _register() -> None:
     for cfg, level in gemm.QUANT_CONFIGS:  # 1x1 convolutions through the GEMM kernel
         tactic("QConv", f"triton_qconv1x1_{cfg.name}", _conv_applies(cfg, True, pointwise=True),
                level=level)(_conv_run(cfg, True, pointwise=True))
+    for cfg in pooled_gemm.CONFIGS:
+        tactic("PooledGemm", f"triton_pooled_gemv_{cfg.name}", _pooled_gemv_applies(cfg), level=3)(_pooled_gemv_run(cfg))
     for cfg in splitk_gemm.CONFIGS:
         tactic("GemmSkipLayerNorm", f"triton_splitk_{cfg.name}", _splitk_applies(cfg), level=3)(_splitk_run(cfg))
 

@@ -1,0 +1,30 @@
+"""Zeroed FP32 sums and int32 arrival counters for kernels that reduce across programs with atomics.
+
+Such a kernel (splitk_conv.py, pooled_gemm.py) adds its programs' partial results into an FP32 sum;
+the last program of each output tile to arrive (an atomic counter per tile) applies the epilogue and
+zeroes the tile's sum and counter again. So the buffers are zero between calls and one pair serves
+every such layer on a stream: no memset kernel per call, and a CUDA graph replays the layers as they
+were captured. Per stream because kernels on two streams may run at the same time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured earlier still point at them
+
+
+def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP32 sums, int32 counters) for the current stream with at least `sums` and `tiles` elements.
+    Allocated in the first, uncaptured warm-up call of a layer; one allocated during a capture is
+    zeroed by the graph itself."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    total, counters = _BUFFERS.get(key, (None, None))
+    if total is None or total.numel() < sums or counters.numel() < tiles:
+        if total is not None:
+            _OUTGROWN.extend((total, counters))
+        total = torch.zeros(max(sums, 1 << 18), dtype=torch.float32, device=device)
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _BUFFERS[key] = total, counters
+    return total, counters
