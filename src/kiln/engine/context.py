@@ -362,8 +362,9 @@ class ExecutionContext:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too; measuring before that would undercount
         before = torch.cuda.memory_reserved(self.device)
-        with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: its per-stream workspaces (zeroed
-            self._forward(env, uploads, run_host=False, aux=True)  # by their kernels, kernels/workspace.py) serve
+        # Captured on the warm-up's stream, so the per-stream workspaces it allocated (kernels/workspace.py) serve
+        with torch.cuda.graph(graph, stream=side):
+            self._forward(env, uploads, run_host=False, aux=True)
             outs = self._collect(env, uploads)
         pool = torch.cuda.memory_reserved(self.device) - before
         self.stats.pool_bytes[str(list(inputs.values())[0].shape if inputs else ())] = pool

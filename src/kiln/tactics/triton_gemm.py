@@ -302,7 +302,8 @@ def _register() -> None:
         tactic("QConv", f"triton_qconv1x1_{cfg.name}", _conv_applies(cfg, True, pointwise=True),
                level=level)(_conv_run(cfg, True, pointwise=True))
     for cfg in pooled_gemm.CONFIGS:
-        tactic("PooledGemm", f"triton_pooled_gemv_{cfg.name}", _pooled_gemv_applies(cfg), level=3)(_pooled_gemv_run(cfg))
+        tactic("PooledGemm", f"triton_pooled_gemv_{cfg.name}", _pooled_gemv_applies(cfg),
+               level=3)(_pooled_gemv_run(cfg))
     for cfg in splitk_gemm.CONFIGS:
         tactic("GemmSkipLayerNorm", f"triton_splitk_{cfg.name}", _splitk_applies(cfg), level=3)(_splitk_run(cfg))
 
