@@ -9,8 +9,10 @@ work waits for the host (checks, input copies, graph launch).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +43,19 @@ def device_ms(fn, feeds: dict, iterations: int = 100) -> float:
     return time_fn(fn, [feeds], iterations, before=lambda: torch.cuda._sleep(2_000_000))["median_ms"]
 
 
+def host_us(fn, feeds: dict, iterations: int = 100) -> float:
+    """Median host time of one call, from entering fn to its return, with the GPU idle at the start of each:
+    what the host spends enqueueing (checks, input copies, graph launch), not the device work."""
+    times = []
+    for _ in range(iterations):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(feeds)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="bert-base", choices=sorted(MODELS))
@@ -66,13 +81,15 @@ def main(argv=None) -> int:
     run = lambda f: ctx.run(f, copy_outputs=False)  # noqa: E731
     # Timed before the profiler runs: once it has attached, every launch costs more host time.
     per_call, device = 1000 * time_fn(run, [dev_feeds], 100)["median_ms"], 1000 * device_ms(run, dev_feeds)
+    host = host_us(run, dev_feeds)
     rows = timeline(run, dev_feeds)
     busy, idle = sum(r["us"] for r in rows), sum(r["gap_us"] for r in rows)
     lines = [f"# {args.model} batch {args.batch} {args.precision} level {args.level}: one CUDA-graph replay",
              "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {len(engine.graph.nodes)} layers",
              f"{len(rows)} kernels, busy {busy:.1f} us, idle between kernels {idle:.1f} us, span {busy + idle:.1f} us",
              f"per call as bench/run.py times it {per_call:.1f} us; device time with the host hidden {device:.1f} us "
-             f"(so the device waits {per_call - device:.1f} us for the host)",
+             f"(so the device waits {per_call - device:.1f} us for the host); the call itself returns after "
+             f"{host:.1f} us of host time",
              "", "| # | gap us | kernel us | kernel |", "|---|---|---|---|"]
     lines += [f"| {i} | {r['gap_us']:.1f} | {r['us']:.1f} | `{r['kernel']}` |" for i, r in enumerate(rows)]
     text = "\n".join(lines) + "\n"
