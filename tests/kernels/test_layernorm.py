@@ -3,6 +3,8 @@ import torch
 
 from kiln.kernels import layernorm
 
+from .util import poisoned
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -25,12 +27,7 @@ def test_plain_layernorm_matches_torch(rows, cols):
     g = torch.Generator().manual_seed(rows + cols)
     x = torch.randn(rows, cols, generator=g).to(DEV) * 3 + 1
     gamma, beta = torch.randn(cols, generator=g).to(DEV), torch.randn(cols, generator=g).to(DEV)
-    real = torch.empty
-    try:  # poison the output the kernel allocates: any unwritten element stays NaN
-        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
-        y = layernorm.layernorm(x, gamma, beta, 1e-5)
-    finally:
-        torch.empty = real
+    y = poisoned(lambda: layernorm.layernorm(x, gamma, beta, 1e-5))  # any unwritten element stays NaN
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (cols,), gamma, beta, 1e-5), atol=1e-4, rtol=1e-4)
 
 
@@ -117,12 +114,7 @@ def test_norm_sums_split_k_partials_with_bias_and_skip(parts, rows, cols):
     p = torch.randn(parts, rows, cols, generator=g).to(DEV)
     bias, b = torch.randn(cols, generator=g).to(DEV), torch.randn(rows, cols, generator=g).to(DEV)
     gamma, beta = torch.randn(cols, generator=g).to(DEV), torch.randn(cols, generator=g).to(DEV)
-    real = torch.empty
-    try:  # poisoned outputs: any unwritten element stays NaN
-        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
-        y, s = layernorm.partials_layernorm(p, bias, b, gamma, beta, 1e-5)
-    finally:
-        torch.empty = real
+    y, s = poisoned(lambda: layernorm.partials_layernorm(p, bias, b, gamma, beta, 1e-5))  # unwritten: NaN
     ry, rs = layernorm.reference(p.sum(0) + bias, b, gamma, beta, 1e-5)
     torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s, rs, atol=1e-5, rtol=1e-5)

@@ -3,6 +3,8 @@ import torch
 
 from kiln.kernels import pooled_gemm, workspace
 
+from .util import poisoned
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -14,16 +16,6 @@ def _rand(*shape, seed=0, dtype=torch.float32):
 SMALL = pooled_gemm.GemvConfig(8, 16)  # several output tiles and channel blocks, ragged ends
 
 
-def _poisoned(fn):
-    """fn() with every torch.empty filled with NaN: an output element left unwritten stays NaN."""
-    real = torch.empty
-    try:
-        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
-        return fn()
-    finally:
-        torch.empty = real
-
-
 @pytest.mark.parametrize("channels_last", [True, False])
 @pytest.mark.parametrize("hw", [(3, 5), (9, 9)])  # 81 pixels: two pixel loads of 64
 def test_matches_reference(channels_last, hw):
@@ -31,7 +23,7 @@ def test_matches_reference(channels_last, hw):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     w, b = _rand(37, 21, seed=2), _rand(21, seed=3)
-    y = _poisoned(lambda: pooled_gemm.pooled_gemv(x, w, b, config=SMALL))
+    y = poisoned(lambda: pooled_gemm.pooled_gemv(x, w, b, config=SMALL))
     assert y.shape == (2, 21) and torch.isfinite(y).all()
     torch.testing.assert_close(y, pooled_gemm.reference(x, w, b), atol=1e-4, rtol=1e-4)
 

@@ -6,6 +6,8 @@ from kiln.kernels import conv, splitk_conv, workspace
 from kiln.kernels.splitk_gemm import SplitKConfig
 from kiln.ops.fused import fused_conv
 
+from .util import poisoned
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter's exp
 
@@ -40,16 +42,6 @@ CASES = {
 }
 
 
-def _poisoned(fn):
-    """fn() with every torch.empty filled with NaN: a partial or output element left unwritten stays NaN."""
-    real = torch.empty
-    try:
-        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
-        return fn()
-    finally:
-        torch.empty = real
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case):
     C, OC, node, slices, residual, cl, bias = CASES[case]
@@ -61,7 +53,7 @@ def test_matches_reference(case):
     z = {"full": _rand(2, OC, oh, ow, seed=4), "broadcast": _rand(1, OC, 1, ow, seed=4), None: None}[residual]
     cfg = _small(slices)
     assert splitk_conv.supports(node, x, w, b, z, cfg)
-    y = _poisoned(lambda: splitk_conv.conv2d_splitk(node, x, w, b, z, config=cfg))
+    y = poisoned(lambda: splitk_conv.conv2d_splitk(node, x, w, b, z, config=cfg))
     assert y.shape == (2, OC, oh, ow) and y.is_contiguous(memory_format=torch.channels_last)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y, conv.reference(node, x, w, b, z), atol=1e-4, rtol=1e-4)

@@ -3,6 +3,8 @@ import torch
 
 from kiln.kernels import splitk_gemm
 
+from .util import poisoned
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16 if DEV == "cuda" else torch.float32  # the interpreter runs FP32 dots exactly
 SMALL = splitk_gemm.SplitKConfig(3, 16, 16, 16, num_stages=1)
@@ -13,12 +15,7 @@ def test_partial_products_sum_to_the_gemm(M, K, N):
     g = torch.Generator().manual_seed(M + K + N)
     x = torch.randn(M, K, generator=g).to(DTYPE).to(DEV)
     w = torch.randn(K, N, generator=g).to(DTYPE).to(DEV)
-    real = torch.empty
-    try:  # poisoned output: a slice or tile left unwritten stays NaN
-        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
-        p = splitk_gemm.partial_products(x, w, SMALL)
-    finally:
-        torch.empty = real
+    p = poisoned(lambda: splitk_gemm.partial_products(x, w, SMALL))  # a slice or tile left unwritten stays NaN
     assert p.shape == (3, M, N) and p.dtype == torch.float32
     tol = 2e-2 if DTYPE == torch.float16 else 1e-4
     torch.testing.assert_close(p.sum(0), splitk_gemm.reference(x, w), atol=tol, rtol=tol)

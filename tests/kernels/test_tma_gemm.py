@@ -7,19 +7,10 @@ import torch
 from kiln.kernels import gemm, tma_gemm
 from kiln.kernels.gemm import TileConfig
 
+from .util import poisoned
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = TileConfig(16, 16, 32, 4, 2)  # small tiles: the test shapes span several, with ragged edges
-
-
-def _poisoned(fn):
-    """fn() with every buffer it allocates through torch.empty filled with NaN first: unwritten elements show."""
-    real = torch.empty
-    try:
-        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan")) if kw.get("dtype", torch.float32) \
-            .is_floating_point else real(*a, **kw).fill_(-77)
-        return fn()
-    finally:
-        torch.empty = real
 
 
 @pytest.mark.parametrize("M", [1, 37])  # not a multiple of the tile
@@ -32,7 +23,7 @@ def test_float_gemm_matches_the_reference(M, act, residual):
     b = torch.randn(N, generator=g).half().to(DEV)
     z = torch.randn(M, N, generator=g).half().to(DEV) if residual else None
     assert tma_gemm.supports(x, w, b, act, z=z)
-    y = _poisoned(lambda: tma_gemm.gemm(x, w, b, act, config=SMALL, z=z))
+    y = poisoned(lambda: tma_gemm.gemm(x, w, b, act, config=SMALL, z=z))
     want = gemm.reference(x, w, b, act).float() if z is None else torch.relu(x.float() @ w.float() + b.float()
                                                                               + z.float())
     torch.testing.assert_close(y.float(), want, atol=2e-3, rtol=2e-3)
@@ -57,7 +48,7 @@ def test_int8_gemm_matches_the_pointer_kernel(outputs):
               y_scale=torch.tensor(0.03, device=DEV) if outputs == "int8" else None,
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_gemm.supports(x, w, b, "Relu", "int8", z=z)
-    got = _poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw))
+    got = poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw))
     want = gemm.gemm(x, w, b, "Relu", config=gemm.TileConfig(16, 16, 32, 4, 2), **kw)
     for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
