@@ -38,11 +38,14 @@ def casts(entry, pos: int, a, want: torch.dtype | None) -> bool:
             and pos not in entry.host_inputs)
 
 
-def cast_input(entry, pos: int, a, want: torch.dtype | None):
-    """Input `pos` of a layer, cast to `want` where that applies (casts)."""
+def cast_input(entry, pos: int, a, want: torch.dtype | None, channels_last: bool = False):
+    """Input `pos` of a layer, cast to `want` where that applies (casts); channels_last: a 4-D input is
+    written in that layout by the same copy."""
     if not casts(entry, pos, a, want):
         return a
-    return saturating_cast(a, want) if pos in entry.saturating_inputs else a.to(want)
+    if pos in entry.saturating_inputs:
+        return saturating_cast(a, want)
+    return a.to(want, memory_format=torch.channels_last) if channels_last and a.dim() == 4 else a.to(want)
 
 
 def cast_for(node: Node, entry, args: list):
@@ -52,12 +55,8 @@ def cast_for(node: Node, entry, args: list):
     want = compute_type(node, entry)
     if want is None:
         return args
-    out = [cast_input(entry, i, a, want) for i, a in enumerate(args[1:], 1)]
-    x = args[0] if args else None
-    if len(args) > 1 and _channels_last_weights(args[1]) and casts(entry, 0, x, want) and x.dim() == 4 \
-            and 0 not in entry.saturating_inputs:
-        return [x.to(want, memory_format=torch.channels_last), *out]
-    return [cast_input(entry, 0, x, want), *out] if args else out
+    nhwc = len(args) > 1 and _channels_last_weights(args[1])
+    return [cast_input(entry, i, a, want, channels_last=nhwc and i == 0) for i, a in enumerate(args)]
 
 
 def _channels_last_weights(w) -> bool:
