@@ -252,15 +252,13 @@ def _splitk_run(cfg):
     return run
 
 
-def _pooled_gemv_applies(cfg):
-    def applies(node, args) -> bool:
-        from ..kernels import pooled_gemm
+def _pooled_gemv_applies(node, args) -> bool:
+    """Every configuration takes the same layers: the grid adapts to the shape."""
+    from ..kernels import pooled_gemm
 
-        x, w = args[0], args[1]
-        b = args[2] if len(args) > 2 else None
-        return isinstance(x, torch.Tensor) and x.is_cuda and pooled_gemm.supports(x, w, b, node.attr("activation", ""))
-
-    return applies
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    return isinstance(x, torch.Tensor) and x.is_cuda and pooled_gemm.supports(x, w, b, node.attr("activation", ""))
 
 
 def _pooled_gemv_run(cfg):
@@ -302,8 +300,7 @@ def _register() -> None:
         tactic("QConv", f"triton_qconv1x1_{cfg.name}", _conv_applies(cfg, True, pointwise=True),
                level=level)(_conv_run(cfg, True, pointwise=True))
     for cfg in pooled_gemm.CONFIGS:
-        tactic("PooledGemm", f"triton_pooled_gemv_{cfg.name}", _pooled_gemv_applies(cfg),
-               level=3)(_pooled_gemv_run(cfg))
+        tactic("PooledGemm", f"triton_pooled_gemv_{cfg.name}", _pooled_gemv_applies, level=3)(_pooled_gemv_run(cfg))
     for cfg in splitk_gemm.CONFIGS:
         tactic("GemmSkipLayerNorm", f"triton_splitk_{cfg.name}", _splitk_applies(cfg), level=3)(_splitk_run(cfg))
 
