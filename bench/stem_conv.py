@@ -1,0 +1,92 @@
+"""ResNet-50's stem convolution (7x7, stride 2, pad 3, 3 -> 64 channels, bias + ReLU, FP16 channels-last) by
+candidate, alone: which way of running a 3-channel convolution a tactic should offer.
+
+At batch 1 cuDNN's heuristic picks a 13.8 us kernel for it (16 TFLOP/s; bench/results/H200-trace-resnet50-b1.md),
+the largest kernel of the engine. Candidates: cuDNN as is; cuDNN with the channels zero-padded to 4 or 8 (the
+input cast could write the padding for free); im2col (one gather copy) then cuBLASLt with its bias+ReLU epilogue,
+K = 147 or padded to 160; Kiln's Triton implicit-GEMM convolution (flat K walk) at several tiles.
+Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder times tactics), us.
+
+    python bench/stem_conv.py > bench/results/H200-stem-conv.log        (GPU)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.ir.graph import Node  # noqa: E402
+from kiln.kernels import conv  # noqa: E402
+from kiln.kernels.gemm import TileConfig  # noqa: E402
+from kiln.tactics.timer import median_ms  # noqa: E402
+
+TRITON = [TileConfig(128, 64, 64, 4, 3), TileConfig(128, 64, 32, 4, 4), TileConfig(64, 64, 64, 4, 4),
+          TileConfig(64, 64, 32, 4, 4), TileConfig(256, 64, 32, 8, 3), TileConfig(128, 64, 16, 4, 4),
+          TileConfig(64, 64, 16, 4, 4), TileConfig(32, 64, 64, 4, 4)]
+
+
+def us(fn) -> str:
+    try:
+        return f"{median_ms(fn, runs=20) * 1000:.1f}"
+    except Exception as e:  # a candidate that does not compile or run here
+        return f"fail {type(e).__name__}: {str(e)[:150]}"
+
+
+def im2col_gemm(x, w, b, k_pad: int):
+    """Patches gathered by one copy (into a zero-padded [M, k_pad] buffer when k_pad > K), then addmm+ReLU."""
+    n, c, h, wd = x.shape
+    oc, _, kh, kw = w.shape
+    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 3, 3, 3, 3))  # NHWC, spatially padded
+    oh, ow = (h + 6 - kh) // 2 + 1, (wd + 6 - kw) // 2 + 1
+    s = xp.stride()
+    patches = xp.as_strided((n, oh, ow, kh, kw, c), (s[0], 2 * s[1], 2 * s[2], s[1], s[2], s[3]))
+    k = kh * kw * c
+    w2 = w.permute(0, 2, 3, 1).reshape(oc, k)
+    if k_pad > k:
+        rows = torch.zeros(n * oh * ow, k_pad, dtype=x.dtype, device=x.device)
+        rows[:, :k].view(n, oh, ow, kh, kw, c).copy_(patches)
+        w2 = F.pad(w2, (0, k_pad - k))
+    else:
+        rows = patches.reshape(n * oh * ow, k)
+    return torch._addmm_activation(b, rows, w2.t(), use_gelu=False)
+
+
+def main() -> None:
+    dev = "cuda"
+    print(f"# ResNet-50 stem convolution candidates, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    node = Node("FusedConv", ["x", "w", "b"], ["y"], {"strides": [2, 2], "pads": [3, 3, 3, 3],
+                                                     "activation": "Relu"}, domain="kiln")
+    g = torch.Generator(device=dev).manual_seed(0)
+    for batch in (1, 32):
+        x = torch.randn(batch, 3, 224, 224, device=dev, generator=g).half().contiguous(
+            memory_format=torch.channels_last)
+        w = (torch.randn(64, 3, 7, 7, device=dev, generator=g) / 12).half().contiguous(
+            memory_format=torch.channels_last)
+        b = torch.randn(64, device=dev, generator=g).half()
+        ref = F.relu(F.conv2d(x.float(), w.float(), b.float(), 2, 3))
+        print(f"\n## batch {batch}")
+
+        def row(name, fn):
+            y = fn()
+            y = y if y.dim() == 4 else y.view(batch, 112, 112, 64).permute(0, 3, 1, 2)  # im2col's [M, OC] rows
+            err = (y.float() - ref).abs().max().item()
+            print(f"{name}: {us(fn)} (err {err:.1e})", flush=True)
+
+        row("cudnn C=3", lambda: torch.cudnn_convolution_relu(x, w, b, [2, 2], [3, 3], [1, 1], 1))
+        for c in (4, 8):
+            xc = F.pad(x.permute(0, 2, 3, 1), (0, c - 3)).permute(0, 3, 1, 2)  # channels-last, zero channels
+            wc = F.pad(w.permute(0, 2, 3, 1), (0, c - 3)).permute(0, 3, 1, 2)
+            row(f"cudnn C={c} (padded outside the timing)",
+                lambda xc=xc, wc=wc: torch.cudnn_convolution_relu(xc, wc, b, [2, 2], [3, 3], [1, 1], 1))
+        for k_pad in (147, 160):
+            row(f"im2col K={k_pad} + addmm relu", lambda k_pad=k_pad: im2col_gemm(x, w, b, k_pad))
+        for cfg in TRITON:
+            row(f"triton flat {cfg.name}", lambda cfg=cfg: conv.conv2d(node, x, w, b, config=cfg))
+
+
+if __name__ == "__main__":
+    main()
