@@ -5,7 +5,7 @@ Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's sel
 8-bit operands are quantized as a calibrated engine holds them (per-channel INT8 / per-tensor FP8 weights,
 K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer sums and epilogue).
 
-    python bench/tma_sweep.py > bench/results/H200-tma-sweep.log        (GPU)
+    python bench/tma_sweep.py [SHAPE NAME PREFIX...] > bench/results/H200-tma-sweep.log        (GPU)
 """
 
 from __future__ import annotations
@@ -79,7 +79,10 @@ def sweep_8bit(x, w, b, act, qtype):
 
 
 def main() -> int:
+    only = sys.argv[1:]  # e.g. "bert ffn1": just the shapes whose names start so
     for name, M, K, N, act in SHAPES:
+        if only and not any(name.startswith(o) for o in only):
+            continue
         torch.manual_seed(0)
         x, w, b, rows = sweep_float(M, K, N, act)
         print(f"\n## {name} {M}x{K}x{N} {act} fp16\n" + "\n".join(rows))

@@ -36,6 +36,18 @@ _INT32_MAX = 2**31 - 1
 
 
 @triton.jit
+def erf(x):
+    """erf(x) in FP32 to within 1.5e-7 (Abramowitz & Stegun 7.1.26). A GELU epilogue runs it on every output
+    element with the whole accumulator tile live; libdevice's erff took BERT's FFN1 GEMM from about 34 us
+    without the GELU to 48-55 us with it (H200, 2026-11-30)."""
+    a = tl.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    r = 1.0 - p * tl.exp(-a * a)
+    return tl.where(x < 0.0, -r, r)
+
+
+@triton.jit
 def epilogue(y, ACT: tl.constexpr, p0, p1):
     """act(y) in FP32; p0/p1 are the activation's parameters (LeakyRelu alpha, Clip bounds)."""
     if ACT == "Relu":
@@ -51,7 +63,7 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
     elif ACT == "HardSwish":
         y = y * tl.minimum(tl.maximum(y + 3.0, 0.0), 6.0) * (1.0 / 6.0)
     elif ACT == "GeluErf":
-        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+        y = 0.5 * y * (1.0 + erf(y * 0.7071067811865476))
     elif ACT == "GeluTanh":  # tanh(u) = 2 sigmoid(2u) - 1
         u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         y = y * tl.sigmoid(2.0 * u)  # 0.5 * y * (1 + tanh(u))
