@@ -21,6 +21,18 @@ def test_skip_layernorm_matches_reference(rows, cols, with_beta):
     torch.testing.assert_close(s, rs)
 
 
+def test_fp32_gamma_and_beta_with_fp16_rows():
+    # 8-bit engines keep the norm's weights in FP32 while its rows are FP16: the tactics pass them as stored
+    g = torch.Generator().manual_seed(11)
+    a, b = (torch.randn(4, 48, generator=g).half().to(DEV) for _ in range(2))
+    gamma, beta = torch.randn(48, generator=g).to(DEV), torch.randn(48, generator=g).to(DEV)
+    y, s = layernorm.skip_layernorm(a, b, gamma, beta, 1e-5)
+    assert y.dtype == s.dtype == torch.float16
+    ry, rs = layernorm.reference(a, b, gamma, beta, 1e-5)
+    torch.testing.assert_close(y, ry, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(s, rs)
+
+
 @pytest.mark.parametrize("rows, cols", [(1, 7), (5, 33)])
 def test_plain_layernorm_matches_torch(rows, cols):
     # the LayerNormalization tactic: no residual
