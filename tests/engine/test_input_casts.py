@@ -36,3 +36,36 @@ def test_a_convolution_input_is_cast_into_its_channels_last_weights_layout_in_on
     torch.testing.assert_close(got, x.half(), atol=0, rtol=0)
     plain = cast_for(node, entry, [x, w])[0]  # NCHW weights (CPU builds): the input stays NCHW
     assert plain.dtype == torch.float16 and plain.is_contiguous()
+
+
+def test_a_skip_layernorm_scale_stays_fp32():
+    # the 8-bit copy's scale is shared with the quantized GEMM that reads the copy: never narrowed per call
+    node = Node("SkipLayerNorm", ["a", "b", "g", "beta", "s"], ["y", "sum", "q"], {"qtype": "int8"}, domain="kiln")
+    node.precision = "float16"
+    a = torch.randn(2, 8).half()
+    args = cast_for(node, lookup("SkipLayerNorm", "kiln"), [a, a, torch.ones(8), torch.zeros(8), torch.tensor(0.02)])
+    assert [t.dtype for t in args] == [torch.float16] * 4 + [torch.float32]
+
+
+def test_a_weight_shared_with_an_fp32_layer_gets_an_fp16_copy():
+    """Exporters share identical constants; the FP16 reader gets its own FP16 copy (no cast in every run) and the
+    layer pinned to FP32 keeps the original."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+
+    c = numpy_helper.from_array(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8), "c")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "c"], ["h"], name="in_fp16"),
+         helper.make_node("MatMul", ["h", "c"], ["y"], name="in_fp32")],
+        "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    eng = kiln.build(model, kiln.BuildConfig(fp16=True, layer_precisions={"in_fp32": "fp32"}, progress=False))
+    readers = {n.precision: n.inputs[1] for n in eng.graph.nodes if n.inputs[1:2] and n.inputs[1].startswith("c")}
+    assert eng.graph.initializers[readers["float16"]].dtype == torch.float16
+    assert eng.graph.initializers[readers["float32"]].dtype == torch.float32
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    cv = numpy_helper.to_array(c)
+    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], x @ cv @ cv, rtol=2e-2, atol=2e-2)

@@ -3,8 +3,8 @@
 FP16/BF16 builds run every layer in the requested precision except ops whose
 registry entry says why they must stay FP32 (e.g. large sums overflow FP16);
 those stay FP32 and the engine records the reason. Shape arithmetic (host
-nodes) always keeps its original types. Weights used only by low-precision
-layers are stored in that precision.
+nodes) always keeps its original types. Weights low-precision layers read are
+stored in that precision (in a copy where other layers read them as stored).
 """
 
 from __future__ import annotations
@@ -66,18 +66,32 @@ def assign(graph: Graph, precision: str) -> None:
 
 
 def _cast_weights(graph: Graph) -> None:
-    uses: dict[str, set] = {}
+    """FP16/BF16 layers' weights are stored in that type, so that no replay casts them. A weight that other
+    layers read as it is (host layers, quantized layers, scale inputs) or in another precision gets a cast
+    copy for each low precision's readers: the ONNX exporter shares identical constants (randomly initialized
+    BERT's zero biases, read by LayerNorms and by 8-bit GEMMs), and a shared FP32 beta cost every replay a copy
+    kernel per norm."""
+    uses: dict[str, dict] = {}  # weight -> its readers' precision (None: read as stored) -> [(node, input position)]
     for node in graph.nodes:
         entry = lookup(node.op_type, node.domain)
         for pos, name in enumerate(node.inputs):
             if name in graph.initializers:
-                keep = node.placement == "host" or entry.keeps_input_types or pos in entry.host_inputs
-                uses.setdefault(name, set()).add(None if keep else node.precision)
+                keep = (node.placement == "host" or entry.keeps_input_types or pos in entry.host_inputs
+                        or pos in entry.uncast_inputs)
+                uses.setdefault(name, {}).setdefault(None if keep else node.precision, []).append((node, pos))
     outputs = {v.name for v in graph.outputs}
-    for name, precs in uses.items():
+    for name, readers in uses.items():
         w = graph.initializers[name]
-        if len(precs) == 1 and (p := next(iter(precs))) in _LOW and w.dtype == torch.float32 and name not in outputs:
-            graph.initializers[name] = saturating_cast(w, _LOW[p])
+        if w.dtype != torch.float32 or name in outputs:
+            continue
+        for p in [p for p in readers if p in _LOW]:
+            if len(readers) == 1:  # every reader in this precision: cast in place
+                graph.initializers[name] = saturating_cast(w, _LOW[p])
+                continue
+            copy = f"{name}.{p}"
+            graph.initializers[copy] = saturating_cast(w, _LOW[p])
+            for node, pos in readers[p]:
+                node.inputs[pos] = copy
 
 
 def saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -87,7 +87,7 @@ def attention(node, q, k, v, mask=None):
     return torch.matmul(probs.to(v.dtype), v)
 
 
-@register("SkipLayerNorm", domain=KILN)
+@register("SkipLayerNorm", domain=KILN, uncast_inputs=(4,))
 def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
     """LayerNorm(a + b) over the last axis; second output is the sum (residual stream). With q_scale (input 4,
     attribute qtype), a third output: the normalized rows as 8-bit values for the quantized layers that read

@@ -42,6 +42,8 @@ class OpEntry:
     keep_fp32: str | None = None
     # Ops whose inputs are not cast to the layer precision (Cast, Q/DQ, ...).
     keeps_input_types: bool = False
+    # Input positions never cast (quantization scales: FP32 like those of the layers that share them).
+    uncast_inputs: tuple[int, ...] = ()
     # Input positions narrowed to the layer precision saturating (finite stays finite): an attention
     # mask's "masked" constant, float32's lowest value, must not become -inf in FP16.
     saturating_inputs: tuple[int, ...] = ()
