@@ -245,7 +245,9 @@ def _splitk_run(cfg):
         from ..kernels import layernorm, splitk_gemm
 
         parts = splitk_gemm.partial_products(_flat_rows(x), w, cfg)
-        return layernorm.partials_layernorm(parts, bias, skip, gamma, beta, node.attr("epsilon", 1e-5),
+        return layernorm.partials_layernorm(parts, bias, skip, gamma.to(skip.dtype),
+                                            beta.to(skip.dtype) if beta is not None else None,
+                                            node.attr("epsilon", 1e-5),
                                             write_sum=bool(node.outputs[1:] and node.outputs[1]))
     return run
 

@@ -18,10 +18,8 @@ def _skip_ln_ok(node, args) -> bool:
 def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None):
     from ..kernels import layernorm
 
-    # gamma and beta go in as stored (FP32 in 8-bit engines): the kernel reads them into FP32 itself, where a cast
-    # here would add two copy kernels per norm to every call (48 of them in FP8 BERT-base).
-    return layernorm.skip_layernorm(a, b, gamma, beta, node.attr("epsilon", 1e-5),
-                                    write_sum=bool(node.outputs[1:] and node.outputs[1]),
+    return layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
+                                    node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]),
                                     q_scale=q_scale, qtype=node.attr("qtype", "int8"))
 
 
@@ -56,7 +54,8 @@ def _layernorm_ok(node, args) -> bool:
 def triton_layernorm(node, x, gamma, beta=None):
     from ..kernels import layernorm
 
-    return layernorm.layernorm(x, gamma, beta, node.attr("epsilon", 1e-5))  # gamma, beta as stored: see above
+    return layernorm.layernorm(x, gamma.to(x.dtype), beta.to(x.dtype) if beta is not None else None,
+                               node.attr("epsilon", 1e-5))
 
 
 def _rms_norm_ok(node, args) -> bool:
@@ -69,7 +68,7 @@ def _rms_norm_ok(node, args) -> bool:
 def triton_rms_norm(node, x, gamma):
     from ..kernels import layernorm
 
-    return layernorm.rms_norm(x, gamma, node.attr("epsilon", 1e-6))
+    return layernorm.rms_norm(x, gamma.to(x.dtype), node.attr("epsilon", 1e-6))
 
 
 def _softmax_ok(node, args) -> bool:
