@@ -69,3 +69,43 @@ def test_a_weight_shared_with_an_fp32_layer_gets_an_fp16_copy():
     x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
     cv = numpy_helper.to_array(c)
     np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], x @ cv @ cv, rtol=2e-2, atol=2e-2)
+
+
+def test_a_quantized_engine_narrows_no_weight_in_its_runs(monkeypatch):
+    """An FP16 + INT8 build of GEMM -> residual LayerNorm -> GEMM whose LayerNorm beta and first bias are one shared
+    zero constant (as the exporter writes a freshly initialized BERT): the norm's beta and its 8-bit copy's scale
+    reach it without a cast in every run (before: one copy kernel each per norm)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+    from kiln.engine import interpreter
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32) / 4, n) for n in ("w1", "w2")]
+    inits += [numpy_helper.from_array(np.zeros(16, np.float32), "zeros"),
+              numpy_helper.from_array(np.ones(16, np.float32), "gamma")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"]), helper.make_node("Add", ["m1", "zeros"], ["a1"]),
+             helper.make_node("Add", ["a1", "x"], ["res"]),
+             helper.make_node("LayerNormalization", ["res", "gamma", "zeros"], ["h"], axis=-1),
+             helper.make_node("MatMul", ["h", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    calib = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(25)]  # 100 samples
+    eng = kiln.build(model, kiln.BuildConfig(fp16=True, int8=True, calib=calib, progress=False))
+    assert {n.op_type for n in eng.graph.nodes} >= {"QGemm", "SkipLayerNorm"}
+    ctx = eng.create_execution_context()
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    ctx.run({"x": x})  # first run: host values and uploads
+    narrowed = []
+    real = interpreter.cast_input
+
+    def spy(entry, pos, a, want, channels_last=False):
+        if interpreter.casts(entry, pos, a, want):
+            narrowed.append((entry.op_type, pos, tuple(a.shape)))
+        return real(entry, pos, a, want, channels_last)
+
+    monkeypatch.setattr(interpreter, "cast_input", spy)
+    ctx.run({"x": x})
+    assert [c for c in narrowed if c[2] != (4, 16)] == []  # only the FP32 input itself may be cast
