@@ -68,9 +68,9 @@ def assign(graph: Graph, precision: str) -> None:
 def _cast_weights(graph: Graph) -> None:
     """FP16/BF16 layers' weights are stored in that type, so that no replay casts them. A weight that other
     layers read as it is (host layers, quantized layers, scale inputs) or in another precision gets a cast
-    copy for each low precision's readers: the ONNX exporter shares identical constants (randomly initialized
-    BERT's zero biases, read by LayerNorms and by 8-bit GEMMs), and a shared FP32 beta cost every replay a copy
-    kernel per norm."""
+    copy for each low precision's readers. Exported models share identical constants (a freshly initialized
+    BERT's zero biases are one initializer, read by its LayerNorms and by its 8-bit GEMMs), and such a beta,
+    left FP32, cost every replay one copy kernel per norm."""
     uses: dict[str, dict] = {}  # weight -> its readers' precision (None: read as stored) -> [(node, input position)]
     for node in graph.nodes:
         entry = lookup(node.op_type, node.domain)
