@@ -89,6 +89,8 @@ def _cast_weights(graph: Graph) -> None:
                 graph.initializers[name] = saturating_cast(w, _LOW[p])
                 continue
             copy = f"{name}.{p}"
+            while copy in graph.initializers:  # a name the model already uses
+                copy += "_"
             graph.initializers[copy] = saturating_cast(w, _LOW[p])
             for node, pos in readers[p]:
                 node.inputs[pos] = copy
