@@ -35,7 +35,7 @@ def compute_type(node: Node, entry) -> torch.dtype | None:
 def casts(entry, pos: int, a, want: torch.dtype | None) -> bool:
     """Whether input `pos` of a layer is cast to `want` (float tensors of another type; not shape arguments)."""
     return (want is not None and isinstance(a, torch.Tensor) and a.dtype in FLOAT_TYPES and a.dtype != want
-            and pos not in entry.host_inputs and pos not in entry.uncast_inputs)
+            and entry.narrows(pos))
 
 
 def cast_input(entry, pos: int, a, want: torch.dtype | None, channels_last: bool = False):

@@ -76,8 +76,7 @@ def _cast_weights(graph: Graph) -> None:
         entry = lookup(node.op_type, node.domain)
         for pos, name in enumerate(node.inputs):
             if name in graph.initializers:
-                keep = (node.placement == "host" or entry.keeps_input_types or pos in entry.host_inputs
-                        or pos in entry.uncast_inputs)
+                keep = node.placement == "host" or not entry.narrows(pos)
                 uses.setdefault(name, {}).setdefault(None if keep else node.precision, []).append((node, pos))
     outputs = {v.name for v in graph.outputs}
     for name, readers in uses.items():

@@ -54,6 +54,10 @@ class OpEntry:
     check: Callable[[Node], str | None] | None = None
     since: int = 1  # lowest opset Kiln implements for this op
 
+    def narrows(self, pos: int) -> bool:
+        """Whether input `pos` takes the layer's float precision (else it is read as stored)."""
+        return not self.keeps_input_types and pos not in self.host_inputs and pos not in self.uncast_inputs
+
 
 _REGISTRY: dict[tuple[str, str], OpEntry] = {}
 
