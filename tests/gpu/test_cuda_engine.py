@@ -64,6 +64,18 @@ def test_reduced_precision_engines_stay_close(prec):
     torch.testing.assert_close(low.run({"image": x})["probs"], ref.run({"image": x})["probs"], rtol=tol, atol=tol)
 
 
+def test_the_rgb_stem_runs_over_four_channels_in_fp16_and_stays_right():
+    model, prof = tiny_cnn(), [kiln.Profile(dict(DEFAULT_PROFILE))]
+    fp16 = kiln.build(model, _cfg(profiles=prof, fp16=True))
+    assert len(fp16.padded_channels) == 1  # the stem reads the image; the second convolution keeps 16 channels
+    w = fp16.weights_on_target()[fp16.padded_channels[0]]
+    assert w.shape[1] == 4 and w.is_contiguous(memory_format=torch.channels_last)
+    ref = kiln.build(model, _cfg(profiles=prof)).create_execution_context()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    torch.testing.assert_close(fp16.create_execution_context().run({"image": x})["probs"],
+                               ref.run({"image": x})["probs"], rtol=1e-2, atol=1e-2)
+
+
 def test_engine_is_stamped_with_this_gpu_and_refused_elsewhere(tmp_path):
     eng = kiln.build(mlp(), _cfg(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})]))
     path = tmp_path / "mlp.kiln"

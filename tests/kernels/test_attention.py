@@ -57,6 +57,16 @@ def test_keys_that_fill_whole_blocks():
     _check(q, k, v, k_transposed=True)
 
 
+def test_queries_keys_and_head_dim_that_fill_whole_blocks():
+    """Sq, Sk multiples of the tile and a power-of-two head dim: every mask is dropped (EVEN_M/N/D)."""
+    q, k, v = _qkv(32, k_transposed=False, sq=32, sk=48)
+    mask = _rand(B, 1, 1, 48, seed=4)
+    out = torch.full((B, H, 32, 32), float("nan"), device=DEV)
+    got = attention.flash_attention(q, k, v, mask, config=SMALL, out=out)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(got, attention.reference(q, k, v, mask), atol=1e-4, rtol=1e-4)
+
+
 def test_causal_mask():
     q, k, v = _qkv(32, k_transposed=False, sk=SQ)
     causal = torch.full((SQ, SQ), float("-inf"), device=DEV).triu(1)

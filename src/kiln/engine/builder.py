@@ -209,6 +209,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
                 "method": calibration.method, "samples": calibration.samples, "tensors": len(calibration.amax),
                 "cache": config.calib_cache}
         engine.channels_last = layout.channels_last_weights(graph, target.kind, config.precision)
+        engine.padded_channels = layout.padded_channel_weights(graph, engine.channels_last)
         engine.column_major = layout.column_major_weights(graph, target.kind)
         # Random values cannot stand in for inputs a layer reads as numbers (a Range delta, a Slice end).
         value_inputs = _inputs_read_as_values(graph)

@@ -31,6 +31,8 @@ class Engine:
     tactics: list[dict] = field(default_factory=list)
     # Convolution weights stored channels-last on the device (NHWC: Tensor Core friendly).
     channels_last: list[str] = field(default_factory=list)
+    # Of those, [K, 3, R, S] stem weights stored with a fourth, zero input channel (kiln/engine/layout.py).
+    padded_channels: list[str] = field(default_factory=list)
     column_major: list[str] = field(default_factory=list)  # 2-D weights stored transposed (kiln/engine/layout.py)
     _device_weights: dict | None = field(default=None, repr=False)
 
@@ -105,11 +107,13 @@ class Engine:
         if self._device_weights is None:
             dev = self.target.device
             host = self.host_weight_names()
-            nhwc, kmajor = set(self.channels_last), set(self.column_major)
+            nhwc, kmajor, padded = set(self.channels_last), set(self.column_major), set(self.padded_channels)
 
             def placed(k, t):
                 if k in host:
                     return t
+                if k in padded:
+                    t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 4 - t.shape[1]))
                 if k in nhwc:
                     return t.to(dev, memory_format=torch.channels_last)
                 return t.to(dev).t().contiguous().t() if k in kmajor else t.to(dev)

@@ -2,7 +2,10 @@
 
 Tensor Core convolution kernels want NHWC; storing the weights channels-last
 makes cuDNN pick NHWC kernels and their outputs stay NHWC down the network, so
-no transposes are added. Hopper's 8-bit Tensor Core instruction (wgmma) and
+no transposes are added. An RGB stem convolution reading a model input also gets
+a fourth, zero input channel: cuDNN's 4-channel kernels are a third faster, and
+the input's cast into channels-last writes the zero channel in the same copy
+(kernels/pad_channels.py). Hopper's 8-bit Tensor Core instruction (wgmma) and
 cuBLASLt's FP8 GEMM take both operands K-major, so INT8/FP8 GEMM weights [K, N]
 are stored column-major. The logical shapes (and the ONNX graph) do not change.
 """
@@ -28,6 +31,16 @@ def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> lis
     if target_kind != "cuda" or precision == "float32":
         return []
     return _weights(graph, ("Conv", "FusedConv", "QConv"), 4)
+
+
+def padded_channel_weights(graph: Graph, channels_last: list[str]) -> list[str]:
+    """Channels-last weights [K, 3, R, S] of convolutions that read a model input: stored as [K, 4, R, S], the
+    fourth channel zero (the engine's input cast pads the image to match; interpreter.cast_for)."""
+    inputs = {v.name for v in graph.inputs}
+    nhwc = set(channels_last)
+    return sorted({n.inputs[1] for n in graph.nodes if n.op_type in ("Conv", "FusedConv") and n.inputs[0] in inputs
+                   and len(n.inputs) > 1 and n.inputs[1] in nhwc and graph.initializers[n.inputs[1]].shape[1] == 3
+                   and n.attr("group", 1) == 1})
 
 
 def column_major_weights(graph: Graph, target_kind: str) -> list[str]:

@@ -55,6 +55,7 @@ def manifest_of(engine: Engine) -> dict:
         "findings": engine.findings,
         "tactics": engine.tactics,
         "channels_last": engine.channels_last,
+        "padded_channels": engine.padded_channels,
         "column_major": engine.column_major,
         "bindings": engine.bindings(),
         "layers": [
@@ -189,7 +190,7 @@ def load(path, device: str = "auto") -> Engine:
         build_config=m["build_config"], capturable=m["capturable"], arena_bytes=m.get("arena_bytes", []),
         versions=m["versions"], build_seconds=m.get("build_seconds"), findings=m.get("findings", []),
         tactics=m.get("tactics", []), channels_last=m.get("channels_last", []),
-        column_major=m.get("column_major", []),
+        padded_channels=m.get("padded_channels", []), column_major=m.get("column_major", []),
     )
 
 

@@ -36,9 +36,9 @@ _INT32_MAX = 2**31 - 1
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_scale,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                       smb, smh, smm, smn, sob, soh, som, sod,
-                      HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_N: tl.constexpr, NAN_GUARD: tl.constexpr,
-                      PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr):
+                      HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                      EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -47,10 +47,17 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     rdv = tl.arange(0, BLOCK_DV)
-    m_ok = rm < SQ
+    # EVEN_*: the block divides that size, so its mask is a constant true Triton drops (loads and stores vectorize)
+    m_ok = (tl.arange(0, BLOCK_M) < BLOCK_M) if EVEN_M else (rm < SQ)
+    if EVEN_D:
+        d_ok = rd < BLOCK_D
+        dv_ok = rdv < BLOCK_DV
+    else:
+        d_ok = rd < D
+        dv_ok = rdv < DV
 
     q = tl.load(q_ptr + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :] * sqd,
-                mask=m_ok[:, None] & (rd[None, :] < D), other=0.0)
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = k_ptr + b * skb + h * skh + rd[:, None] * skd  # k^T tile [BLOCK_D, BLOCK_N]
     v_base = v_ptr + b * svb + h * svh + rdv[None, :] * svd  # v tile [BLOCK_N, BLOCK_DV]
     if HAS_MASK:
@@ -64,8 +71,8 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     for start_n in range(0, SK, BLOCK_N):
         cols = start_n + rn
-        n_ok = cols < SK
-        kt = tl.load(k_base + cols[None, :] * skn, mask=(rd[:, None] < D) & n_ok[None, :], other=0.0)
+        n_ok = (rn < BLOCK_N) if EVEN_N else (cols < SK)
+        kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
         if HAS_MASK:
             if MASK_ROW:
@@ -80,7 +87,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
         p = tl.math.exp2(s - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & (rdv[None, :] < DV), other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_new
@@ -90,7 +97,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
     else:
         out = acc / l_i[:, None]  # 0/0 = NaN for fully masked rows, like softmax over all -inf
     tl.store(o_ptr + b * sob + h * soh + rm[:, None] * som + rdv[None, :] * sod, out.to(o_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (rdv[None, :] < DV))
+             mask=m_ok[:, None] & dv_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,8 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
         q4, k4, v4, m4, o4, H, sq, sk, d, dv, scale * _LOG2E,
         *q4.stride(), skb, skh, skn, skd, *v4.stride(), *ms, *o4.stride(),
         HAS_MASK=mask is not None, MASK_ROW=mask is not None and ms[2] == 0, EVEN_N=sk % config.block_n == 0,
+        EVEN_M=sq % config.block_m == 0,
+        EVEN_D=d == max(16, triton.next_power_of_2(d)) and dv == max(16, triton.next_power_of_2(dv)),
         NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
