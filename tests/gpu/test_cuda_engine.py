@@ -37,6 +37,28 @@ def test_cuda_graph_replay_matches_cpu_engine_at_every_shape():
     assert gpu.arena_bytes[0] > 0
 
 
+def test_inputs_fed_again_from_the_same_buffers_get_a_graph_that_reads_them_in_place():
+    from kiln.engine.context import BOUND_GRAPHS
+
+    model, prof = tiny_cnn(), [kiln.Profile(dict(DEFAULT_PROFILE))]
+    ctx = kiln.build(model, _cfg(profiles=prof)).create_execution_context()
+    cpu = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof)).create_execution_context()
+    buffers = [torch.randn(4, 3, 32, 32, device="cuda") for _ in range(BOUND_GRAPHS + 2)]
+    for step in range(4):
+        for x in buffers:
+            x.normal_()  # new values in the same buffer, as a serving loop refills its input
+            got = ctx.run({"image": x})["probs"]
+            torch.testing.assert_close(got.cpu(), cpu.run({"image": x.cpu()})["probs"], rtol=1e-4, atol=1e-5)
+    (cap,) = ctx._captured.values()
+    assert len(cap.bound) == BOUND_GRAPHS and all(g is not None for g in cap.bound.values())
+    assert set(cap.bound) <= {(x.data_ptr(),) for x in buffers}
+    strided = torch.randn(4, 3, 32, 64, device="cuda")[..., ::2]  # never bound: copied into the graph's buffer
+    for _ in range(3):
+        torch.testing.assert_close(ctx.run({"image": strided})["probs"].cpu(),
+                                   cpu.run({"image": strided.cpu()})["probs"], rtol=1e-4, atol=1e-5)
+    assert len(cap.bound) == BOUND_GRAPHS and not ctx.capture_failures
+
+
 def test_replay_reads_new_inputs_each_time():
     eng = kiln.build(mlp(), _cfg(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})]))
     ctx = eng.create_execution_context()
