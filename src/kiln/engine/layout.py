@@ -34,13 +34,19 @@ def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> lis
 
 
 def padded_channel_weights(graph: Graph, channels_last: list[str]) -> list[str]:
-    """Channels-last weights [K, 3, R, S] of convolutions that read a model input: stored as [K, 4, R, S], the
-    fourth channel zero (the engine's input cast pads the image to match; interpreter.cast_for)."""
+    """Channels-last weights [K, 3, R, S] read only by convolutions of a model input: stored as [K, 4, R, S],
+    the fourth channel zero (the engine's input cast pads the image to match; interpreter.cast_for)."""
     inputs = {v.name for v in graph.inputs}
-    nhwc = set(channels_last)
-    return sorted({n.inputs[1] for n in graph.nodes if n.op_type in ("Conv", "FusedConv") and n.inputs[0] in inputs
-                   and len(n.inputs) > 1 and n.inputs[1] in nhwc and graph.initializers[n.inputs[1]].shape[1] == 3
-                   and n.attr("group", 1) == 1})
+    readers: dict[str, list] = {}
+    for n in graph.nodes:
+        for name in n.inputs:
+            readers.setdefault(name, []).append(n)
+
+    def stem(n) -> bool:
+        return (n.op_type in ("Conv", "FusedConv") and n.inputs[0] in inputs and n.attr("group", 1) == 1
+                and graph.initializers[n.inputs[1]].shape[1] == 3)
+
+    return sorted(w for w in channels_last if all(stem(n) and n.inputs[1] == w for n in readers.get(w, [])))
 
 
 def column_major_weights(graph: Graph, target_kind: str) -> list[str]:

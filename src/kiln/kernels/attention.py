@@ -47,7 +47,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     rdv = tl.arange(0, BLOCK_DV)
-    # EVEN_*: the block divides that size, so its mask is a constant true Triton drops (loads and stores vectorize)
+    # EVEN_*: the block divides that size, so its mask is a constant true that Triton drops
     m_ok = (tl.arange(0, BLOCK_M) < BLOCK_M) if EVEN_M else (rm < SQ)
     if EVEN_D:
         d_ok = rd < BLOCK_D
