@@ -35,6 +35,16 @@ def test_activation_without_bias_and_fp16():
     torch.testing.assert_close(y, pooled_gemm.reference(x, w, None, "LeakyRelu", [0.2]), atol=2e-3, rtol=2e-3)
 
 
+def test_fp16_operands_can_write_an_fp32_output():
+    """A model's FP32 output, written from the FP32 sums: no cast kernel after the engine's last layer."""
+    x, w, b = _rand(2, 40, 5, 5, seed=4, dtype=torch.float16), _rand(40, 19, seed=5, dtype=torch.float16), \
+        _rand(19, seed=6, dtype=torch.float16)
+    y = poisoned(lambda: pooled_gemm.pooled_gemv(x, w, b, "Relu", config=SMALL, out_dtype=torch.float32))
+    assert y.dtype == torch.float32
+    want = torch.relu(x.float().mean((2, 3)) @ w.float() + b.float())
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+
+
 def test_the_workspace_is_zero_again_for_the_next_call():
     """The last channel block of each output tile takes the sum and zeroes it and the tile's counter: a second
     call (as a CUDA graph replays it) starts from zeros and gives the same result."""

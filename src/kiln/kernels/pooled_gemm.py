@@ -87,14 +87,15 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str 
 
 
 def pooled_gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
-                config: GemvConfig = CONFIGS[0]) -> torch.Tensor:
-    """act(x.mean((2, 3)) @ w + b) as [N, N_out] in x's dtype; act one of gemm.ACTIVATIONS."""
+                config: GemvConfig = CONFIGS[0], out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """act(x.mean((2, 3)) @ w + b) as [N, N_out] in out_dtype (default x's; the sums are FP32 either way);
+    act one of gemm.ACTIVATIONS."""
     p0, p1 = _params(act, params)
     n, c, h, wd = x.shape
     nout = w.shape[1]
     grid = (triton.cdiv(nout, config.block_n), triton.cdiv(c, config.block_k), n)
     total, counters = zeroed_workspace(x.device, n * grid[0] * config.block_n, n * grid[0])
-    y = torch.empty((n, nout), dtype=x.dtype, device=x.device)
+    y = torch.empty((n, nout), dtype=out_dtype or x.dtype, device=x.device)
     _pooled_gemv_kernel[grid](
         x, w, b if b is not None else y, y, total, counters, c, h * wd, wd, nout, *x.stride(), *w.stride(),
         *y.stride(), 1.0 / (h * wd), p0, p1, HAS_BIAS=b is not None, ACT=act,

@@ -63,8 +63,10 @@ def fused_gemm(node, x, w, b=None):
 @register("PooledGemm", domain=KILN)
 def pooled_gemm(node, x, w, b=None):
     """act(mean over H, W of x [N, C, H, W] @ w + b), w stored [C, N_out]: a CNN's global average pool and
-    classifier as one layer, so the pool's sums can feed the GEMM without a round trip through memory."""
-    return fused_gemm(node, x.mean(dim=(2, 3)), w, b)
+    classifier as one layer, so the pool's sums can feed the GEMM without a round trip through memory.
+    output_type "float32": the result in FP32 whatever the layer's precision (a model's FP32 output)."""
+    y = fused_gemm(node, x.mean(dim=(2, 3)), w, b)
+    return y.float() if node.attr("output_type", "") == "float32" else y
 
 
 @register("Attention", domain=KILN, saturating_inputs=(3,))

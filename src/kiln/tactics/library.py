@@ -172,7 +172,8 @@ def cublas_matmul(node, x, w, b=None):
 @tactic("PooledGemm", "mean_then_cublaslt", lambda n, a: a[0].dim() == 4 and _gemm_ok(n, a, ("", "Relu")))
 def mean_then_cublaslt(node, x, w, b=None):
     """The unfused head's kernels: torch's mean over H and W, then cuBLASLt with its bias (+ ReLU) epilogue."""
-    return _addmm(x.mean(dim=(2, 3)), w, b, use_gelu=False if node.attr("activation", "") == "Relu" else None)
+    y = _addmm(x.mean(dim=(2, 3)), w, b, use_gelu=False if node.attr("activation", "") == "Relu" else None)
+    return y.float() if node.attr("output_type", "") == "float32" else y
 
 
 # --- Attention ----------------------------------------------------------------
