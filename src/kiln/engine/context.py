@@ -383,7 +383,7 @@ class ExecutionContext:
     def _capture(self, inputs: dict[str, torch.Tensor], bind: bool = False, pool=None) -> _Captured:
         """bind: the graph reads `inputs` themselves, not static copies of them; pool: a graph's memory pool
         to share (graphs of one context never run at the same time)."""
-        if bind:
+        if bind:  # kept in _Captured.inputs: the caller's buffers stay alive, so their addresses stay theirs
             static = dict(inputs)
         else:
             static = {k: torch.empty(x.shape, dtype=x.dtype, device=self.device) for k, x in inputs.items()}
