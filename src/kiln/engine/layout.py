@@ -37,10 +37,7 @@ def padded_channel_weights(graph: Graph, channels_last: list[str]) -> list[str]:
     """Channels-last weights [K, 3, R, S] read only by convolutions of a model input: stored as [K, 4, R, S],
     the fourth channel zero (the engine's input cast pads the image to match; interpreter.cast_for)."""
     inputs = {v.name for v in graph.inputs}
-    readers: dict[str, list] = {}
-    for n in graph.nodes:
-        for name in n.inputs:
-            readers.setdefault(name, []).append(n)
+    readers = graph.consumers()
 
     def stem(n) -> bool:
         return (n.op_type in ("Conv", "FusedConv") and n.inputs[0] in inputs and n.attr("group", 1) == 1

@@ -74,7 +74,7 @@ def _fp32_outputs(graph: Graph) -> None:
     """Low-precision layers of WRITES_FP32_OUTPUT producing an FP32 model output that no layer reads write it
     in FP32 themselves."""
     fp32 = {v.name for v in graph.outputs if v.dtype == torch.float32}
-    read = {name for n in graph.nodes for name in n.inputs}
+    read = graph.consumers()
     for node in graph.nodes:
         if (node.domain == "kiln" and node.op_type in WRITES_FP32_OUTPUT and node.precision in _LOW
                 and node.outputs[0] in fp32 and node.outputs[0] not in read):
