@@ -1,4 +1,5 @@
-"""TMA GEMM tactics on a Hopper GPU: offered, checked against the reference and timed inside real builds."""
+"""TMA GEMM and convolution tactics on a Hopper GPU: offered, checked against the reference and timed inside real
+builds."""
 
 import numpy as np
 import pytest
@@ -18,15 +19,16 @@ def _hopper() -> bool:
 
 
 def _bottleneck_tail():
-    """A 3x3 convolution (its output is channels-last), a 1x1 convolution over 64 channels with a residual and
-    ReLU (ResNet-50's layer1 conv3), then a GEMM."""
+    """A 1x1 convolution of the NCHW input (its output is channels-last), a 3x3 convolution, a 1x1 convolution
+    over 64 channels with a residual and ReLU (ResNet-50's layer1 conv3), then a GEMM."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n)
-             for n, s in [("w0", (64, 64, 3, 3)), ("w", (64, 64, 1, 1)), ("b", (64,)), ("wg", (64, 32)),
-                          ("bg", (32,))]]
-    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv3x3", pads=[1, 1, 1, 1]),
+             for n, s in [("wi", (64, 64, 1, 1)), ("w0", (64, 64, 3, 3)), ("w", (64, 64, 1, 1)), ("b", (64,)),
+                          ("wg", (64, 32)), ("bg", (32,))]]
+    nodes = [helper.make_node("Conv", ["x", "wi"], ["ci"], name="conv_in"), helper.make_node("Relu", ["ci"], ["ri"]),
+             helper.make_node("Conv", ["ri", "w0"], ["c0"], name="conv3x3", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c0"], ["r0"]),
              helper.make_node("Conv", ["r0", "w", "b"], ["c"], name="conv1x1"),
              helper.make_node("Add", ["c", "r0"], ["s"]), helper.make_node("Relu", ["s"], ["r"]),
@@ -46,7 +48,8 @@ def test_tma_tactics_are_timed_and_right(precision):
     quant = {"int8": True, "calib": [{"x": rng.standard_normal((8, 64, 16, 16)).astype(np.float32)}
                                      for _ in range(8)]} if precision == "int8" else {}
     eng = kiln.build(model, _cfg(profiles=prof, fp16=True, optimization_level=4, **quant))
-    for layer, ops in (("conv1x1", ("FusedConv", "QConv")), ("gemm", ("FusedGemm", "QGemm"))):
+    for layer, ops in (("conv3x3", ("FusedConv", "QConv")), ("conv1x1", ("FusedConv", "QConv")),
+                       ("gemm", ("FusedGemm", "QGemm"))):
         t = next(t for t in eng.tactics if layer in t["layer"] and t["op"] in ops)
         # timed, so applicable and numerically right
         assert [n for n in t["timings"] if n.startswith("triton_tma_")], (t["op"], sorted(t["timings"]), t["excluded"])

@@ -7,6 +7,13 @@ input has a calibrated range gets QuantizeLinear/DequantizeLinear on that input
 (int8 per output channel; FP8 per tensor). The graph is
 then an explicitly quantized ONNX graph (exportable, onnxruntime runs it), and
 fuse_qdq turns each pattern into an INT8 layer.
+
+A convolution over fewer than MIN_CHANNELS input channels per group (a network's RGB stem) stays in
+float: an 8-bit Tensor Core step sums 32 channels, so 3 channels waste most of it, and quantizing the
+image costs a pass of its own. On the H200 (2026-11-30) ResNet-50's INT8 stem at batch 32 took 60 us in
+cuDNN's FP16 kernel plus about 55 us of per-call quantization, weight dequantization and padding kernels;
+an FP16 stem takes the same 60 us (or less, over four channels; engine/layout.py) and nothing else.
+TensorRT keeps such first layers in FP16 too.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
+MIN_CHANNELS = 4  # input channels per group below which a convolution is not quantized (RGB, grey)
 
 
 def run(graph: Graph) -> None:
@@ -52,6 +60,9 @@ def run(graph: Graph) -> None:
             continue
         if (n.op_type == "Gemm" and n.attr("transA", 0)) or n.note.startswith("pinned"):
             continue  # pinned layers keep the float precision they were given
+        if n.op_type == "Conv" and w.dim() > 1 and w.shape[1] < MIN_CHANNELS:
+            n.note = n.note or f"float: {w.shape[1]} input channels, too few for 8-bit Tensor Cores"
+            continue
         x = n.inputs[0]
         if x not in amax or not amax[x] > 0:
             miss(graph, "INT8 layer", [n], f"no calibrated range for its input '{x}'")

@@ -64,6 +64,8 @@ def replace(graph: Graph, old: list[Node], new: Node) -> None:
     pinned = next((n for n in old if n.note.startswith("pinned")), None)
     if pinned is not None:  # --layerPrecisions on any source holds for the fused layer
         new.precision, new.note = pinned.precision, pinned.note
+    elif not new.note:  # why a source kept its precision holds for the fused layer
+        new.note = next((n.note for n in old if n.note), "")
     nodes = []
     for i, n in enumerate(graph.nodes):
         if i == last:

@@ -3,6 +3,8 @@
   FusedConv  triton_tma_conv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>   16-bit 1x1 convolutions as GEMMs
   QGemm      triton_tma_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>     INT8/FP8 GEMMs
   QConv      triton_tma_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  INT8/FP8 1x1 convolutions as GEMMs
+  FusedConv  triton_tma_conv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages>  stride-1 convolutions (kernels/tma_conv.py),
+  QConv      triton_tma_qconv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages> their INT8/FP8 form; larger than 1x1 only
 Each configuration is offered at its CONFIGS / QUANT_CONFIGS level, except that float GEMMs start at
 level 4: on the H200 cuBLAS won every BERT/ViT-shaped FP16 GEMM, so timing them by default only costs
 build time; ResNet-50's 1x1 convolutions over 64 channels are where the TMA kernel beat cuBLAS.
@@ -17,14 +19,13 @@ import torch
 from . import tactic
 
 
-def _device_ok(x: torch.Tensor, config, itemsize: int, epilogue_tiles: int) -> bool:
-    """A Hopper-or-newer GPU (TMA) whose shared memory holds the configuration (triton_gemm's limit lookup)."""
+def _device_ok(x: torch.Tensor, smem_bytes: int) -> bool:
+    """A Hopper-or-newer GPU (TMA) whose shared memory holds a configuration (triton_gemm's limit lookup)."""
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
-    from ..kernels.tma_gemm import smem_bytes
     from .triton_gemm import _fits
 
-    return _fits(x, smem_bytes(config, itemsize, epilogue_tiles))
+    return _fits(x, smem_bytes)
 
 
 def _quantized(node) -> str:
@@ -73,7 +74,7 @@ def _applies(config):
                                                  conv.pixel_rows(z) if z is not None and x.dim() == 4 else z):
             return False
         tiles = 1 + (z is not None) + (q_scale is not None)
-        return _device_ok(x, config, 1 if qtype else x.element_size(), tiles)
+        return _device_ok(x, tma_gemm.smem_bytes(config, 1 if qtype else x.element_size(), tiles))
 
     return applies
 
@@ -103,8 +104,38 @@ def _run(config):
     return run
 
 
+def _conv_applies(config):
+    def applies(node, args) -> bool:
+        from ..kernels import gemm, tma_conv
+
+        x, w, b, z, _, _ = _operands(node, args)
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or w.dim() != 4:
+            return False
+        qtype = _quantized(node)
+        if qtype and not gemm.scales_ok(args[2], args[3], w.shape[0], x.device):
+            return False
+        if w.shape[2] * w.shape[3] == 1 or not tma_conv.supports(node, x, w, b, z, config, qtype):
+            return False  # 1x1: the TMA GEMM's
+        return _device_ok(x, config.smem_bytes(1 if qtype else x.element_size()))
+
+    return applies
+
+
+def _conv_run(config):
+    def run(node, *args):
+        from ..kernels import tma_conv
+        from ..ops.fused import float_type
+
+        x, w, b, z, y_scale, q_scale = _operands(node, args)
+        quant = dict(x_scale=args[2], w_scale=args[3], y_scale=y_scale, q_scale=q_scale,
+                     out_dtype=float_type(node, x)) if _quantized(node) else {}
+        return tma_conv.conv2d(node, x, w, b, z, config=config, **quant)
+
+    return run
+
+
 def _register() -> None:
-    from ..kernels import tma_gemm
+    from ..kernels import tma_conv, tma_gemm
 
     for cfg, level in tma_gemm.CONFIGS:
         tactic("FusedGemm", f"triton_tma_gemm_{cfg.name}", _applies(cfg), level=max(4, level))(_run(cfg))
@@ -112,6 +143,10 @@ def _register() -> None:
     for cfg, level in tma_gemm.QUANT_CONFIGS:
         tactic("QGemm", f"triton_tma_qgemm_{cfg.name}", _applies(cfg), level=level)(_run(cfg))
         tactic("QConv", f"triton_tma_qconv1x1_{cfg.name}", _applies(cfg), level=level)(_run(cfg))
+    for cfg, level in tma_conv.CONFIGS:
+        tactic("FusedConv", f"triton_tma_conv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
+    for cfg, level in tma_conv.QUANT_CONFIGS:
+        tactic("QConv", f"triton_tma_qconv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
 
 
 try:

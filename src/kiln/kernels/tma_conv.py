@@ -1,0 +1,210 @@
+"""Implicit-GEMM convolution on Hopper's tensor-memory accelerator (TMA): stride 1, channels-last.
+
+kernels/conv.py gathers each output pixel's input patch with per-thread pointer loads and masks the
+image's border. Here an output tile is a BLOCK_H x BLOCK_W patch of one image's output pixels, and for
+each filter tap (r, s) and channel block the input it needs is itself a BLOCK_H x BLOCK_W patch, shifted
+by (r - pad_top, s - pad_left): one 4-D TMA box [1, BLOCK_H, BLOCK_W, BLOCK_K] of the NHWC input.
+Boxes reaching past the image read zeros (TMA fills out-of-bounds elements with zero, negative
+coordinates included), which is exactly the convolution's zero padding, so there are no masks, no index
+arithmetic per element and no padded copy of the input. The box, reshaped to [BLOCK_H * BLOCK_W,
+BLOCK_K], is the GEMM's left tile; the weights [OC, KH, KW, C] (channels-last, so K-major: what Hopper's
+8-bit Tensor Core instruction reads) are its right tile by 2-D TMA. A fixed grid of one program per SM
+walks the output tiles, like kernels/tma_gemm.py, and the epilogue is the GEMM's: dequantization
+(x_scale * w_scale[oc]), bias, residual (a 4-D box of z), activation, 8-bit output or copy, one TMA store.
+
+Stride 1 and dilation 1 only (a strided window is not a box); C a multiple of BLOCK_K, so a K tile never
+straddles two taps. ResNet-50 has 13 such 3x3 convolutions.
+
+Reference: kiln.ops.fused.fused_conv / qconv; kernels/conv.py runs every convolution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize
+
+_ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """An output tile of block_h x block_w pixels by block_n channels, K walked block_k channels at a time."""
+
+    block_h: int
+    block_w: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+    def smem_bytes(self, itemsize: int) -> int:
+        """The operand pipeline plus the 16-bit output and residual tiles the epilogue moves."""
+        m = self.block_h * self.block_w
+        return self.num_stages * (m + self.block_n) * self.block_k * itemsize + 2 * m * self.block_n * 2
+
+
+@triton.jit
+def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr,
+                     N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1,
+                     KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
+                     ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PROGRAMS: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
+    tiles_w = tl.cdiv(OW, BLOCK_W)
+    tiles_hw = tl.cdiv(OH, BLOCK_H) * tiles_w
+    tiles_n = tl.cdiv(OC, BLOCK_N)
+    c_blocks = C // BLOCK_K
+    k_tiles = KH * KW * c_blocks
+    for tile in tl.range(tl.program_id(0), N * tiles_hw * tiles_n, PROGRAMS, flatten=True):
+        # Channel tiles of one patch are neighbours: they share the patch's input boxes in L2.
+        patch = tile // tiles_n
+        off_n = (tile % tiles_n) * BLOCK_N
+        img = patch // tiles_hw
+        oh0 = (patch % tiles_hw) // tiles_w * BLOCK_H
+        ow0 = (patch % tiles_w) * BLOCK_W
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
+        for kb in range(k_tiles):
+            tap = kb // c_blocks
+            c0 = (kb % c_blocks) * BLOCK_K
+            a = x_desc.load([img, oh0 + tap // KW - pad_h, ow0 + tap % KW - pad_w, c0]).reshape(BLOCK_M, BLOCK_K)
+            b = w_desc.load([off_n, tap * C + c0]).T
+            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+        cols = (off_n + tl.arange(0, BLOCK_N)) % OC  # channels past OC compute garbage the store drops
+        acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        if HAS_Z:  # a residual of the output's shape, channels-last
+            acc += z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+        acc = epilogue(acc, ACT, p0, p1)
+        if Y_QUANTIZED:  # the next layer reads 8-bit values: quantized here instead of by it
+            acc = quantize(acc, ys_ptr, QUANT)
+        out = acc.to(y_desc.dtype)
+        y_desc.store([img, oh0, ow0, off_n], out.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
+        if COPY:  # an 8-bit copy for quantized readers, from the stored values
+            q_desc.store([img, oh0, ow0, off_n],
+                         quantize(out, qs_ptr, QUANT).to(q_desc.dtype).reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
+
+
+# (config, lowest optimization level that offers it). 8-bit K tiles of 128 bytes (TMA's widest swizzle).
+# Chosen from a sweep on the H200 at ResNet-50's batch-32 3x3 convolutions (bench/conv_sweep.py,
+# 2026-11-30, bench/results/H200-conv-sweep.log): each level-3 8-bit tile was the fastest at one of the four
+# stages, 12-37% faster than conv.py's best there (INT8 30.9 / 14.7 / 15.1 / 18.3 us against 35.9 / 17.2 /
+# 17.2 / 29.0). The 16-bit ones matched cuDNN (44.2 / 27.3 / 26.0 us against 44.9 / 29.2 / 25.4, cuDNN's
+# including its ReLU pass) except at 7x7 (36.9 against 22.9): offered from level 4 only.
+CONFIGS: list[tuple[PatchConfig, int]] = [
+    (PatchConfig(8, 16, 64, 64, 4, 4), 4),
+    (PatchConfig(16, 8, 128, 64, 8, 4), 4),
+    (PatchConfig(8, 8, 128, 64, 4, 4), 4),
+]
+QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
+    (PatchConfig(8, 16, 64, 128, 4, 4), 3),
+    (PatchConfig(16, 16, 128, 128, 8, 3), 3),
+    (PatchConfig(16, 8, 128, 128, 8, 3), 3),
+    (PatchConfig(8, 8, 128, 128, 4, 4), 3),
+    (PatchConfig(8, 16, 128, 128, 4, 4), 4),
+    (PatchConfig(8, 16, 128, 128, 8, 3), 4),
+]
+
+
+def nhwc(t: torch.Tensor) -> torch.Tensor | None:
+    """A channels-last [N, C, H, W] tensor as its [N, H, W, C] view TMA can address, else None."""
+    v = t.permute(0, 2, 3, 1)
+    if not v.is_contiguous() or v.data_ptr() % _ALIGN or (v.stride(2) * v.element_size()) % _ALIGN:
+        return None
+    return v
+
+
+def filter_rows(w: torch.Tensor) -> torch.Tensor | None:
+    """Channels-last weights [OC, C, KH, KW] as their [OC, KH*KW*C] K-major matrix (a view), else None."""
+    v = w.permute(0, 2, 3, 1)
+    if not v.is_contiguous() or v.data_ptr() % _ALIGN or (v.stride(0) * v.element_size()) % _ALIGN:
+        return None
+    return v.reshape(w.shape[0], -1)
+
+
+def block_k_for(config: PatchConfig, channels: int, quantized: bool = False) -> int | None:
+    """The K tile for C input channels: the configuration's, or C itself when smaller; None if C is not a
+    whole number of tiles (a tile would straddle two taps) or below the Tensor Cores' step (16 values, 32 for
+    8-bit ones)."""
+    bk = min(config.block_k, channels)
+    return bk if channels % bk == 0 and bk >= (32 if quantized else 16) else None
+
+
+def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
+             config: PatchConfig, qtype: str = "") -> bool:
+    """A stride-1, dilation-1, ungrouped 2-D convolution of channels-last 16-bit (or, quantized, any float or
+    the qtype's 8-bit) x with channels-last weights, OC a multiple of 16, a channels-last residual of the
+    output's shape; C a whole number of K tiles."""
+    from .conv import geometry
+
+    if x.dim() != 4 or w.dim() != 4 or node.attr("group", 1) != 1 or x.shape[1] != w.shape[1] or x.numel() == 0:
+        return False
+    if qtype:
+        if w.dtype != QTYPES.get(qtype) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32, w.dtype):
+            return False
+    elif x.dtype not in (torch.float16, torch.bfloat16) or w.dtype != x.dtype:
+        return False
+    geo = geometry(node, x, w)
+    if geo is None or geo[0] != [1, 1] or geo[1] != [1, 1]:
+        return False
+    if w.shape[0] % 16 or block_k_for(config, x.shape[1], bool(qtype)) is None:
+        return False
+    if nhwc(x) is None or filter_rows(w) is None:
+        return False
+    if z is not None and (tuple(z.shape) != (x.shape[0], w.shape[0], *geo[3]) or not z.dtype.is_floating_point
+                          or nhwc(z) is None):
+        return False
+    return b is None or (b.numel() == w.shape[0] and b.dtype.is_floating_point)
+
+
+def programs(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
+           config: PatchConfig = CONFIGS[0][0], x_scale: torch.Tensor | None = None,
+           w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None):
+    """act(conv2d(x, w) + b + z) for a `supports` layer, as kernels/conv.conv2d computes it (quantized layers
+    too): channels-last output returned as an NCHW-shaped view; with q_scale also its 8-bit copy."""
+    from .conv import epilogue_operands, geometry
+
+    _, _, pads, (OH, OW) = geometry(node, x, w)
+    N, C = x.shape[:2]
+    OC, KH, KW = w.shape[0], w.shape[2], w.shape[3]
+    qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
+    y = torch.empty((N, OH, OW, OC), dtype=QTYPES[qtype] if y_scale is not None else out_dtype or x.dtype,
+                    device=x.device)
+    q = torch.empty((N, OH, OW, OC), dtype=QTYPES[qtype], device=x.device) if q_scale is not None else y
+    act, p0, p1, bias, _, _ = epilogue_operands(node, b, None, (N, OC, OH, OW))
+    x, xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
+    bh, bw, bn, bk = config.block_h, config.block_w, config.block_n, block_k_for(config, C, bool(qtype))
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    out_box = [1, bh, bw, bn]
+    y_desc = desc(y, out_box)
+    tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
+    n_programs = min(programs(x.device), tiles)
+    _tma_conv_kernel[(n_programs,)](
+        desc(nhwc(x), [1, bh, bw, bk]), desc(filter_rows(w), [bn, bk]), y_desc,
+        desc(nhwc(z), out_box) if z is not None else y_desc, desc(q, out_box),
+        bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
+        q_scale if q_scale is not None else xs, N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1,
+        KH=KH, KW=KW, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
+        Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
+        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
+    y = y.permute(0, 3, 1, 2)
+    return y if q_scale is None else (y, q.permute(0, 3, 1, 2))
