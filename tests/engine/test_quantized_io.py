@@ -143,18 +143,38 @@ def _resnet_block():
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
-def test_a_block_output_read_as_residual_and_by_the_next_conv_is_written_both_ways():
+def test_a_block_output_read_as_residual_and_by_the_next_conv_is_written_once_in_8_bits():
     model = _resnet_block()
     rng = np.random.default_rng(2)
     prof = kiln.Profile({"x": ((1, 4, 6, 6), (2, 4, 6, 6), (4, 4, 6, 6))})
-    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(8)]
+    # 64 samples: with 8, entropy calibration clips o where the test input reaches past it, and the residual
+    # now carries that clipping (15% of the range off, 1.2% with 64)
+    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True, calib=calib))
     a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
-    assert a.outputs == ["o", "o.int8"] and a.inputs[7] == b.inputs[2]  # float o for c's residual, int8 for b
-    assert b.inputs[0] == "o.int8" and b.attrs["x_quantized"] == 1 and c.inputs[5] == "o"
+    # o is read by b (quantized with b's input scale) and as c's residual: a writes it once, as int8
+    assert a.outputs == ["o.int8"] and a.inputs[6] == b.inputs[2] and len(a.inputs) == 7
+    assert b.inputs[0] == "o.int8" and b.attrs["x_quantized"] == 1
+    assert c.inputs[5] == "o.int8" and c.inputs[8] == b.inputs[2]  # the residual scaled back in c's epilogue
     assert c.inputs[0] == "p" and c.attrs["x_quantized"] == 1 and b.inputs[6] == c.inputs[2]  # b -> c: int8 only
     x = rng.standard_normal((3, 4, 6, 6)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = engine.create_execution_context().run({"x": x})["out"]
-    assert np.abs(got - ref).max() <= 0.1 * np.abs(ref).max()  # the INT8 tolerance compare() applies
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
     assert compare(model, engine, [{"x": x}], layerwise=True).outputs[0].passed
+
+
+def test_a_block_output_also_read_as_float_is_written_both_ways():
+    model = _resnet_block()
+    model.graph.output.append(helper.make_tensor_value_info("o", TensorProto.FLOAT, ["N", 8, 6, 6]))
+    rng = np.random.default_rng(3)
+    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
+    prof = kiln.Profile({"x": ((2, 4, 6, 6), (2, 4, 6, 6), (2, 4, 6, 6))})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True,
+                                                calib=calib))
+    a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
+    assert a.outputs == ["o", "o.int8"] and a.inputs[7] == b.inputs[2]  # float o for the model's output
+    assert c.inputs[5] == "o.int8" and c.inputs[8] == a.inputs[7]  # the residual still reads the copy
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    assert compare(model, engine, [{"x": x}]).passed
+

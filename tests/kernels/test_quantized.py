@@ -129,6 +129,24 @@ def test_qconv_int8_matches_reference_into_a_poisoned_buffer(case):
     torch.testing.assert_close(y, qconv(node, x, w, sx, sw, b, z), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("pointwise", [False, True])
+def test_qconv_adds_an_8bit_residual_times_its_scale(pointwise):
+    """A block output written once as int8 (engine/quantized_io.py) is the next block's residual: z_scale * z."""
+    node = _qconv_node(1 if pointwise else 3, pads=(0, 0, 0, 0) if pointwise else (1, 1, 1, 1), act="Relu")
+    k = node.attr("kernel_shape")
+    x = _rand(2, 40, 5, 7, seed=11).to(memory_format=torch.channels_last)
+    w = _weights(24, 40, *k, seed=12).to(memory_format=torch.channels_last)
+    z = (torch.randn(2, 24, 5, 7, generator=_gen(13)) * 40).round().clamp(-128, 127).to(torch.int8).to(DEV)
+    z = z.to(memory_format=torch.channels_last)
+    sx, sw, sz, b = torch.tensor(0.031, device=DEV), _scales(24, seed=14), torch.tensor(0.02, device=DEV), None
+    assert conv.supports(node, x, w, b, z, "int8") and not conv.supports(node, x, w, b, z)  # int8 z: quantized only
+    kernel = conv.pointwise_as_gemm if pointwise else conv.conv2d
+    y = kernel(node, x, w, b, z, config=SMALL, x_scale=sx, w_scale=sw, z_scale=sz)
+    want = qconv(node, x, w, sx, sw, b, z, z_scale=sz)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(want, qconv(node, x, w, sx, sw, b, z.float()))  # the scale matters
+
+
 def test_qconv_fp8_with_a_broadcast_residual():
     node = _qconv_node(3, pads=(1, 1, 1, 1), act="Relu", qtype="fp8")
     x, w, sx = _on_fp8_grid(1, 36, 5, 7, seed=6), _weights(12, 36, 3, 3, seed=7, qtype="fp8"), torch.tensor(0.0625)

@@ -56,14 +56,17 @@ def _int8_layer(seed, qtype="int8"):
     return _cl(x.to(dt)), _cl(w.to(dt)), torch.tensor(0.05, device=DEV), sw, torch.randn(48, generator=g).half().to(DEV)
 
 
-@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy"])
+@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual"])
 def test_int8_conv_matches_the_pointer_kernel(outputs):
     # conv.py's quantized convolution is the tested reference: identical integer sums, the same FP32 epilogue
     node = _node(3, (1, 1, 1, 1), "Relu", qtype="int8")
     x, w, sx, sw, b = _int8_layer(1)
     z = _cl(torch.randn(2, 48, 7, 9).half())
+    if "residual" in outputs:  # a block output written once as int8, scaled back in the epilogue
+        z = _cl((torch.randn(2, 48, 7, 9) * 40).round().clamp(-128, 127).to(torch.int8))
     kw = dict(x_scale=sx, w_scale=sw, out_dtype=torch.float16,
-              y_scale=torch.tensor(0.03, device=DEV) if outputs == "int8" else None,
+              z_scale=torch.tensor(0.02, device=DEV) if "residual" in outputs else None,
+              y_scale=torch.tensor(0.03, device=DEV) if outputs.startswith("int8") else None,
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_conv.supports(node, x, w, b, z, SMALL8, "int8")
     assert not tma_conv.supports(node, x, w, b, z, SMALL, "int8")  # 16-value K tiles: too short for 8-bit dots

@@ -38,14 +38,17 @@ def _int8_operands(M, K, N, seed=0):
     return x, w, sx, sw, torch.randn(N, generator=g).half().to(DEV)
 
 
-@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy"])
+@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual"])
 def test_int8_gemm_matches_the_pointer_kernel(outputs):
     # gemm.py's quantized GEMM is the tested reference for the epilogue: identical integer sums, same FP32 math
     M, K, N = 37, 96, 48
     x, w, sx, sw, b = _int8_operands(M, K, N)
     z = torch.randn(M, N).half().to(DEV)
+    if "residual" in outputs:  # a block output written once as int8, scaled back in the epilogue
+        z = (torch.randn(M, N) * 40).round().clamp(-128, 127).to(torch.int8).to(DEV)
     kw = dict(qtype="int8", x_scale=sx, w_scale=sw, out_dtype=torch.float16, z=z,
-              y_scale=torch.tensor(0.03, device=DEV) if outputs == "int8" else None,
+              z_scale=torch.tensor(0.02, device=DEV) if "residual" in outputs else None,
+              y_scale=torch.tensor(0.03, device=DEV) if outputs.startswith("int8") else None,
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_gemm.supports(x, w, b, "Relu", "int8", z=z)
     got = poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw))

@@ -38,6 +38,8 @@ from .gemm import (
     epilogue,
     operand_dtypes_ok,
     quant_args,
+    residual,
+    residual_ok,
     store_output,
 )
 
@@ -94,12 +96,13 @@ def k_tiles(x_base, w_base, it, ih0, iw0, rk, C, H, W, KW, KTOT, c_blocks, sxc, 
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr, zs_ptr,
                  C, H, W, OC, OH, OW, M, KW, KTOT,
                  sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw, stride_ws,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, FLAT: tl.constexpr,
+                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
+                 FLAT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -133,7 +136,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
         acc += tl.load(b_ptr + oc).to(tl.float32)[None, :]
     if HAS_Z:
         z_off = (n * szn + oh * szh + ow * szw)[:, None] + (oc * szc)[None, :]
-        acc += tl.load(z_ptr + z_off).to(tl.float32)
+        acc += residual(tl.load(z_ptr + z_off), zs_ptr, Z_SCALED)
     acc = epilogue(acc, ACT, p0, p1)
     # channels-last output (and copy): [N, OH, OW, OC] row-major, i.e. pixel-major with OC contiguous
     offs = rm[:, None] * OC + rn[None, :]
@@ -205,7 +208,7 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
         return False
     out_shape = (x.shape[0], w.shape[0], *geo[3])
     if z is not None:
-        if not z.dtype.is_floating_point or z.device != x.device:
+        if not residual_ok(z, qtype) or z.device != x.device:
             return False
         try:
             if torch.broadcast_shapes(z.shape, out_shape) != torch.Size(out_shape):
@@ -241,10 +244,11 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
            config: TileConfig = CONFIGS[0][0], out: torch.Tensor | None = None,
            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
            y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           q_scale: torch.Tensor | None = None):
+           q_scale: torch.Tensor | None = None, z_scale: torch.Tensor | None = None):
     """act(conv2d(x, w) + b + z) with the node's ONNX attributes; channels-last output of x's dtype.
 
-    A QConv node (attribute qtype): act(x_scale * w_scale * conv2d(q(x), w) + b + z), w its quantized weights;
+    A QConv node (attribute qtype): act(x_scale * w_scale * conv2d(q(x), w) + b + z), w its quantized weights,
+    z float or 8-bit (z_scale * z);
     x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
     with y_scale; with q_scale, (y, y quantized with q_scale) are returned.
     `out`, if given, is the [N, OH, OW, OC] contiguous buffer to write into.
@@ -263,12 +267,13 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(OC, config.block_n),)
     _conv_kernel[grid](
         x, w, b if b is not None else w, z if z is not None else w, y, xs, ws, y_scale if y_scale is not None else xs,
-        q_scale if q_scale is not None else xs, q,
+        q_scale if q_scale is not None else xs, q, z_scale if z_scale is not None else xs,
         C, H, W, OC, OH, OW, M, KW, KH * KW * C,
         *x.stride(), *w.stride(), *zs, stride_ws,
         strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision, qtype),
-        QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, FLAT=flat,
+        QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
+        FLAT=flat,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -309,13 +314,13 @@ def pointwise_as_gemm(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
                       z: torch.Tensor | None = None, config: TileConfig = CONFIGS[0][0],
                       x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                       y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                      q_scale: torch.Tensor | None = None):
+                      q_scale: torch.Tensor | None = None, z_scale: torch.Tensor | None = None):
     """conv2d's result for an is_pointwise layer, computed by gemm.gemm; channels-last like conv2d's."""
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
     ys = gemm.gemm(pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, node.attr("activation", ""),
                    node.attr("activation_params", []), config=config, precision=node.precision, qtype=qtype,
                    x_scale=x_scale, w_scale=w_scale, y_scale=y_scale, out_dtype=out_dtype,
-                   z=pixel_rows(z) if z is not None else None, q_scale=q_scale)
+                   z=pixel_rows(z) if z is not None else None, q_scale=q_scale, z_scale=z_scale)
     return pixels_as_nchw(ys, x)
 
 

@@ -108,6 +108,16 @@ def store_output(acc, y_ptrs, q_ptrs, inside, ys_ptr, qs_ptr, QUANT: tl.constexp
 
 
 @triton.jit
+def residual(z, zs_ptr, Z_SCALED: tl.constexpr):
+    """A residual tile in FP32: an 8-bit one (a quantized block's output, engine/quantized_io.py) times its
+    scale *zs_ptr, a float one as it is."""
+    z = z.to(tl.float32)
+    if Z_SCALED:
+        z = z * tl.load(zs_ptr).to(tl.float32)
+    return z
+
+
+@triton.jit
 def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
     """The quantized accumulator (int32 / fp32) times x_scale * w_scale[cols], in FP32; float layers' as is."""
     if QUANT != "":
@@ -117,11 +127,11 @@ def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr, M, N, K,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, q_ptr, zs_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wk, stride_wn, stride_zm, stride_zn, stride_ym, stride_yn, stride_ws,
                  p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr,
-                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
+                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -160,7 +170,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     if HAS_BIAS:
         acc += tl.load(b_ptr + rbn).to(tl.float32)[None, :]
     if HAS_Z:  # a residual (a 1x1 convolution's shortcut, see conv.pointwise_as_gemm)
-        acc += tl.load(z_ptr + ram[:, None] * stride_zm + rbn[None, :] * stride_zn).to(tl.float32)
+        acc += residual(tl.load(z_ptr + ram[:, None] * stride_zm + rbn[None, :] * stride_zn), zs_ptr, Z_SCALED)
     acc = epilogue(acc, ACT, p0, p1)
     store_output(acc, y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
                  q_ptr + rm[:, None] * N + rn[None, :],  # the copy is [M, N] contiguous
@@ -238,6 +248,11 @@ def operand_dtypes_ok(x: torch.Tensor, w: torch.Tensor, qtype: str = "") -> bool
     return x.dtype in DTYPES and w.dtype == x.dtype
 
 
+def residual_ok(z: torch.Tensor, qtype: str = "") -> bool:
+    """A residual the kernels add: floats, or a quantized layer's 8-bit values of its qtype (read with a scale)."""
+    return z.dtype.is_floating_point or (bool(qtype) and z.dtype == QTYPES.get(qtype))
+
+
 def scales_ok(x_scale, w_scale, n: int, device: torch.device) -> bool:
     """A quantized layer's scales: one float x_scale, one or n float w_scale values, on the kernel's device."""
     return all(isinstance(s, torch.Tensor) and s.dtype.is_floating_point and s.device == device
@@ -257,9 +272,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          config: TileConfig = CONFIGS[0][0], precision: str = "float32", out: torch.Tensor | None = None,
          qtype: str = "", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
          y_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None,
-         q_scale: torch.Tensor | None = None):
-    """act(x @ w + b [+ z]) for x [.., K], w [K, N], z of the output's shape; returns [.., N] in x's dtype
-    (written into `out` if given), and with q_scale also its 8-bit copy (y, q).
+         q_scale: torch.Tensor | None = None, z_scale: torch.Tensor | None = None):
+    """act(x @ w + b [+ z]) for x [.., K], w [K, N], z of the output's shape (8-bit with z_scale); returns
+    [.., N] in x's dtype (written into `out` if given), and with q_scale also its 8-bit copy (y, q).
 
     qtype "int8" / "fp8": a QGemm, act(x_scale * w_scale * (q(x) @ w) + b) with w the quantized weights;
     x may arrive quantized already (int8 / FP8), the output is out_dtype (a float type), or quantized
@@ -282,12 +297,13 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
         x2, w, bias if bias is not None else x2, z2 if z2 is not None else x2, y2, xs, ws,
-        y_scale if y_scale is not None else xs, q_scale if q_scale is not None else xs, q, M, N, K,
+        y_scale if y_scale is not None else xs, q_scale if q_scale is not None else xs, q,
+        z_scale if z_scale is not None else xs, M, N, K,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), *(z2.stride() if z2 is not None else (0, 0)),
         y2.stride(0), y2.stride(1), stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z2 is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
         EVEN_K=K % config.block_k == 0, QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        Z_SCALED=z_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y2.view(*lead, N) if q_scale is None else (y2.view(*lead, N), q.view(*lead, N))

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize
+from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, residual, residual_ok
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
 
@@ -54,10 +54,11 @@ class PatchConfig:
 
 
 @triton.jit
-def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr,
+def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr,
                      N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1,
                      KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
                      ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
+                     Z_SCALED: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
@@ -85,7 +86,7 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         if HAS_Z:  # a residual of the output's shape, channels-last
-            acc += z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+            acc += residual(z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N), zs_ptr, Z_SCALED)
         acc = epilogue(acc, ACT, p0, p1)
         if Y_QUANTIZED:  # the next layer reads 8-bit values: quantized here instead of by it
             acc = quantize(acc, ys_ptr, QUANT)
@@ -162,7 +163,7 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
         return False
     if nhwc(x) is None or filter_rows(w) is None:
         return False
-    if z is not None and (tuple(z.shape) != (x.shape[0], w.shape[0], *geo[3]) or not z.dtype.is_floating_point
+    if z is not None and (tuple(z.shape) != (x.shape[0], w.shape[0], *geo[3]) or not residual_ok(z, qtype)
                           or nhwc(z) is None):
         return False
     return b is None or (b.numel() == w.shape[0] and b.dtype.is_floating_point)
@@ -175,9 +176,11 @@ def programs(device: torch.device) -> int:
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
            config: PatchConfig = CONFIGS[0][0], x_scale: torch.Tensor | None = None,
            w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None):
+           out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None,
+           z_scale: torch.Tensor | None = None):
     """act(conv2d(x, w) + b + z) for a `supports` layer, as kernels/conv.conv2d computes it (quantized layers
-    too): channels-last output returned as an NCHW-shaped view; with q_scale also its 8-bit copy."""
+    too, z 8-bit with z_scale): channels-last output returned as an NCHW-shaped view; with q_scale also its
+    8-bit copy."""
     from .conv import epilogue_operands, geometry
 
     _, _, pads, (OH, OW) = geometry(node, x, w)
@@ -202,9 +205,11 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         desc(nhwc(x), [1, bh, bw, bk]), desc(filter_rows(w), [bn, bk]), y_desc,
         desc(nhwc(z), out_box) if z is not None else y_desc, desc(q, out_box),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
-        q_scale if q_scale is not None else xs, N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1,
+        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs,
+        N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1,
         KH=KH, KW=KW, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
-        Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
+        Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
+        BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     y = y.permute(0, 3, 1, 2)
     return y if q_scale is None else (y, q.permute(0, 3, 1, 2))

@@ -34,15 +34,18 @@ from .gemm import (
     epilogue,
     quant_args,
     quantize,
+    residual,
+    residual_ok,
 )
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 
 
 @triton.jit
-def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, M, N, K,
+def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, M, N, K,
                      stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
-                     QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, W_KMAJOR: tl.constexpr,
+                     QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
+                     W_KMAJOR: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -69,7 +72,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         if HAS_Z:  # a residual: a 1x1 convolution's shortcut
-            acc += z_desc.load([off_m, off_n]).to(tl.float32)
+            acc += residual(z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
         acc = epilogue(acc, ACT, p0, p1)
         if Y_QUANTIZED:  # the next layer reads 8-bit values: quantized here instead of by it
             acc = quantize(acc, ys_ptr, QUANT)
@@ -143,7 +146,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
     mat = weight_matrix(w)
     if mat is None or (qtype and not mat[1]) or K % 16 or N % 16 or rows(x, K) is None:
         return False
-    if z is not None and (z.numel() != x.numel() // K * N or not z.dtype.is_floating_point or rows(z, N) is None):
+    if z is not None and (z.numel() != x.numel() // K * N or not residual_ok(z, qtype) or rows(z, N) is None):
         return False
     return b is None or (b.numel() == N and b.dtype.is_floating_point)
 
@@ -155,8 +158,10 @@ def programs(device: torch.device) -> int:
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "", params=(),
          config: TileConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None):
-    """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows; [.., N] in x's dtype, as gemm.gemm computes
+         out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+         z_scale: torch.Tensor | None = None):
+    """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
+    gemm.gemm computes
     it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or quantized with
     y_scale; with q_scale also its 8-bit copy (y, q)."""
     lead, (K, N) = x.shape[:-1], w.shape
@@ -179,8 +184,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
-        q_scale if q_scale is not None else xs, M, N, K, stride_ws, p0, p1,
+        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
-        COPY=q_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        COPY=q_scale is not None, Z_SCALED=z_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=config.group_m,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))

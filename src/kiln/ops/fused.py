@@ -191,9 +191,15 @@ def qgemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
                             y_scale)
 
 
+def residual(z: torch.Tensor, z_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A residual input in dtype: float as it is, 8-bit values times their scale (in FP32, then rounded once)."""
+    return z.to(dtype) if z_scale is None else (z.float() * z_scale.float()).to(dtype)
+
+
 @register("QConv", domain=KILN, keeps_input_types=True)
-def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
-    """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional float residual (ResNet's shortcut Add). With
+def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None, z_scale=None):
+    """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional residual (ResNet's shortcut Add), float or, with
+    z_scale (input 8), the 8-bit copy a quantized block output's producer wrote (engine/quantized_io.py). With
     q_scale (input 7), a second output: y quantized for the quantized layers that read it, while others
     read y as float (a ResNet block's output: the next block's first convolution and its residual)."""
     ft = float_type(node, x)
@@ -207,7 +213,7 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=
     if b is not None:
         y = y + b.to(ft).reshape(1, -1, *([1] * (acc.dim() - 2)))
     if z is not None:
-        y = y + z.to(ft)
+        y = y + residual(z, z_scale, ft)
     y = quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])), y_scale)
     return y if q_scale is None else (y, quantize(node, y, q_scale))
 

@@ -322,14 +322,14 @@ def dequantized_gemm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 def _dequantized_conv(conv):
     """A QConv tactic computing in float: `conv(node, x, w, b, z)` (a FusedConv implementation, which applies
     the residual and activation) on the fake-quantized x and the dequantized weights."""
-    def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
+    def run(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None, z_scale=None):
         from ..kernels.rescale import to_8bit
-        from ..ops.fused import quantized_output
+        from ..ops.fused import quantized_output, residual
 
         dt = float_type(node, x)
         wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
         y = conv(node, _fake_quantized(node, x, x_scale, dt), wd, b.to(dt) if b is not None else None,
-                 z.to(dt) if z is not None else None)
+                 residual(z, z_scale, dt) if z is not None else None)
         y = quantized_output(node, y, y_scale)
         return y if q_scale is None else (y, to_8bit(y, q_scale, node.attr("qtype", "int8")))
 

@@ -147,13 +147,13 @@ def _conv_run(config, quant: bool = False, pointwise: bool = False):
 
         return conv.conv2d(node, x, w, b, z, config=config)
 
-    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None):
+    def run_quant(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None, z_scale=None):
         from ..kernels import conv
         from ..ops.fused import float_type
 
         kernel = conv.pointwise_as_gemm if pointwise else conv.conv2d
         return kernel(node, x, w_q, b, z, config=config, x_scale=x_scale, w_scale=w_scale, y_scale=y_scale,
-                      out_dtype=float_type(node, x), q_scale=q_scale)
+                      out_dtype=float_type(node, x), q_scale=q_scale, z_scale=z_scale)
 
     return run_quant if quant else run
 

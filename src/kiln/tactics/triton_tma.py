@@ -33,15 +33,15 @@ def _quantized(node) -> str:
 
 
 def _operands(node, args):
-    """(x, w, b, z, y_scale, q_scale) of a FusedGemm/FusedConv (x, w, b, z) or QGemm/QConv
+    """(x, w, b, z, y_scale, q_scale, z_scale) of a FusedGemm/FusedConv (x, w, b, z) or QGemm/QConv
     (x, w_q, x_scale, w_scale, b, z | y_scale, ...)."""
     if not _quantized(node):
         rest = list(args[2:]) + [None, None]
-        return args[0], args[1], rest[0], rest[1], None, None
-    rest = list(args[4:]) + [None] * 4
+        return args[0], args[1], rest[0], rest[1], None, None, None
+    rest = list(args[4:]) + [None] * 5
     if node.op_type == "QGemm":  # (x, w_q, x_scale, w_scale, b, y_scale)
-        return args[0], args[1], rest[0], None, rest[1], None
-    return args[0], args[1], rest[0], rest[1], rest[2], rest[3]  # QConv: (.., b, z, y_scale, q_scale)
+        return args[0], args[1], rest[0], None, rest[1], None, None
+    return args[0], args[1], *rest[:5]  # QConv: (.., b, z, y_scale, q_scale, z_scale)
 
 
 def _as_gemm(node, x: torch.Tensor, w: torch.Tensor):
@@ -60,7 +60,7 @@ def _applies(config):
     def applies(node, args) -> bool:
         from ..kernels import conv, gemm, tma_gemm
 
-        x, w, b, z, _, q_scale = _operands(node, args)
+        x, w, b, z, _, q_scale, _ = _operands(node, args)
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
             return False
         qtype = _quantized(node)
@@ -84,7 +84,7 @@ def _run(config):
         from ..kernels import tma_gemm
         from ..ops.fused import float_type
 
-        x, w, b, z, y_scale, q_scale = _operands(node, args)
+        x, w, b, z, y_scale, q_scale, z_scale = _operands(node, args)
         qtype = _quantized(node)
         rows, w2 = _as_gemm(node, x, w)
         conv = node.op_type in ("FusedConv", "QConv")
@@ -92,7 +92,7 @@ def _run(config):
             from ..kernels.conv import pixel_rows
             z = pixel_rows(z)
         quant = dict(qtype=qtype, x_scale=args[2], w_scale=args[3], y_scale=y_scale, q_scale=q_scale,
-                     out_dtype=float_type(node, x)) if qtype else {}
+                     z_scale=z_scale, out_dtype=float_type(node, x)) if qtype else {}
         ys = tma_gemm.gemm(rows, w2, b, node.attr("activation", ""), node.attr("activation_params", []),
                            config=config, z=z, **quant)
         if not conv:
@@ -108,7 +108,7 @@ def _conv_applies(config):
     def applies(node, args) -> bool:
         from ..kernels import gemm, tma_conv
 
-        x, w, b, z, _, _ = _operands(node, args)
+        x, w, b, z, _, _, _ = _operands(node, args)
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or w.dim() != 4:
             return False
         qtype = _quantized(node)
@@ -126,8 +126,8 @@ def _conv_run(config):
         from ..kernels import tma_conv
         from ..ops.fused import float_type
 
-        x, w, b, z, y_scale, q_scale = _operands(node, args)
-        quant = dict(x_scale=args[2], w_scale=args[3], y_scale=y_scale, q_scale=q_scale,
+        x, w, b, z, y_scale, q_scale, z_scale = _operands(node, args)
+        quant = dict(x_scale=args[2], w_scale=args[3], y_scale=y_scale, q_scale=q_scale, z_scale=z_scale,
                      out_dtype=float_type(node, x)) if _quantized(node) else {}
         return tma_conv.conv2d(node, x, w, b, z, config=config, **quant)
 
