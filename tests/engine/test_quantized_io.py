@@ -153,7 +153,7 @@ def test_a_block_output_read_as_residual_and_by_the_next_conv_is_written_once_in
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True, calib=calib))
     a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
     # o is read by b (quantized with b's input scale) and as c's residual: a writes it once, as int8
-    assert a.outputs == ["o.int8"] and a.inputs[6] == b.inputs[2] and len(a.inputs) == 7
+    assert a.outputs == ["o.int8"] and a.inputs[6] == b.inputs[2] and a.inputs[7:] == [""]
     assert b.inputs[0] == "o.int8" and b.attrs["x_quantized"] == 1
     assert c.inputs[5] == "o.int8" and c.inputs[8] == b.inputs[2]  # the residual scaled back in c's epilogue
     assert c.inputs[0] == "p" and c.attrs["x_quantized"] == 1 and b.inputs[6] == c.inputs[2]  # b -> c: int8 only
@@ -177,4 +177,40 @@ def test_a_block_output_also_read_as_float_is_written_both_ways():
     assert c.inputs[5] == "o.int8" and c.inputs[8] == a.inputs[7]  # the residual still reads the copy
     x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
     assert compare(model, engine, [{"x": x}]).passed
+
+
+def _resnet_blocks(blocks: int):
+    """A stem convolution, then `blocks` blocks o_i = Relu(Conv_c(Relu(Conv_b(o_{i-1}))) + o_{i-1})."""
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 4, 3, 3)) / 12).astype(np.float32), "wa")]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["c0"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c0"], ["o0"])]
+    for i in range(1, blocks + 1):
+        inits += [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) / 24).astype(np.float32), f"wb{i}"),
+                  numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 8).astype(np.float32), f"wc{i}")]
+        nodes += [helper.make_node("Conv", [f"o{i - 1}", f"wb{i}"], [f"cb{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"cb{i}"], [f"p{i}"]),
+                  helper.make_node("Conv", [f"p{i}", f"wc{i}"], [f"cc{i}"]),
+                  helper.make_node("Add", [f"cc{i}", f"o{i - 1}"], [f"s{i}"]),
+                  helper.make_node("Relu", [f"s{i}"], [f"o{i}"])]
+    g = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
+                          [helper.make_tensor_value_info(f"o{blocks}", TensorProto.FLOAT, ["N", 8, 6, 6])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_a_block_between_two_others_reads_and_writes_8_bit_residuals():
+    """The middle block's last convolution reads an 8-bit residual (its z_scale) and writes only 8-bit values."""
+    model = _resnet_blocks(3)
+    rng = np.random.default_rng(6)
+    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
+    prof = kiln.Profile({"x": ((2, 4, 6, 6), (2, 4, 6, 6), (2, 4, 6, 6))})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True,
+                                                calib=calib))
+    last = {n.inputs[0]: n for n in engine.graph.nodes if n.op_type == "QConv" and n.inputs[0].startswith("p")}
+    middle = last["p2"]
+    assert middle.inputs[5] == "o1.int8" and middle.inputs[8] and middle.outputs == ["o2.int8"]
+    assert middle.inputs[6] and not middle.inputs[7]  # y_scale: written as int8; no copy
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = engine.create_execution_context().run({"x": x})["o3"]
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
 

@@ -113,7 +113,7 @@ def _quantized_residuals(graph: Graph) -> None:
     for out, p in copying.items():
         if not readers.get(out) and out not in outputs:
             at_copy = COPY_AT["QConv"][0]
-            p.inputs[Y_SCALE_INPUT["QConv"]] = p.inputs[at_copy]
-            p.inputs = p.inputs[:at_copy]
+            # the copy's scale becomes y_scale; p's own z_scale (a block between two others) stays
+            p.inputs[Y_SCALE_INPUT["QConv"]], p.inputs[at_copy] = p.inputs[at_copy], ""
             p.outputs = [p.outputs[1]]
 
