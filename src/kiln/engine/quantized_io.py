@@ -116,4 +116,3 @@ def _quantized_residuals(graph: Graph) -> None:
             # the copy's scale becomes y_scale; p's own z_scale (a block between two others) stays
             p.inputs[Y_SCALE_INPUT["QConv"]], p.inputs[at_copy] = p.inputs[at_copy], ""
             p.outputs = [p.outputs[1]]
-

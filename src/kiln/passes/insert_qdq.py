@@ -9,11 +9,11 @@ then an explicitly quantized ONNX graph (exportable, onnxruntime runs it), and
 fuse_qdq turns each pattern into an INT8 layer.
 
 A convolution over fewer than MIN_CHANNELS input channels per group (a network's RGB stem) stays in
-float: an 8-bit Tensor Core step sums 32 channels, so 3 channels waste most of it, and quantizing the
-image costs a pass of its own. On the H200 (2026-11-30) ResNet-50's INT8 stem at batch 32 took 60 us in
-cuDNN's FP16 kernel plus about 55 us of per-call quantization, weight dequantization and padding kernels;
-an FP16 stem takes the same 60 us (or less, over four channels; engine/layout.py) and nothing else.
-TensorRT keeps such first layers in FP16 too.
+float: an 8-bit Tensor Core step sums 32 channels, so 3 channels waste most of it, and no 8-bit kernel
+here takes it (it ran as a float fallback). On the H200 (2026-11-30) ResNet-50's INT8 stem at batch 32
+came with 13 per-call kernels, about 60 us, quantizing the image, dequantizing the weights and padding
+channels, before the same 60 us cuDNN convolution an FP16 stem runs; the FP16 stem needs one 9 us pad
+kernel (engine/layout.py).
 """
 
 from __future__ import annotations
