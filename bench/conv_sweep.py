@@ -1,5 +1,6 @@
 """The TMA convolution (kiln/kernels/tma_conv.py) against cuDNN and conv.py's pointer kernel, each
-configuration alone, at ResNet-50's batch-32 stride-1 3x3 convolutions (bias + ReLU), FP16, INT8 and FP8.
+configuration alone, at ResNet-50's batch-32 3x3 convolutions and stride-2 downsamples (bias + ReLU), FP16,
+INT8 and FP8.
 
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's selector times tactics), us.
 8-bit layers read 8-bit x and write the next layer's 8-bit input, as in an INT8 engine; their outputs are
@@ -30,7 +31,12 @@ Q8 = [PatchConfig(8, 16, 64, 128, 4, 4), PatchConfig(8, 16, 128, 128, 8, 3), Pat
       PatchConfig(8, 8, 128, 128, 4, 4), PatchConfig(8, 16, 256, 128, 8, 3), PatchConfig(8, 16, 128, 128, 4, 4),
       PatchConfig(16, 16, 128, 128, 8, 3), PatchConfig(8, 8, 64, 128, 4, 5)]
 POINTER = [t for t, level in conv.QUANT_CONFIGS if level == 3]
-SHAPES = [("layer1 3x3", 56, 64), ("layer2 3x3", 28, 128), ("layer3 3x3", 14, 256), ("layer4 3x3", 7, 512)]
+# (name, input H = W, input channels, output channels, kernel, stride)
+SHAPES = [("layer1 3x3", 56, 64, 64, 3, 1), ("layer2 3x3", 28, 128, 128, 3, 1), ("layer3 3x3", 14, 256, 256, 3, 1),
+          ("layer4 3x3", 7, 512, 512, 3, 1), ("layer2.0 3x3 stride 2", 56, 128, 128, 3, 2),
+          ("layer3.0 3x3 stride 2", 28, 256, 256, 3, 2), ("layer4.0 3x3 stride 2", 14, 512, 512, 3, 2),
+          ("layer2.0 downsample", 56, 256, 512, 1, 2), ("layer3.0 downsample", 28, 512, 1024, 1, 2),
+          ("layer4.0 downsample", 14, 1024, 2048, 1, 2)]
 
 
 def us(fn) -> str:
@@ -40,15 +46,16 @@ def us(fn) -> str:
         return f"fail {type(e).__name__}: {str(e)[:200]}"
 
 
-def node(qtype=""):
-    attrs = {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 1,
+def node(k, stride, qtype=""):
+    p = k // 2
+    attrs = {"kernel_shape": [k, k], "strides": [stride, stride], "pads": [p] * 4, "dilations": [1, 1], "group": 1,
              "activation": "Relu", "activation_params": []}
     if qtype:
         attrs.update(qtype=qtype, x_quantized=1, float_type="float16")
     return Node("QConv" if qtype else "FusedConv", ["x", "w", "b"], ["y"], attrs, domain="kiln")
 
 
-def sweep(batch, hw, c, flops):
+def sweep(batch, hw, c, oc, k, stride, flops):
     def tops(t):
         try:
             return f"{float(t):8.1f} us {flops / float(t) / 1e6:6.0f} TOPS"
@@ -58,11 +65,12 @@ def sweep(batch, hw, c, flops):
     torch.manual_seed(0)
     cl = torch.channels_last
     x = torch.randn(batch, c, hw, hw, device="cuda").half().to(memory_format=cl)
-    w = (torch.randn(c, c, 3, 3, device="cuda") / (9 * c) ** 0.5).half().to(memory_format=cl)
-    b = torch.randn(c, device="cuda").half()
-    n16 = node()
-    ref = F.relu(F.conv2d(x, w, b, padding=1))
-    rows = [f"cudnn conv2d + relu  {tops(us(lambda: F.relu_(F.conv2d(x, w, b, padding=1))))}"]
+    w = (torch.randn(oc, c, k, k, device="cuda") / (k * k * c) ** 0.5).half().to(memory_format=cl)
+    b = torch.randn(oc, device="cuda").half()
+    n16 = node(k, stride)
+    geo = dict(stride=stride, padding=k // 2)
+    ref = F.relu(F.conv2d(x, w, b, **geo))
+    rows = [f"cudnn conv2d + relu  {tops(us(lambda: F.relu_(F.conv2d(x, w, b, **geo))))}"]
     for cfg in F16:
         if not tma_conv.supports(n16, x, w, b, None, cfg):
             rows.append(f"tma fp16 {cfg.name} not supported")
@@ -81,7 +89,7 @@ def sweep(batch, hw, c, flops):
 
         x8 = q(x, sx).to(memory_format=cl)
         w8 = q(w, sw.reshape(-1, 1, 1, 1)).to(memory_format=cl)
-        n8 = node(qtype)
+        n8 = node(k, stride, qtype)
         kw = dict(x_scale=sx, w_scale=sw, y_scale=ys, out_dtype=torch.float16)
         want = conv.conv2d(n8, x8, w8, b, config=POINTER[0], **kw)
         for cfg in POINTER:
@@ -106,10 +114,12 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    for name, hw, c in SHAPES:
-        flops = 2 * args.batch * hw * hw * c * c * 9
-        print(f"\n## {name}: batch {args.batch}, {hw}x{hw}, {c} -> {c} channels, {flops / 1e9:.1f} GFLOP", flush=True)
-        print("\n".join(sweep(args.batch, hw, c, flops)), flush=True)
+    for name, hw, c, oc, k, stride in SHAPES:
+        out = hw // stride
+        flops = 2 * args.batch * out * out * c * oc * k * k
+        print(f"\n## {name}: batch {args.batch}, {hw}x{hw}, {c} -> {oc} channels, {k}x{k} stride {stride}, "
+              f"{flops / 1e9:.1f} GFLOP", flush=True)
+        print("\n".join(sweep(args.batch, hw, c, oc, k, stride, flops)), flush=True)
     return 0
 
 

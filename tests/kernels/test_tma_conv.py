@@ -17,8 +17,8 @@ SMALL8 = PatchConfig(4, 4, 16, 32, 4, 2)  # 8-bit Tensor Cores sum 32 values a s
 FP8 = torch.float8_e4m3fn
 
 
-def _node(k, pads, act="", qtype=""):
-    attrs = {"kernel_shape": [k, k], "strides": [1, 1], "pads": list(pads), "dilations": [1, 1], "group": 1,
+def _node(k, pads, act="", qtype="", stride=1):
+    attrs = {"kernel_shape": [k, k], "strides": [stride, stride], "pads": list(pads), "dilations": [1, 1], "group": 1,
              "activation": act, "activation_params": []}
     if qtype:
         attrs["qtype"] = qtype
@@ -29,15 +29,20 @@ def _cl(t):
     return t.to(DEV).to(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("k, pads, act, residual", [
-    (3, (1, 1, 1, 1), "Relu", True),  # ResNet's 3x3: the border reads zeros on all four sides
-    (3, (0, 2, 1, 0), "", False),  # asymmetric pads: a wider output than input
-    (1, (0, 0, 0, 0), "Silu", False),
+@pytest.mark.parametrize("k, pads, act, residual, stride", [
+    (3, (1, 1, 1, 1), "Relu", True, 1),  # ResNet's 3x3: the border reads zeros on all four sides
+    (3, (0, 2, 1, 0), "", False, 1),  # asymmetric pads: a wider output than input
+    (1, (0, 0, 0, 0), "Silu", False, 1),
+    (3, (1, 1, 1, 1), "Relu", True, 2),  # ResNet's strided 3x3: boxes of the [N, H/2, 2, W/2, 2C] view
+    (1, (0, 0, 0, 0), "", False, 2),  # ResNet's downsample
+    (3, (2, 3, 0, 1), "", False, 2),  # odd and even pads: every phase of the view
 ])
-def test_float_conv_matches_the_reference(k, pads, act, residual):
+def test_float_conv_matches_the_reference(k, pads, act, residual, stride):
     g = torch.Generator().manual_seed(k)
-    node = _node(k, pads, act)
-    x, w = _cl(torch.randn(2, 32, 7, 9, generator=g).half()), _cl((torch.randn(48, 32, k, k, generator=g) / 8).half())
+    node = _node(k, pads, act, stride=stride)
+    hw = (7, 9) if stride == 1 else (8, 10)  # strided: even H and W
+    x = _cl(torch.randn(2, 32, *hw, generator=g).half())
+    w = _cl((torch.randn(48, 32, k, k, generator=g) / 8).half())
     b = torch.randn(48, generator=g).half().to(DEV)
     oh, ow = conv.geometry(node, x, w)[3]
     z = _cl(torch.randn(2, 48, oh, ow, generator=g).half()) if residual else None
@@ -76,6 +81,18 @@ def test_int8_conv_matches_the_pointer_kernel(outputs):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
 
 
+def test_strided_int8_conv_matches_the_pointer_kernel():
+    node = _node(3, (1, 1, 1, 1), "Relu", qtype="int8", stride=2)
+    g = torch.Generator().manual_seed(4)
+    x = _cl((torch.randn(2, 64, 8, 10, generator=g) * 30).round().clamp(-128, 127).to(torch.int8))
+    w = _cl((torch.randn(48, 64, 3, 3, generator=g) * 30).round().clamp(-127, 127).to(torch.int8))
+    kw = dict(x_scale=torch.tensor(0.05, device=DEV), w_scale=(torch.rand(48, generator=g) * 0.01 + 0.001).to(DEV),
+              y_scale=torch.tensor(0.03, device=DEV))
+    assert tma_conv.supports(node, x, w, None, None, SMALL8, "int8")
+    got = poisoned(lambda: tma_conv.conv2d(node, x, w, config=SMALL8, **kw))
+    assert torch.equal(got, conv.conv2d(node, x, w, config=conv.TileConfig(16, 16, 32, 4, 2), **kw))
+
+
 def test_fp8_conv_and_float_input_quantized_first():
     node = _node(3, (1, 1, 1, 1), qtype="fp8")
     _, w, sx, sw, b = _int8_layer(2, "fp8")
@@ -91,7 +108,11 @@ def test_what_a_box_cannot_read_is_refused():
     x, w = _cl(torch.randn(1, 32, 6, 6).half()), _cl(torch.randn(16, 32, 3, 3).half())
     assert tma_conv.supports(node, x, w, None, None, SMALL)
     strided = Node("FusedConv", ["x", "w"], ["y"], {**node.attrs, "strides": [2, 2]}, domain="kiln")
-    assert not tma_conv.supports(strided, x, w, None, None, SMALL)  # a strided window is not a box
+    assert tma_conv.supports(strided, x, w, None, None, SMALL)
+    odd_map = _cl(torch.randn(1, 32, 7, 6).half())  # stride 2 over 7 rows: the view needs even H and W
+    assert not tma_conv.supports(strided, odd_map, w, None, None, SMALL)
+    three = Node("FusedConv", ["x", "w"], ["y"], {**node.attrs, "strides": [3, 3]}, domain="kiln")
+    assert not tma_conv.supports(three, _cl(torch.randn(1, 32, 9, 9).half()), w, None, None, SMALL)
     assert not tma_conv.supports(node, x.contiguous(), w, None, None, SMALL)  # NCHW x
     assert not tma_conv.supports(node, x, w.contiguous(), None, None, SMALL)  # NCHW weights: not K-major
     odd = _cl(torch.randn(1, 24, 6, 6).half())  # 24 channels: a 16-channel K tile would straddle taps

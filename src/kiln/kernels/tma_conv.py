@@ -1,4 +1,4 @@
-"""Implicit-GEMM convolution on Hopper's tensor-memory accelerator (TMA): stride 1, channels-last.
+"""Implicit-GEMM convolution on Hopper's tensor-memory accelerator (TMA): stride 1 or 2, channels-last.
 
 kernels/conv.py gathers each output pixel's input patch with per-thread pointer loads and masks the
 image's border. Here an output tile is a BLOCK_H x BLOCK_W patch of one image's output pixels, and for
@@ -12,8 +12,12 @@ BLOCK_K], is the GEMM's left tile; the weights [OC, KH, KW, C] (channels-last, s
 walks the output tiles, like kernels/tma_gemm.py, and the epilogue is the GEMM's: dequantization
 (x_scale * w_scale[oc]), bias, residual (a 4-D box of z), activation, 8-bit output or copy, one TMA store.
 
-Stride 1 and dilation 1 only (a strided window is not a box); C a multiple of BLOCK_K, so a K tile never
-straddles two taps. ResNet-50 has 13 such 3x3 convolutions.
+A stride-2 window is not a box of x, but it is one of x viewed as [N, H/2, 2, W/2, 2C]: input row
+2 * oh + d (d = r - pad_top) is row oh + floor(d / 2) of phase d mod 2 of that view, and likewise for
+columns, whose phase picks a C-wide half of the last axis. Rows and columns past the image are still out of
+bounds of the view (H and W even), so still read as zeros. Dilation 1 only; C a multiple of BLOCK_K, so a K
+tile never straddles two taps. ResNet-50 has 13 stride-1 3x3 convolutions and 6 stride-2 ones (three 3x3,
+three 1x1).
 
 Reference: kiln.ops.fused.fused_conv / qconv; kernels/conv.py runs every convolution.
 """
@@ -30,6 +34,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, residual, residual_ok
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
+MAX_PAD = 8  # the largest top/left padding of a strided layer here
+_MAX_PAD = tl.constexpr(MAX_PAD)
+STRIDES = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -56,9 +63,9 @@ class PatchConfig:
 @triton.jit
 def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr,
                      N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1,
-                     KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
-                     ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
-                     Z_SCALED: tl.constexpr,
+                     KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
+                     COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
@@ -78,7 +85,14 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         for kb in range(k_tiles):
             tap = kb // c_blocks
             c0 = (kb % c_blocks) * BLOCK_K
-            a = x_desc.load([img, oh0 + tap // KW - pad_h, ow0 + tap % KW - pad_w, c0]).reshape(BLOCK_M, BLOCK_K)
+            if STRIDE == 1:
+                a = x_desc.load([img, oh0 + tap // KW - pad_h, ow0 + tap % KW - pad_w, c0])
+            else:  # the [N, H/S, S, W/S, S*C] view; offsets made non-negative before // and %
+                dh = tap // KW - pad_h + STRIDE * _MAX_PAD
+                dw = tap % KW - pad_w + STRIDE * _MAX_PAD
+                a = x_desc.load([img, oh0 + dh // STRIDE - _MAX_PAD, dh % STRIDE,
+                                 ow0 + dw // STRIDE - _MAX_PAD, dw % STRIDE * C + c0])
+            a = a.reshape(BLOCK_M, BLOCK_K)
             b = w_desc.load([off_n, tap * C + c0]).T
             acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
         cols = (off_n + tl.arange(0, BLOCK_N)) % OC  # channels past OC compute garbage the store drops
@@ -144,9 +158,9 @@ def block_k_for(config: PatchConfig, channels: int, quantized: bool = False) -> 
 
 def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
              config: PatchConfig, qtype: str = "") -> bool:
-    """A stride-1, dilation-1, ungrouped 2-D convolution of channels-last 16-bit (or, quantized, any float or
-    the qtype's 8-bit) x with channels-last weights, OC a multiple of 16, a channels-last residual of the
-    output's shape; C a whole number of K tiles."""
+    """A stride-1 or stride-2 (then even H and W), dilation-1, ungrouped 2-D convolution of channels-last 16-bit
+    (or, quantized, any float or the qtype's 8-bit) x with channels-last weights, OC a multiple of 16, a
+    channels-last residual of the output's shape; C a whole number of K tiles."""
     from .conv import geometry
 
     if x.dim() != 4 or w.dim() != 4 or node.attr("group", 1) != 1 or x.shape[1] != w.shape[1] or x.numel() == 0:
@@ -157,7 +171,10 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
     elif x.dtype not in (torch.float16, torch.bfloat16) or w.dtype != x.dtype:
         return False
     geo = geometry(node, x, w)
-    if geo is None or geo[0] != [1, 1] or geo[1] != [1, 1]:
+    if geo is None or geo[1] != [1, 1] or geo[0][0] != geo[0][1] or geo[0][0] not in STRIDES:
+        return False
+    stride = geo[0][0]
+    if stride > 1 and (x.shape[2] % stride or x.shape[3] % stride or max(geo[2][:2]) > MAX_PAD):
         return False
     if w.shape[0] % 16 or block_k_for(config, x.shape[1], bool(qtype)) is None:
         return False
@@ -183,7 +200,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     8-bit copy."""
     from .conv import epilogue_operands, geometry
 
-    _, _, pads, (OH, OW) = geometry(node, x, w)
+    strides, _, pads, (OH, OW) = geometry(node, x, w)
     N, C = x.shape[:2]
     OC, KH, KW = w.shape[0], w.shape[2], w.shape[3]
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
@@ -197,17 +214,22 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     def desc(t, block):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
+    S = strides[0]
+    rows = nhwc(x)
+    if S > 1:  # [N, H, W, C] as [N, H/S, S, W/S, S*C]: a stride-S window is a box of this view
+        rows = rows.reshape(N, rows.shape[1] // S, S, rows.shape[2] // S, S * C)
+    x_box = [1, bh, bw, bk] if S == 1 else [1, bh, 1, bw, bk]
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
     n_programs = min(programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
-        desc(nhwc(x), [1, bh, bw, bk]), desc(filter_rows(w), [bn, bk]), y_desc,
+        desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,
         desc(nhwc(z), out_box) if z is not None else y_desc, desc(q, out_box),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
         q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs,
         N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1,
-        KH=KH, KW=KW, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
+        KH=KH, KW=KW, STRIDE=S, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
         BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)

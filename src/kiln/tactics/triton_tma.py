@@ -3,8 +3,8 @@
   FusedConv  triton_tma_conv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>   16-bit 1x1 convolutions as GEMMs
   QGemm      triton_tma_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>     INT8/FP8 GEMMs
   QConv      triton_tma_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  INT8/FP8 1x1 convolutions as GEMMs
-  FusedConv  triton_tma_conv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages>  stride-1 convolutions (kernels/tma_conv.py),
-  QConv      triton_tma_qconv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages> their INT8/FP8 form; larger than 1x1 only
+  FusedConv  triton_tma_conv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages>  stride-1/2 convolutions (kernels/tma_conv.py),
+  QConv      triton_tma_qconv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages> their INT8/FP8 form; not 1x1 stride 1
 Each configuration is offered at its CONFIGS / QUANT_CONFIGS level, except that float GEMMs start at
 level 4: on the H200 cuBLAS won every BERT/ViT-shaped FP16 GEMM, so timing them by default only costs
 build time; ResNet-50's 1x1 convolutions over 64 channels are where the TMA kernel beat cuBLAS.
@@ -106,7 +106,7 @@ def _run(config):
 
 def _conv_applies(config):
     def applies(node, args) -> bool:
-        from ..kernels import gemm, tma_conv
+        from ..kernels import conv, gemm, tma_conv
 
         x, w, b, z, _, _, _ = _operands(node, args)
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or w.dim() != 4:
@@ -114,8 +114,8 @@ def _conv_applies(config):
         qtype = _quantized(node)
         if qtype and not gemm.scales_ok(args[2], args[3], w.shape[0], x.device):
             return False
-        if w.shape[2] * w.shape[3] == 1 or not tma_conv.supports(node, x, w, b, z, config, qtype):
-            return False  # 1x1: the TMA GEMM's
+        if conv.is_pointwise(node, x, w, z) or not tma_conv.supports(node, x, w, b, z, config, qtype):
+            return False  # 1x1 stride 1: the TMA GEMM's
         return _device_ok(x, config.smem_bytes(1 if qtype else x.element_size()))
 
     return applies
