@@ -31,6 +31,8 @@ def test_int8_engine_keeps_held_out_accuracy_and_caches_calibration(trained):
                                               calib=str(trained / "digits_calib.npz"), calib_cache=str(cache)))
     assert {n.op_type for n in int8.graph.nodes} >= {"QConv", "QGemm"}
     assert {n.precision for n in int8.graph.nodes if n.op_type in ("QConv", "QGemm")} == {"int8"}
+    stem = next(n for n in int8.graph.nodes if "conv1" in " ".join(n.sources or [n.name]))
+    assert stem.op_type != "QConv" and "1 input channel," in stem.note  # too few channels: kept float, and why
     assert _top1(int8, test) >= _top1(fp32, test) - 0.5
     assert cache.read_text().startswith("TRT-")  # TensorRT's calibration cache text format
     # A rebuild from the cache alone gives the same engine numbers.

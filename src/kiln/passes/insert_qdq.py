@@ -61,7 +61,8 @@ def run(graph: Graph) -> None:
         if (n.op_type == "Gemm" and n.attr("transA", 0)) or n.note.startswith("pinned"):
             continue  # pinned layers keep the float precision they were given
         if n.op_type == "Conv" and w.dim() > 1 and w.shape[1] < MIN_CHANNELS:
-            n.note = n.note or f"float: {w.shape[1]} input channels, too few for 8-bit Tensor Cores"
+            c = w.shape[1]
+            n.note = n.note or f"kept in float: {c} input channel{'s' * (c > 1)}, too few for 8-bit Tensor Cores"
             continue
         x = n.inputs[0]
         if x not in amax or not amax[x] > 0:
