@@ -16,7 +16,7 @@ residual adds, and a QConv, whose output (a ResNet block's) the next block's fir
 reads and its last one adds as the residual. Those readers then need no quantize pass.
 
 A QConv adding such a block output as its residual then reads the 8-bit copy too, scaled back in its
-epilogue (input z_scale), as TensorRT's INT8 residual adds do; a block output that no layer reads as
+epilogue (input z_scale); a block output that no layer reads as
 float any more is written once, as 8-bit values. At ResNet-50's 56x56 stage a block's last convolution then
 moves 58 MB (8-bit input, residual, output) instead of 135 MB (float residual and output, 8-bit copy). The
 residual gains one rounding to the 8-bit grid that the next block's first convolution applies anyway.
