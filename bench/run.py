@@ -127,7 +127,25 @@ def tactic_summary(engine) -> dict:
             if len(layers) < 3 and rep["layer"] not in layers:
                 layers.append(rep["layer"])
     return {"chosen": dict(chosen.most_common()),
-            "excluded": {k: {"count": c, "layers": where[k]} for k, c in excluded.most_common(12)}, "timed": timed}
+            "excluded": {k: {"count": c, "layers": where[k]} for k, c in excluded.most_common(12)}, "timed": timed,
+            "slowest": slowest_layers(engine)}
+
+
+def slowest_layers(engine, top: int = 16) -> list[dict]:
+    """The layers whose chosen tactic the builder timed longest (CUDA-graph replays of the layer alone, summed
+    over profiles), with their weights' shape: which layers a kernel-name profile's total is made of."""
+    nodes = {n.name: n for n in engine.graph.nodes}
+    rows = []
+    for rep in engine.tactics:
+        ms = rep.get("timings", {}).get(rep.get("chosen"))
+        node = nodes.get(rep["layer"])
+        if ms is None or node is None:
+            continue
+        w = engine.graph.initializers.get(node.inputs[1]) if len(node.inputs) > 1 else None
+        rows.append({"layer": rep["layer"], "op": rep["op"], "tactic": rep["chosen"], "ms": ms,
+                     "weights": list(w.shape) if w is not None else None,
+                     "strides": node.attr("strides", None)})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def count_flops(model, inputs: dict) -> float:
@@ -327,6 +345,12 @@ def to_markdown(env: dict, results: list) -> str:
         if prof:
             lines += ["", "Kiln FP16 per-layer time (layer by layer, top op:tactic): " + ", ".join(
                 f"{k} {v['ms']:.3f} ms ({100 * v['share']:.0f}%)" for k, v in prof.items())]
+        for k, v in row["results"].items():
+            slow = v.get("tactics", {}).get("slowest") if k.startswith("kiln_") and k != "kiln_fp16" else None
+            if slow:
+                lines += ["", f"{k} slowest layers (the builder's timing of the chosen tactic): " + "; ".join(
+                    f"{x['layer']} {x['weights']}{' s' + str(x['strides'][0]) if x['strides'] else ''} "
+                    f"{x['tactic']} {1000 * x['ms']:.1f} us" for x in slow)]
         for k, v in row["results"].items():
             if v.get("kernel_profile"):
                 lines += ["", f"{k} kernels (CUDA-graph replay, per call): " + "; ".join(
