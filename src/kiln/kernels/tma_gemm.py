@@ -161,9 +161,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
          z_scale: torch.Tensor | None = None):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
-    gemm.gemm computes
-    it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or quantized with
-    y_scale; with q_scale also its 8-bit copy (y, q)."""
+    gemm.gemm computes it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or
+    quantized with y_scale; with q_scale also its 8-bit copy (y, q)."""
     lead, (K, N) = x.shape[:-1], w.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
