@@ -1,11 +1,17 @@
 """The TMA GEMM (kiln/kernels/tma_gemm.py) against cuBLAS(Lt) and gemm.py, each configuration alone, at
 BERT-base's and ResNet-50's batch-32 GEMM shapes (plus BERT's batch-1 FFN1), FP16, INT8 and FP8.
 
+`--int8-engine` instead times ResNet-50's 1x1 convolutions as an INT8 engine runs them: 8-bit x, 8-bit output
+and, for a block's last convolution, an 8-bit residual, with each candidate's bandwidth against the bytes
+it must move (8-bit x, residual and output; the weights), to show how far these memory-bound layers are from
+their floor.
+
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's selector times tactics), us;
 8-bit operands are quantized as a calibrated engine holds them (per-channel INT8 / per-tensor FP8 weights,
 K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer sums and epilogue).
 
     python bench/tma_sweep.py [SHAPE NAME PREFIX...] > bench/results/H200-tma-sweep.log        (GPU)
+    python bench/tma_sweep.py --int8-engine > bench/results/H200-int8-1x1-sweep.log
 """
 
 from __future__ import annotations
@@ -78,7 +84,50 @@ def sweep_8bit(x, w, b, act, qtype):
     return rows
 
 
+# ResNet-50's batch-32 1x1 convolutions in an INT8 engine: (name, M, K, N, 8-bit residual)
+INT8_ENGINE_SHAPES = [("layer1 conv1 256->64", 100352, 256, 64, False),
+                      ("layer1 conv3 64->256", 100352, 64, 256, True),
+                      ("layer2 conv1 512->128", 25088, 512, 128, False),
+                      ("layer2 conv3 128->512", 25088, 128, 512, True),
+                      ("layer3 conv1 1024->256", 6272, 1024, 256, False),
+                      ("layer3 conv3 256->1024", 6272, 256, 1024, True),
+                      ("layer4 conv1 2048->512", 1568, 2048, 512, False),
+                      ("layer4 conv3 512->2048", 1568, 512, 2048, True)]
+
+
+def sweep_int8_engine(M, K, N, with_z):
+    """Every INT8 candidate on one 1x1 layer as the engine runs it, with GB/s against its bytes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x8 = torch.randint(-128, 128, (M, K), device="cuda", generator=g, dtype=torch.int8)
+    w8 = torch.randint(-127, 128, (N, K), device="cuda", generator=g, dtype=torch.int8).t()  # K-major [K, N]
+    z8 = torch.randint(-128, 128, (M, N), device="cuda", generator=g, dtype=torch.int8) if with_z else None
+    b = torch.randn(N, device="cuda").half()
+    kw = dict(qtype="int8", x_scale=torch.tensor(0.02, device="cuda"), w_scale=torch.rand(N, device="cuda") * 1e-3,
+              y_scale=torch.tensor(0.05, device="cuda"), z=z8, z_scale=torch.tensor(0.05, device="cuda") if with_z
+              else None)
+    moved = M * K + K * N + M * N * (2 if with_z else 1)  # bytes: x, w, output, residual
+
+    def rate(t):
+        try:
+            return f"{float(t):7.1f} us {moved / float(t) / 1e3:6.0f} GB/s"
+        except ValueError:
+            return t
+
+    rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
+    for c in [POINTER] + [t for t, _ in gemm.QUANT_CONFIGS]:
+        rows.append(f"gemm.py {c.name} {rate(us(lambda c=c: gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)))}")
+    for c in Q8:
+        rows.append(f"tma {c.name} {rate(us(lambda c=c: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)))}")
+    return rows
+
+
 def main() -> int:
+    if "--int8-engine" in sys.argv:
+        print(torch.cuda.get_device_name(), torch.__version__)
+        for name, M, K, N, with_z in INT8_ENGINE_SHAPES:
+            print(f"\n## {name}: M {M}, K {K}, N {N}{', int8 residual' if with_z else ''}", flush=True)
+            print("\n".join(sweep_int8_engine(M, K, N, with_z)), flush=True)
+        return 0
     only = sys.argv[1:]  # e.g. "bert ffn1": just the shapes whose names start so
     for name, M, K, N, act in SHAPES:
         if only and not any(name.startswith(o) for o in only):
