@@ -58,3 +58,26 @@ def mlp_reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     w = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     h = np.maximum(x @ w["w1"] + w["b1"], 0)
     return h @ w["w2"] + w["b2"]
+
+
+def residual_blocks(blocks: int, channels: int = 8, in_channels: int = 4, seed: int = 5) -> onnx.ModelProto:
+    """A stem convolution, then `blocks` ResNet blocks o_i = Relu(Conv_c(Relu(Conv_b(o_{i-1}))) + o_{i-1}) (3x3 then
+    1x1); input x [N, in_channels, H, W], output o_<blocks>."""
+    rng = np.random.default_rng(seed)
+    c = channels
+    inits = [numpy_helper.from_array((rng.standard_normal((c, in_channels, 3, 3)) / (3 * in_channels)).astype(
+        np.float32), "wa")]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["c0"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c0"], ["o0"])]
+    for i in range(1, blocks + 1):
+        inits += [numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) / (3 * c)).astype(np.float32), f"wb{i}"),
+                  numpy_helper.from_array((rng.standard_normal((c, c, 1, 1)) / c).astype(np.float32), f"wc{i}")]
+        nodes += [helper.make_node("Conv", [f"o{i - 1}", f"wb{i}"], [f"cb{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"cb{i}"], [f"p{i}"]),
+                  helper.make_node("Conv", [f"p{i}", f"wc{i}"], [f"cc{i}"]),
+                  helper.make_node("Add", [f"cc{i}", f"o{i - 1}"], [f"s{i}"]),
+                  helper.make_node("Relu", [f"s{i}"], [f"o{i}"])]
+    g = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                          ["N", in_channels, "H", "W"])],
+                          [helper.make_tensor_value_info(f"o{blocks}", TensorProto.FLOAT, ["N", c, "H", "W"])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+

@@ -2,11 +2,14 @@
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.tools.compare import compare
+
+from ..models import residual_blocks
 
 
 def _qdq_conv_chain():
@@ -143,74 +146,76 @@ def _resnet_block():
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
+def _int8_build(model, seed, method, batch=2):
+    rng = np.random.default_rng(seed)
+    calib = [{"x": rng.standard_normal((batch, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
+    prof = kiln.Profile({"x": ((batch, 4, 6, 6),) * 3})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True,
+                                                calib=calib, calib_method=method))
+    x = rng.standard_normal((batch, 4, 6, 6)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    return engine, x, ref
+
+
 def test_a_block_output_read_as_residual_and_by_the_next_conv_is_written_once_in_8_bits():
+    """MinMax calibration: the next convolution's input scale covers every value of o, so the residual is that
+    8-bit copy too and o is written once."""
     model = _resnet_block()
-    rng = np.random.default_rng(2)
-    prof = kiln.Profile({"x": ((1, 4, 6, 6), (2, 4, 6, 6), (4, 4, 6, 6))})
-    # 64 samples: with 8, entropy calibration clips o where the test input reaches past it, and the residual
-    # now carries that clipping (15% of the range off, 1.2% with 64)
-    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True, calib=calib))
+    engine, x, ref = _int8_build(model, 2, "minmax")
     a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
     # o is read by b (quantized with b's input scale) and as c's residual: a writes it once, as int8
     assert a.outputs == ["o.int8"] and a.inputs[6] == b.inputs[2] and a.inputs[7:] == [""]
     assert b.inputs[0] == "o.int8" and b.attrs["x_quantized"] == 1
     assert c.inputs[5] == "o.int8" and c.inputs[8] == b.inputs[2]  # the residual scaled back in c's epilogue
     assert c.inputs[0] == "p" and c.attrs["x_quantized"] == 1 and b.inputs[6] == c.inputs[2]  # b -> c: int8 only
-    x = rng.standard_normal((3, 4, 6, 6)).astype(np.float32)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = engine.create_execution_context().run({"x": x})["out"]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
     assert compare(model, engine, [{"x": x}], layerwise=True).outputs[0].passed
 
 
-def test_a_block_output_also_read_as_float_is_written_both_ways():
+def test_a_residual_the_copys_scale_would_clip_gets_its_own_8_bit_output():
+    """Entropy calibration clips o's tail for b's input; the residual gets 8-bit values at a scale covering the
+    calibrated maximum, written beside the copy."""
+    model = _resnet_block()
+    engine, x, ref = _int8_build(model, 2, "entropy")
+    a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
+    assert a.outputs == ["o.residual_int8", "o.int8"] and a.inputs[6] == "o.residual_scale"
+    assert a.inputs[7] == b.inputs[2]  # the copy for b, at b's input scale
+    assert c.inputs[5] == "o.residual_int8" and c.inputs[8] == "o.residual_scale"
+    scales = engine.graph.initializers
+    assert float(scales["o.residual_scale"]) > float(scales[b.inputs[2]])  # wider than the copy's: no clipping
+    seen = {}
+    engine.create_execution_context().run_layerwise({"x": x}, lambda n, outs: outs and seen.update(
+        zip(n.outputs, outs)))
+    assert seen["o.residual_int8"].dtype == torch.int8 and seen["o.int8"].dtype == torch.int8
+    got = engine.create_execution_context().run({"x": x})["out"]
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_a_block_output_also_read_as_float_keeps_it():
     model = _resnet_block()
     model.graph.output.append(helper.make_tensor_value_info("o", TensorProto.FLOAT, ["N", 8, 6, 6]))
-    rng = np.random.default_rng(3)
-    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
-    prof = kiln.Profile({"x": ((2, 4, 6, 6), (2, 4, 6, 6), (2, 4, 6, 6))})
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True,
-                                                calib=calib))
+    engine, x, _ = _int8_build(model, 3, "minmax")
     a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
     assert a.outputs == ["o", "o.int8"] and a.inputs[7] == b.inputs[2]  # float o for the model's output
-    assert c.inputs[5] == "o.int8" and c.inputs[8] == a.inputs[7]  # the residual still reads the copy
-    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    assert c.inputs[5] == "o.int8" and c.inputs[8] == a.inputs[7]  # the residual reads the copy, which covers o
+    assert compare(model, engine, [{"x": x}]).passed
+    engine, x, _ = _int8_build(model, 3, "entropy")
+    a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
+    assert a.outputs == ["o", "o.int8"] and c.inputs[5] == "o"  # the copy would clip: the residual stays float
     assert compare(model, engine, [{"x": x}]).passed
 
 
-def _resnet_blocks(blocks: int):
-    """A stem convolution, then `blocks` blocks o_i = Relu(Conv_c(Relu(Conv_b(o_{i-1}))) + o_{i-1})."""
-    rng = np.random.default_rng(5)
-    inits = [numpy_helper.from_array((rng.standard_normal((8, 4, 3, 3)) / 12).astype(np.float32), "wa")]
-    nodes = [helper.make_node("Conv", ["x", "wa"], ["c0"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c0"], ["o0"])]
-    for i in range(1, blocks + 1):
-        inits += [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) / 24).astype(np.float32), f"wb{i}"),
-                  numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 8).astype(np.float32), f"wc{i}")]
-        nodes += [helper.make_node("Conv", [f"o{i - 1}", f"wb{i}"], [f"cb{i}"], pads=[1, 1, 1, 1]),
-                  helper.make_node("Relu", [f"cb{i}"], [f"p{i}"]),
-                  helper.make_node("Conv", [f"p{i}", f"wc{i}"], [f"cc{i}"]),
-                  helper.make_node("Add", [f"cc{i}", f"o{i - 1}"], [f"s{i}"]),
-                  helper.make_node("Relu", [f"s{i}"], [f"o{i}"])]
-    g = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
-                          [helper.make_tensor_value_info(f"o{blocks}", TensorProto.FLOAT, ["N", 8, 6, 6])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-
-
-def test_a_block_between_two_others_reads_and_writes_8_bit_residuals():
-    """The middle block's last convolution reads an 8-bit residual (its z_scale) and writes only 8-bit values."""
-    model = _resnet_blocks(3)
-    rng = np.random.default_rng(6)
-    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(64)]
-    prof = kiln.Profile({"x": ((2, 4, 6, 6), (2, 4, 6, 6), (2, 4, 6, 6))})
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True,
-                                                calib=calib))
+@pytest.mark.parametrize("method", ["minmax", "entropy"])
+def test_a_block_between_two_others_reads_and_writes_8_bit_residuals(method):
+    """The middle block's last convolution reads an 8-bit residual (its z_scale) and writes 8-bit values only."""
+    model = residual_blocks(3)
+    engine, x, ref = _int8_build(model, 6, method)
     last = {n.inputs[0]: n for n in engine.graph.nodes if n.op_type == "QConv" and n.inputs[0].startswith("p")}
     middle = last["p2"]
-    assert middle.inputs[5] == "o1.int8" and middle.inputs[8] and middle.outputs == ["o2.int8"]
-    assert middle.inputs[6] and not middle.inputs[7]  # y_scale: written as int8; no copy
-    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert middle.inputs[5].startswith("o1.") and middle.inputs[8]
+    assert all(o.startswith("o2.") for o in middle.outputs) and middle.inputs[6]  # y_scale: written as int8
+    if method == "minmax":  # the copy is the residual: one output
+        assert middle.outputs == ["o2.int8"] and not middle.inputs[7]
     got = engine.create_execution_context().run({"x": x})["o3"]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
-

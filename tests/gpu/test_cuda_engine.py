@@ -183,6 +183,28 @@ def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
                                cpu.create_execution_context().run({"x": x})["y"], rtol=1e-3, atol=1e-3)
 
 
+def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
+    """Three ResNet blocks of 64 channels: the middle block reads its residual and writes its output in 8 bits
+    (engine/quantized_io.py; entropy calibration, so the residual at its own scale beside the copy), on the GPU's
+    8-bit kernels; the engine stays within 5% of onnxruntime's range."""
+    import onnxruntime as ort
+
+    from ..models import residual_blocks
+
+    model = residual_blocks(3, channels=64, in_channels=16)
+    rng = np.random.default_rng(7)
+    calib = [{"x": rng.standard_normal((8, 16, 16, 16)).astype(np.float32)} for _ in range(32)]
+    prof = [kiln.Profile({"x": ((8, 16, 16, 16),) * 3})]
+    eng = kiln.build(model, _cfg(profiles=prof, int8=True, fp16=True, calib=calib))
+    middle = next(n for n in eng.graph.nodes if n.op_type == "QConv" and n.inputs[0] == "p2")
+    assert middle.inputs[5].startswith("o1.") and middle.inputs[8] and middle.inputs[6], middle.tactic
+    assert all(str(eng.graph.initializers[middle.inputs[i]].dtype) == "torch.float32" for i in (6, 8))
+    x = rng.standard_normal((8, 16, 16, 16)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["o3"].float().cpu().numpy()
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+
+
 def _x_plus_ones_of_its_shape():
     from onnx import TensorProto, helper
 

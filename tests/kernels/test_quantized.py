@@ -147,6 +147,22 @@ def test_qconv_adds_an_8bit_residual_times_its_scale(pointwise):
     assert not torch.allclose(want, qconv(node, x, w, sx, sw, b, z.float()))  # the scale matters
 
 
+def test_qconv_writes_an_8bit_output_and_an_8bit_copy_at_two_scales():
+    """A block output whose residual the copy's scale would clip: 8-bit at its own scale, and the copy for the
+    next convolution, both quantized from the float result (engine/quantized_io.py)."""
+    node = _qconv_node(1, act="Relu")
+    x = _rand(2, 40, 5, 7, seed=15).to(memory_format=torch.channels_last)
+    w = _weights(24, 40, 1, 1, seed=16).to(memory_format=torch.channels_last)
+    sx, sw, b = torch.tensor(0.031, device=DEV), _scales(24, seed=17), _rand(24, seed=18)
+    sy, sq = torch.tensor(0.05, device=DEV), torch.tensor(0.01, device=DEV)  # the copy's narrower scale clips
+    want = qconv(node, x, w, sx, sw, b, None, sy, sq)
+    for kernel in (conv.conv2d, conv.pointwise_as_gemm):
+        y, q = kernel(node, x, w, b, None, config=SMALL, x_scale=sx, w_scale=sw, y_scale=sy, q_scale=sq)
+        assert y.dtype == q.dtype == torch.int8
+        assert (y.int() - want[0].int()).abs().max() <= 1 and (q.int() - want[1].int()).abs().max() <= 1
+    assert (want[1].int() == 127).any() and not (want[0].int() == 127).all()  # two different grids
+
+
 def test_qconv_fp8_with_a_broadcast_residual():
     node = _qconv_node(3, pads=(1, 1, 1, 1), act="Relu", qtype="fp8")
     x, w, sx = _on_fp8_grid(1, 36, 5, 7, seed=6), _weights(12, 36, 3, 3, seed=7, qtype="fp8"), torch.tensor(0.0625)

@@ -61,7 +61,8 @@ def _int8_layer(seed, qtype="int8"):
     return _cl(x.to(dt)), _cl(w.to(dt)), torch.tensor(0.05, device=DEV), sw, torch.randn(48, generator=g).half().to(DEV)
 
 
-@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual"])
+@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
+                                     "int8 and int8 copy"])
 def test_int8_conv_matches_the_pointer_kernel(outputs):
     # conv.py's quantized convolution is the tested reference: identical integer sums, the same FP32 epilogue
     node = _node(3, (1, 1, 1, 1), "Relu", qtype="int8")

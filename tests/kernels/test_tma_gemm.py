@@ -38,7 +38,8 @@ def _int8_operands(M, K, N, seed=0):
     return x, w, sx, sw, torch.randn(N, generator=g).half().to(DEV)
 
 
-@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual"])
+@pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
+                                     "int8 and int8 copy"])
 def test_int8_gemm_matches_the_pointer_kernel(outputs):
     # gemm.py's quantized GEMM is the tested reference for the epilogue: identical integer sums, same FP32 math
     M, K, N = 37, 96, 48

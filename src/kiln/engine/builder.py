@@ -193,6 +193,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             step(f"{config.quantized.upper()} calibration")
             calibration = _calibration(model, config, profiles)
             graph.quant_amax, graph.quant_type = calibration.amax, config.quantized
+            graph.quant_absmax = {k: t.absmax for k, t in calibration.tensors.items() if t.absmax is not None}
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
         capturable = placement.assign(graph)

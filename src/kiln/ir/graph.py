@@ -73,6 +73,8 @@ class Graph:
     findings: list[dict] = field(default_factory=list)
     # INT8 builds: calibrated absolute range per activation name (passes/insert_qdq.py).
     quant_amax: dict[str, float] | None = None
+    # ... and the largest |value| calibration saw per activation (engine/quantized_io.py: residual scales)
+    quant_absmax: dict[str, float] | None = None
     quant_type: str = "int8"  # or "fp8" (E4M3)
 
     def producers(self) -> dict[str, Node]:

@@ -98,13 +98,13 @@ def store_output(acc, y_ptrs, q_ptrs, inside, ys_ptr, qs_ptr, QUANT: tl.constexp
                  COPY: tl.constexpr):
     """A GEMM/convolution tile's output store: quantized with *ys_ptr when the next layer reads 8-bit values
     (Y_QUANTIZED: quantized here instead of by it), and with COPY also an 8-bit copy for quantized readers,
-    made from the stored values as they would quantize them."""
-    if Y_QUANTIZED:
-        acc = quantize(acc, ys_ptr, QUANT)
-    out = acc.to(y_ptrs.dtype.element_ty)
+    made from the stored float values as they would quantize them (from the FP32 result when the output
+    itself is 8-bit: a residual at its own scale beside a copy at the next layer's, engine/quantized_io.py)."""
+    out = quantize(acc, ys_ptr, QUANT).to(y_ptrs.dtype.element_ty) if Y_QUANTIZED else acc.to(y_ptrs.dtype.element_ty)
     tl.store(y_ptrs, out, mask=inside)
     if COPY:
-        tl.store(q_ptrs, quantize(out, qs_ptr, QUANT).to(q_ptrs.dtype.element_ty), mask=inside)
+        src = acc if Y_QUANTIZED else out
+        tl.store(q_ptrs, quantize(src, qs_ptr, QUANT).to(q_ptrs.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -74,12 +74,11 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         if HAS_Z:  # a residual: a 1x1 convolution's shortcut
             acc += residual(z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
         acc = epilogue(acc, ACT, p0, p1)
-        if Y_QUANTIZED:  # the next layer reads 8-bit values: quantized here instead of by it
-            acc = quantize(acc, ys_ptr, QUANT)
-        out = acc.to(y_desc.dtype)
+        # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
+        out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
         y_desc.store([off_m, off_n], out)
-        if COPY:  # an 8-bit copy for quantized readers, from the stored values
-            q_desc.store([off_m, off_n], quantize(out, qs_ptr, QUANT).to(q_desc.dtype))
+        if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
+            q_desc.store([off_m, off_n], quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT).to(q_desc.dtype))
 
 
 def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> int:

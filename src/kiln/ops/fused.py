@@ -201,7 +201,8 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=
     """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional residual (ResNet's shortcut Add), float or, with
     z_scale (input 8), the 8-bit copy a quantized block output's producer wrote (engine/quantized_io.py). With
     q_scale (input 7), a second output: y quantized for the quantized layers that read it, while others
-    read y as float (a ResNet block's output: the next block's first convolution and its residual)."""
+    read y as float (a ResNet block's output: the next block's first convolution and its residual) or, with
+    y_scale too, as 8-bit values at their own scale (a residual that the copy's scale would clip)."""
     ft = float_type(node, x)
     acc = lookup("Conv").impl(node, quantized_input(node, x, x_scale).double(), w_q.double())  # exact in float64
     if acc.is_cuda and acc.dim() == 4:
@@ -214,8 +215,9 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=
         y = y + b.to(ft).reshape(1, -1, *([1] * (acc.dim() - 2)))
     if z is not None:
         y = y + residual(z, z_scale, ft)
-    y = quantized_output(node, activation(node.attr("activation", ""), y, node.attr("activation_params", [])), y_scale)
-    return y if q_scale is None else (y, quantize(node, y, q_scale))
+    y = activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+    return quantized_output(node, y, y_scale) if q_scale is None else (quantized_output(node, y, y_scale),
+                                                                        quantize(node, y, q_scale))
 
 
 @register("Int4Gemm", domain=KILN, keeps_input_types=True)

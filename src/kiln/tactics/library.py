@@ -330,8 +330,9 @@ def _dequantized_conv(conv):
         wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
         y = conv(node, _fake_quantized(node, x, x_scale, dt), wd, b.to(dt) if b is not None else None,
                  residual(z, z_scale, dt) if z is not None else None)
-        y = quantized_output(node, y, y_scale)
-        return y if q_scale is None else (y, to_8bit(y, q_scale, node.attr("qtype", "int8")))
+        if q_scale is None:
+            return quantized_output(node, y, y_scale)
+        return quantized_output(node, y, y_scale), to_8bit(y, q_scale, node.attr("qtype", "int8"))
 
     return run
 
