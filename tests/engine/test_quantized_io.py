@@ -219,3 +219,29 @@ def test_a_block_between_two_others_reads_and_writes_8_bit_residuals(method):
         assert middle.outputs == ["o2.int8"] and not middle.inputs[7]
     got = engine.create_execution_context().run({"x": x})["o3"]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_a_json_calibration_cache_rebuilds_the_same_residuals_and_a_tensorrt_one_keeps_them_float(tmp_path):
+    """The residual's own scale comes from the largest value calibration saw: Kiln's JSON cache keeps it, so a
+    rebuild from it is the same engine; TensorRT's text cache holds scales only, so residuals stay float."""
+    model = residual_blocks(2)
+    rng = np.random.default_rng(8)
+    calib = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(32)]
+    prof = kiln.Profile({"x": ((2, 4, 6, 6),) * 3})
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+
+    def build(**kw):
+        return kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], int8=True, **kw))
+
+    def residuals(engine):  # (residual, its 8-bit scale or "") of every QConv adding one
+        return [(n.inputs[5], (n.inputs + [""] * 9)[8]) for n in engine.graph.nodes
+                if n.op_type == "QConv" and len(n.inputs) > 5 and n.inputs[5]]
+
+    first = build(calib=calib, calib_cache=str(tmp_path / "c.json"))
+    again = build(calib_cache=str(tmp_path / "c.json"))
+    assert residuals(first) == residuals(again) and all(scale for _, scale in residuals(first))
+    np.testing.assert_array_equal(first.create_execution_context().run({"x": x})["o2"],
+                                  again.create_execution_context().run({"x": x})["o2"])
+    build(calib=calib, calib_cache=str(tmp_path / "c.cache"))  # the same calibration in TensorRT's text form
+    trt = build(calib_cache=str(tmp_path / "c.cache"))
+    assert residuals(trt) and not any(scale for _, scale in residuals(trt))  # no statistics: float residuals
