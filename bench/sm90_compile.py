@@ -1,0 +1,90 @@
+"""Compile Kiln's TMA kernels for Hopper (sm_90) on any machine, no GPU needed (Triton bundles ptxas), and say
+what the compiler made of them: whether each loop's wgmma is pipelined (`warp_group_dot_wait {pendings = 1}`:
+the next MMA issues while one is in flight; `pendings = 0` after every dot: each waits for the last), whether the
+convolution's left tile reaches the MMA from shared memory or through registers, and the shared memory used.
+
+Found with it (Triton 3.8, 2026-11-30): FP16 and FP8 dots are pipelined, INT8 ones never are. Triton makes a
+Hopper dot properly asynchronous only with an FP32 accumulator (WGMMAPipeline.cpp, "rule 2.1"), and INT8 sums
+in int32, so every INT8 wgmma in Kiln's Triton kernels waits for the one before it. The TMA convolution's input box
+is loaded into registers to be reshaped into the dot's left tile (`local_load` + `reshape`), in every precision,
+not read by the MMA from shared memory.
+
+    python bench/sm90_compile.py
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.kernels import tma_conv, tma_gemm  # noqa: E402
+
+DTYPES = {"int8": "i8", "fp8": "fp8e4nv", "": "fp16"}
+POINTERS = {"b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_ptr", "qs_ptr", "zs_ptr")}}
+
+
+def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128):
+    x = DTYPES[quant]
+    xbox = f"[1,{bh},{bw},{bk}]" if stride == 1 else f"[1,{bh},1,{bw},{bk}]"
+    sig = {"x_desc": f"tensordesc<{x}{xbox}>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
+           "y_desc": f"tensordesc<{x if out8 else 'fp16'}[1,{bh},{bw},{bn}]>",
+           "z_desc": f"tensordesc<{x}[1,{bh},{bw},{bn}]>", "q_desc": f"tensordesc<{x}[1,{bh},{bw},{bn}]>",
+           **POINTERS, **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "pad_h", "pad_w", "stride_ws")},
+           "p0": "fp32", "p1": "fp32"}
+    cx = dict(KH=3, KW=3, STRIDE=stride, HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8,
+              COPY=out8, Z_SCALED=bool(quant), BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132)
+    return ASTSource(fn=tma_conv._tma_conv_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
+
+
+def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128):
+    x = DTYPES[quant]
+    sig = {"x_desc": f"tensordesc<{x}[{bm},{bk}]>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
+           "y_desc": f"tensordesc<{x if out8 else 'fp16'}[{bm},{bn}]>", "z_desc": f"tensordesc<{x}[{bm},{bn}]>",
+           "q_desc": f"tensordesc<{x}[{bm},{bn}]>",
+           **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
+    cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8, Z_SCALED=bool(quant),
+              W_KMAJOR=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132)
+    return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
+
+
+def main() -> int:
+    cases = {}
+    for quant in ("int8", "fp8"):
+        cases[f"TMA GEMM {quant}, 8-bit output and copy"] = (gemm_source(quant, True), 4, 4)
+        for stride in (1, 2):
+            cases[f"TMA convolution {quant} stride {stride}, 8-bit output and copy"] = (
+                conv_source(stride, quant, True), 8, 3)
+    cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
+    failed = 0
+    print(f"triton {triton.__version__}, target sm_90")
+    for name, (src, warps, stages) in cases.items():
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,
+                                                                               "num_stages": stages})
+        except Exception as e:  # a kernel that does not compile for Hopper
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            continue
+        ir = k.asm["ttgir"]
+        ptx = k.asm["ptx"]
+        if "wgmma.mma_async" not in ptx or "cp.async.bulk.tensor" not in ptx:
+            failed += 1
+            print(f"{name}: compiled without wgmma or TMA loads")
+            continue
+        pipelined = "pendings = 1" in ir
+        # the convolution's box, read out of shared memory into registers to be reshaped into the left tile
+        a_in_registers = bool(re.search(r"%a\w* = ttg\.local_load [^\n]*memdesc<1x", ir))
+        print(f"{name}: TMA loads, wgmma {'pipelined' if pipelined else 'waits after every dot'}; left tile "
+              f"{'through registers' if a_in_registers else 'from shared memory'}; shared memory "
+              f"{k.metadata.shared} bytes")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
