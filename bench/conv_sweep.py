@@ -26,10 +26,11 @@ from kiln.kernels.tma_conv import PatchConfig  # noqa: E402
 from kiln.tactics.timer import median_ms  # noqa: E402
 
 F16 = [PatchConfig(8, 16, 64, 64, 4, 4), PatchConfig(8, 16, 128, 64, 8, 3), PatchConfig(8, 8, 128, 64, 4, 4),
-       PatchConfig(16, 8, 128, 64, 8, 4), PatchConfig(8, 16, 256, 64, 8, 3)]
+       PatchConfig(16, 8, 128, 64, 8, 4), PatchConfig(8, 16, 256, 64, 8, 3), PatchConfig(1, 64, 128, 64, 4, 4)]
 Q8 = [PatchConfig(8, 16, 64, 128, 4, 4), PatchConfig(8, 16, 128, 128, 8, 3), PatchConfig(16, 8, 128, 128, 8, 3),
       PatchConfig(8, 8, 128, 128, 4, 4), PatchConfig(8, 16, 256, 128, 8, 3), PatchConfig(8, 16, 128, 128, 4, 4),
-      PatchConfig(16, 16, 128, 128, 8, 3), PatchConfig(8, 8, 64, 128, 4, 5)]
+      PatchConfig(16, 16, 128, 128, 8, 3), PatchConfig(8, 8, 64, 128, 4, 5), PatchConfig(1, 64, 128, 128, 4, 4),
+      PatchConfig(1, 128, 128, 128, 8, 3)]
 POINTER = [t for t, level in conv.QUANT_CONFIGS if level == 3]
 # (name, input H = W, input channels, output channels, kernel, stride)
 SHAPES = [("layer1 3x3", 56, 64, 64, 3, 1), ("layer2 3x3", 28, 128, 128, 3, 1), ("layer3 3x3", 14, 256, 256, 3, 1),

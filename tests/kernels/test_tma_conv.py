@@ -37,7 +37,8 @@ def _cl(t):
     (1, (0, 0, 0, 0), "", False, 2),  # ResNet's downsample
     (3, (2, 3, 0, 1), "", False, 2),  # odd and even pads: every phase of the view
 ])
-def test_float_conv_matches_the_reference(k, pads, act, residual, stride):
+@pytest.mark.parametrize("config", [SMALL, PatchConfig(1, 16, 16, 16, 4, 2)])  # 4x4 and one-row patches
+def test_float_conv_matches_the_reference(k, pads, act, residual, stride, config):
     g = torch.Generator().manual_seed(k)
     node = _node(k, pads, act, stride=stride)
     hw = (7, 9) if stride == 1 else (8, 10)  # strided: even H and W
@@ -46,8 +47,8 @@ def test_float_conv_matches_the_reference(k, pads, act, residual, stride):
     b = torch.randn(48, generator=g).half().to(DEV)
     oh, ow = conv.geometry(node, x, w)[3]
     z = _cl(torch.randn(2, 48, oh, ow, generator=g).half()) if residual else None
-    assert tma_conv.supports(node, x, w, b, z, SMALL)
-    y = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=SMALL))
+    assert tma_conv.supports(node, x, w, b, z, config)
+    y = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=config))
     assert y.shape == (2, 48, oh, ow) and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y.float(), conv.reference(node, x, w, b, z).float(), atol=2e-3, rtol=2e-3)
 

@@ -128,6 +128,11 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
     (PatchConfig(8, 8, 128, 128, 4, 4), 3),
     (PatchConfig(8, 16, 128, 128, 4, 4), 4),
     (PatchConfig(8, 16, 128, 128, 8, 3), 4),
+    # One-row patches: a [1, 1, BLOCK_W, BLOCK_K] box needs no reshape through registers (the others do:
+    # bench/sm90_compile.py), at the cost of a row's tail (56 of 64 pixels used at ResNet's 56x56).
+    # Not yet timed on the H200; the builder times them against the rest.
+    (PatchConfig(1, 64, 128, 128, 4, 4), 4),
+    (PatchConfig(1, 128, 128, 128, 8, 3), 4),
 ]
 
 
