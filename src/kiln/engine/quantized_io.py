@@ -118,11 +118,11 @@ def _quantized_residuals(graph: Graph) -> None:
         users = readers.get(out, [])
         adders = [c for c in users if _quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5
                   and c.inputs[5] == out and out not in c.inputs[:5] and c.attr("qtype", "int8") == qtype]
-        seen = absmax.get(out)
-        if not adders or seen is None:
+        seen, copy_scale = absmax.get(out), graph.initializers.get(p.inputs[at_copy])
+        if not adders or seen is None or copy_scale is None:
             continue
         qmax = FP8_MAX if qtype == "fp8" else 127.0
-        if float(graph.initializers[p.inputs[at_copy]].reshape(-1)[0]) * qmax >= seen * (1 - 1e-5):  # FP32 scales
+        if float(copy_scale.reshape(-1)[0]) * qmax >= seen * (1 - 1e-5):  # (1 - 1e-5): FP32 rounding of the scale
             z, z_scale = p.outputs[1], p.inputs[at_copy]
         elif len(adders) == len(users) and out not in outputs:
             z, z_scale = f"{out}.residual_{qtype}", f"{out}.residual_scale"
