@@ -66,7 +66,12 @@ def pooled_gemm(node, x, w, b=None):
     classifier as one layer, so the pool's sums can feed the GEMM without a round trip through memory.
     output_type "float32": the result in FP32 whatever the layer's precision (a model's FP32 output)."""
     y = fused_gemm(node, x.mean(dim=(2, 3)), w, b)
-    return y.float() if node.attr("output_type", "") == "float32" else y
+    return y.float() if writes_fp32(node) else y
+
+
+def writes_fp32(node) -> bool:
+    """A layer told to write a model's FP32 output itself (attribute output_type, engine/precision.py)."""
+    return node.attr("output_type", "") == "float32"
 
 
 @register("Attention", domain=KILN, saturating_inputs=(3,))
@@ -216,8 +221,8 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=
     if z is not None:
         y = y + residual(z, z_scale, ft)
     y = activation(node.attr("activation", ""), y, node.attr("activation_params", []))
-    return quantized_output(node, y, y_scale) if q_scale is None else (quantized_output(node, y, y_scale),
-                                                                        quantize(node, y, q_scale))
+    out = quantized_output(node, y, y_scale)
+    return out if q_scale is None else (out, quantize(node, y, q_scale))
 
 
 @register("Int4Gemm", domain=KILN, keeps_input_types=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.fused import activation, attention, float_type, fused_conv
+from ..ops.fused import activation, attention, float_type, fused_conv, writes_fp32
 from . import tactic
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -173,7 +173,7 @@ def cublas_matmul(node, x, w, b=None):
 def mean_then_cublaslt(node, x, w, b=None):
     """The unfused head's kernels: torch's mean over H and W, then cuBLASLt with its bias (+ ReLU) epilogue."""
     y = _addmm(x.mean(dim=(2, 3)), w, b, use_gelu=False if node.attr("activation", "") == "Relu" else None)
-    return y.float() if node.attr("output_type", "") == "float32" else y
+    return y.float() if writes_fp32(node) else y
 
 
 # --- Attention ----------------------------------------------------------------
@@ -330,9 +330,8 @@ def _dequantized_conv(conv):
         wd = w_q.to(dt) * w_scale.to(dt).reshape(-1, *([1] * (w_q.dim() - 1)))
         y = conv(node, _fake_quantized(node, x, x_scale, dt), wd, b.to(dt) if b is not None else None,
                  residual(z, z_scale, dt) if z is not None else None)
-        if q_scale is None:
-            return quantized_output(node, y, y_scale)
-        return quantized_output(node, y, y_scale), to_8bit(y, q_scale, node.attr("qtype", "int8"))
+        out = quantized_output(node, y, y_scale)
+        return out if q_scale is None else (out, to_8bit(y, q_scale, node.attr("qtype", "int8")))
 
     return run
 

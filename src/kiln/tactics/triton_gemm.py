@@ -264,8 +264,9 @@ def _pooled_gemv_applies(node, args) -> bool:
 def _pooled_gemv_run(cfg):
     def run(node, x, w, b=None):
         from ..kernels import pooled_gemm
+        from ..ops.fused import writes_fp32
 
-        out_dtype = torch.float32 if node.attr("output_type", "") == "float32" else x.dtype
+        out_dtype = torch.float32 if writes_fp32(node) else x.dtype
         return pooled_gemm.pooled_gemv(x, w, b, node.attr("activation", ""), node.attr("activation_params", []),
                                        config=cfg, out_dtype=out_dtype)
 
