@@ -6,7 +6,7 @@ Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's sel
 8-bit layers read 8-bit x and write the next layer's 8-bit input, as in an INT8 engine; their outputs are
 compared with conv.py's (the same integer sums and epilogue), FP16 ones with cuDNN's.
 
-    python bench/conv_sweep.py [--batch 32] > bench/results/H200-conv-sweep.log        (GPU)
+    python bench/conv_sweep.py [--batch 32] [--quantized-only] [LAYER...] > bench/results/H200-conv-sweep.log  (GPU)
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from kiln.tactics.timer import median_ms  # noqa: E402
 F16 = [PatchConfig(8, 16, 64, 64, 4, 4), PatchConfig(8, 16, 128, 64, 8, 3), PatchConfig(8, 8, 128, 64, 4, 4),
        PatchConfig(16, 8, 128, 64, 8, 4), PatchConfig(8, 16, 256, 64, 8, 3), PatchConfig(1, 64, 128, 64, 4, 4)]
 Q8 = [PatchConfig(8, 16, 64, 128, 4, 4), PatchConfig(8, 16, 128, 128, 8, 3), PatchConfig(16, 8, 128, 128, 8, 3),
-      PatchConfig(8, 8, 128, 128, 4, 4), PatchConfig(8, 16, 256, 128, 8, 3), PatchConfig(8, 16, 128, 128, 4, 4),
-      PatchConfig(16, 16, 128, 128, 8, 3), PatchConfig(8, 8, 64, 128, 4, 5), PatchConfig(1, 64, 128, 128, 4, 4),
-      PatchConfig(1, 128, 128, 128, 8, 3)]
+      PatchConfig(8, 8, 128, 128, 4, 4), PatchConfig(8, 16, 128, 128, 4, 4), PatchConfig(16, 16, 128, 128, 8, 3),
+      PatchConfig(8, 8, 64, 128, 4, 5), PatchConfig(8, 16, 64, 128, 4, 2), PatchConfig(8, 8, 64, 128, 4, 3)]
 POINTER = [t for t, level in conv.QUANT_CONFIGS if level == 3]
 # (name, input H = W, input channels, output channels, kernel, stride)
 SHAPES = [("layer1 3x3", 56, 64, 64, 3, 1), ("layer2 3x3", 28, 128, 128, 3, 1), ("layer3 3x3", 14, 256, 256, 3, 1),
@@ -56,7 +55,7 @@ def node(k, stride, qtype=""):
     return Node("QConv" if qtype else "FusedConv", ["x", "w", "b"], ["y"], attrs, domain="kiln")
 
 
-def sweep(batch, hw, c, oc, k, stride, flops):
+def sweep(batch, hw, c, oc, k, stride, flops, float16=True):
     def tops(t):
         try:
             return f"{float(t):8.1f} us {flops / float(t) / 1e6:6.0f} TOPS"
@@ -72,7 +71,7 @@ def sweep(batch, hw, c, oc, k, stride, flops):
     geo = dict(stride=stride, padding=k // 2)
     ref = F.relu(F.conv2d(x, w, b, **geo))
     rows = [f"cudnn conv2d + relu  {tops(us(lambda: F.relu_(F.conv2d(x, w, b, **geo))))}"]
-    for cfg in F16:
+    for cfg in F16 if float16 else []:
         if not tma_conv.supports(n16, x, w, b, None, cfg):
             rows.append(f"tma fp16 {cfg.name} not supported")
             continue
@@ -100,27 +99,33 @@ def sweep(batch, hw, c, oc, k, stride, flops):
             if not tma_conv.supports(n8, x8, w8, b, None, cfg, qtype):
                 rows.append(f"tma {qtype} {cfg.name} not supported")
                 continue
-            t = us(lambda cfg=cfg: tma_conv.conv2d(n8, x8, w8, b, config=cfg, **kw))
-            try:
-                got = tma_conv.conv2d(n8, x8, w8, b, config=cfg, **kw)
-                same = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-            except Exception as e:
-                same = f"fail {type(e).__name__}"
-            rows.append(f"tma {qtype} {cfg.name}  {tops(t)}  (equal to conv.py: {same})")
+            for per_sm in (1, 2) if cfg.num_warps == 4 else (1,):  # two 4-warp programs may share an SM
+                run = dict(kw, config=cfg, programs_per_sm=per_sm)
+                t = us(lambda run=run: tma_conv.conv2d(n8, x8, w8, b, **run))
+                try:
+                    got = tma_conv.conv2d(n8, x8, w8, b, **run)
+                    same = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                except Exception as e:
+                    same = f"fail {type(e).__name__}"
+                rows.append(f"tma {qtype} {cfg.name} x{per_sm}/SM  {tops(t)}  (equal to conv.py: {same})")
     return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--quantized-only", action="store_true", help="skip the 16-bit TMA tiles")
+    p.add_argument("layers", nargs="*", help="only the layers whose names start so, e.g. layer1")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     for name, hw, c, oc, k, stride in SHAPES:
+        if args.layers and not any(name.startswith(o) for o in args.layers):
+            continue
         out = hw // stride
         flops = 2 * args.batch * out * out * c * oc * k * k
         print(f"\n## {name}: batch {args.batch}, {hw}x{hw}, {c} -> {oc} channels, {k}x{k} stride {stride}, "
               f"{flops / 1e9:.1f} GFLOP", flush=True)
-        print("\n".join(sweep(args.batch, hw, c, oc, k, stride, flops)), flush=True)
+        print("\n".join(sweep(args.batch, hw, c, oc, k, stride, flops, not args.quantized_only)), flush=True)
     return 0
 
 

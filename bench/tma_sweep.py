@@ -11,7 +11,7 @@ Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's sel
 K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer sums and epilogue).
 
     python bench/tma_sweep.py [SHAPE NAME PREFIX...] > bench/results/H200-tma-sweep.log        (GPU)
-    python bench/tma_sweep.py --int8-engine > bench/results/H200-int8-1x1-sweep.log
+    python bench/tma_sweep.py --int8-engine [layer1 ...] > bench/results/H200-int8-1x1-sweep.log
 """
 
 from __future__ import annotations
@@ -95,17 +95,30 @@ INT8_ENGINE_SHAPES = [("layer1 conv1 256->64", 100352, 256, 64, False),
                       ("layer4 conv3 512->2048", 1568, 512, 2048, True)]
 
 
-def sweep_int8_engine(M, K, N, with_z):
-    """Every INT8 candidate on one 1x1 layer as the engine runs it, with GB/s against its bytes."""
+# 8-bit tiles with K slices of 64 (ResNet's K = 64 layers read half a 128-wide slice as zeros) and short pipelines,
+# whose small shared memory lets two programs share an SM
+Q8_K64 = [TileConfig(128, 256, 64, 8, 2), TileConfig(128, 128, 64, 4, 2), TileConfig(128, 128, 64, 8, 2),
+          TileConfig(64, 256, 64, 4, 2), TileConfig(64, 128, 64, 4, 2), TileConfig(128, 128, 64, 4, 4)]
+
+
+def sweep_int8_engine(M, K, N, with_z, qtype="int8", copy=False):
+    """Every 8-bit candidate on one 1x1 layer as the engine runs it, with GB/s against its bytes: 8-bit x,
+    output (and residual), with `copy` a second 8-bit output at another scale (a clipped block output's copy)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x8 = torch.randint(-128, 128, (M, K), device="cuda", generator=g, dtype=torch.int8)
-    w8 = torch.randint(-127, 128, (N, K), device="cuda", generator=g, dtype=torch.int8).t()  # K-major [K, N]
+    w8 = torch.randint(-127, 128, (N, K), device="cuda", generator=g, dtype=torch.int8)
     z8 = torch.randint(-128, 128, (M, N), device="cuda", generator=g, dtype=torch.int8) if with_z else None
+    if qtype == "fp8":  # random bytes would hold NaNs as E4M3
+        x8, w8 = (x8.float() / 32).to(torch.float8_e4m3fn), (w8.float() / 32).to(torch.float8_e4m3fn)
+        z8 = (z8.float() / 32).to(torch.float8_e4m3fn) if with_z else None
+    w8 = w8.t()  # K-major [K, N]
     b = torch.randn(N, device="cuda").half()
-    kw = dict(qtype="int8", x_scale=torch.tensor(0.02, device="cuda"), w_scale=torch.rand(N, device="cuda") * 1e-3,
-              y_scale=torch.tensor(0.05, device="cuda"), z=z8, z_scale=torch.tensor(0.05, device="cuda") if with_z
-              else None)
-    moved = M * K + K * N + M * N * (2 if with_z else 1)  # bytes: x, w, output, residual
+    w_scale = torch.rand(N if qtype == "int8" else 1, device="cuda") * 1e-3
+    kw = dict(qtype=qtype, x_scale=torch.tensor(0.02, device="cuda"), w_scale=w_scale,
+              y_scale=torch.tensor(0.05, device="cuda"), z=z8,
+              z_scale=torch.tensor(0.05, device="cuda") if with_z else None,
+              q_scale=torch.tensor(0.03, device="cuda") if copy else None)
+    moved = M * K + K * N + M * N * (1 + with_z + copy)  # bytes: x, w, output(s), residual
 
     def rate(t):
         try:
@@ -116,17 +129,24 @@ def sweep_int8_engine(M, K, N, with_z):
     rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
     for c in [POINTER] + [t for t, _ in gemm.QUANT_CONFIGS]:
         rows.append(f"gemm.py {c.name} {rate(us(lambda c=c: gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)))}")
-    for c in Q8:
-        rows.append(f"tma {c.name} {rate(us(lambda c=c: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)))}")
+    for c in Q8 + Q8_K64:
+        for per_sm in (1, 2):
+            t = us(lambda c=c, p=per_sm: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, programs_per_sm=p, **kw))
+            rows.append(f"tma {c.name} x{per_sm}/SM {rate(t)}")
     return rows
 
 
 def main() -> int:
     if "--int8-engine" in sys.argv:
         print(torch.cuda.get_device_name(), torch.__version__)
+        only = [a for a in sys.argv[1:] if a != "--int8-engine"]  # e.g. layer1: the shapes whose names start so
         for name, M, K, N, with_z in INT8_ENGINE_SHAPES:
-            print(f"\n## {name}: M {M}, K {K}, N {N}{', int8 residual' if with_z else ''}", flush=True)
-            print("\n".join(sweep_int8_engine(M, K, N, with_z)), flush=True)
+            if only and not any(name.startswith(o) for o in only):
+                continue
+            for qtype, copy in [("int8", False)] + [("int8", True), ("fp8", True)] * with_z:
+                what = f"{qtype}{', 8-bit residual' if with_z else ''}{' and copy' if copy else ''}"
+                print(f"\n## {name}: M {M}, K {K}, N {N}, {what}", flush=True)
+                print("\n".join(sweep_int8_engine(M, K, N, with_z, qtype, copy)), flush=True)
         return 0
     only = sys.argv[1:]  # e.g. "bert ffn1": just the shapes whose names start so
     for name, M, K, N, act in SHAPES:

@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, residual, residual_ok
+from .tma_gemm import programs, resident_programs
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
 MAX_PAD = 8  # the largest top/left padding of a strided layer here
@@ -54,10 +55,13 @@ class PatchConfig:
     def name(self) -> str:
         return f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
+    def pipeline_bytes(self, itemsize: int) -> int:
+        """Shared memory of the operand pipeline."""
+        return self.num_stages * (self.block_h * self.block_w + self.block_n) * self.block_k * itemsize
+
     def smem_bytes(self, itemsize: int) -> int:
         """The operand pipeline plus the 16-bit output and residual tiles the epilogue moves."""
-        m = self.block_h * self.block_w
-        return self.num_stages * (m + self.block_n) * self.block_k * itemsize + 2 * m * self.block_n * 2
+        return self.pipeline_bytes(itemsize) + 2 * self.block_h * self.block_w * self.block_n * 2
 
 
 @triton.jit
@@ -128,12 +132,10 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
     (PatchConfig(8, 8, 128, 128, 4, 4), 3),
     (PatchConfig(8, 16, 128, 128, 4, 4), 4),
     (PatchConfig(8, 16, 128, 128, 8, 3), 4),
-    # One-row patches: a [1, 1, BLOCK_W, BLOCK_K] box needs no reshape through registers (the others do:
-    # bench/sm90_compile.py), at the cost of a row's tail (56 of 64 pixels used at ResNet's 56x56).
-    # Not yet timed on the H200; the builder times them against the rest.
-    (PatchConfig(1, 64, 128, 128, 4, 4), 4),
-    (PatchConfig(1, 128, 128, 128, 8, 3), 4),
 ]
+# One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) ran
+# 1.7-6x slower than these at every ResNet-50 3x3 layer (H200, 2026-11-30, bench/results/H200-conv-sweep-1735.log),
+# so none is offered; the kernel still takes them.
 
 
 def nhwc(t: torch.Tensor) -> torch.Tensor | None:
@@ -190,18 +192,14 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
     return b is None or (b.numel() == w.shape[0] and b.dtype.is_floating_point)
 
 
-def programs(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
            config: PatchConfig = CONFIGS[0][0], x_scale: torch.Tensor | None = None,
            w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None,
-           z_scale: torch.Tensor | None = None):
+           z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None):
     """act(conv2d(x, w) + b + z) for a `supports` layer, as kernels/conv.conv2d computes it (quantized layers
     too, z 8-bit with z_scale): channels-last output returned as an NCHW-shaped view; with q_scale also its
-    8-bit copy."""
+    8-bit copy. programs_per_sm: persistent programs per SM (default tma_gemm.resident_programs)."""
     from .conv import epilogue_operands, geometry
 
     strides, _, pads, (OH, OW) = geometry(node, x, w)
@@ -226,7 +224,8 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
-    n_programs = min(programs(x.device), tiles)
+    per_sm = programs_per_sm or resident_programs(config.num_warps, config.pipeline_bytes(x.element_size()), qtype)
+    n_programs = min(per_sm * programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,
         desc(nhwc(z), out_box) if z is not None else y_desc, desc(q, out_box),

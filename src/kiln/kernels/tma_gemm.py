@@ -99,6 +99,7 @@ CONFIGS: list[tuple[TileConfig, int]] = [
 ]
 QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(128, 256, 128, 8, 3), 3),
+    (TileConfig(128, 128, 64, 4, 4), 3),  # two per SM: ResNet-50's memory-bound 1x1 convolutions (K = 64, 128)
     (TileConfig(128, 128, 128, 4, 4), 3),
     (TileConfig(128, 64, 128, 4, 4), 3),
     (TileConfig(64, 128, 128, 4, 4), 3),
@@ -150,6 +151,21 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
     return b is None or (b.numel() == N and b.dtype.is_floating_point)
 
 
+# Shared memory one program's operand pipeline may hold for two to share an SM (of Hopper's 228 KB, leaving
+# room for the epilogue's tiles).
+_HALF_SM_SMEM = 100 * 1024
+
+
+def resident_programs(num_warps: int, pipeline_bytes: int, qtype: str) -> int:
+    """Persistent programs per SM: two for 4-warp 8-bit tiles whose pipeline fits twice, so one program's
+    epilogue (residual load, one or two 8-bit stores) overlaps the other's loads. ResNet-50's memory-bound
+    8-bit 1x1 convolutions ran 15-40% faster so (e.g. layer1's 64->256 with residual and copy, 128x128x64 w4 s2,
+    71.6 -> 43.2 us), every 8-warp tile slower, and the 4-warp 128x128x128 s4 tile (128 KB) too (H200,
+    2026-11-30, bench/results/H200-int8-1x1-sweep.log). Shared by the TMA convolution."""
+    fits = num_warps == 4 and pipeline_bytes <= _HALF_SM_SMEM
+    return 2 if qtype and fits else 1
+
+
 def programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -158,10 +174,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          config: TileConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-         z_scale: torch.Tensor | None = None):
+         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
     gemm.gemm computes it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or
-    quantized with y_scale; with q_scale also its 8-bit copy (y, q)."""
+    quantized with y_scale; with q_scale also its 8-bit copy (y, q). programs_per_sm: persistent programs per
+    SM (default `resident_programs`)."""
     lead, (K, N) = x.shape[:-1], w.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -177,7 +194,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     z_desc = desc(rows(z, N), [bm, bn]) if z is not None else None
     p0, p1 = _params(act, params)
     bias = b.reshape(-1).contiguous() if b is not None else None
-    n_programs = min(programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    per_sm = programs_per_sm or resident_programs(config.num_warps, config.smem_bytes(x2.element_size()), qtype)
+    n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _tma_gemm_kernel[(n_programs,)](
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
