@@ -173,23 +173,21 @@ def test_a_block_output_read_as_residual_and_by_the_next_conv_is_written_once_in
     assert compare(model, engine, [{"x": x}], layerwise=True).outputs[0].passed
 
 
-def test_a_residual_the_copys_scale_would_clip_gets_its_own_8_bit_output():
-    """Entropy calibration clips o's tail for b's input; the residual gets 8-bit values at a scale covering the
-    calibrated maximum, written beside the copy."""
+def test_a_residual_the_copys_scale_would_clip_widens_that_scale():
+    """Entropy calibration clips o's tail for b's input; as o is also c's residual, the copy's scale is widened to
+    the calibrated maximum, for b too, and o is still written once, in 8 bits."""
     model = _resnet_block()
+    narrow = _int8_build(model, 2, "minmax")[0].graph.quant_absmax["o"] / 127
     engine, x, ref = _int8_build(model, 2, "entropy")
     a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
-    assert a.outputs == ["o.residual_int8", "o.int8"] and a.inputs[6] == "o.residual_scale"
-    assert a.inputs[7] == b.inputs[2]  # the copy for b, at b's input scale
-    assert c.inputs[5] == "o.residual_int8" and c.inputs[8] == "o.residual_scale"
-    scales = engine.graph.initializers
-    assert float(scales["o.residual_scale"]) > float(scales[b.inputs[2]])  # wider than the copy's: no clipping
-    seen = {}
-    engine.create_execution_context().run_layerwise({"x": x}, lambda n, outs: outs and seen.update(
-        zip(n.outputs, outs)))
-    assert seen["o.residual_int8"].dtype == torch.int8 and seen["o.int8"].dtype == torch.int8
+    assert a.outputs == ["o.int8"] and a.inputs[6] == b.inputs[2] == c.inputs[8] == "o.block_scale"
+    assert c.inputs[5] == "o.int8"
+    wide = float(engine.graph.initializers["o.block_scale"])
+    assert wide * 127 == pytest.approx(engine.graph.quant_absmax["o"]) and wide == pytest.approx(narrow)
+    assert "widened" in a.note
     got = engine.create_execution_context().run({"x": x})["out"]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+    assert compare(model, engine, [{"x": x}], layerwise=True).outputs[0].passed
 
 
 def test_a_block_output_also_read_as_float_keeps_it():
@@ -202,7 +200,8 @@ def test_a_block_output_also_read_as_float_keeps_it():
     assert compare(model, engine, [{"x": x}]).passed
     engine, x, _ = _int8_build(model, 3, "entropy")
     a, b, c = [n for n in engine.graph.nodes if n.op_type == "QConv"]
-    assert a.outputs == ["o", "o.int8"] and c.inputs[5] == "o"  # the copy would clip: the residual stays float
+    assert a.outputs == ["o", "o.int8"] and c.inputs[5] == "o.int8"  # the copy's scale, widened, covers o too
+    assert a.inputs[7] == b.inputs[2] == c.inputs[8] == "o.block_scale"
     assert compare(model, engine, [{"x": x}]).passed
 
 
@@ -215,8 +214,7 @@ def test_a_block_between_two_others_reads_and_writes_8_bit_residuals(method):
     middle = last["p2"]
     assert middle.inputs[5].startswith("o1.") and middle.inputs[8]
     assert all(o.startswith("o2.") for o in middle.outputs) and middle.inputs[6]  # y_scale: written as int8
-    if method == "minmax":  # the copy is the residual: one output
-        assert middle.outputs == ["o2.int8"] and not middle.inputs[7]
+    assert middle.outputs == ["o2.int8"] and not middle.inputs[7]  # the copy is the residual: one output
     got = engine.create_execution_context().run({"x": x})["o3"]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
 

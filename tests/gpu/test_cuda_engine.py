@@ -185,7 +185,7 @@ def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
 
 def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
     """Three ResNet blocks of 64 channels: the middle block reads its residual and writes its output in 8 bits
-    (engine/quantized_io.py; entropy calibration, so the residual at its own scale beside the copy), on the GPU's
+    (engine/quantized_io.py; entropy calibration, so at a scale widened to the calibrated maximum), on the GPU's
     8-bit kernels; the engine stays within 5% of onnxruntime's range."""
     import onnxruntime as ort
 
@@ -198,6 +198,7 @@ def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
     eng = kiln.build(model, _cfg(profiles=prof, int8=True, fp16=True, calib=calib))
     middle = next(n for n in eng.graph.nodes if n.op_type == "QConv" and n.inputs[0] == "p2")
     assert middle.inputs[5].startswith("o1.") and middle.inputs[8] and middle.inputs[6], middle.tactic
+    assert middle.outputs == ["o2.int8"]
     assert all(str(eng.graph.initializers[middle.inputs[i]].dtype) == "torch.float32" for i in (6, 8))
     x = rng.standard_normal((8, 16, 16, 16)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

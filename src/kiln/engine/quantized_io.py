@@ -15,16 +15,18 @@ An output read both as float and by quantized layers is written twice instead, f
 residual adds, and a QConv, whose output (a ResNet block's) the next block's first convolution
 reads and its last one adds as the residual. Those readers then need no quantize pass.
 
-A QConv adding such a block output as its residual reads it in 8 bits too, scaled back in its epilogue
-(input z_scale). Where the copy's scale covers every value calibration saw of that output, the residual is
-the copy, and a block output that no layer reads as float any more is written once, as 8-bit values. Where it
-does not (entropy calibration clips the long tails of ReLU outputs, which suits a convolution's input but
-not a sum carried down the network: three 64-channel blocks ended 47% of their range off onnxruntime with
-residuals at the copy's scale, 1.1% with float ones), the block output's float form becomes 8-bit values at a
-scale that covers the calibrated maximum, beside the copy. Without calibration statistics (a Q/DQ model, a
-TensorRT cache) residuals stay float. At ResNet-50's 56x56 stage a block's last convolution moves 58 MB
-(8-bit input, residual, output) with one 8-bit output, 84 MB with two, against 135 MB (float residual and
-output, 8-bit copy).
+A QConv adding such a block output as its residual reads the copy too, scaled back in its epilogue (input
+z_scale), and a block output that no layer reads as float any more is written once, as 8-bit values. The
+copy's scale (the next convolution's input scale) must then cover every value calibration saw of the block
+output: entropy calibration clips the long tails of ReLU outputs, which suits a convolution's input but not
+a sum carried down the network (three 64-channel blocks ended 47% of their range off onnxruntime with
+residuals clipped so, 1.1% with float ones). Where it would clip, the scale is widened to the calibrated
+maximum, for the next convolution too; the layer's note says so. That was as accurate as a second 8-bit
+output at the wide scale beside the clipped copy (the same 1.7% on those blocks, 98.06% top-1 on a trained
+residual digits CNN with every calibrator, against 97.78-98.06%), and at ResNet-50's 56x56 stage a block's
+last convolution moves 58 MB (8-bit input, residual, output) instead of 84 MB with two outputs, or 135 MB
+with a float residual and output. Without calibration statistics (a Q/DQ model, a TensorRT cache)
+residuals stay float.
 """
 
 from __future__ import annotations
@@ -106,15 +108,15 @@ def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> Non
 
 
 def _quantized_residuals(graph: Graph) -> None:
-    """QConv residuals in 8 bits, producer by producer: the copy where its scale covers the calibrated maximum
-    (then a float output nobody reads is dropped), else the float output itself turned into 8-bit values at a
-    scale that does, if QConv residuals are all that read it."""
+    """QConv residuals in 8 bits, producer by producer: the next convolution's 8-bit copy of a block output is
+    also the residual, its scale widened where it would clip the calibrated maximum; a float output nobody reads
+    any more is dropped."""
     absmax = graph.quant_absmax or {}
     readers = graph.consumers()
     outputs = {v.name for v in graph.outputs}
     at_y, at_copy = Y_SCALE_INPUT["QConv"], COPY_AT["QConv"][0]
     for p in [n for n in graph.nodes if _quantized(n) and n.op_type == "QConv" and len(n.outputs) > 1 and n.outputs[1]]:
-        out, qtype = p.outputs[0], p.attr("qtype", "int8")
+        out, copy, qtype = p.outputs[0], p.outputs[1], p.attr("qtype", "int8")
         users = readers.get(out, [])
         adders = [c for c in users if _quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5
                   and c.inputs[5] == out and out not in c.inputs[:5] and c.attr("qtype", "int8") == qtype]
@@ -122,19 +124,21 @@ def _quantized_residuals(graph: Graph) -> None:
         if not adders or seen is None or copy_scale is None:
             continue
         qmax = FP8_MAX if qtype == "fp8" else 127.0
-        if float(copy_scale.reshape(-1)[0]) * qmax >= seen * (1 - 1e-5):  # (1 - 1e-5): FP32 rounding of the scale
-            z, z_scale = p.outputs[1], p.inputs[at_copy]
-        elif len(adders) == len(users) and out not in outputs:
-            z, z_scale = f"{out}.residual_{qtype}", f"{out}.residual_scale"
-            graph.initializers[z_scale] = torch.tensor(seen / qmax, dtype=torch.float32)
-            p.inputs[at_y], p.outputs[0] = z_scale, z
-        else:
-            continue
+        narrow = float(copy_scale.reshape(-1)[0])
+        if narrow * qmax < seen * (1 - 1e-5):  # (1 - 1e-5): FP32 rounding of the scale
+            wide = f"{out}.block_scale"
+            graph.initializers[wide] = torch.tensor(seen / qmax, dtype=torch.float32)
+            for r in readers.get(copy, []):
+                r.inputs[2] = wide
+            p.inputs[at_copy] = wide
+            p.note = (p.note + "; " if p.note else "") + (
+                f"8-bit output scale widened from {narrow:.3g} to {seen / qmax:.3g}: the calibrated maximum "
+                "of a block output that is also a residual")
         for c in adders:
             c.inputs = c.inputs + [""] * (Z_SCALE_INPUT + 1 - len(c.inputs))
-            c.inputs[5], c.inputs[Z_SCALE_INPUT] = z, z_scale
-        if z == p.outputs[1] and len(adders) == len(users) and out not in outputs:
+            c.inputs[5], c.inputs[Z_SCALE_INPUT] = copy, p.inputs[at_copy]
+        if len(adders) == len(users) and out not in outputs:
             # only the copy is read: written as the output itself; p's own z_scale (a block between two others)
             # stays
             p.inputs[at_y], p.inputs[at_copy] = p.inputs[at_copy], ""
-            p.outputs = [p.outputs[1]]
+            p.outputs = [copy]
