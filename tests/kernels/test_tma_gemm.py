@@ -58,6 +58,20 @@ def test_int8_gemm_matches_the_pointer_kernel(outputs):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
 
 
+def test_two_programs_share_an_sm_only_for_small_4_warp_8_bit_tiles():
+    """The rule the H200 sweeps gave (bench/results/H200-int8-1x1-sweep.log); the 8-bit test above runs it, its
+    4-warp SMALL tile getting two programs per SM."""
+    def per_sm(cfg, qtype):
+        return tma_gemm.resident_programs(cfg.num_warps, cfg.smem_bytes(1 if qtype else 2), qtype)
+
+    assert per_sm(TileConfig(128, 128, 64, 4, 4), "int8") == 2  # 64 KB pipeline
+    assert per_sm(TileConfig(64, 128, 128, 4, 4), "fp8") == 2  # 96 KB
+    assert per_sm(TileConfig(128, 128, 128, 4, 4), "int8") == 1  # 128 KB: two would not fit
+    assert per_sm(TileConfig(128, 256, 128, 8, 3), "int8") == 1  # 8 warps
+    assert per_sm(TileConfig(128, 64, 64, 4, 4), "") == 1  # 16-bit tiles: not measured, one
+    assert per_sm(SMALL, "int8") == 2
+
+
 def test_float_input_to_a_quantized_gemm_is_quantized_first():
     M, K, N = 20, 64, 32
     _, w, sx, sw, b = _int8_operands(M, K, N, seed=1)

@@ -158,10 +158,11 @@ _HALF_SM_SMEM = 100 * 1024
 
 def resident_programs(num_warps: int, pipeline_bytes: int, qtype: str) -> int:
     """Persistent programs per SM: two for 4-warp 8-bit tiles whose pipeline fits twice, so one program's
-    epilogue (residual load, one or two 8-bit stores) overlaps the other's loads. ResNet-50's memory-bound
-    8-bit 1x1 convolutions ran 15-40% faster so (e.g. layer1's 64->256 with residual and copy, 128x128x64 w4 s2,
-    71.6 -> 43.2 us), every 8-warp tile slower, and the 4-warp 128x128x128 s4 tile (128 KB) too (H200,
-    2026-11-30, bench/results/H200-int8-1x1-sweep.log). Shared by the TMA convolution."""
+    epilogue (residual load, 8-bit stores) and, in INT8, its unpipelined Tensor Core steps overlap the other's
+    work. On the H200 (2026-11-30) ResNet-50's 8-bit 1x1 convolutions ran 15-40% faster so (layer1's 64->256
+    with residual, 128x128x64 w4 s2: 47.1 -> 33.8 us; bench/results/H200-int8-1x1-sweep.log) and its 3x3 ones
+    in the TMA convolution 25-35% (layer1, 8x16x64x128 w4 s4: 31.0 -> 23.2 us; H200-conv-sweep-quantized-1739.log);
+    every 8-warp tile, and 4-warp ones with a 128 KB pipeline, ran no faster or slower."""
     fits = num_warps == 4 and pipeline_bytes <= _HALF_SM_SMEM
     return 2 if qtype and fits else 1
 

@@ -56,17 +56,25 @@ def _as_gemm(node, x: torch.Tensor, w: torch.Tensor):
     return conv.pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t()
 
 
+def _operands_ok(node, args, x, w) -> bool:
+    """Tensor x and w, and a quantized layer's scales for w's output channels (a QGemm's [K, N], a QConv's
+    [OC, C, ..])."""
+    from ..kernels import gemm
+
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return False
+    out_channels = w.shape[1] if node.op_type == "QGemm" else w.shape[0]
+    return not _quantized(node) or gemm.scales_ok(args[2], args[3], out_channels, x.device)
+
+
 def _applies(config):
     def applies(node, args) -> bool:
-        from ..kernels import conv, gemm, tma_gemm
+        from ..kernels import conv, tma_gemm
 
         x, w, b, z, _, q_scale, _ = _operands(node, args)
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        if not _operands_ok(node, args, x, w):
             return False
         qtype = _quantized(node)
-        if qtype and not gemm.scales_ok(args[2], args[3], w.shape[1] if node.op_type == "QGemm" else w.shape[0],
-                                        x.device):
-            return False
         if node.op_type in ("FusedConv", "QConv") and not conv.is_pointwise(node, x, w, z):
             return False
         mats = _as_gemm(node, x, w)
@@ -106,14 +114,12 @@ def _run(config):
 
 def _conv_applies(config):
     def applies(node, args) -> bool:
-        from ..kernels import conv, gemm, tma_conv
+        from ..kernels import conv, tma_conv
 
         x, w, b, z, _, _, _ = _operands(node, args)
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or w.dim() != 4:
+        if not _operands_ok(node, args, x, w) or w.dim() != 4:
             return False
         qtype = _quantized(node)
-        if qtype and not gemm.scales_ok(args[2], args[3], w.shape[0], x.device):
-            return False
         if conv.is_pointwise(node, x, w, z) or not tma_conv.supports(node, x, w, b, z, config, qtype):
             return False  # 1x1 stride 1: the TMA GEMM's
         return _device_ok(x, config.smem_bytes(1 if qtype else x.element_size()))
