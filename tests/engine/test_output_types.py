@@ -36,3 +36,25 @@ def test_an_output_another_layer_reads_keeps_the_layers_precision():
     assert head.attr("output_type") is None  # Neg reads it: an FP32 copy would cost Neg a cast instead
     out = engine.create_execution_context().run({"x": rand(2, 6, 4, 3, seed=4)})
     assert out["y"].dtype == np.float32 and out["z"].dtype == np.float32
+
+
+def _last_norm():
+    """out = LayerNorm(x + r): a transformer's last residual add and norm as a model's FP32 output."""
+    g = torch.Generator().manual_seed(6)
+    inits = [helper.make_tensor(n, TensorProto.FLOAT, [16], torch.randn(16, generator=g).tolist())
+             for n in ("gamma", "beta")]
+    nodes = [helper.make_node("Add", ["x", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["out"], axis=-1, epsilon=1e-5)]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 16]) for n in ("x", "r", "out")]
+    graph = helper.make_graph(nodes, "last_norm", io[:2], io[2:], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_a_transformers_last_norm_writes_the_fp32_output_itself_in_an_fp16_engine():
+    fp16, fp32 = _build(_last_norm(), fp16=True), _build(_last_norm())
+    (norm,) = [n for n in fp16.graph.nodes if n.op_type == "SkipLayerNorm"]
+    assert norm.precision == "float16" and norm.attr("output_type") == "float32"
+    feeds = {"x": torch.as_tensor(rand(2, 3, 16, seed=1)), "r": torch.as_tensor(rand(2, 3, 16, seed=2))}
+    got = fp16.create_execution_context().run(feeds)["out"]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, fp32.create_execution_context().run(feeds)["out"], atol=2e-2, rtol=2e-2)

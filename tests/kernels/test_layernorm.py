@@ -21,6 +21,21 @@ def test_skip_layernorm_matches_reference(rows, cols, with_beta):
     torch.testing.assert_close(s, rs)
 
 
+def test_fp16_rows_normalized_into_an_fp32_output():
+    # a transformer's last norm writing the model's FP32 output itself (engine/precision.py): one kernel, no cast
+    g = torch.Generator().manual_seed(12)
+    a, b = (torch.randn(4, 48, generator=g).half().to(DEV) for _ in range(2))
+    gamma, beta = torch.randn(48, generator=g).half().to(DEV), torch.randn(48, generator=g).half().to(DEV)
+    y, s = poisoned(lambda: layernorm.skip_layernorm(a, b, gamma, beta, 1e-5, y_dtype=torch.float32))
+    assert y.dtype == torch.float32 and s.dtype == torch.float16
+    ry, rs = layernorm.reference(a.float(), b.float(), gamma.float(), beta.float(), 1e-5)
+    torch.testing.assert_close(y, ry, atol=2e-3, rtol=2e-3)  # the sum rounds to FP16 only where it is stored
+    parts = torch.stack([a.float(), torch.zeros_like(a, dtype=torch.float32)])
+    y2, _ = poisoned(lambda: layernorm.partials_layernorm(parts, None, b, gamma, beta, 1e-5, y_dtype=torch.float32))
+    assert y2.dtype == torch.float32
+    torch.testing.assert_close(y2, ry, atol=2e-3, rtol=2e-3)
+
+
 def test_fp32_gamma_and_beta_with_fp16_rows():
     # 8-bit engines keep the norm's weights in FP32 while its rows are FP16: the tactics pass them as stored
     g = torch.Generator().manual_seed(11)

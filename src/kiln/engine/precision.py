@@ -20,7 +20,9 @@ from ..ops.registry import lookup
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 INT8_LAYERS = ("QGemm", "QConv")  # int8 math with float epilogues, whatever the build's float precision
 WEIGHT_ONLY = ("Int4Gemm",)  # int4 weights, activations in the build's float precision
-WRITES_FP32_OUTPUT = ("PooledGemm",)  # every tactic honours attribute output_type="float32"
+# Every tactic of these honours attribute output_type="float32" (its first output in FP32): a CNN's head, a
+# transformer's last norm.
+WRITES_FP32_OUTPUT = ("PooledGemm", "SkipLayerNorm", "GemmSkipLayerNorm")
 PINNED = "pinned by --layerPrecisions"
 _PIN_NAMES = {"fp32": "float32", "float32": "float32", "tf32": "tf32", "fp16": "float16", "float16": "float16",
               "bf16": "bfloat16", "bfloat16": "bfloat16"}

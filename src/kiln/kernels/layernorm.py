@@ -76,25 +76,29 @@ def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
 
 
 def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
-                   q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False):
+                   q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False,
+                   y_dtype: torch.dtype | None = None):
     """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype]).
-    b=None: LayerNorm(a). rms: RMSNorm instead of LayerNorm."""
-    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms)
+    b=None: LayerNorm(a). rms: RMSNorm instead of LayerNorm. y_dtype: the normalized rows' type (default a's;
+    FP32 for a model's FP32 output)."""
+    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms, y_dtype=y_dtype)
 
 
-def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True):
-    """(LayerNorm(parts.sum(0) + bias + b), that sum or None), shaped and typed like b: parts are a split-K
-    GEMM's FP32 partial products [S, rows, n] (bias may be None)."""
-    return _launch(b, _rows(b), b, gamma, beta, eps, write_sum, None, "", False, parts=parts, bias=bias)
+def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
+                       y_dtype: torch.dtype | None = None):
+    """(LayerNorm(parts.sum(0) + bias + b), that sum or None), shaped and typed like b (the norm in y_dtype if
+    given): parts are a split-K GEMM's FP32 partial products [S, rows, n] (bias may be None)."""
+    return _launch(b, _rows(b), b, gamma, beta, eps, write_sum, None, "", False, parts=parts, bias=bias,
+                   y_dtype=y_dtype)
 
 
-def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None):
+def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None, y_dtype=None):
     """The kernel over the rows of `like` (its shape and dtype are the outputs'); a3: the first input as a
     3-D row view, or the skip's when the first input is `parts`."""
     n = like.shape[-1]
     rows = like.numel() // n
     b3 = _rows(b) if b is not None else a3
-    y = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    y = torch.empty(like.shape, dtype=y_dtype or like.dtype, device=like.device)
     s = torch.empty(like.shape, dtype=like.dtype, device=like.device) if write_sum else y
     q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)

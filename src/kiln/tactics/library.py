@@ -221,7 +221,8 @@ def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
 
     s = a + b
     y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
-    return (y, s) if q_scale is None else (y, s, to_8bit(y, q_scale, node.attr("qtype", "int8")))
+    q = () if q_scale is None else (to_8bit(y, q_scale, node.attr("qtype", "int8")),)
+    return (y.float() if writes_fp32(node) else y, s) + q
 
 
 def gemm_without_activation(node, x, w, bias):

@@ -243,12 +243,14 @@ def _flat_rows(x: torch.Tensor):
 def _splitk_run(cfg):
     def run(node, x, w, bias, skip, gamma, beta=None):
         from ..kernels import layernorm, splitk_gemm
+        from ..ops.fused import writes_fp32
 
         parts = splitk_gemm.partial_products(_flat_rows(x), w, cfg)
         return layernorm.partials_layernorm(parts, bias, skip, gamma.to(skip.dtype),
                                             beta.to(skip.dtype) if beta is not None else None,
                                             node.attr("epsilon", 1e-5),
-                                            write_sum=bool(node.outputs[1:] and node.outputs[1]))
+                                            write_sum=bool(node.outputs[1:] and node.outputs[1]),
+                                            y_dtype=torch.float32 if writes_fp32(node) else None)
     return run
 
 

@@ -17,10 +17,12 @@ def _skip_ln_ok(node, args) -> bool:
 @tactic("SkipLayerNorm", "triton_fused_add_layernorm", _skip_ln_ok, level=3)
 def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None):
     from ..kernels import layernorm
+    from ..ops.fused import writes_fp32
 
     return layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
                                     node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]),
-                                    q_scale=q_scale, qtype=node.attr("qtype", "int8"))
+                                    q_scale=q_scale, qtype=node.attr("qtype", "int8"),
+                                    y_dtype=torch.float32 if writes_fp32(node) else None)
 
 
 def gemm_ln_ok(node, args) -> bool:
