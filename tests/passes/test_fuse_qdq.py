@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
@@ -53,11 +54,31 @@ def test_int8_engine_matches_onnxruntime_on_the_qdq_model():
     np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_nonzero_zero_point_is_left_in_float_and_reported():
-    model = _qdq_mlp(zero_point=3)
+@pytest.mark.parametrize("zero_point", [3, -128])
+def test_an_int8_zero_point_joins_the_bias_and_the_layer_reads_the_codes(zero_point):
+    model = _qdq_mlp(zero_point=zero_point)
+    x = np.random.default_rng(3).standard_normal((7, 16)).astype(np.float32) * 2
+    _, after = check_pass(fuse_qdq, model, {"x": x}, atol=1e-4)
+    assert ops(after) == ["QuantizeLinear", "kiln::QGemm"]  # Q writes the codes, the layer reads them
+    q, layer = after.nodes
+    assert layer.inputs[0] == q.outputs[0] and layer.attrs["x_quantized"] == 1
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False,
+                                                profiles=[kiln.Profile({"x": ((1, 16), (7, 16), (8, 16))})]))
+    assert [n.op_type for n in engine.graph.nodes] == ["QuantizeLinear", "QGemm"]
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_uint8_activation_is_left_in_float_and_reported():
+    model = _qdq_mlp()
+    zx = next(i for i in model.graph.initializer if i.name == "zx")
+    zx.CopyFrom(numpy_helper.from_array(np.uint8(128), "zx"))
     x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
     _, after = check_pass(fuse_qdq, model, {"x": x}, atol=1e-4)
     assert "kiln::QGemm" not in ops(after)
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False,
+                                                profiles=[kiln.Profile({"x": ((1, 16), (2, 16), (8, 16))})]))
+    assert any("uint8" in f.get("reason", "") for f in engine.findings), engine.findings
 
 
 def test_int8_tactic_matches_the_reference():
@@ -100,6 +121,32 @@ def test_qdq_conv_matches_onnxruntime():
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
     assert [n.op_type for n in engine.graph.nodes] == ["QConv"]
     np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+def _qdq_conv_with_zero_point(pads, zero_point=-5):
+    rng = np.random.default_rng(4)
+    inits = _qdq_conv_inits(rng, (8, 3, 1, 1) if not any(pads) else (8, 3, 3, 3))
+    inits[1] = numpy_helper.from_array(np.int8(zero_point), "zx")
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xdq"]),
+        helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["w"], axis=0),
+        helper.make_node("Conv", ["xdq", "w", "b"], ["y"], pads=pads),
+    ]
+    g = helper.make_graph(nodes, "qdq_conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 7, 9])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_a_pointwise_conv_with_an_activation_zero_point_runs_int8_a_padded_one_float():
+    x = np.random.default_rng(5).standard_normal((2, 3, 7, 9)).astype(np.float32)
+    for pads, op in (([0, 0, 0, 0], "QConv"), ([1, 1, 1, 1], "Conv")):
+        model = _qdq_conv_with_zero_point(pads)
+        ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+        assert op in [n.op_type for n in engine.graph.nodes]
+        np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref[0], rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_dequantized_fallback_tactics_match_the_reference():

@@ -4,8 +4,13 @@ Q/DQ models (onnxruntime's quantizer, NVIDIA ModelOpt, Kiln's QAT export) say
 where INT8 runs and with which scales; Kiln honours them: the layer multiplies
 int8 activations by int8 weights and applies the scales (and bias, activation)
 in its epilogue. A convolution's residual Add (ResNet's shortcut) and activation join it too
-(QConv's optional 6th input z). Only symmetric int8 and FP8 E4M3 are fused (zero points 0); anything else
-keeps its Q/DQ nodes, runs in float, and the reason is recorded.
+(QConv's optional 6th input z). Weights must be symmetric int8 or FP8 E4M3 (zero point 0).
+
+An int8 activation with a zero point z (onnxruntime's quantizer writes asymmetric int8 activations by
+default) is fused too: its QuantizeLinear stays and writes the codes q, the layer reads them as they are
+(attribute x_quantized), and since s * (q - z) @ w = s * q @ w - s * z * (sum of w's column), the second
+term joins the bias (per output channel). Not for a padded convolution: a padded tap would read 0, not z.
+Anything else (UINT8 activations among it) keeps its Q/DQ nodes, runs in float, and the reason is recorded.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from .rewrite import View, fused_name, miss, replace
 
 
 def _dq_q(view: View, value: str):
-    """value = DQ(Q(x, s, 0), s, 0) with one per-tensor int8 scale: (x, scale name, [Q, DQ])."""
+    """value = DQ(Q(x, s, z), s, z) with one per-tensor scale and zero point, z = 0 unless int8:
+    (x, scale name, [Q, DQ], z); None if value is no such pair, the reason if its zero point does not do."""
     dq = view.producer.get(value)
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain:
         return None
@@ -26,9 +32,15 @@ def _dq_q(view: View, value: str):
     if q is None or q.op_type != "QuantizeLinear" or q.domain or view.readers(q.outputs[0]) != 1:
         return None
     s = view.const(q.inputs[1])
-    if s is None or s.numel() != 1 or q.inputs[1:] != dq.inputs[1:] or not _int8_zero(view, q):
+    if s is None or s.numel() != 1 or q.inputs[1:] != dq.inputs[1:]:
         return None
-    return q.inputs[0], q.inputs[1], [q, dq]
+    zp = view.const(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] else None
+    if zp is None or zp.numel() != 1 or q.attr("block_size", 0):
+        return None
+    if zp.dtype not in QTYPES:
+        return f"the activation is quantized as {str(zp.dtype).removeprefix('torch.')}; int8 and FP8 E4M3 run"
+    z = int(zp.float().reshape(-1)[0])
+    return (q.inputs[0], q.inputs[1], [q, dq], z) if z == 0 or zp.dtype == torch.int8 else None
 
 
 QTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
@@ -53,11 +65,25 @@ def _dq_weight(view: View, value: str, channel_axis: int):
     return dq, w, s
 
 
+def _padded(conv: Node) -> bool:
+    return any(conv.attr("pads", [])) or conv.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+
+
+def _zero_point_bias(w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, z: int,
+                     conv: bool) -> torch.Tensor:
+    """-s * z * sw[n] * (sum of output channel n's weights): the zero point's share of the product, as a
+    bias. w_q as the fused layer stores it ([K, N], a convolution's [OC, C, ..])."""
+    sums = w_q.double().flatten(1).sum(1) if conv else w_q.double().sum(0)
+    return -float(x_scale.reshape(-1)[0]) * z * w_scale.double().reshape(-1) * sums
+
+
 def run(graph: Graph) -> None:
     view = View(graph)
     for mm in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
         act_in = _dq_q(view, mm.inputs[0])
-        if act_in is None:
+        if isinstance(act_in, str):
+            miss(graph, "INT8 layer", [mm], act_in)
+        if not isinstance(act_in, tuple):
             continue
         conv = mm.op_type == "Conv"
         trans_b = mm.op_type == "Gemm" and mm.attr("transB", 0)
@@ -69,14 +95,20 @@ def run(graph: Graph) -> None:
         if mm.op_type == "Gemm" and (mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0
                                      or mm.attr("beta", 1.0) != 1.0):
             continue
-        x, x_scale, qdq = act_in
+        x, x_scale, qdq, z = act_in
         dq_w, w_q, w_scale = weight
         zp_x = view.const(qdq[0].inputs[2])
         if zp_x.dtype != w_q.dtype:
             miss(graph, "quantized layer", [mm], "activation and weight quantization types differ")
             continue
+        if z and conv and _padded(mm):
+            miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the convolution pads: a "
+                 "padded tap would read 0, not the zero point")
+            continue
         shared = view.readers(qdq[1].outputs[0]) > 1  # a Q/DQ pair other layers read stays for them (dead code later)
-        group = ([] if shared else qdq) + [dq_w, mm]
+        group = ([] if shared else qdq[1:] if z else qdq) + [dq_w, mm]
+        if z:  # the layer reads Q's codes; Q stays
+            x = qdq[0].outputs[0]
         name = fused_name([mm])
         graph.initializers[f"{name}.weight_q"] = w_q.t().contiguous() if trans_b else w_q
         n_out = w_q.shape[0] if (conv or trans_b) else w_q.shape[1]
@@ -97,13 +129,21 @@ def run(graph: Graph) -> None:
             # ResNet's shortcut: Conv + Add(tensor) (+ Relu) -> one QConv with a residual input, added in its epilogue
             residual, out = other, add.outputs[0]
             group.append(add)
+        if z:
+            b = view.const(bias) if bias else None
+            if bias and b is None:
+                miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the bias is not a constant")
+                continue
+            shift = _zero_point_bias(graph.initializers[f"{name}.weight_q"], w_scale, view.const(x_scale), z, conv)
+            bias = f"{name}.bias_with_zero_point"
+            graph.initializers[bias] = (shift + (b.double().reshape(-1) if b is not None else 0)).float()
         act = activations.match(view, out)
         if act is not None:
             group += act.nodes
             out = act.output
         attrs = dict(mm.attrs) if conv else {}
         attrs.update(activation=act.name if act else "", activation_params=act.params if act else [],
-                     qtype=QTYPES[w_q.dtype])
+                     qtype=QTYPES[w_q.dtype], **({"x_quantized": 1} if z else {}))
         inputs = [x, f"{name}.weight_q", x_scale, f"{name}.weight_scale", bias] + ([residual] if residual else [])
         fused = Node("QConv" if conv else "QGemm", inputs, [out], attrs, name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
