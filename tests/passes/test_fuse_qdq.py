@@ -69,16 +69,31 @@ def test_an_int8_zero_point_joins_the_bias_and_the_layer_reads_the_codes(zero_po
     np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_uint8_activation_is_left_in_float_and_reported():
+@pytest.mark.parametrize("zero_point", [0, 128, 200])
+def test_a_uint8_activation_runs_as_the_int8_pair_it_equals(zero_point):
     model = _qdq_mlp()
     zx = next(i for i in model.graph.initializer if i.name == "zx")
-    zx.CopyFrom(numpy_helper.from_array(np.uint8(128), "zx"))
+    zx.CopyFrom(numpy_helper.from_array(np.uint8(zero_point), "zx"))
+    x = np.random.default_rng(3).standard_normal((7, 16)).astype(np.float32) * 3
+    _, after = check_pass(fuse_qdq, model, {"x": x}, atol=1e-4)
+    # z = 128 is symmetric once shifted: the layer quantizes x itself; otherwise Q writes the codes
+    assert ops(after) == (["kiln::QGemm"] if zero_point == 128 else ["QuantizeLinear", "kiln::QGemm"])
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False,
+                                                profiles=[kiln.Profile({"x": ((1, 16), (7, 16), (8, 16))})]))
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_uint16_activation_is_left_in_float_and_reported():
+    model = _qdq_mlp()
+    zx = next(i for i in model.graph.initializer if i.name == "zx")
+    zx.CopyFrom(numpy_helper.from_array(np.uint16(0), "zx"))
     x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
     _, after = check_pass(fuse_qdq, model, {"x": x}, atol=1e-4)
     assert "kiln::QGemm" not in ops(after)
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False,
                                                 profiles=[kiln.Profile({"x": ((1, 16), (2, 16), (8, 16))})]))
-    assert any("uint8" in f.get("reason", "") for f in engine.findings), engine.findings
+    assert any("uint16" in f.get("reason", "") for f in engine.findings), engine.findings
 
 
 def test_int8_tactic_matches_the_reference():

@@ -10,11 +10,14 @@ An int8 activation with a zero point z (onnxruntime's quantizer writes asymmetri
 default) is fused too: its QuantizeLinear stays and writes the codes q, the layer reads them as they are
 (attribute x_quantized), and since s * (q - z) @ w = s * q @ w - s * z * (sum of w's column), the second
 term joins the bias (per output channel). Not for a padded convolution: a padded tap would read 0, not z.
-Anything else (UINT8 activations among it) keeps its Q/DQ nodes, runs in float, and the reason is recorded.
+A UINT8 activation pair with zero point z is first rewritten as the int8 pair with z - 128, which is the
+same function (clamp(round(x/s) + z, 0, 255) - z = clamp(round(x/s) + z - 128, -128, 127) - (z - 128)).
+Anything else keeps its Q/DQ nodes, runs in float, and the reason is recorded.
 """
 
 from __future__ import annotations
 
+import onnx
 import torch
 
 from ..ir.graph import Graph, Node
@@ -77,8 +80,28 @@ def _zero_point_bias(w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Te
     return -float(x_scale.reshape(-1)[0]) * z * w_scale.double().reshape(-1) * sums
 
 
+def _uint8_as_int8(graph: Graph, view: View) -> None:
+    """Each per-tensor UINT8 Q whose codes only DQs with its scale and zero point read becomes the int8 Q/DQ
+    pair with zero point z - 128."""
+    for q in [n for n in graph.nodes if n.op_type == "QuantizeLinear" and not n.domain and len(n.inputs) > 2]:
+        zp = view.const(q.inputs[2]) if q.inputs[2] else None
+        readers = view.consumers.get(q.outputs[0], [])
+        if (zp is None or zp.dtype != torch.uint8 or zp.numel() != 1 or q.attr("block_size", 0) or not readers
+                or q.outputs[0] in view.outputs
+                or any(r.op_type != "DequantizeLinear" or r.domain or r.inputs[1:] != q.inputs[1:] for r in readers)):
+            continue
+        shifted = f"{q.inputs[2]}.as_int8"
+        graph.initializers[shifted] = (zp.to(torch.int16) - 128).to(torch.int8)
+        for n in [q, *readers]:
+            n.inputs[2] = shifted
+        if q.attr("output_dtype", 0):
+            q.attrs["output_dtype"] = onnx.TensorProto.INT8
+    view.refresh()
+
+
 def run(graph: Graph) -> None:
     view = View(graph)
+    _uint8_as_int8(graph, view)
     for mm in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
         act_in = _dq_q(view, mm.inputs[0])
         if isinstance(act_in, str):
