@@ -51,3 +51,25 @@ def test_refuses_what_it_cannot_do():
         rescale.rescale(torch.zeros(2, 2), x_scale=torch.tensor(1.0))  # a scale without its partner
     with pytest.raises(ValueError):
         rescale.rescale(torch.zeros(2, 2), y_scale=torch.tensor(1.0), qtype="int4")
+
+
+@pytest.mark.parametrize("zero_point", [-128, -5, 0, 127])
+@pytest.mark.parametrize("dtype, channels_last", [(torch.float32, False), (torch.float16, True)])
+def test_quantize_linear_is_onnxs_with_a_zero_point(zero_point, dtype, channels_last):
+    from kiln.ir.graph import Node
+    from kiln.ops.quant import quantize_linear
+    from kiln.tactics import candidates, triton_tactics  # noqa: F401  (registers)
+
+    x = torch.randn(2, 5, 3, 7, generator=_gen(zero_point + 200)) * 8
+    x[0, 0, 0, :5] = torch.tensor([0.025, 0.075, -0.125, 1e4, -1e4])  # exact halves of the scale; saturation
+    x = x.to(dtype).to(DEV)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    s, z = torch.tensor(0.05, device=DEV), torch.tensor(zero_point, dtype=torch.int8, device=DEV)
+    node = Node("QuantizeLinear", ["x", "s", "z"], ["y"], {})
+    want = quantize_linear(node, x, s, z)
+    got = rescale.quantize_linear(x, s, z)
+    assert got.dtype == torch.int8 and got.stride() == x.stride() and torch.equal(got, want)
+    (t,) = [t for t in candidates(node) if t.name == "triton_quantize_linear"]
+    assert t.applies(node, [x, s, z]) == x.is_cuda
+    assert not t.applies(node, [x, s, z.to(torch.uint8)]) and not t.applies(node, [x, torch.ones(5), z])

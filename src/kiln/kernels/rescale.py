@@ -7,7 +7,10 @@ bias but neither GELU nor re-quantization), and with only y_scale it quantizes a
 them: one kernel where torch needs a cast, a divide, a clamp and another cast, each a pass over
 memory. Rounding as the fused kernels do it (gemm.quantize).
 
-Reference: kiln.ops.fused.quantize / qgemm's epilogue; `reference` below.
+`quantize_linear` is ONNX's QuantizeLinear to int8 with a per-tensor scale and zero point, in one pass:
+the codes a Q/DQ model's asymmetric int8 activation feeds its INT8 layer (passes/fuse_qdq.py).
+
+Reference: kiln.ops.fused.quantize / qgemm's epilogue; `reference` below; kiln.ops.quant.quantize_linear.
 """
 
 from __future__ import annotations
@@ -37,6 +40,30 @@ def _rescale_kernel(a_ptr, xs_ptr, ws_ptr, b_ptr, ys_ptr, y_ptr, numel, N, strid
         v += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     v = epilogue(v, ACT, p0, p1)
     tl.store(y_ptr + offs, quantize(v, ys_ptr, QUANT).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _quantize_linear_kernel(x_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    zp = tl.load(zp_ptr).to(tl.float32)
+    # x / s correctly rounded, as ONNX (and torch) divide; saturated before rounding, to the integers whose
+    # code fits (round(clamp(v)) == clamp(round(v)) for integer bounds)
+    v = tl.math.div_rn(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32), tl.load(s_ptr).to(tl.float32))
+    v = tl.minimum(tl.maximum(v, -128.0 - zp), 127.0 - zp)
+    q = (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # round half to even (gemm.quantize's trick)
+    tl.store(y_ptr + offs, (q + zp.to(tl.int32)).to(tl.int8), mask=ok)
+
+
+def quantize_linear(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """clamp(round(x / scale) + zero_point, -128, 127) as int8, x's shape and strides; one scale and one int8
+    zero point."""
+    y = torch.empty_like(x, dtype=torch.int8) if _dense(x) else torch.empty(x.shape, dtype=torch.int8,
+                                                                              device=x.device)
+    x = x if _dense(x) else x.contiguous()
+    if x.numel():
+        _quantize_linear_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, scale, zero_point, y, x.numel(), BLOCK=BLOCK)
+    return y
 
 
 def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,

@@ -136,3 +136,20 @@ def _register_int4() -> None:
 
 
 _register_int4()
+
+
+def _quantize_linear_ok(node, args) -> bool:
+    """ONNX QuantizeLinear to int8 with one scale and one zero point (a Q/DQ model's asymmetric activation)."""
+    x, scale = args[0], args[1]
+    zp = args[2] if len(args) > 2 else None
+    return (x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and scale.numel() == 1
+            and scale.dtype == torch.float32 and zp is not None and zp.dtype == torch.int8 and zp.numel() == 1
+            and not node.attr("block_size", 0) and node.attr("saturate", 1) and not node.attr("precision", 0)
+            and node.attr("output_dtype", 0) in (0, 3))  # 3: TensorProto.INT8
+
+
+@tactic("QuantizeLinear", "triton_quantize_linear", _quantize_linear_ok, domain="", level=3)
+def triton_quantize_linear(node, x, scale, zero_point=None):
+    from ..kernels import rescale
+
+    return rescale.quantize_linear(x, scale, zero_point)
