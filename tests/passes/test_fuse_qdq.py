@@ -140,7 +140,7 @@ def test_qdq_conv_matches_onnxruntime():
 
 def _qdq_conv_with_zero_point(pads, zero_point=-5):
     rng = np.random.default_rng(4)
-    inits = _qdq_conv_inits(rng, (8, 3, 1, 1) if not any(pads) else (8, 3, 3, 3))
+    inits = _qdq_conv_inits(rng, (8, 3, 3, 3))
     inits[1] = numpy_helper.from_array(np.int8(zero_point), "zx")
     nodes = [
         helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
@@ -153,15 +153,16 @@ def _qdq_conv_with_zero_point(pads, zero_point=-5):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
-def test_a_pointwise_conv_with_an_activation_zero_point_runs_int8_a_padded_one_float():
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0], [1, 1, 1, 1], [2, 0, 1, 3]])
+def test_a_conv_with_an_activation_zero_point_runs_int8_its_padding_the_zero_point(pads):
     x = np.random.default_rng(5).standard_normal((2, 3, 7, 9)).astype(np.float32)
-    for pads, op in (([0, 0, 0, 0], "QConv"), ([1, 1, 1, 1], "Conv")):
-        model = _qdq_conv_with_zero_point(pads)
-        ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-        engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
-        assert op in [n.op_type for n in engine.graph.nodes]
-        np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref[0], rtol=1e-5,
-                                   atol=1e-5)
+    model = _qdq_conv_with_zero_point(pads)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+    want = ["QuantizeLinear"] + (["Pad"] if any(pads) else []) + ["QConv"]
+    assert [n.op_type for n in engine.graph.nodes] == want
+    assert engine.graph.nodes[-1].attrs["pads"] == [0, 0, 0, 0]  # the codes arrive padded with the zero point
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref[0], rtol=1e-5, atol=1e-5)
 
 
 def test_dequantized_fallback_tactics_match_the_reference():

@@ -223,7 +223,10 @@ def pad(node, x, pads=None, value=None, axes=None):
             before, after = widths.get(a, (0, 0))
             shape.append(before + x.shape[a] + after)
             inner.append(slice(before, before + x.shape[a]))
-        out = torch.full(shape, value, dtype=x.dtype, device=x.device)
+        # channels-last in, channels-last out (a convolution's input, e.g. int8 codes padded with their zero point)
+        nhwc = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+        fmt = torch.channels_last if nhwc else torch.contiguous_format
+        out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt).fill_(value)
         out[tuple(inner)] = x
         return out
     for a, (before, after) in widths.items():

@@ -9,7 +9,8 @@ in its epilogue. A convolution's residual Add (ResNet's shortcut) and activation
 An int8 activation with a zero point z (onnxruntime's quantizer writes asymmetric int8 activations by
 default) is fused too: its QuantizeLinear stays and writes the codes q, the layer reads them as they are
 (attribute x_quantized), and since s * (q - z) @ w = s * q @ w - s * z * (sum of w's column), the second
-term joins the bias (per output channel). Not for a padded convolution: a padded tap would read 0, not z.
+term joins the bias (per output channel). A padded convolution would read 0, not z, at a padded tap: a Pad
+node pads its codes with z instead (one int8 pass) and the layer itself pads nothing.
 A UINT8 activation pair with zero point z is first rewritten as the int8 pair with z - 128, which is the
 same function (clamp(round(x/s) + z, 0, 255) - z = clamp(round(x/s) + z - 128, -128, 127) - (z - 128)).
 Anything else keeps its Q/DQ nodes, runs in float, and the reason is recorded.
@@ -68,8 +69,14 @@ def _dq_weight(view: View, value: str, channel_axis: int):
     return dq, w, s
 
 
-def _padded(conv: Node) -> bool:
-    return any(conv.attr("pads", [])) or conv.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+def _zero_point_pad(codes: str, conv: Node, z: int, name: str, graph: Graph) -> Node:
+    """A Pad of a convolution's int8 codes with the zero point z, as wide as the convolution's pads."""
+    pads = conv.attr("pads")
+    k = len(pads) // 2
+    graph.initializers[f"{name}.zero_point_pads"] = torch.tensor([0, 0, *pads[:k], 0, 0, *pads[k:]], dtype=torch.int64)
+    graph.initializers[f"{name}.zero_point"] = torch.tensor(z, dtype=torch.int8)
+    return Node("Pad", [codes, f"{name}.zero_point_pads", f"{name}.zero_point"], [f"{name}.padded_codes"],
+                {"mode": "constant"}, name=f"{name}.pad_with_zero_point", opset=max(conv.opset, 11))
 
 
 def _zero_point_bias(w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, z: int,
@@ -124,9 +131,9 @@ def run(graph: Graph) -> None:
         if zp_x.dtype != w_q.dtype:
             miss(graph, "quantized layer", [mm], "activation and weight quantization types differ")
             continue
-        if z and conv and _padded(mm):
-            miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the convolution pads: a "
-                 "padded tap would read 0, not the zero point")
+        if z and conv and mm.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+            miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the convolution pads by "
+                 f"auto_pad={mm.attr('auto_pad')}: Kiln pads the codes with the zero point only for explicit pads")
             continue
         shared = view.readers(qdq[1].outputs[0]) > 1  # a Q/DQ pair other layers read stays for them (dead code later)
         group = ([] if shared else qdq[1:] if z else qdq) + [dq_w, mm]
@@ -167,8 +174,14 @@ def run(graph: Graph) -> None:
         attrs = dict(mm.attrs) if conv else {}
         attrs.update(activation=act.name if act else "", activation_params=act.params if act else [],
                      qtype=QTYPES[w_q.dtype], **({"x_quantized": 1} if z else {}))
+        pad = None
+        if z and conv and any(mm.attr("pads", [])):
+            pad = _zero_point_pad(x, mm, z, name, graph)
+            x, attrs["pads"] = pad.outputs[0], [0] * len(mm.attr("pads"))
         inputs = [x, f"{name}.weight_q", x_scale, f"{name}.weight_scale", bias] + ([residual] if residual else [])
         fused = Node("QConv" if conv else "QGemm", inputs, [out], attrs, name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
+        if pad is not None:
+            graph.nodes.insert(next(i for i, n in enumerate(graph.nodes) if n is fused), pad)
         view.refresh()
     fold_constants.run(graph, keep_quantized=False)  # weights of layers left in float
