@@ -13,7 +13,7 @@ from onnxruntime.quantization import (
 
 import kiln
 
-from ..models import mlp
+from ..models import mlp, residual_blocks
 
 
 class _Reader(CalibrationDataReader):
@@ -56,3 +56,29 @@ def test_onnxruntimes_default_asymmetric_int8_activations_run_as_int8(tmp_path):
                                                 profiles=[kiln.Profile({"x": ((1, 8), (6, 8), (8, 8))})]))
     assert sum(n.op_type == "QGemm" for n in eng.graph.nodes) == 2
     np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], ref, rtol=1e-4, atol=1e-4)
+
+
+class _ImageReader(CalibrationDataReader):
+    def __init__(self, n=16):
+        rng = np.random.default_rng(2)
+        self.items = iter([{"x": rng.standard_normal((2, 4, 8, 8)).astype(np.float32)} for _ in range(n)])
+
+    def get_next(self):
+        return next(self.items, None)
+
+
+def test_onnxruntimes_default_quantization_of_residual_blocks_runs_every_conv_as_int8(tmp_path):
+    """Padded 3x3 and 1x1 convolutions with asymmetric int8 activations (zero points), ResNet's residual adds."""
+    src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
+    onnx.save(residual_blocks(2), src)
+    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
+                                                profiles=[kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8),
+                                                                              (4, 4, 8, 8))})]))
+    ops = [n.op_type for n in eng.graph.nodes]
+    assert ops.count("QConv") == 5 and "Conv" not in ops and "FusedConv" not in ops, ops
+    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["o2"], ref, rtol=1e-4, atol=1e-4)
