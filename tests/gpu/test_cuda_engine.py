@@ -357,3 +357,28 @@ def test_repeat_calls_skip_the_checks_but_new_inputs_are_still_checked():
         ctx.run({"image": torch.randn(64, 3, 32, 32, device="cuda")})
     with pytest.raises(InputError, match="float16"):
         ctx.run({"image": x.half()})
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onnxruntime(tmp_path, fp16):
+    """Asymmetric int8 activations (zero points) from onnxruntime's quantize_static: the kept QuantizeLinear
+    (its Triton tactic), the zero-point Pads and the QConvs reading codes, on the GPU's kernels."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    from ..models import residual_blocks
+    from ..passes.test_ort_quantized_import import _ImageReader
+
+    src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
+    onnx.save(residual_blocks(2, channels=32), src)
+    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    prof = [kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 8, 8))})]
+    eng = kiln.build(str(dst), _cfg(profiles=prof, fp16=fp16))
+    assert sum(n.op_type == "QConv" for n in eng.graph.nodes) == 5
+    got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["o2"].float().cpu().numpy()
+    assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()  # an int8 code's rounding flips, at most
