@@ -62,6 +62,16 @@ def test_shape_outside_profile_is_refused(tmp_path):
     assert code != 0 and "input 'x' axis 0 is 9" in err and "[1, 4]" in err and "Traceback" not in err
 
 
+def test_shapes_alone_is_the_build_profile_as_in_trtexec(tmp_path):
+    """A dynamic model given only --shapes builds for exactly those shapes and runs them."""
+    model_path = tmp_path / "mlp.onnx"
+    model_path.write_bytes(mlp().SerializeToString())
+    code, out, err = kiln_cmd("build", f"--onnx={model_path}", "--shapes=x:6x8", "--device=cpu",
+                              "--iterations=2", cwd=tmp_path)
+    assert code == 0, err
+    assert "x: 6x8..6x8 (opt 6x8)" in out and "no profile covers them" not in err
+
+
 def test_best_builds_fp16_without_calibration_and_int8_with_it(tmp_path):
     """trtexec's --best: every precision that can be made accurate. Without calibration data Kiln builds FP16
     and says why it did not quantize; with it, the GEMMs run on INT8."""

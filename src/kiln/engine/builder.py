@@ -83,7 +83,8 @@ def resolve_profiles(graph: Graph, config: BuildConfig) -> list[Profile]:
                     warnings.warn(
                         f"input '{v.name}' has dynamic axes {dyn} ({_dims(v.shape)}) but no profile covers them; "
                         f"building for {fmt_shape(dims)} (min=opt=max). Pass --minShapes/--optShapes/--maxShapes "
-                        "to cover the shapes you will run.", ProfileWarning, stacklevel=3)
+                        "(or --shapes, for one static shape) to cover the shapes you will run.", ProfileWarning,
+                        stacklevel=3)
                 shapes[v.name] = (dims, dims, dims)
         out.append(Profile(shapes))
     return out
