@@ -73,3 +73,21 @@ def test_quantize_linear_is_onnxs_with_a_zero_point(zero_point, dtype, channels_
     (t,) = [t for t in candidates(node) if t.name == "triton_quantize_linear"]
     assert t.applies(node, [x, s, z]) == x.is_cuda
     assert not t.applies(node, [x, s, z.to(torch.uint8)]) and not t.applies(node, [x, torch.ones(5), z])
+
+
+@pytest.mark.parametrize("zero_point", [-128, 9])
+def test_dequantize_linear_is_onnxs_with_a_zero_point(zero_point):
+    from kiln.ir.graph import Node
+    from kiln.ops.quant import dequantize_linear
+    from kiln.tactics import candidates, triton_tactics  # noqa: F401  (registers)
+
+    q = torch.randint(-128, 128, (2, 6, 5, 3), generator=_gen(zero_point + 300), dtype=torch.int8).to(DEV)
+    q = q.to(memory_format=torch.channels_last)
+    s, z = torch.tensor(0.037, device=DEV), torch.tensor(zero_point, dtype=torch.int8, device=DEV)
+    node = Node("DequantizeLinear", ["q", "s", "z"], ["y"], {})
+    want = dequantize_linear(node, q, s, z)
+    got = rescale.dequantize_linear(q, s, z)
+    assert got.dtype == want.dtype == torch.float32 and got.stride() == q.stride() and torch.equal(got, want)
+    (t,) = [t for t in candidates(node) if t.name == "triton_dequantize_linear"]
+    assert t.applies(node, [q, s, z]) == q.is_cuda
+    assert not t.applies(node, [q.to(torch.uint8), s, z]) and not t.applies(node, [q, s.half(), z])

@@ -7,8 +7,9 @@ bias but neither GELU nor re-quantization), and with only y_scale it quantizes a
 them: one kernel where torch needs a cast, a divide, a clamp and another cast, each a pass over
 memory. Rounding as the fused kernels do it (gemm.quantize).
 
-`quantize_linear` is ONNX's QuantizeLinear to int8 with a per-tensor scale and zero point, in one pass:
-the codes a Q/DQ model's asymmetric int8 activation feeds its INT8 layer (passes/fuse_qdq.py).
+`quantize_linear` / `dequantize_linear` are ONNX's QuantizeLinear / DequantizeLinear between int8 and FP32
+with a per-tensor scale and zero point, in one pass each: the Q/DQ pairs a Q/DQ model keeps around its
+INT8 layers (passes/fuse_qdq.py), where torch takes three to five.
 
 Reference: kiln.ops.fused.quantize / qgemm's epilogue; `reference` below; kiln.ops.quant.quantize_linear.
 """
@@ -63,6 +64,24 @@ def quantize_linear(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     x = x if _dense(x) else x.contiguous()
     if x.numel():
         _quantize_linear_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, scale, zero_point, y, x.numel(), BLOCK=BLOCK)
+    return y
+
+
+@triton.jit
+def _dequantize_linear_kernel(q_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    v = tl.load(q_ptr + offs, mask=ok, other=0).to(tl.float32) - tl.load(zp_ptr).to(tl.float32)  # exact
+    tl.store(y_ptr + offs, v * tl.load(s_ptr).to(tl.float32), mask=ok)
+
+
+def dequantize_linear(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """(q - zero_point) * scale in FP32, q's shape and strides; int8 q, one FP32 scale and one int8 zero point."""
+    y = torch.empty_like(q, dtype=torch.float32) if _dense(q) else torch.empty(q.shape, dtype=torch.float32,
+                                                                                 device=q.device)
+    q = q if _dense(q) else q.contiguous()
+    if q.numel():
+        _dequantize_linear_kernel[(triton.cdiv(q.numel(), BLOCK),)](q, scale, zero_point, y, q.numel(), BLOCK=BLOCK)
     return y
 
 

@@ -153,3 +153,19 @@ def triton_quantize_linear(node, x, scale, zero_point=None):
     from ..kernels import rescale
 
     return rescale.quantize_linear(x, scale, zero_point)
+
+
+def _dequantize_linear_ok(node, args) -> bool:
+    """ONNX DequantizeLinear of int8 with one FP32 scale and one int8 zero point, to FP32."""
+    q, scale = args[0], args[1]
+    zp = args[2] if len(args) > 2 else None
+    return (q.is_cuda and q.dtype == torch.int8 and scale.numel() == 1 and scale.dtype == torch.float32
+            and zp is not None and zp.dtype == torch.int8 and zp.numel() == 1 and not node.attr("block_size", 0)
+            and node.attr("output_dtype", 0) in (0, 1))  # 1: TensorProto.FLOAT
+
+
+@tactic("DequantizeLinear", "triton_dequantize_linear", _dequantize_linear_ok, domain="", level=3)
+def triton_dequantize_linear(node, q, scale, zero_point=None):
+    from ..kernels import rescale
+
+    return rescale.dequantize_linear(q, scale, zero_point)
