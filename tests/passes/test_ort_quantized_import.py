@@ -82,3 +82,35 @@ def test_onnxruntimes_default_quantization_of_residual_blocks_runs_every_conv_as
     ops = [n.op_type for n in eng.graph.nodes]
     assert ops.count("QConv") == 5 and "Conv" not in ops and "FusedConv" not in ops, ops
     np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["o2"], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_downsampling_block_whose_input_two_convolutions_read_runs_both_as_int8(tmp_path):
+    """ResNet's first block of a stage: its 3x3 and its 1x1 downsample read one Q/DQ pair with a zero point;
+    onnxruntime also writes the biases as dequantized int32 constants."""
+    import torch
+    from torch import nn
+
+    class Down(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(4, 8, 3, padding=1)
+            self.a, self.b = nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+            self.down = nn.Conv2d(8, 16, 1, stride=2)
+
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            return torch.relu(self.b(torch.relu(self.a(x))) + self.down(x))
+
+    torch.manual_seed(0)
+    src, dst = tmp_path / "down.onnx", tmp_path / "down_qdq.onnx"
+    torch.onnx.export(Down().eval(), (torch.zeros(2, 4, 8, 8),), str(src), input_names=["x"], output_names=["y"],
+                      dynamo=False)
+    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    x = np.random.default_rng(4).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False))
+    ops = [n.op_type for n in eng.graph.nodes]
+    assert ops.count("QConv") == 4 and "Conv" not in ops and "FusedConv" not in ops, ops
+    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], ref, rtol=1e-4, atol=1e-4)

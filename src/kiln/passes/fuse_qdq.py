@@ -33,7 +33,7 @@ def _dq_q(view: View, value: str):
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain:
         return None
     q = view.producer.get(dq.inputs[0])
-    if q is None or q.op_type != "QuantizeLinear" or q.domain or view.readers(q.outputs[0]) != 1:
+    if q is None or q.op_type != "QuantizeLinear" or q.domain:
         return None
     s = view.const(q.inputs[1])
     if s is None or s.numel() != 1 or q.inputs[1:] != dq.inputs[1:]:
@@ -44,7 +44,11 @@ def _dq_q(view: View, value: str):
     if zp.dtype not in QTYPES:
         return f"the activation is quantized as {str(zp.dtype).removeprefix('torch.')}; int8 and FP8 E4M3 run"
     z = int(zp.float().reshape(-1)[0])
-    return (q.inputs[0], q.inputs[1], [q, dq], z) if z == 0 or zp.dtype == torch.int8 else None
+    if z and zp.dtype != torch.int8:
+        return None
+    if not z and view.readers(q.outputs[0]) != 1:  # Q goes with the pair: nothing else may read its codes
+        return None
+    return q.inputs[0], q.inputs[1], [q, dq], z  # with z, Q stays: other layers may read its codes too
 
 
 QTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
@@ -85,6 +89,21 @@ def _zero_point_bias(w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Te
     bias. w_q as the fused layer stores it ([K, N], a convolution's [OC, C, ..])."""
     sums = w_q.double().flatten(1).sum(1) if conv else w_q.double().sum(0)
     return -float(x_scale.reshape(-1)[0]) * z * w_scale.double().reshape(-1) * sums
+
+
+def _bias_values(view: View, bias: str) -> tuple[torch.Tensor | None, Node | None]:
+    """(a bias's values, the DequantizeLinear that makes them or None): a constant, or the dequantized int32
+    constant onnxruntime's quantizer writes; (None, None) for anything else."""
+    b = view.const(bias)
+    dq = view.producer.get(bias)
+    if b is not None or dq is None or dq.op_type != "DequantizeLinear" or dq.domain:
+        return b, None
+    args = [view.const(i) if i else None for i in dq.inputs]
+    if any(a is None for a, i in zip(args, dq.inputs) if i):
+        return None, None
+    from ..ops import lookup
+
+    return lookup("DequantizeLinear").impl(dq, *args), dq
 
 
 def _uint8_as_int8(graph: Graph, view: View) -> None:
@@ -160,10 +179,12 @@ def run(graph: Graph) -> None:
             residual, out = other, add.outputs[0]
             group.append(add)
         if z:
-            b = view.const(bias) if bias else None
+            b, bias_dq = _bias_values(view, bias) if bias else (None, None)
             if bias and b is None:
                 miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the bias is not a constant")
                 continue
+            if bias_dq is not None and view.readers(bias) == 1:
+                group.append(bias_dq)
             shift = _zero_point_bias(graph.initializers[f"{name}.weight_q"], w_scale, view.const(x_scale), z, conv)
             bias = f"{name}.bias_with_zero_point"
             graph.initializers[bias] = (shift + (b.double().reshape(-1) if b is not None else 0)).float()
