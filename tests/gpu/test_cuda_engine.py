@@ -364,19 +364,16 @@ def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onn
     """Asymmetric int8 activations (zero points) from onnxruntime's quantize_static: the kept QuantizeLinear
     (its Triton tactic), the zero-point Pads and the QConvs reading codes, on the GPU's kernels."""
     import onnx
-    import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, quantize_static
 
     from ..models import residual_blocks
-    from ..passes.test_ort_quantized_import import _ImageReader
+    from ..passes.test_ort_quantized_import import _ImageReader, ort_reference
 
     src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
     onnx.save(residual_blocks(2, channels=32), src)
     quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
     x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort_reference(dst, {"x": x})
     prof = [kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 8, 8))})]
     eng = kiln.build(str(dst), _cfg(profiles=prof, fp16=fp16))
     assert sum(n.op_type == "QConv" for n in eng.graph.nodes) == 5

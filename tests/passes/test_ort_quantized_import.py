@@ -25,6 +25,13 @@ class _Reader(CalibrationDataReader):
         return next(self.items, None)
 
 
+def ort_reference(path, feeds):
+    """onnxruntime's CPU output for the Q/DQ graph as written (no fusions of its own)."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
 def test_symmetric_int8_qdq_from_onnxruntime_runs_as_int8(tmp_path):
     src, dst = tmp_path / "mlp.onnx", tmp_path / "mlp_qdq.onnx"
     onnx.save(mlp(), src)
@@ -32,9 +39,7 @@ def test_symmetric_int8_qdq_from_onnxruntime_runs_as_int8(tmp_path):
                     weight_type=QuantType.QInt8, per_channel=True,
                     extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
     x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Q/DQ graph as written
-    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort_reference(dst, {"x": x})
     eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
                                                 profiles=[kiln.Profile({"x": ((1, 8), (6, 8), (8, 8))})]))
     assert sum(n.op_type == "QGemm" for n in eng.graph.nodes) == 2
@@ -49,9 +54,7 @@ def test_onnxruntimes_default_asymmetric_int8_activations_run_as_int8(tmp_path):
     zero_points = [numpy_helper.to_array(i) for i in onnx.load(dst).graph.initializer if "zero_point" in i.name]
     assert any(z.dtype == np.int8 and z.any() for z in zero_points)  # the case this test is for
     x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort_reference(dst, {"x": x})
     eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
                                                 profiles=[kiln.Profile({"x": ((1, 8), (6, 8), (8, 8))})]))
     assert sum(n.op_type == "QGemm" for n in eng.graph.nodes) == 2
@@ -73,9 +76,7 @@ def test_onnxruntimes_default_quantization_of_residual_blocks_runs_every_conv_as
     onnx.save(residual_blocks(2), src)
     quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
     x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort_reference(dst, {"x": x})
     eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
                                                 profiles=[kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8),
                                                                               (4, 4, 8, 8))})]))
@@ -107,9 +108,7 @@ def test_a_downsampling_block_whose_input_two_convolutions_read_runs_both_as_int
                       dynamo=False)
     quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
     x = np.random.default_rng(4).standard_normal((2, 4, 8, 8)).astype(np.float32)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    ref = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort_reference(dst, {"x": x})
     eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False))
     ops = [n.op_type for n in eng.graph.nodes]
     assert ops.count("QConv") == 4 and "Conv" not in ops and "FusedConv" not in ops, ops

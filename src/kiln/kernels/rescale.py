@@ -59,12 +59,7 @@ def _quantize_linear_kernel(x_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.conste
 def quantize_linear(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """clamp(round(x / scale) + zero_point, -128, 127) as int8, x's shape and strides; one scale and one int8
     zero point."""
-    y = torch.empty_like(x, dtype=torch.int8) if _dense(x) else torch.empty(x.shape, dtype=torch.int8,
-                                                                              device=x.device)
-    x = x if _dense(x) else x.contiguous()
-    if x.numel():
-        _quantize_linear_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, scale, zero_point, y, x.numel(), BLOCK=BLOCK)
-    return y
+    return _one_pass(_quantize_linear_kernel, x, torch.int8, scale, zero_point)
 
 
 @triton.jit
@@ -77,11 +72,16 @@ def _dequantize_linear_kernel(q_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.cons
 
 def dequantize_linear(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """(q - zero_point) * scale in FP32, q's shape and strides; int8 q, one FP32 scale and one int8 zero point."""
-    y = torch.empty_like(q, dtype=torch.float32) if _dense(q) else torch.empty(q.shape, dtype=torch.float32,
-                                                                                 device=q.device)
-    q = q if _dense(q) else q.contiguous()
-    if q.numel():
-        _dequantize_linear_kernel[(triton.cdiv(q.numel(), BLOCK),)](q, scale, zero_point, y, q.numel(), BLOCK=BLOCK)
+    return _one_pass(_dequantize_linear_kernel, q, torch.float32, scale, zero_point)
+
+
+def _one_pass(kernel, x: torch.Tensor, dtype: torch.dtype, *args) -> torch.Tensor:
+    """An elementwise kernel(x, *args, y, numel) over x into a new `dtype` tensor with x's strides (x dense in
+    some axis order, else made contiguous)."""
+    y = torch.empty_like(x, dtype=dtype) if _dense(x) else torch.empty(x.shape, dtype=dtype, device=x.device)
+    x = x if _dense(x) else x.contiguous()
+    if x.numel():
+        kernel[(triton.cdiv(x.numel(), BLOCK),)](x, *args, y, x.numel(), BLOCK=BLOCK)
     return y
 
 
