@@ -96,6 +96,23 @@ def test_a_uint16_activation_is_left_in_float_and_reported():
     assert any("uint16" in f.get("reason", "") for f in engine.findings), engine.findings
 
 
+@pytest.mark.parametrize("narrow", [TensorProto.INT4, TensorProto.UINT4])
+def test_4_bit_activations_in_an_8_bit_carrier_are_not_taken_for_8_bit_ones(narrow):
+    """An INT4/UINT4 zero point arrives as int8/uint8 with the Q's output_dtype saying 4 bits: quantizing to
+    the 8-bit range instead would change the model."""
+    model = _qdq_mlp()
+    model.opset_import[0].version = 21
+    zx = next(i for i in model.graph.initializer if i.name == "zx")
+    zx.CopyFrom(helper.make_tensor("zx", narrow, [], [0 if narrow == TensorProto.INT4 else 8]))
+    x = np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32) * 3
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False,
+                                                profiles=[kiln.Profile({"x": ((1, 16), (4, 16), (8, 16))})]))
+    assert "QGemm" not in [n.op_type for n in engine.graph.nodes]
+    assert any("int4" in f.get("reason", "") for f in engine.findings), engine.findings
+    np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_int8_tactic_matches_the_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 64, generator=g)

@@ -41,8 +41,10 @@ def _dq_q(view: View, value: str):
     zp = view.const(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] else None
     if zp is None or zp.numel() != 1 or q.attr("block_size", 0):
         return None
-    if zp.dtype not in QTYPES:
-        return f"the activation is quantized as {str(zp.dtype).removeprefix('torch.')}; int8 and FP8 E4M3 run"
+    if zp.dtype not in QTYPES or q.attr("output_dtype", 0) not in (0, _ONNX_TYPE[zp.dtype]):
+        narrow = onnx.TensorProto.DataType.Name(q.attr("output_dtype", 0)).lower()  # INT4 in an int8 carrier
+        kind = narrow if q.attr("output_dtype", 0) else str(zp.dtype).removeprefix("torch.")
+        return f"the activation is quantized as {kind}; int8 and FP8 E4M3 run"
     z = int(zp.float().reshape(-1)[0])
     if z and zp.dtype != torch.int8:
         return None
@@ -52,6 +54,7 @@ def _dq_q(view: View, value: str):
 
 
 QTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+_ONNX_TYPE = {torch.int8: onnx.TensorProto.INT8, torch.float8_e4m3fn: onnx.TensorProto.FLOAT8E4M3FN}
 
 
 def _int8_zero(view: View, n: Node) -> bool:
@@ -113,6 +116,7 @@ def _uint8_as_int8(graph: Graph, view: View) -> None:
         zp = view.const(q.inputs[2]) if q.inputs[2] else None
         readers = view.consumers.get(q.outputs[0], [])
         if (zp is None or zp.dtype != torch.uint8 or zp.numel() != 1 or q.attr("block_size", 0) or not readers
+                or q.attr("output_dtype", 0) not in (0, onnx.TensorProto.UINT8)  # UINT4 in a uint8 carrier
                 or q.outputs[0] in view.outputs
                 or any(r.op_type != "DequantizeLinear" or r.domain or r.inputs[1:] != q.inputs[1:] for r in readers)):
             continue
