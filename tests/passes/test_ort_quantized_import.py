@@ -3,6 +3,7 @@
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import numpy_helper
 from onnxruntime.quantization import (
     CalibrationDataReader,
@@ -70,11 +71,14 @@ class _ImageReader(CalibrationDataReader):
         return next(self.items, None)
 
 
-def test_onnxruntimes_default_quantization_of_residual_blocks_runs_every_conv_as_int8(tmp_path):
-    """Padded 3x3 and 1x1 convolutions with asymmetric int8 activations (zero points), ResNet's residual adds."""
+@pytest.mark.parametrize("activations", [QuantType.QInt8, QuantType.QUInt8])
+def test_onnxruntimes_default_quantization_of_residual_blocks_runs_every_conv_as_int8(tmp_path, activations):
+    """Padded 3x3 and 1x1 convolutions with asymmetric int8 (the default) or uint8 activations (zero points),
+    ResNet's residual adds."""
     src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
     onnx.save(residual_blocks(2), src)
-    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=activations)
     x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
     ref = ort_reference(dst, {"x": x})
     eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
