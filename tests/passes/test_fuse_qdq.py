@@ -113,6 +113,20 @@ def test_4_bit_activations_in_an_8_bit_carrier_are_not_taken_for_8_bit_ones(narr
     np.testing.assert_allclose(engine.create_execution_context().run({"x": x})["y"], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_an_activation_times_an_activation_stays_float_and_says_why():
+    inits = [numpy_helper.from_array(np.float32(0.05), "s"), numpy_helper.from_array(np.int8(0), "z")]
+    nodes = [helper.make_node("QuantizeLinear", [v, "s", "z"], [f"{v}q"]) for v in ("a", "b")]
+    nodes += [helper.make_node("DequantizeLinear", [f"{v}q", "s", "z"], [f"{v}dq"]) for v in ("a", "b")]
+    nodes.append(helper.make_node("MatMul", ["adq", "bdq"], ["y"]))
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in
+          (("a", [2, 4, 8]), ("b", [2, 8, 4]), ("y", [2, 4, 4]))]
+    g = helper.make_graph(nodes, "scores", io[:2], io[2:], inits)
+    engine = kiln.build(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
+                        kiln.BuildConfig(device="cpu", progress=False))
+    assert "QGemm" not in [n.op_type for n in engine.graph.nodes]
+    assert any("computed, not a weight" in f.get("reason", "") for f in engine.findings), engine.findings
+
+
 def test_int8_tactic_matches_the_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 64, generator=g)

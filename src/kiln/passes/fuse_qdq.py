@@ -142,8 +142,12 @@ def run(graph: Graph) -> None:
         trans_b = mm.op_type == "Gemm" and mm.attr("transB", 0)
         weight = _dq_weight(view, mm.inputs[1], 0 if (conv or trans_b) else 1)
         if weight is None:
+            dq = view.producer.get(mm.inputs[1])
+            constant = dq is not None and dq.op_type == "DequantizeLinear" and view.const(dq.inputs[0]) is not None
             miss(graph, "INT8 layer", [mm], "the weights are not int8 constants with zero point 0 and "
-                 "per-output-channel (or per-tensor) scales")
+                 "per-output-channel (or per-tensor) scales" if constant or mm.inputs[1] in graph.initializers else
+                 "its second input is computed, not a weight (an activation times an activation, attention's "
+                 "products among them, runs in float)")
             continue
         if mm.op_type == "Gemm" and (mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0
                                      or mm.attr("beta", 1.0) != 1.0):
