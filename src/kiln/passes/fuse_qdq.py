@@ -21,6 +21,7 @@ from __future__ import annotations
 import onnx
 import torch
 
+from ..engine.interpreter import call_node
 from ..ir.graph import Graph, Node
 from . import activations, fold_constants
 from .rewrite import View, fused_name, miss, replace
@@ -104,9 +105,7 @@ def _bias_values(view: View, bias: str) -> tuple[torch.Tensor | None, Node | Non
     args = [view.const(i) if i else None for i in dq.inputs]
     if any(a is None for a, i in zip(args, dq.inputs) if i):
         return None, None
-    from ..ops import lookup
-
-    return lookup("DequantizeLinear").impl(dq, *args), dq
+    return call_node(dq, args)[0], dq  # as fold_constants evaluates a node of constants
 
 
 def _uint8_as_int8(graph: Graph, view: View) -> None:

@@ -138,14 +138,19 @@ def _register_int4() -> None:
 _register_int4()
 
 
+def _one_scale_and_int8_zero_point(node, args) -> bool:
+    """A QuantizeLinear/DequantizeLinear with one FP32 scale and one int8 zero point, not blocked."""
+    scale, zp = args[1], args[2] if len(args) > 2 else None
+    return (scale.numel() == 1 and scale.dtype == torch.float32 and zp is not None and zp.dtype == torch.int8
+            and zp.numel() == 1 and not node.attr("block_size", 0))
+
+
 def _quantize_linear_ok(node, args) -> bool:
-    """ONNX QuantizeLinear to int8 with one scale and one zero point (a Q/DQ model's asymmetric activation)."""
-    x, scale = args[0], args[1]
-    zp = args[2] if len(args) > 2 else None
-    return (x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and scale.numel() == 1
-            and scale.dtype == torch.float32 and zp is not None and zp.dtype == torch.int8 and zp.numel() == 1
-            and not node.attr("block_size", 0) and node.attr("saturate", 1) and not node.attr("precision", 0)
-            and node.attr("output_dtype", 0) in (0, 3))  # 3: TensorProto.INT8
+    """ONNX QuantizeLinear of a float tensor to int8 (a Q/DQ model's asymmetric activation)."""
+    x = args[0]
+    return (x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and _one_scale_and_int8_zero_point(node, args) and node.attr("saturate", 1)
+            and not node.attr("precision", 0) and node.attr("output_dtype", 0) in (0, 3))  # 3: TensorProto.INT8
 
 
 @tactic("QuantizeLinear", "triton_quantize_linear", _quantize_linear_ok, domain="", level=3)
@@ -156,11 +161,9 @@ def triton_quantize_linear(node, x, scale, zero_point=None):
 
 
 def _dequantize_linear_ok(node, args) -> bool:
-    """ONNX DequantizeLinear of int8 with one FP32 scale and one int8 zero point, to FP32."""
-    q, scale = args[0], args[1]
-    zp = args[2] if len(args) > 2 else None
-    return (q.is_cuda and q.dtype == torch.int8 and scale.numel() == 1 and scale.dtype == torch.float32
-            and zp is not None and zp.dtype == torch.int8 and zp.numel() == 1 and not node.attr("block_size", 0)
+    """ONNX DequantizeLinear of int8 to FP32."""
+    q = args[0]
+    return (q.is_cuda and q.dtype == torch.int8 and _one_scale_and_int8_zero_point(node, args)
             and node.attr("output_dtype", 0) in (0, 1))  # 1: TensorProto.FLOAT
 
 
