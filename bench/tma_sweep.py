@@ -12,6 +12,11 @@ K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer
 
     python bench/tma_sweep.py [SHAPE NAME PREFIX...] > bench/results/H200-tma-sweep.log        (GPU)
     python bench/tma_sweep.py --int8-engine [layer1 ...] > bench/results/H200-int8-1x1-sweep.log
+    python bench/tma_sweep.py --latency [layer1 ...] > bench/results/H200-int8-1x1-latency.log
+
+`--latency` times the small-K 8-bit tiles of `--int8-engine` at one to four programs per SM, with the residual
+loaded by TMA after the K loop or by pointer loads before it (tma_gemm.gemm's z_early): how much of these
+layers' distance from their floor is latency that more programs or an earlier load would hide.
 """
 
 from __future__ import annotations
@@ -101,9 +106,14 @@ Q8_K64 = [TileConfig(128, 256, 64, 8, 2), TileConfig(128, 128, 64, 4, 2), TileCo
           TileConfig(64, 256, 64, 4, 2), TileConfig(64, 128, 64, 4, 2), TileConfig(128, 128, 64, 4, 4)]
 
 
-def sweep_int8_engine(M, K, N, with_z, qtype="int8", copy=False):
-    """Every 8-bit candidate on one 1x1 layer as the engine runs it, with GB/s against its bytes: 8-bit x,
-    output (and residual), with `copy` a second 8-bit output at another scale (a clipped block output's copy)."""
+LATENCY_TILES = [TileConfig(128, 128, 64, 4, 2), TileConfig(128, 128, 64, 4, 4), TileConfig(64, 128, 64, 4, 2),
+                 TileConfig(64, 256, 64, 4, 2), TileConfig(128, 64, 128, 4, 4), TileConfig(64, 128, 128, 4, 2),
+                 TileConfig(64, 64, 128, 4, 2)]
+
+
+def engine_operands(M, K, N, with_z, qtype, copy):
+    """8-bit x, K-major w, bias and the gemm keywords of one 1x1 layer as an 8-bit engine runs it, and the bytes
+    it must move."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x8 = torch.randint(-128, 128, (M, K), device="cuda", generator=g, dtype=torch.int8)
     w8 = torch.randint(-127, 128, (N, K), device="cuda", generator=g, dtype=torch.int8)
@@ -119,24 +129,56 @@ def sweep_int8_engine(M, K, N, with_z, qtype="int8", copy=False):
               z_scale=torch.tensor(0.05, device="cuda") if with_z else None,
               q_scale=torch.tensor(0.03, device="cuda") if copy else None)
     moved = M * K + K * N + M * N * (1 + with_z + copy)  # bytes: x, w, output(s), residual
+    return x8, w8, b, kw, moved
 
-    def rate(t):
-        try:
-            return f"{float(t):7.1f} us {moved / float(t) / 1e3:6.0f} GB/s"
-        except ValueError:
-            return t
 
+def rate(t, moved):
+    try:
+        return f"{float(t):7.1f} us {moved / float(t) / 1e3:6.0f} GB/s"
+    except ValueError:
+        return t
+
+
+def sweep_int8_engine(M, K, N, with_z, qtype="int8", copy=False):
+    """Every 8-bit candidate on one 1x1 layer as the engine runs it, with GB/s against its bytes: 8-bit x,
+    output (and residual), with `copy` a second 8-bit output at another scale (a clipped block output's copy)."""
+    x8, w8, b, kw, moved = engine_operands(M, K, N, with_z, qtype, copy)
     rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
     for c in [POINTER] + [t for t, _ in gemm.QUANT_CONFIGS]:
-        rows.append(f"gemm.py {c.name} {rate(us(lambda c=c: gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)))}")
+        rows.append(f"gemm.py {c.name} {rate(us(lambda c=c: gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)), moved)}")
     for c in Q8 + Q8_K64:
         for per_sm in (1, 2):
             t = us(lambda c=c, p=per_sm: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, programs_per_sm=p, **kw))
-            rows.append(f"tma {c.name} x{per_sm}/SM {rate(t)}")
+            rows.append(f"tma {c.name} x{per_sm}/SM {rate(t, moved)}")
+    return rows
+
+
+def sweep_latency(M, K, N, with_z, qtype="int8"):
+    """The small-K tiles at 1-4 programs per SM, the residual loaded late (TMA) or early (pointers)."""
+    x8, w8, b, kw, moved = engine_operands(M, K, N, with_z, qtype, False)
+    ref = tma_gemm.gemm(x8, w8, b, 'Relu', config=LATENCY_TILES[0], **kw)
+    rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
+    for c in LATENCY_TILES:
+        for per_sm in (1, 2, 3, 4):
+            for early in (False, True)[:1 + with_z]:
+                run = dict(kw, config=c, programs_per_sm=per_sm, z_early=early)
+                same = torch.equal(tma_gemm.gemm(x8, w8, b, 'Relu', **run), ref)
+                t = us(lambda run=run: tma_gemm.gemm(x8, w8, b, 'Relu', **run))
+                rows.append(f"tma {c.name} x{per_sm}/SM{' z early' if early else ''} {rate(t, moved)}"
+                            f"{'' if same else ' DIFFERS'}")
     return rows
 
 
 def main() -> int:
+    if "--latency" in sys.argv:
+        print(torch.cuda.get_device_name(), torch.__version__)
+        only = [a for a in sys.argv[1:] if a != "--latency"]
+        for name, M, K, N, with_z in INT8_ENGINE_SHAPES:
+            if only and not any(name.startswith(o) for o in only):
+                continue
+            print(f"\n## {name}: M {M}, K {K}, N {N}, int8{', 8-bit residual' if with_z else ''}", flush=True)
+            print("\n".join(sweep_latency(M, K, N, with_z)), flush=True)
+        return 0
     if "--int8-engine" in sys.argv:
         print(torch.cuda.get_device_name(), torch.__version__)
         only = [a for a in sys.argv[1:] if a != "--int8-engine"]  # e.g. layer1: the shapes whose names start so

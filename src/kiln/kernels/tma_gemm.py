@@ -42,10 +42,10 @@ _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 
 
 @triton.jit
-def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, M, N, K,
-                     stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
-                     QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                     W_KMAJOR: tl.constexpr,
+def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, z_ptr,
+                     M, N, K, stride_ws, stride_zm, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
+                     ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
+                     Z_SCALED: tl.constexpr, Z_EARLY: tl.constexpr, W_KMAJOR: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -59,6 +59,12 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         group_m = tl.minimum(grid_m - first_m, GROUP_M)
         off_m = (first_m + (tile % width) % group_m) * BLOCK_M
         off_n = ((tile % width) // group_m) * BLOCK_N
+        if HAS_Z and Z_EARLY:
+            # The residual by pointer loads issued before the K loop: the registers fill while the operands
+            # load and multiply, where a TMA load after the loop waits its whole latency.
+            zm = off_m + tl.arange(0, BLOCK_M)
+            zn = off_n + tl.arange(0, BLOCK_N)
+            z_tile = tl.load(z_ptr + zm[:, None] * stride_zm + zn[None, :], mask=(zm[:, None] < M) & (zn[None, :] < N))
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
         for kb in range(k_tiles):
             a = x_desc.load([off_m, kb * BLOCK_K])
@@ -72,7 +78,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         if HAS_Z:  # a residual: a 1x1 convolution's shortcut
-            acc += residual(z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
+            acc += residual(z_tile if Z_EARLY else z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
         acc = epilogue(acc, ACT, p0, p1)
         # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
         out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
@@ -175,7 +181,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          config: TileConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None):
+         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None, z_early: bool = False):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
     gemm.gemm computes it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or
     quantized with y_scale; with q_scale also its 8-bit copy (y, q). programs_per_sm: persistent programs per
@@ -192,7 +198,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     def desc(t, block):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
-    z_desc = desc(rows(z, N), [bm, bn]) if z is not None else None
+    z_rows = rows(z, N) if z is not None else None
+    z_desc = desc(z_rows, [bm, bn]) if z is not None else None
     p0, p1 = _params(act, params)
     bias = b.reshape(-1).contiguous() if b is not None else None
     per_sm = programs_per_sm or resident_programs(config.num_warps, config.smem_bytes(x2.element_size()), qtype)
@@ -201,9 +208,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
-        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
+        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs,
+        z_rows if z is not None else y, M, N, K, stride_ws, z_rows.stride(0) if z is not None else N, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
-        COPY=q_scale is not None, Z_SCALED=z_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=config.group_m,
-        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
+        COPY=q_scale is not None, Z_SCALED=z_scale is not None, Z_EARLY=z_early, W_KMAJOR=k_major, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))
