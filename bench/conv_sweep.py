@@ -99,7 +99,7 @@ def sweep(batch, hw, c, oc, k, stride, flops, float16=True):
             if not tma_conv.supports(n8, x8, w8, b, None, cfg, qtype):
                 rows.append(f"tma {qtype} {cfg.name} not supported")
                 continue
-            for per_sm in (1, 2) if cfg.num_warps == 4 else (1,):  # two 4-warp programs may share an SM
+            for per_sm in (1, 2, 3) if cfg.num_warps == 4 else (1,):  # 4-warp programs may share an SM
                 run = dict(kw, config=cfg, programs_per_sm=per_sm)
                 t = us(lambda run=run: tma_conv.conv2d(n8, x8, w8, b, **run))
                 try:

@@ -14,9 +14,10 @@ K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer
     python bench/tma_sweep.py --int8-engine [layer1 ...] > bench/results/H200-int8-1x1-sweep.log
     python bench/tma_sweep.py --latency [layer1 ...] > bench/results/H200-int8-1x1-latency.log
 
-`--latency` times the small-K 8-bit tiles of `--int8-engine` at one to four programs per SM, with the residual
-loaded by TMA after the K loop or by pointer loads before it (tma_gemm.gemm's z_early): how much of these
-layers' distance from their floor is latency that more programs or an earlier load would hide.
+`--latency` times the small-K 8-bit tiles of `--int8-engine` at one to four programs per SM: how much of these
+layers' distance from their floor is latency that more programs hide. Its log H200-int8-1x1-latency.log also
+has a residual loaded by pointer loads issued before the K loop ("z early", a tma_gemm.gemm option since removed:
+slower everywhere, 2-10x with 4-stage pipelines).
 """
 
 from __future__ import annotations
@@ -154,18 +155,16 @@ def sweep_int8_engine(M, K, N, with_z, qtype="int8", copy=False):
 
 
 def sweep_latency(M, K, N, with_z, qtype="int8"):
-    """The small-K tiles at 1-4 programs per SM, the residual loaded late (TMA) or early (pointers)."""
+    """The small-K tiles at 1-4 programs per SM."""
     x8, w8, b, kw, moved = engine_operands(M, K, N, with_z, qtype, False)
     ref = tma_gemm.gemm(x8, w8, b, 'Relu', config=LATENCY_TILES[0], **kw)
     rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
     for c in LATENCY_TILES:
         for per_sm in (1, 2, 3, 4):
-            for early in (False, True)[:1 + with_z]:
-                run = dict(kw, config=c, programs_per_sm=per_sm, z_early=early)
-                same = torch.equal(tma_gemm.gemm(x8, w8, b, 'Relu', **run), ref)
-                t = us(lambda run=run: tma_gemm.gemm(x8, w8, b, 'Relu', **run))
-                rows.append(f"tma {c.name} x{per_sm}/SM{' z early' if early else ''} {rate(t, moved)}"
-                            f"{'' if same else ' DIFFERS'}")
+            run = dict(kw, config=c, programs_per_sm=per_sm)
+            same = torch.equal(tma_gemm.gemm(x8, w8, b, 'Relu', **run), ref)
+            t = us(lambda run=run: tma_gemm.gemm(x8, w8, b, 'Relu', **run))
+            rows.append(f"tma {c.name} x{per_sm}/SM {rate(t, moved)}{'' if same else ' DIFFERS'}")
     return rows
 
 

@@ -224,7 +224,8 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
-    per_sm = programs_per_sm or resident_programs(config.num_warps, config.pipeline_bytes(x.element_size()), qtype)
+    per_sm = programs_per_sm or resident_programs(config.num_warps, config.pipeline_bytes(x.element_size()),
+                                                  config.block_h * config.block_w * config.block_n, qtype)
     n_programs = min(per_sm * programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,

@@ -42,10 +42,10 @@ _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 
 
 @triton.jit
-def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, z_ptr,
-                     M, N, K, stride_ws, stride_zm, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
-                     ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr,
-                     Z_SCALED: tl.constexpr, Z_EARLY: tl.constexpr, W_KMAJOR: tl.constexpr,
+def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, M, N, K,
+                     stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
+                     QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
+                     W_KMAJOR: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -59,12 +59,6 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         group_m = tl.minimum(grid_m - first_m, GROUP_M)
         off_m = (first_m + (tile % width) % group_m) * BLOCK_M
         off_n = ((tile % width) // group_m) * BLOCK_N
-        if HAS_Z and Z_EARLY:
-            # The residual by pointer loads issued before the K loop: the registers fill while the operands
-            # load and multiply, where a TMA load after the loop waits its whole latency.
-            zm = off_m + tl.arange(0, BLOCK_M)
-            zn = off_n + tl.arange(0, BLOCK_N)
-            z_tile = tl.load(z_ptr + zm[:, None] * stride_zm + zn[None, :], mask=(zm[:, None] < M) & (zn[None, :] < N))
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
         for kb in range(k_tiles):
             a = x_desc.load([off_m, kb * BLOCK_K])
@@ -78,7 +72,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         if HAS_Z:  # a residual: a 1x1 convolution's shortcut
-            acc += residual(z_tile if Z_EARLY else z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
+            acc += residual(z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
         acc = epilogue(acc, ACT, p0, p1)
         # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
         out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
@@ -109,6 +103,10 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(128, 128, 128, 4, 4), 3),
     (TileConfig(128, 64, 128, 4, 4), 3),
     (TileConfig(64, 128, 128, 4, 4), 3),
+    # three or four per SM: ResNet-50's 8-bit 1x1 convolutions, 8-16% faster than any two-per-SM tile
+    (TileConfig(64, 128, 64, 4, 2), 3),
+    (TileConfig(64, 128, 128, 4, 2), 3),
+    (TileConfig(64, 64, 128, 4, 2), 3),
     (TileConfig(256, 128, 128, 8, 3), 4),
 ]
 
@@ -157,20 +155,26 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
     return b is None or (b.numel() == N and b.dtype.is_floating_point)
 
 
-# Shared memory one program's operand pipeline may hold for two to share an SM (of Hopper's 228 KB, leaving
-# room for the epilogue's tiles).
-_HALF_SM_SMEM = 100 * 1024
+_SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
 
 
-def resident_programs(num_warps: int, pipeline_bytes: int, qtype: str) -> int:
-    """Persistent programs per SM: two for 4-warp 8-bit tiles whose pipeline fits twice, so one program's
-    epilogue (residual load, 8-bit stores) and, in INT8, its unpipelined Tensor Core steps overlap the other's
-    work. On the H200 (2026-11-30) ResNet-50's 8-bit 1x1 convolutions ran 15-40% faster so (layer1's 64->256
-    with residual, 128x128x64 w4 s2: 47.1 -> 33.8 us; bench/results/H200-int8-1x1-sweep.log) and its 3x3 ones
-    in the TMA convolution 25-35% (layer1, 8x16x64x128 w4 s4: 31.0 -> 23.2 us; H200-conv-sweep-quantized-1739.log);
-    every 8-warp tile, and 4-warp ones with a 128 KB pipeline, ran no faster or slower."""
-    fits = num_warps == 4 and pipeline_bytes <= _HALF_SM_SMEM
-    return 2 if qtype and fits else 1
+def resident_programs(num_warps: int, pipeline_bytes: int, tile_elems: int, qtype: str) -> int:
+    """Persistent programs per SM for an 8-bit 4-warp tile: as many as its shared memory (operand pipeline plus a
+    16-bit allowance for the epilogue's tiles) and registers allow, at most four; one for 16-bit and 8-warp tiles.
+    Several programs hide one another's latencies: a program's epilogue (residual load, 8-bit stores) and, in
+    INT8, its unpipelined Tensor Core steps overlap the others' loads. Measured on the H200 (2026-11-30):
+    - two: ResNet-50's 8-bit 1x1 convolutions ran 15-40% faster (layer1's 64->256 with residual, 128x128x64 w4 s2:
+      47.1 -> 33.8 us; bench/results/H200-int8-1x1-sweep.log), its 3x3 ones in the TMA convolution 25-35% (layer1,
+      8x16x64x128 w4 s4: 31.0 -> 23.2 us; H200-conv-sweep-quantized-1739.log);
+    - three or four 64-row tiles beat every two-program tile by 8-16% (layer1's 64->256, 64x128x64 w4 s2 x4:
+      30.5 us; layer2's 512->128, 64x128x128 w4 s2 x3: 7.2 against 8.6; H200-int8-1x1-latency.log), while a
+      128x128 tile, whose int32 accumulator takes 128 registers a thread, ran no faster with more than two;
+    - every 8-warp tile ran no faster or slower with two."""
+    if not qtype or num_warps != 4:
+        return 1
+    by_registers = 2 if tile_elems // (32 * num_warps) >= 128 else 4
+    by_smem = _SM_SMEM // (pipeline_bytes + 2 * tile_elems)
+    return max(1, min(by_registers, by_smem))
 
 
 def programs(device: torch.device) -> int:
@@ -181,7 +185,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          config: TileConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None, z_early: bool = False):
+         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
     gemm.gemm computes it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or
     quantized with y_scale; with q_scale also its 8-bit copy (y, q). programs_per_sm: persistent programs per
@@ -198,20 +202,19 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     def desc(t, block):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
-    z_rows = rows(z, N) if z is not None else None
-    z_desc = desc(z_rows, [bm, bn]) if z is not None else None
+    z_desc = desc(rows(z, N), [bm, bn]) if z is not None else None
     p0, p1 = _params(act, params)
     bias = b.reshape(-1).contiguous() if b is not None else None
-    per_sm = programs_per_sm or resident_programs(config.num_warps, config.smem_bytes(x2.element_size()), qtype)
+    per_sm = programs_per_sm or resident_programs(config.num_warps, config.smem_bytes(x2.element_size()), bm * bn,
+                                                  qtype)
     n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _tma_gemm_kernel[(n_programs,)](
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
-        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs,
-        z_rows if z is not None else y, M, N, K, stride_ws, z_rows.stride(0) if z is not None else N, p0, p1,
+        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
-        COPY=q_scale is not None, Z_SCALED=z_scale is not None, Z_EARLY=z_early, W_KMAJOR=k_major, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        COPY=q_scale is not None, Z_SCALED=z_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=config.group_m,
+        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))
