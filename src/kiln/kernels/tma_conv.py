@@ -24,7 +24,7 @@ Reference: kiln.ops.fused.fused_conv / qconv; kernels/conv.py runs every convolu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -224,8 +224,8 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
-    per_sm = programs_per_sm or resident_programs(config.num_warps, config.pipeline_bytes(x.element_size()),
-                                                  config.block_h * config.block_w * config.block_n, qtype)
+    pipeline = replace(config, block_k=bk).pipeline_bytes(x.element_size())  # a 64-channel layer's K tile is 64
+    per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bh * bw * bn, qtype)
     n_programs = min(per_sm * programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,
