@@ -224,8 +224,10 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
-    pipeline = replace(config, block_k=bk).pipeline_bytes(x.element_size())  # a 64-channel layer's K tile is 64
-    per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bh * bw * bn, qtype)
+    # At most two: three ran no faster at layer1, where the smaller K tile (64 channels) leaves room for them
+    # (H200, 2026-11-30, bench/results/H200-conv-sweep-layer1-x3.log: 8x16x64x128 w4 s4 23.6 us x2, 24.1 x3).
+    pipeline = replace(config, block_k=bk).pipeline_bytes(x.element_size())
+    per_sm = programs_per_sm or min(2, resident_programs(config.num_warps, pipeline, bh * bw * bn, qtype))
     n_programs = min(per_sm * programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,
