@@ -243,3 +243,47 @@ def test_a_json_calibration_cache_rebuilds_the_same_residuals_and_a_tensorrt_one
     build(calib=calib, calib_cache=str(tmp_path / "c.cache"))  # the same calibration in TensorRT's text form
     trt = build(calib_cache=str(tmp_path / "c.cache"))
     assert residuals(trt) and not any(scale for _, scale in residuals(trt))  # no statistics: float residuals
+
+
+class _SelfAttention(torch.nn.Module):
+    """BERT's attention: QKV projections, heads split, softmax(q k^T / sqrt(d)) v, heads merged, projection."""
+
+    def __init__(self, width=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, w // self.heads).transpose(1, 2) for p in self.qkv)
+        a = torch.softmax(q @ k.transpose(-1, -2) / (w // self.heads) ** 0.5, dim=-1) @ v
+        return self.out(a.transpose(1, 2).reshape(b, s, w))
+
+
+def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32)
+    model, _ = kiln.from_torch(_SelfAttention().eval(), (x,), opset=18)
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, int8=True, calib=calib))
+    attention = next(n for n in engine.graph.nodes if n.op_type == "Attention")
+    projection = engine.graph.nodes[-1]
+    assert projection.op_type == "QGemm" and projection.attrs["x_quantized"] == 1
+    assert attention.inputs[4] == projection.inputs[2] and attention.attrs["qtype"] == "int8"
+    seen = {}
+
+    def observe(node, outs):
+        if outs is not None:
+            seen.update(zip(node.outputs, outs))
+
+    feeds = {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
+    engine.create_execution_context().run_layerwise(feeds, observe)
+    assert seen[attention.outputs[0]].dtype == torch.int8  # through the head merge's views to the projection
+    name = model.graph.input[0].name
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {name: feeds["x"]})[0]
+    got = engine.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name]
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()  # INT8 GEMM error only
+    assert compare(model, engine, [{name: feeds["x"]}], layerwise=True).outputs[0].passed

@@ -41,6 +41,10 @@ Y_SCALE_INPUT = {"QGemm": 5, "QConv": 6}  # after (x, w_q, x_scale, w_scale, bia
 # Producers that can also write an 8-bit copy: (input q_scale, output of the copy)
 COPY_AT = {"SkipLayerNorm": (4, 2), "QConv": (7, 1)}
 Z_SCALE_INPUT = 8  # a QConv's residual scale, after (x, w_q, x_scale, w_scale, bias, z, y_scale, q_scale)
+ATTENTION_Y_SCALE = 4  # after (q, k, v, mask)
+# Ops that only view their input (the head merge between attention and its output projection): 8-bit values
+# pass through them unchanged.
+VIEWS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
 
 
 def _quantized(n: Node) -> bool:
@@ -61,6 +65,7 @@ def link(graph: Graph, float_precision: str) -> None:
     for n in graph.nodes:
         if _quantized(n):
             n.attrs["float_type"] = float_type
+    _biases_in(graph, float_type, readers)
     for n in graph.nodes:
         out = n.outputs[0] if n.outputs else ""
         users = readers.get(out, [])
@@ -82,6 +87,42 @@ def link(graph: Graph, float_precision: str) -> None:
         if n.domain == "kiln" and n.op_type in COPY_AT and n.placement == "device" and n.outputs:
             _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
     _quantized_residuals(graph)
+    _quantized_attention(graph, readers, outputs)
+
+
+def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:
+    """An attention whose result reaches one quantized layer only through views (BERT: Reshape, Transpose,
+    Reshape, then the output projection) writes it as that layer's 8-bit input: the flash kernel quantizes in
+    its epilogue instead of the projection in a pass of its own."""
+    for n in graph.nodes:
+        if not (n.domain == "kiln" and n.op_type == "Attention" and n.placement == "device" and n.outputs):
+            continue
+        value = n.outputs[0]
+        while len(readers.get(value, [])) == 1 and value not in outputs:
+            r = readers[value][0]
+            if r.op_type in VIEWS and r.domain in ("", "ai.onnx") and r.inputs[0] == value:
+                value = r.outputs[0]
+                continue
+            if (_quantized(r) and r.inputs[0] == value and value not in r.inputs[1:] and not r.attr("x_quantized", 0)
+                    and _x_scale(graph, r) is not None):
+                n.inputs = n.inputs + [""] * (ATTENTION_Y_SCALE + 1 - len(n.inputs))
+                n.inputs[ATTENTION_Y_SCALE] = r.inputs[2]
+                n.attrs["qtype"] = r.attr("qtype", "int8")
+                r.attrs["x_quantized"] = 1
+            break
+
+
+def _biases_in(graph: Graph, float_type: str, readers: dict) -> None:
+    """Quantized layers' constant biases stored in their float type, as their reference adds them: a tactic that
+    wants the float type (cuBLASLt's FP8 GEMM) then casts nothing per call."""
+    from ..ir.dtypes import from_name
+
+    dtype = from_name(float_type)
+    for n in graph.nodes:
+        bias = n.inputs[4] if _quantized(n) and len(n.inputs) > 4 else ""
+        t = graph.initializers.get(bias)
+        if t is not None and t.dtype != dtype and all(_quantized(r) for r in readers.get(bias, [])):
+            graph.initializers[bias] = t.to(dtype)
 
 
 def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> None:

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import QTYPES, quantize
+
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -33,11 +35,11 @@ _INT32_MAX = 2**31 - 1
 
 
 @triton.jit
-def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_scale,
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, H, SQ, SK, D, DV, qk_scale,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                       smb, smh, smm, smn, sob, soh, som, sod,
                       HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                      EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr,
+                      EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -96,6 +98,8 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, H, SQ, SK, D, DV, qk_sc
         out = tl.where((l_i > 0.0)[:, None], acc / l_i[:, None], 0.0)
     else:
         out = acc / l_i[:, None]  # 0/0 = NaN for fully masked rows, like softmax over all -inf
+    if QUANT != "":  # 8-bit output for the quantized layer after (rounded to v's type first, as the reference)
+        out = quantize(out.to(v.dtype), ys_ptr, QUANT)
     tl.store(o_ptr + b * sob + h * soh + rm[:, None] * som + rdv[None, :] * sod, out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & dv_ok[None, :])
 
@@ -180,23 +184,26 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(0)
 
 
-def _like_q(q: torch.Tensor, shape) -> torch.Tensor:
-    """An output whose heads are interleaved within each position when q's are ([B, S, H, D] in memory,
-    as after a fused QKV projection): the head merge after attention (transpose, reshape) is then a view,
-    not a copy per layer. Otherwise contiguous."""
+def _like_q(q: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An output (of q's dtype unless given) whose heads are interleaved within each position when q's are
+    ([B, S, H, D] in memory, as after a fused QKV projection): the head merge after attention (transpose,
+    reshape) is then a view, not a copy per layer. Otherwise contiguous."""
+    dtype = dtype or q.dtype
     if q.dim() == 4 and q.stride(1) < q.stride(2):
         b, h, s, dv = shape
-        return torch.empty((b, s, h, dv), dtype=q.dtype, device=q.device).transpose(1, 2)
-    return torch.empty(shape, dtype=q.dtype, device=q.device)
+        return torch.empty((b, s, h, dv), dtype=dtype, device=q.device).transpose(1, 2)
+    return torch.empty(shape, dtype=dtype, device=q.device)
 
 
 def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed: bool = False,
                     nan_guard: bool = False, precision: str = "float32", config: FlashConfig = CONFIGS[0][0],
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q @ k^T * scale + mask) @ v; returns a [.., Sq, Dv] tensor of q's dtype, laid out like q."""
+                    out: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
+                    qtype: str = "") -> torch.Tensor:
+    """softmax(q @ k^T * scale + mask) @ v; returns a [.., Sq, Dv] tensor of q's dtype, laid out like q, or
+    with y_scale its qtype's 8-bit values."""
     lead, sq, sk, d, dv = _shapes(q, k, v, k_transposed)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    o = out if out is not None else _like_q(q, (*lead, sq, dv))
+    o = out if out is not None else _like_q(q, (*lead, sq, dv), QTYPES[qtype] if y_scale is not None else None)
     q4, k4, v4, o4 = _as4d(q), _as4d(k), _as4d(v), _as4d(o)
     B, H = q4.shape[0], q4.shape[1]
     k4 = k4.expand(B, H, *k4.shape[2:])
@@ -213,12 +220,12 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
 
     grid = (triton.cdiv(sq, config.block_m), B * H)
     _flash_fwd_kernel[grid](
-        q4, k4, v4, m4, o4, H, sq, sk, d, dv, scale * _LOG2E,
+        q4, k4, v4, m4, o4, y_scale if y_scale is not None else q4, H, sq, sk, d, dv, scale * _LOG2E,
         *q4.stride(), skb, skh, skn, skd, *v4.stride(), *ms, *o4.stride(),
         HAS_MASK=mask is not None, MASK_ROW=mask is not None and ms[2] == 0, EVEN_N=sk % config.block_n == 0,
         EVEN_M=sq % config.block_m == 0,
         EVEN_D=d == max(16, triton.next_power_of_2(d)) and dv == max(16, triton.next_power_of_2(dv)),
-        NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision),
+        NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision), QUANT=qtype if y_scale is not None else "",
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -74,13 +74,15 @@ def writes_fp32(node) -> bool:
     return node.attr("output_type", "") == "float32"
 
 
-@register("Attention", domain=KILN, saturating_inputs=(3,))
-def attention(node, q, k, v, mask=None):
+@register("Attention", domain=KILN, saturating_inputs=(3,), uncast_inputs=(4,))
+def attention(node, q, k, v, mask=None, y_scale=None):
     """softmax(q @ k^T * scale + mask) @ v, as one layer (SDPA/flash class).
 
     k arrives already transposed ([.., D, S]) when node.attr("k_transposed"): the
     exporter's own transpose is left in place and undone here as a free view.
     nan_guard: exporters zero the probabilities of rows whose keys are all masked.
+    y_scale (input 4, attribute qtype): the result as 8-bit values for the quantized layer that reads it
+    (BERT's output projection; kiln/engine/quantized_io.py).
     """
     if node.attr("k_transposed", 0):
         k = k.transpose(-1, -2)
@@ -91,7 +93,7 @@ def attention(node, q, k, v, mask=None):
     probs = torch.softmax(scores, dim=-1)
     if node.attr("nan_guard", 0):
         probs = torch.nan_to_num(probs, nan=0.0)
-    return torch.matmul(probs.to(v.dtype), v)
+    return quantized_output(node, torch.matmul(probs.to(v.dtype), v), y_scale)
 
 
 @register("SkipLayerNorm", domain=KILN, uncast_inputs=(4,))

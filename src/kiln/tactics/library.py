@@ -182,14 +182,15 @@ def _sdpa(backend):
 
     chosen = getattr(SDPBackend, backend)
 
-    def run(node, q, k, v, mask=None):
+    def run(node, q, k, v, mask=None, y_scale=None):
         if node.attr("k_transposed", 0):
             k = k.transpose(-1, -2)
         if mask is not None:
             mask = mask.to(q.dtype)
         with sdpa_kernel(chosen):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=node.attr("scale", None))
-        return torch.nan_to_num_(out, nan=0.0) if node.attr("nan_guard", 0) else out
+        out = torch.nan_to_num_(out, nan=0.0) if node.attr("nan_guard", 0) else out
+        return quantized_output(node, out, y_scale)  # 8-bit output: one more pass
 
     return run
 

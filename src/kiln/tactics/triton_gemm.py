@@ -211,11 +211,12 @@ def _flash_applies(config):
 
 
 def _flash_run(config):
-    def run(node, q, k, v, mask=None):
+    def run(node, q, k, v, mask=None, y_scale=None):
         from ..kernels import attention
 
         return attention.flash_attention(q, k, v, mask, node.attr("scale", None), bool(node.attr("k_transposed", 0)),
-                                         bool(node.attr("nan_guard", 0)), precision=node.precision, config=config)
+                                         bool(node.attr("nan_guard", 0)), precision=node.precision, config=config,
+                                         y_scale=y_scale, qtype=node.attr("qtype", "int8"))
 
     return run
 
