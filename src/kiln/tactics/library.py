@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.fused import activation, attention, float_type, fused_conv, writes_fp32
+from ..ops.fused import activation, attention, float_type, fused_conv, quantized_output, writes_fp32
 from . import tactic
 
 _LOW = (torch.float16, torch.bfloat16)
