@@ -99,7 +99,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, H, SQ, SK, D, D
     else:
         out = acc / l_i[:, None]  # 0/0 = NaN for fully masked rows, like softmax over all -inf
     if QUANT != "":  # 8-bit output for the quantized layer after (rounded to v's type first, as the reference)
-        out = quantize(out.to(v.dtype), ys_ptr, QUANT)
+        out = quantize(out.to(v_ptr.dtype.element_ty), ys_ptr, QUANT)
     tl.store(o_ptr + b * sob + h * soh + rm[:, None] * som + rdv[None, :] * sod, out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & dv_ok[None, :])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.fused import activation, attention, float_type, fused_conv, quantized_output, writes_fp32
+from ..ops.fused import activation, attention, float_type, fused_conv, writes_fp32
 from . import tactic
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -190,7 +190,11 @@ def _sdpa(backend):
         with sdpa_kernel(chosen):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=node.attr("scale", None))
         out = torch.nan_to_num_(out, nan=0.0) if node.attr("nan_guard", 0) else out
-        return quantized_output(node, out, y_scale)  # 8-bit output: one more pass
+        if y_scale is None:
+            return out
+        from ..kernels.rescale import to_8bit
+
+        return to_8bit(out, y_scale, node.attr("qtype", "int8"))  # 8-bit output: one more pass
 
     return run
 
