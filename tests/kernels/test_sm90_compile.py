@@ -1,5 +1,6 @@
-"""The TMA kernels compile for Hopper (sm_90) on a machine without a GPU (Triton bundles ptxas): the interpreter
-runs their arithmetic, this catches what only the compiler refuses (5-D boxes, two 8-bit outputs). Run as
+"""The TMA kernels and flash attention's 8-bit output compile for Hopper (sm_90) on a machine without a GPU (Triton
+bundles ptxas): the interpreter runs their arithmetic, this catches what only the compiler refuses (5-D boxes, two
+8-bit outputs, a loop's variable read after the loop). Run as
 bench/sm90_compile.py in a fresh process: kernels defined under TRITON_INTERPRET cannot be compiled."""
 
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tma_kernels_compile_for_hopper():
+def test_tma_and_flash_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "sm90_compile.py")], env=env, capture_output=True,
@@ -18,3 +19,4 @@ def test_tma_kernels_compile_for_hopper():
     assert run.returncode == 0, run.stdout + run.stderr  # the exit code counts the kernels that failed
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TMA ")]
     assert len(lines) == 7 and all("TMA loads, wgmma" in ln for ln in lines), run.stdout
+    assert sum(ln.startswith("flash attention") and ln.endswith("compiles") for ln in run.stdout.splitlines()) == 2
