@@ -18,9 +18,9 @@ from ..models import mlp, residual_blocks
 
 
 class _Reader(CalibrationDataReader):
-    def __init__(self, n=32):
-        rng = np.random.default_rng(0)
-        self.items = iter([{"x": rng.standard_normal((4, 8)).astype(np.float32)} for _ in range(n)])
+    def __init__(self, shape, seed, n):
+        rng = np.random.default_rng(seed)
+        self.items = iter([{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)])
 
     def get_next(self):
         return next(self.items, None)
@@ -33,60 +33,50 @@ def ort_reference(path, feeds):
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
+def _quantized_and_built(tmp_path, model, calib_shape, x, profiles=(), **quantize_kw):
+    """model quantized by onnxruntime's quantize_static (QDQ, per-channel, the given options), built by Kiln for
+    the CPU: (the engine's op types, its output for x, onnxruntime's, the Q/DQ model's path)."""
+    src, dst = tmp_path / "model.onnx", tmp_path / "model_qdq.onnx"
+    onnx.save(model, src)
+    quantize_static(str(src), str(dst), _Reader(calib_shape, seed=0, n=32 if len(calib_shape) == 2 else 16),
+                    quant_format=QuantFormat.QDQ, per_channel=True, **quantize_kw)
+    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False, profiles=list(profiles)))
+    got = next(iter(eng.create_execution_context().run({"x": x}).values()))
+    return [n.op_type for n in eng.graph.nodes], got, ort_reference(dst, {"x": x}), dst
+
+
+MLP_PROFILE = kiln.Profile({"x": ((1, 8), (6, 8), (8, 8))})
+
+
 def test_symmetric_int8_qdq_from_onnxruntime_runs_as_int8(tmp_path):
-    src, dst = tmp_path / "mlp.onnx", tmp_path / "mlp_qdq.onnx"
-    onnx.save(mlp(), src)
-    quantize_static(str(src), str(dst), _Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
-                    weight_type=QuantType.QInt8, per_channel=True,
-                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
     x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
-    ref = ort_reference(dst, {"x": x})
-    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
-                                                profiles=[kiln.Profile({"x": ((1, 8), (6, 8), (8, 8))})]))
-    assert sum(n.op_type == "QGemm" for n in eng.graph.nodes) == 2
-    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], ref, rtol=1e-4, atol=1e-4)
+    ops, got, ref, _ = _quantized_and_built(tmp_path, mlp(), (4, 8), x, [MLP_PROFILE], activation_type=QuantType.QInt8,
+                                            weight_type=QuantType.QInt8,
+                                            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    assert ops.count("QGemm") == 2
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_onnxruntimes_default_asymmetric_int8_activations_run_as_int8(tmp_path):
     """quantize_static's defaults: int8 activations with zero points (and symmetric int8 weights)."""
-    src, dst = tmp_path / "mlp.onnx", tmp_path / "mlp_qdq.onnx"
-    onnx.save(mlp(), src)
-    quantize_static(str(src), str(dst), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
+    ops, got, ref, dst = _quantized_and_built(tmp_path, mlp(), (4, 8), x, [MLP_PROFILE])
     zero_points = [numpy_helper.to_array(i) for i in onnx.load(dst).graph.initializer if "zero_point" in i.name]
     assert any(z.dtype == np.int8 and z.any() for z in zero_points)  # the case this test is for
-    x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
-    ref = ort_reference(dst, {"x": x})
-    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
-                                                profiles=[kiln.Profile({"x": ((1, 8), (6, 8), (8, 8))})]))
-    assert sum(n.op_type == "QGemm" for n in eng.graph.nodes) == 2
-    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], ref, rtol=1e-4, atol=1e-4)
-
-
-class _ImageReader(CalibrationDataReader):
-    def __init__(self, n=16):
-        rng = np.random.default_rng(2)
-        self.items = iter([{"x": rng.standard_normal((2, 4, 8, 8)).astype(np.float32)} for _ in range(n)])
-
-    def get_next(self):
-        return next(self.items, None)
+    assert ops.count("QGemm") == 2
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("activations", [QuantType.QInt8, QuantType.QUInt8])
 def test_onnxruntimes_default_quantization_of_residual_blocks_runs_every_conv_as_int8(tmp_path, activations):
     """Padded 3x3 and 1x1 convolutions with asymmetric int8 (the default) or uint8 activations (zero points),
     ResNet's residual adds."""
-    src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
-    onnx.save(residual_blocks(2), src)
-    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=activations)
     x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
-    ref = ort_reference(dst, {"x": x})
-    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False,
-                                                profiles=[kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8),
-                                                                              (4, 4, 8, 8))})]))
-    ops = [n.op_type for n in eng.graph.nodes]
+    profile = kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 8, 8))})
+    ops, got, ref, _ = _quantized_and_built(tmp_path, residual_blocks(2), (2, 4, 8, 8), x, [profile],
+                                            activation_type=activations)
     assert ops.count("QConv") == 5 and "Conv" not in ops and "FusedConv" not in ops, ops
-    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["o2"], ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_a_downsampling_block_whose_input_two_convolutions_read_runs_both_as_int8(tmp_path):
@@ -107,13 +97,10 @@ def test_a_downsampling_block_whose_input_two_convolutions_read_runs_both_as_int
             return torch.relu(self.b(torch.relu(self.a(x))) + self.down(x))
 
     torch.manual_seed(0)
-    src, dst = tmp_path / "down.onnx", tmp_path / "down_qdq.onnx"
-    torch.onnx.export(Down().eval(), (torch.zeros(2, 4, 8, 8),), str(src), input_names=["x"], output_names=["y"],
-                      dynamo=False)
-    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    torch.onnx.export(Down().eval(), (torch.zeros(2, 4, 8, 8),), str(tmp_path / "down.onnx"), input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    model = onnx.load(tmp_path / "down.onnx")
     x = np.random.default_rng(4).standard_normal((2, 4, 8, 8)).astype(np.float32)
-    ref = ort_reference(dst, {"x": x})
-    eng = kiln.build(str(dst), kiln.BuildConfig(device="cpu", progress=False))
-    ops = [n.op_type for n in eng.graph.nodes]
+    ops, got, ref, _ = _quantized_and_built(tmp_path, model, (2, 4, 8, 8), x)
     assert ops.count("QConv") == 4 and "Conv" not in ops and "FusedConv" not in ops, ops
-    np.testing.assert_allclose(eng.create_execution_context().run({"x": x})["y"], ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
