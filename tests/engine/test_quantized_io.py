@@ -261,7 +261,7 @@ class _SelfAttention(torch.nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, s, w))
 
 
-def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input():
+def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(2, 8, 32)
     model, _ = kiln.from_torch(_SelfAttention().eval(), (x,), opset=18)
@@ -287,3 +287,7 @@ def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input():
     got = engine.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()  # INT8 GEMM error only
     assert compare(model, engine, [{name: feeds["x"]}], layerwise=True).outputs[0].passed
+    engine.save(tmp_path / "attention.kiln")  # the attention's scale input survives the engine file
+    again = kiln.load(tmp_path / "attention.kiln")
+    np.testing.assert_array_equal(again.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name],
+                                  got)
