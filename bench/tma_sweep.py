@@ -13,11 +13,17 @@ K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer
     python bench/tma_sweep.py [SHAPE NAME PREFIX...] > bench/results/H200-tma-sweep.log        (GPU)
     python bench/tma_sweep.py --int8-engine [layer1 ...] > bench/results/H200-int8-1x1-sweep.log
     python bench/tma_sweep.py --latency [layer1 ...] > bench/results/H200-int8-1x1-latency.log
+    python bench/tma_sweep.py --cold [bert ...] > bench/results/H200-int8-cold-l2.log
 
 `--latency` times the small-K 8-bit tiles of `--int8-engine` at one to four programs per SM: how much of these
 layers' distance from their floor is latency that more programs hide. Its log H200-int8-1x1-latency.log also
 has a residual loaded by pointer loads issued before the K loop ("z early", a tma_gemm.gemm option since removed:
 slower everywhere, 2-10x with 4-stage pipelines).
+
+`--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes twice: as the builder
+does (the same operands every call, so they stay in L2) and after a read of twice L2's size (operands from
+memory, as an engine's layer reads its weights). On BERT the builder chose 64-row tiles that were 10% slower
+inside the engine (docs/performance-notes.md).
 """
 
 from __future__ import annotations
@@ -168,7 +174,53 @@ def sweep_latency(M, K, N, with_z, qtype="int8"):
     return rows
 
 
+L2_BYTES = 50 * 2**20  # the H200's L2
+
+
+def sweep_cold(M, K, N, act):
+    """Each 8-bit tile timed as the builder times it (the same operands every call, so they stay in L2) and after
+    reading a buffer twice L2's size (operands from memory): the second is time(read + GEMM) - time(read)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x8 = torch.randint(-128, 128, (M, K), device="cuda", generator=g, dtype=torch.int8)
+    w8 = torch.randint(-127, 128, (N, K), device="cuda", generator=g, dtype=torch.int8).t()  # K-major
+    b = torch.randn(N, device="cuda").half()
+    kw = dict(qtype="int8", x_scale=torch.tensor(0.02, device="cuda"),
+              w_scale=torch.rand(N, device="cuda") * 1e-3, out_dtype=torch.float16)
+    evict = torch.ones(2 * L2_BYTES // 4, device="cuda")
+    sink = torch.empty((), device="cuda")
+
+    def read():  # a clean read: no dirty lines for the GEMM to write back
+        torch.sum(evict, dim=0, out=sink)
+
+    read_us = float(us(read))
+    rows = [f"reading {evict.numel() * 4 / 2**20:.0f} MiB alone: {read_us:.1f} us"]
+    for c in [t for t, _ in tma_gemm.QUANT_CONFIGS + tma_gemm.CONV1X1_QUANT_CONFIGS]:
+        def gemm_(c=c):
+            return tma_gemm.gemm(x8, w8, b, act, config=c, **kw)
+
+        def after_read(c=c):
+            read()
+            return gemm_(c)
+
+        warm, both = us(gemm_), us(after_read)
+        try:
+            cold = float(both) - read_us
+            rows.append(f"tma {c.name} warm {float(warm):.1f} us, cold {cold:.1f} us ({cold / float(warm):.2f}x)")
+        except ValueError:
+            rows.append(f"tma {c.name} warm {warm}, after the read {both}")
+    return rows
+
+
 def main() -> int:
+    if "--cold" in sys.argv:
+        print(torch.cuda.get_device_name(), torch.__version__)
+        only = [a for a in sys.argv[1:] if a != "--cold"]
+        for name, M, K, N, act in SHAPES:
+            if only and not any(name.startswith(o) for o in only):
+                continue
+            print(f"\n## {name} {M}x{K}x{N} {act} int8, fp16 output", flush=True)
+            print("\n".join(sweep_cold(M, K, N, act)), flush=True)
+        return 0
     if "--latency" in sys.argv:
         print(torch.cuda.get_device_name(), torch.__version__)
         only = [a for a in sys.argv[1:] if a != "--latency"]
