@@ -379,3 +379,28 @@ def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onn
     assert sum(n.op_type == "QConv" for n in eng.graph.nodes) == 5
     got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["o2"].float().cpu().numpy()
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()  # an int8 code's rounding flips, at most
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_an_attention_writes_its_projections_8_bit_input_on_the_gpu(qtype):
+    """BERT-shaped attention in an 8-bit FP16 engine: the flash kernel (or an SDPA tactic) quantizes its result
+    for the output projection (engine/quantized_io.py), and the engine stays within 5% (INT8) or 10% (FP8, three
+    mantissa bits: 6.3% in a CPU build) of onnxruntime's range."""
+    import onnxruntime as ort
+
+    from ..engine.test_quantized_io import _SelfAttention
+
+    if qtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs Ada or Hopper")
+    torch.manual_seed(0)
+    model, _ = kiln.from_torch(_SelfAttention(width=128, heads=2).eval(), (torch.randn(4, 64, 128),), opset=18)
+    name = model.graph.input[0].name
+    rng = np.random.default_rng(0)
+    calib = [{name: rng.standard_normal((4, 64, 128)).astype(np.float32)} for _ in range(32)]
+    eng = kiln.build(model, _cfg(fp16=True, calib=calib, **{qtype: True}))
+    attention = next(n for n in eng.graph.nodes if n.op_type == "Attention")
+    assert attention.inputs[4] and attention.attrs["qtype"] == qtype, attention.tactic
+    x = rng.standard_normal((4, 64, 128)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
+    out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]
+    assert np.abs(out.float().cpu().numpy() - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
