@@ -136,3 +136,13 @@ def test_precision_search_keeps_the_most_sensitive_layers_in_float(trained, monk
     assert [k["layer"] for k in report["kept_in_float"]] == gemms[::-1][:-1]
     quantized = {s for n in eng.graph.nodes if n.precision == "int8" for s in n.sources if s in cost}
     assert quantized == {gemms[0]}
+
+
+def test_a_convolution_left_in_float_says_the_build_asked_for_int8(trained):
+    """The digits CNN's first convolution reads one channel, too few for 8-bit Tensor Cores: its finding says the
+    build asked for INT8 there (not the build's float precision, which it does run in)."""
+    eng = kiln.build(str(trained / "digits.onnx"), kiln.BuildConfig(device="cpu", progress=False, int8=True,
+                                                                   calib=str(trained / "digits_calib.npz")))
+    (finding,) = [f for f in eng.findings if f.get("kind") == "precision"]
+    assert finding["requested"] == "int8" and finding["actual"] == "float32", finding
+    assert "1 input channel" in finding["reason"]

@@ -19,6 +19,7 @@ from ..errors import ConfigError, UnsupportedError
 from ..ir.from_onnx import model_to_graph
 from ..ir.graph import Graph
 from ..ops.registry import unsupported_reason
+from ..passes.insert_qdq import KEPT_IN_FLOAT
 from . import layout, placement, precision, quantized_io
 from .config import BuildConfig, Profile, fmt_shape
 from .engine import Engine
@@ -92,6 +93,12 @@ def resolve_profiles(graph: Graph, config: BuildConfig) -> list[Profile]:
 
 def _dims(shape) -> str:
     return "x".join(str(d) if d is not None else "?" for d in shape)
+
+
+def _requested(node, config: BuildConfig) -> str:
+    """The precision a build asked of a layer: its 8-bit type for one quantization left in float (a stem over
+    three channels), else the build's float precision."""
+    return config.quantized if config.quantized and node.note.startswith(KEPT_IN_FLOAT) else config.precision
 
 
 def _check_quantized_target(kind: str, target) -> None:
@@ -203,7 +210,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         engine = Engine(
             graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
             capturable=capturable, versions=versions(),
-            findings=graph.findings + [{"kind": "precision", "layer": n.name, "requested": config.precision,
+            findings=graph.findings + [{"kind": "precision", "layer": n.name, "requested": _requested(n, config),
                                         "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
         if calibration is not None:  # what the report's calibration litmus question reads

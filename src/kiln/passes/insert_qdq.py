@@ -44,6 +44,7 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 MIN_CHANNELS = 4  # input channels per group below which a convolution is not quantized (RGB, grey)
+KEPT_IN_FLOAT = "kept in float"  # how the note of a layer this pass leaves unquantized begins
 
 
 def run(graph: Graph) -> None:
@@ -62,7 +63,7 @@ def run(graph: Graph) -> None:
             continue  # pinned layers keep the float precision they were given
         if n.op_type == "Conv" and w.dim() > 1 and w.shape[1] < MIN_CHANNELS:
             c = w.shape[1]
-            n.note = n.note or f"kept in float: {c} input channel{'s' * (c > 1)}, too few for 8-bit Tensor Cores"
+            n.note = n.note or f"{KEPT_IN_FLOAT}: {c} input channel{'s' * (c > 1)}, too few for 8-bit Tensor Cores"
             continue
         x = n.inputs[0]
         if x not in amax or not amax[x] > 0:
