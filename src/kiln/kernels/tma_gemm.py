@@ -107,8 +107,8 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
 ]
 # 64-row 8-bit tiles at three or four programs per SM, for 1x1 convolutions only: alone they ran ResNet-50's
 # 8-bit 1x1 layers 8-16% faster than any two-per-SM tile (H200, bench/results/H200-int8-1x1-latency.log). Offered
-# to BERT's GEMMs too, they won the builder's timing (1.088 ms for its 48 GEMMs against 1.114) but took 1.357 ms
-# inside the INT8 engine, against 1.233 with the tiles above (bench/results/H200-quant-2022-bert.md, -1751.md).
+# to BERT's GEMMs too, one won the builder's timing on 24 of its 48 (1.088 ms summed over the 48 against 1.114 for
+# 128x128x64), but its INT8 engine's GEMMs took 1.357 ms against 1.233 without them (H200-quant-2022-bert.md).
 CONV1X1_QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(64, 128, 64, 4, 2), 3),
     (TileConfig(64, 128, 128, 4, 2), 3),
