@@ -51,6 +51,11 @@ def _quantized(n: Node) -> bool:
     return n.domain == "kiln" and n.op_type in QUANTIZED and n.placement == "device"
 
 
+def _reads_as_x(r: Node, value: str) -> bool:
+    """A quantized layer that reads `value` as its activation input x, and nowhere else."""
+    return _quantized(r) and r.inputs[0] == value and value not in r.inputs[1:]
+
+
 def _x_scale(graph: Graph, r: Node) -> float | None:
     """The constant scale a quantized layer quantizes its input with, else None."""
     s = graph.initializers.get(r.inputs[2])
@@ -72,8 +77,7 @@ def link(graph: Graph, float_precision: str) -> None:
         if not _quantized(n) or not users or out in outputs:
             continue
         qtype = n.attr("qtype", "int8")
-        if not all(_quantized(r) and r.inputs[0] == out and out not in r.inputs[1:] and r.attr("qtype", "int8") == qtype
-                   for r in users):
+        if not all(_reads_as_x(r, out) and r.attr("qtype", "int8") == qtype for r in users):
             continue
         scales = {_x_scale(graph, r) for r in users}
         if len(scales) != 1 or None in scales:
@@ -103,8 +107,7 @@ def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:
             if r.op_type in VIEWS and r.domain in ("", "ai.onnx") and r.inputs[0] == value:
                 value = r.outputs[0]
                 continue
-            if (_quantized(r) and r.inputs[0] == value and value not in r.inputs[1:] and not r.attr("x_quantized", 0)
-                    and _x_scale(graph, r) is not None):
+            if _reads_as_x(r, value) and not r.attr("x_quantized", 0) and _x_scale(graph, r) is not None:
                 n.inputs = n.inputs + [""] * (ATTENTION_Y_SCALE + 1 - len(n.inputs))
                 n.inputs[ATTENTION_Y_SCALE] = r.inputs[2]
                 n.attrs["qtype"] = r.attr("qtype", "int8")
@@ -128,8 +131,7 @@ def _biases_in(graph: Graph, float_type: str, readers: dict) -> None:
 def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> None:
     """Give n an 8-bit copy of its output when quantized layers read it with one scale (others as float)."""
     out = n.outputs[0]
-    quantized = [r for r in users if _quantized(r) and r.inputs[0] == out and out not in r.inputs[1:]
-                 and not r.attr("x_quantized", 0)]
+    quantized = [r for r in users if _reads_as_x(r, out) and not r.attr("x_quantized", 0)]
     kinds = {(r.attr("qtype", "int8"), _x_scale(graph, r)) for r in quantized}
     if not quantized or len(kinds) != 1 or None in next(iter(kinds)):
         return
