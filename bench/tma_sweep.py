@@ -211,45 +211,38 @@ def sweep_cold(M, K, N, act):
     return rows
 
 
+def chosen(shapes, flag: str | None = None) -> list:
+    """The shapes whose names start with one of the command line's words (e.g. layer1, "bert ffn1"); all
+    without any."""
+    only = [a for a in sys.argv[1:] if a != flag]
+    return [s for s in shapes if not only or any(s[0].startswith(o) for o in only)]
+
+
 def main() -> int:
-    if "--cold" in sys.argv:
+    flag = next((f for f in ("--cold", "--latency", "--int8-engine") if f in sys.argv), None)
+    if flag:
         print(torch.cuda.get_device_name(), torch.__version__)
-        only = [a for a in sys.argv[1:] if a != "--cold"]
-        for name, M, K, N, act in SHAPES:
-            if only and not any(name.startswith(o) for o in only):
-                continue
+    if flag == "--cold":
+        for name, M, K, N, act in chosen(SHAPES, flag):
             print(f"\n## {name} {M}x{K}x{N} {act} int8, fp16 output", flush=True)
             print("\n".join(sweep_cold(M, K, N, act)), flush=True)
-        return 0
-    if "--latency" in sys.argv:
-        print(torch.cuda.get_device_name(), torch.__version__)
-        only = [a for a in sys.argv[1:] if a != "--latency"]
-        for name, M, K, N, with_z in INT8_ENGINE_SHAPES:
-            if only and not any(name.startswith(o) for o in only):
-                continue
+    elif flag == "--latency":
+        for name, M, K, N, with_z in chosen(INT8_ENGINE_SHAPES, flag):
             print(f"\n## {name}: M {M}, K {K}, N {N}, int8{', 8-bit residual' if with_z else ''}", flush=True)
             print("\n".join(sweep_latency(M, K, N, with_z)), flush=True)
-        return 0
-    if "--int8-engine" in sys.argv:
-        print(torch.cuda.get_device_name(), torch.__version__)
-        only = [a for a in sys.argv[1:] if a != "--int8-engine"]  # e.g. layer1: the shapes whose names start so
-        for name, M, K, N, with_z in INT8_ENGINE_SHAPES:
-            if only and not any(name.startswith(o) for o in only):
-                continue
+    elif flag == "--int8-engine":
+        for name, M, K, N, with_z in chosen(INT8_ENGINE_SHAPES, flag):
             for qtype, copy in [("int8", False)] + [("int8", True), ("fp8", True)] * with_z:
                 what = f"{qtype}{', 8-bit residual' if with_z else ''}{' and copy' if copy else ''}"
                 print(f"\n## {name}: M {M}, K {K}, N {N}, {what}", flush=True)
                 print("\n".join(sweep_int8_engine(M, K, N, with_z, qtype, copy)), flush=True)
-        return 0
-    only = sys.argv[1:]  # e.g. "bert ffn1": just the shapes whose names start so
-    for name, M, K, N, act in SHAPES:
-        if only and not any(name.startswith(o) for o in only):
-            continue
-        torch.manual_seed(0)
-        x, w, b, rows = sweep_float(M, K, N, act)
-        print(f"\n## {name} {M}x{K}x{N} {act} fp16\n" + "\n".join(rows))
-        for qtype in ("int8", "fp8"):
-            print(f"## {name} {qtype}\n" + "\n".join(sweep_8bit(x, w, b, act, qtype)))
+    else:
+        for name, M, K, N, act in chosen(SHAPES):
+            torch.manual_seed(0)
+            x, w, b, rows = sweep_float(M, K, N, act)
+            print(f"\n## {name} {M}x{K}x{N} {act} fp16\n" + "\n".join(rows))
+            for qtype in ("int8", "fp8"):
+                print(f"## {name} {qtype}\n" + "\n".join(sweep_8bit(x, w, b, act, qtype)))
     return 0
 
 
