@@ -2,6 +2,8 @@
 
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -9,8 +11,11 @@ import kiln
 from kiln.errors import EngineFileError, InputError, ShapeError
 from kiln.models import DEFAULT_PROFILE, tiny_cnn
 
+from ..engine.test_quantized_io import _SelfAttention
+from ..engine.test_streams import _Stage
 from ..engine.util import rewrite_manifest
-from ..models import mlp, mlp_reference, reshape_by_shape
+from ..models import mlp, mlp_reference, reshape_by_shape, residual_blocks
+from ..passes.test_ort_quantized_import import _Reader, ort_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -152,7 +157,6 @@ def test_a_cache_from_a_lower_level_still_gets_the_extra_tactics_timed_and_exclu
 
 
 def test_workspace_cap_excludes_and_reports_tactics():
-    import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
     # softmax(q k^T * s) v: the math/unfused attention tactics need [B, H, S, S] of scratch memory.
@@ -170,9 +174,7 @@ def test_workspace_cap_excludes_and_reports_tactics():
 
 
 def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
-    import numpy as np
 
-    from ..models import mlp
 
     calib = [{"x": np.random.default_rng(i).standard_normal((32, 8)).astype(np.float32)} for i in range(8)]
     prof = [kiln.Profile({"x": ((1, 8), (32, 8), (64, 8))})]
@@ -187,9 +189,7 @@ def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
     """Three ResNet blocks of 64 channels: the middle block reads its residual and writes its output in 8 bits
     (engine/quantized_io.py; entropy calibration, so at a scale widened to the calibrated maximum), on the GPU's
     8-bit kernels; the engine stays within 5% of onnxruntime's range."""
-    import onnxruntime as ort
 
-    from ..models import residual_blocks
 
     model = residual_blocks(3, channels=64, in_channels=16)
     rng = np.random.default_rng(7)
@@ -328,7 +328,6 @@ def test_two_profiles_run_their_own_tactics_and_stay_right():
 
 def test_a_branch_on_the_auxiliary_stream_gives_the_same_results():
     """A ResNet stage's downsample convolution is captured on the auxiliary stream, beside conv1-conv2."""
-    from ..engine.test_streams import _Stage
 
     torch.manual_seed(0)
     proto, _ = kiln.from_torch(_Stage().eval(), (torch.randn(4, 8, 16, 16),), opset=18,
@@ -363,15 +362,13 @@ def test_repeat_calls_skip_the_checks_but_new_inputs_are_still_checked():
 def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onnxruntime(tmp_path, fp16):
     """Asymmetric int8 activations (zero points) from onnxruntime's quantize_static: the kept QuantizeLinear
     (its Triton tactic), the zero-point Pads and the QConvs reading codes, on the GPU's kernels."""
-    import onnx
     from onnxruntime.quantization import QuantFormat, quantize_static
 
-    from ..models import residual_blocks
-    from ..passes.test_ort_quantized_import import _ImageReader, ort_reference
 
     src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
     onnx.save(residual_blocks(2, channels=32), src)
-    quantize_static(str(src), str(dst), _ImageReader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    quantize_static(str(src), str(dst), _Reader((2, 4, 8, 8), seed=2, n=16), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
     x = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
     ref = ort_reference(dst, {"x": x})
     prof = [kiln.Profile({"x": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 8, 8))})]
@@ -386,9 +383,7 @@ def test_an_attention_writes_its_projections_8_bit_input_on_the_gpu(qtype):
     """BERT-shaped attention in an 8-bit FP16 engine: the flash kernel (or an SDPA tactic) quantizes its result
     for the output projection (engine/quantized_io.py), and the engine stays within 5% (INT8) or 10% (FP8, three
     mantissa bits: 6.3% in a CPU build) of onnxruntime's range."""
-    import onnxruntime as ort
 
-    from ..engine.test_quantized_io import _SelfAttention
 
     if qtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs Ada or Hopper")
