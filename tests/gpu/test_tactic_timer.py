@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.tactics.timer import _median, median_ms, synchronizes
+from kiln.tactics.timer import L2Reset, _median, median_ms, synchronizes
 
 pytestmark = pytest.mark.gpu
 
@@ -27,3 +27,14 @@ def test_synchronizing_calls_are_detected():
     x = torch.randn(64, device="cuda")
     assert synchronizes(lambda: x.sum().item())
     assert not synchronizes(lambda: x.add(1))
+
+
+def test_an_l2_reset_runs_before_each_call_uncharged_and_keeps_only_whole_device_tensors():
+    """The selector's L2Reset (timer.py): its own time is subtracted, and it re-reads the activation inputs a
+    byte view can read whole (a 64 MiB add does not fit in L2, so the reset leaves its time as it was)."""
+    x = torch.randn(16 * 2**20, device="cuda")
+    reset = L2Reset(x.device).keeping([x, x.view(4096, -1).t(), None, torch.ones(3)])
+    assert [t.numel() for t in reset.keep] == [x.numel() * 4]
+    add = lambda: x.add(1)  # noqa: E731
+    plain, after_reset = median_ms(add), median_ms(add, before=reset)
+    assert 0.7 * plain < after_reset < 1.3 * plain

@@ -76,8 +76,8 @@ def _selector_rig(monkeypatch, times=None, small_only=()):
     monkeypatch.setattr(select, "median_ms", clock)
     monkeypatch.setattr(select, "synchronizes", lambda fn: False)
     node = Node("Relu", ["x"], ["y"], {}, name="relu", opset=17)
-    engine = SimpleNamespace(target=SimpleNamespace(name="test GPU", capability=(9, 0)), versions={},
-                             graph=SimpleNamespace(nodes=[node]), profiles=[None])
+    engine = SimpleNamespace(target=SimpleNamespace(name="test GPU", capability=(9, 0), device="cpu"), versions={},
+                             graph=SimpleNamespace(nodes=[node], initializers={}), profiles=[None])
     cache = TimingCache(None)
 
     def select_once(level=3, cap=None, exclude=(), inputs=((4, 8),)):

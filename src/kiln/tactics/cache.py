@@ -14,7 +14,7 @@ import torch
 from ..errors import ConfigError
 from ..fileio import atomic_write_bytes
 
-VERSION = 2  # 2: an entry holds only what each tactic did on the layer (build-dependent exclusions are not cached)
+VERSION = 3  # 2: only what each tactic did on the layer (not build-dependent exclusions); 3: weights out of L2
 
 
 def layer_key(target, versions: dict, node, args: list) -> str:

@@ -18,7 +18,7 @@ from ..engine.interpreter import cast_for
 from ..ops.registry import lookup
 from . import candidates, load_all
 from .cache import TimingCache, layer_key
-from .timer import median_ms, synchronizes
+from .timer import L2Reset, median_ms, synchronizes
 
 # Max error of a candidate against the reference, as a share of the output's range. INT8/FP8 layers
 # return FP16 (or BF16) values and their reference sums exactly in float64, so they get FP16's bound.
@@ -83,6 +83,9 @@ class Selector:
         self.totals: dict[int, dict[int, dict[str, float]]] = {}  # layer -> profile -> tactic -> ms
         self.report: dict[int, dict] = {}
         self.on_layer = on_layer
+        # Each call is timed with the layer's weights out of L2 and its inputs in it, as in an engine (timer.py).
+        dev = engine.target.device
+        self.l2 = L2Reset(torch.device(dev)) if torch.device(dev).type == "cuda" else None
 
     def visit(self, node, args) -> None:
         cands = [t for t in candidates(node) if t.level <= self.level]
@@ -132,7 +135,9 @@ class Selector:
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
         ref = entry.impl(node, *args)
-        timings = {"reference": median_ms(lambda: entry.impl(node, *args))}
+        weights = self.engine.graph.initializers
+        before = self.l2.keeping([a for name, a in zip(node.inputs, args) if name not in weights]) if self.l2 else None
+        timings = {"reference": median_ms(lambda: entry.impl(node, *args), before=before)}
         excluded = {}
         for t in cands:
             try:
@@ -144,7 +149,7 @@ class Selector:
                 if not ok:
                     excluded[t.name] = f"numerically wrong ({err})"
                     continue
-                timings[t.name] = median_ms(lambda: t.fn(node, *args), may_sync=False)  # checked above
+                timings[t.name] = median_ms(lambda: t.fn(node, *args), may_sync=False, before=before)  # checked above
             except Exception as e:  # a candidate that cannot run here is simply not chosen
                 excluded[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return {"timings": timings, "excluded": excluded}

@@ -6,6 +6,14 @@ Timing one Python call per event pair would charge each candidate its host launc
 cost (tens of microseconds through torch, more for a Triton launch), which decides
 the race at batch 1 although the engine never pays it. A candidate that cannot be
 captured (it synchronizes with the host, say) is timed call by call instead.
+
+In an engine a layer's weights were last read one inference earlier, with the rest of the network's
+weights and activations passing through L2 since: at batch 32 they come from memory, while its input,
+just written by the layer before, is still in L2. Calling a candidate over and over keeps its weights
+in L2 and favours tiles that hide memory latency worst (BERT's INT8 engine ran its GEMMs 14% slower
+than the builder's timing of them, H200 2026-11-30). So the selector can time each call after `before`,
+which reads a buffer twice L2's size and then the layer's activation inputs (`L2Reset`); the time of
+`before` alone, measured the same way, is subtracted.
 """
 
 from __future__ import annotations
@@ -55,8 +63,43 @@ def _capture(fn) -> torch.cuda.CUDAGraph | None:
     return graph
 
 
-def median_ms(fn, warmup: int = 3, runs: int = 10, may_sync: bool = True) -> float:
-    """may_sync=False: the caller has checked that fn does not synchronize (see synchronizes)."""
+def median_ms(fn, warmup: int = 3, runs: int = 10, may_sync: bool = True, before=None) -> float:
+    """may_sync=False: the caller has checked that fn does not synchronize (see synchronizes). before: run ahead
+    of every call and not counted (e.g. an L2Reset)."""
+    if before is None:
+        return _median_ms(fn, warmup, runs, may_sync)
+
+    def both():
+        before()
+        fn()
+
+    return max(0.0, _median_ms(both, warmup, runs, may_sync) - _median_ms(before, warmup, runs, False))
+
+
+class L2Reset:
+    """Puts L2 in the state an engine leaves it in for a layer: a clean read of twice its size, then a read of
+    the layer's activation inputs (`keep`), so its weights come from memory and its inputs from L2."""
+
+    def __init__(self, device: torch.device):
+        size = torch.cuda.get_device_properties(device).L2_cache_size
+        self._buffer = torch.ones(2 * size // 4, device=device)
+        self._sink = torch.empty((), device=device)
+        self._int_sink = torch.empty((), dtype=torch.int32, device=device)
+        self.keep: list[torch.Tensor] = []
+
+    def __call__(self):
+        torch.sum(self._buffer, dim=0, out=self._sink)  # a read leaves no dirty lines to write back
+        for t in self.keep:
+            torch.sum(t, dim=0, dtype=torch.int32, out=self._int_sink)
+
+    def keeping(self, tensors) -> L2Reset:
+        """The same reset, re-reading these tensors' bytes afterwards (those a byte view can read whole)."""
+        self.keep = [t.view(torch.uint8).view(-1) for t in tensors
+                     if isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.numel()]
+        return self
+
+
+def _median_ms(fn, warmup: int, runs: int, may_sync: bool) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
