@@ -194,7 +194,7 @@ def sweep_cold(M, K, N, act):
 
     read_us = float(us(read))
     rows = [f"reading {evict.numel() * 4 / 2**20:.0f} MiB alone: {read_us:.1f} us"]
-    for c in [t for t, _ in tma_gemm.QUANT_CONFIGS + tma_gemm.CONV1X1_QUANT_CONFIGS]:
+    for c in [t for t, _ in tma_gemm.QUANT_CONFIGS]:
         def gemm_(c=c):
             return tma_gemm.gemm(x8, w8, b, act, config=c, **kw)
 

@@ -104,12 +104,10 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(128, 64, 128, 4, 4), 3),
     (TileConfig(64, 128, 128, 4, 4), 3),
     (TileConfig(256, 128, 128, 8, 3), 4),
-]
-# 64-row 8-bit tiles at three or four programs per SM, for 1x1 convolutions only: alone they ran ResNet-50's
-# 8-bit 1x1 layers 8-16% faster than any two-per-SM tile (H200, bench/results/H200-int8-1x1-latency.log). Offered
-# to BERT's GEMMs too, one won the builder's timing on 24 of its 48 (1.088 ms summed over the 48 against 1.114 for
-# 128x128x64), but its INT8 engine's GEMMs took 1.357 ms against 1.233 without them (H200-quant-2022-bert.md).
-CONV1X1_QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
+    # 64-row tiles at three or four programs per SM: alone they ran ResNet-50's 8-bit 1x1 layers 8-16% faster than
+    # any two-per-SM tile (H200, bench/results/H200-int8-1x1-latency.log). Timed with their weights in L2 they also
+    # won 24 of BERT's 48 GEMMs, whose engine then ran slower (H200-quant-2022-bert.md); the builder now times
+    # with weights out of L2, as an engine reads them (tactics/timer.py).
     (TileConfig(64, 128, 64, 4, 2), 3),
     (TileConfig(64, 128, 128, 4, 2), 3),
     (TileConfig(64, 64, 128, 4, 2), 3),

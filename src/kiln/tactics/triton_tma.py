@@ -2,8 +2,7 @@
   FusedGemm  triton_tma_gemm_<BM>x<BN>x<BK>_w<warps>_s<stages>      16-bit GEMMs, from level 4
   FusedConv  triton_tma_conv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>   16-bit 1x1 convolutions as GEMMs
   QGemm      triton_tma_qgemm_<BM>x<BN>x<BK>_w<warps>_s<stages>     INT8/FP8 GEMMs
-  QConv      triton_tma_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  INT8/FP8 1x1 convolutions as GEMMs (also
-                                                                  CONV1X1_QUANT_CONFIGS' 64-row tiles)
+  QConv      triton_tma_qconv1x1_<BM>x<BN>x<BK>_w<warps>_s<stages>  INT8/FP8 1x1 convolutions as GEMMs
   FusedConv  triton_tma_conv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages>  stride-1/2 convolutions (kernels/tma_conv.py),
   QConv      triton_tma_qconv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages> their INT8/FP8 form; not 1x1 stride 1
 Each configuration is offered at its CONFIGS / QUANT_CONFIGS level, except that float GEMMs start at
@@ -149,7 +148,6 @@ def _register() -> None:
         tactic("FusedConv", f"triton_tma_conv1x1_{cfg.name}", _applies(cfg), level=level)(_run(cfg))
     for cfg, level in tma_gemm.QUANT_CONFIGS:
         tactic("QGemm", f"triton_tma_qgemm_{cfg.name}", _applies(cfg), level=level)(_run(cfg))
-    for cfg, level in tma_gemm.QUANT_CONFIGS + tma_gemm.CONV1X1_QUANT_CONFIGS:
         tactic("QConv", f"triton_tma_qconv1x1_{cfg.name}", _applies(cfg), level=level)(_run(cfg))
     for cfg, level in tma_conv.CONFIGS:
         tactic("FusedConv", f"triton_tma_conv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
