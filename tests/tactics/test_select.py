@@ -141,3 +141,33 @@ def test_a_tactic_that_applies_in_one_profile_only_is_not_the_overall_choice(mon
     rep, node = select_once(inputs=((4, 8), (64, 8)))
     assert node.profile_tactics == ["tac_a", "tac_c"]
     assert node.tactic == "tac_c"  # before, tac_a won on its batch-1 time alone and fell back to the reference
+
+
+def test_a_quantized_layer_is_timed_with_its_weights_out_of_l2_and_its_other_inputs_in_it(monkeypatch):
+    """The selector's L2 reset (timer.L2Reset, which needs a GPU: recorded here) re-reads the layer's activation
+    inputs and not its weights; a CPU build gets none."""
+    from types import SimpleNamespace
+
+    from kiln.ir.graph import Node
+    from kiln.tactics import select
+    from kiln.tactics.cache import TimingCache
+
+    class Reset:
+        def __init__(self, device):
+            self.device = device
+
+        def keeping(self, tensors):
+            self.keep = list(tensors)
+            return self
+
+    monkeypatch.setattr(select, "L2Reset", Reset)
+    x, w, scale = torch.ones(4, 8), torch.ones(8, 8), torch.ones(8)
+    engine = SimpleNamespace(target=SimpleNamespace(device="cuda"), graph=SimpleNamespace(
+        initializers={"w": w, "w_scale": scale}))
+    sel = select.Selector(engine, 3, None, TimingCache(None))
+    node = Node("QGemm", ["x", "w", "", "w_scale"], ["y"], {}, domain="kiln")
+    reset = sel._l2_reset(node, [x, w, None, scale])
+    assert reset.device.type == "cuda" and [t is x for t in reset.keep] == [True, False]  # x, and None
+    assert "QGemm" in select._TIMED_COLD and "FusedGemm" not in select._TIMED_COLD
+    engine.target.device = "cpu"
+    assert sel._l2_reset(node, [x, w, None, scale]) is None

@@ -10,10 +10,10 @@ captured (it synchronizes with the host, say) is timed call by call instead.
 In an engine a layer's weights were last read one inference earlier, with the rest of the network's
 weights and activations passing through L2 since: at batch 32 they come from memory, while its input,
 just written by the layer before, is still in L2. Calling a candidate over and over keeps its weights
-in L2 and favours tiles that hide memory latency worst (BERT's INT8 engine ran its GEMMs 14% slower
-than the builder's timing of them, H200 2026-11-30). So the selector can time each call after `before`,
-which reads a buffer twice L2's size and then the layer's activation inputs (`L2Reset`); the time of
-`before` alone, measured the same way, is subtracted.
+in L2 and favours tiles that hide memory latency worst (BERT-base's INT8 engine ran its GEMMs 14% slower
+than the builder's timing of them, H200 2026-11-30). So the selector times quantized layers' candidates
+each after `before`, an `L2Reset`: a read of twice L2's size, then of the layer's activation inputs. The
+time of `before` alone, measured the same way, is subtracted. (select.py says why float layers are not.)
 """
 
 from __future__ import annotations
