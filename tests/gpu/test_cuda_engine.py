@@ -174,8 +174,6 @@ def test_workspace_cap_excludes_and_reports_tactics():
 
 
 def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
-
-
     calib = [{"x": np.random.default_rng(i).standard_normal((32, 8)).astype(np.float32)} for i in range(8)]
     prof = [kiln.Profile({"x": ((1, 8), (32, 8), (64, 8))})]
     gpu = kiln.build(mlp(), _cfg(profiles=prof, int8=True, calib=calib))
@@ -189,7 +187,6 @@ def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
     """Three ResNet blocks of 64 channels: the middle block reads its residual and writes its output in 8 bits
     (engine/quantized_io.py; entropy calibration, so at a scale widened to the calibrated maximum), on the GPU's
     8-bit kernels; the engine stays within 5% of onnxruntime's range."""
-
 
     model = residual_blocks(3, channels=64, in_channels=16)
     rng = np.random.default_rng(7)
@@ -364,7 +361,6 @@ def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onn
     (its Triton tactic), the zero-point Pads and the QConvs reading codes, on the GPU's kernels."""
     from onnxruntime.quantization import QuantFormat, quantize_static
 
-
     src, dst = tmp_path / "blocks.onnx", tmp_path / "blocks_qdq.onnx"
     onnx.save(residual_blocks(2, channels=32), src)
     quantize_static(str(src), str(dst), _Reader((2, 4, 8, 8), seed=2, n=16), quant_format=QuantFormat.QDQ,
@@ -383,7 +379,6 @@ def test_an_attention_writes_its_projections_8_bit_input_on_the_gpu(qtype):
     """BERT-shaped attention in an 8-bit FP16 engine: the flash kernel (or an SDPA tactic) quantizes its result
     for the output projection (engine/quantized_io.py), and the engine stays within 5% (INT8) or 10% (FP8, three
     mantissa bits: 6.3% in a CPU build) of onnxruntime's range."""
-
 
     if qtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs Ada or Hopper")
