@@ -611,7 +611,7 @@ def calibrate(model_or_engine, data=None, method: str = "entropy", percentile: f
     samples, rows = prepare_samples(data, inputs, engine=model_or_engine if _is_engine(model_or_engine) else None,
                                     profile=profile)
     if rows < min_samples:
-        warnings.warn(f"calibration set has only {rows} samples; INT8 scales need {min_samples} to 1000 "
+        warnings.warn(f"calibration set has only {rows} samples; INT8/FP8 scales need {min_samples} to 1000 "
                       "representative samples, or they may clip or waste range on real inputs.",
                       CalibrationWarning, stacklevel=2)
     samples = rebatch(samples, inputs, batch_size, model_or_engine, build_config)
