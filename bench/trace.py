@@ -3,7 +3,13 @@ gap before it. Where a per-kernel-name profile (bench/run.py --kernel-profile) s
 where the device waits between kernels, which dominates at batch 1, and how long each call's device
 work waits for the host (checks, input copies, graph launch).
 
-    python bench/trace.py --model bert-base --batch 1 --precision fp16 [--level 4] [--out DIR]
+--layers adds each layer's kernels in the replay against the builder's timing of its tactic: where the
+selector's prediction and the engine part. Kernels are given to layers by name, in order: an eager run
+launches a marker kernel (torch.cuda._sleep) before each device layer, and each layer's kernel names are
+then found, in order, in the replay's timeline. Branches on the auxiliary stream interleave there, so a
+model with them may map only up to its first branch (the table says where mapping stopped).
+
+    python bench/trace.py --model bert-base --batch 1 --precision fp16 [--level 4] [--layers] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +41,65 @@ def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
     return rows
 
 
+def layer_kernels(ctx, feeds: dict) -> list[tuple[str, list[str]]]:
+    """(layer name, the names of the kernels it launches) per device layer, from one eager run with a marker
+    kernel before each layer (after a first run: weight uploads and compiles happen there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names = []
+
+    def mark(node, args):
+        names.append(node.name or node.label)
+        torch.cuda._sleep(1)
+
+    ctx.run_with_inputs_hook(feeds, mark)
+    torch.cuda.synchronize()
+    names.clear()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ctx.run_with_inputs_hook(feeds, mark)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
+                    key=lambda e: e.time_range.start)
+    groups: list[list[str]] = []
+    for e in events:
+        if "spin_kernel" in e.name:
+            groups.append([])
+        elif groups:
+            groups[-1].append(e.name[:100])
+    return list(zip(names, groups))
+
+
+def per_layer(layers: list[tuple[str, list[str]]], rows: list[dict]) -> tuple[list[dict], str]:
+    """Each layer's kernel time in the replay (rows: timeline()), its kernels found by name in order; and
+    where mapping stopped, if it did."""
+    out, j = [], 0
+    for name, kernels in layers:
+        us = 0.0
+        for k in kernels:
+            while j < len(rows) and rows[j]["kernel"] != k:
+                j += 1
+            if j == len(rows):
+                return out, f"mapping stopped at {name}: its kernel `{k}` is not in the replay after those mapped"
+            us += rows[j]["us"]
+            j += 1
+        out.append({"layer": name, "kernels": len(kernels), "us": us})
+    return out, ""
+
+
+def layer_table(engine, layers: list[dict], stopped: str) -> list[str]:
+    """Builder's timing of each layer's chosen tactic against its kernels' time in the replay."""
+    timed = {r["layer"]: (r["chosen"], 1000 * r["timings"].get(r["chosen"], float("nan"))) for r in engine.tactics}
+    rows = [(x, *timed[x["layer"]]) for x in layers if x["layer"] in timed]
+    built, ran = sum(b for _, _, b in rows), sum(x["us"] for x, _, _ in rows)
+    lines = ["", f"## Builder's timing against the replay, per layer ({len(rows)} timed layers: builder "
+             f"{built:.1f} us, replay {ran:.1f} us, {ran / built:.2f}x)" if rows else "## No timed layers mapped",
+             "", stopped or f"all {len(layers)} device layers mapped", "",
+             "| layer | tactic | builder us | replay us | replay / builder |", "|---|---|---|---|---|"]
+    rows.sort(key=lambda r: -r[0]["us"])
+    lines += [f"| {x['layer'][:60]} | {t} | {b:.1f} | {x['us']:.1f} | {x['us'] / b:.2f} |" for x, t, b in rows]
+    return lines
+
+
 def device_ms(fn, feeds: dict, iterations: int = 100) -> float:
     """Median time of one call with the host's part hidden: a sleep kernel (about 1 ms at H200 clocks, far
     more than the host needs) keeps the GPU busy while the host enqueues the call, so the events bracket
@@ -62,6 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--precision", default="fp16", choices=["fp16", "int8", "fp8"])
     p.add_argument("--level", type=int, default=3)
+    p.add_argument("--layers", action="store_true", help="each layer's replay time against the builder's timing")
     p.add_argument("--out", default=None, help="folder for <model>-b<batch>-<precision>-trace.md")
     args = p.parse_args(argv)
 
@@ -98,6 +164,8 @@ def main(argv=None) -> int:
              "time",
              "", "| # | gap us | kernel us | kernel |", "|---|---|---|---|"]
     lines += [f"| {i} | {r['gap_us']:.1f} | {r['us']:.1f} | `{r['kernel']}` |" for i, r in enumerate(rows)]
+    if args.layers:
+        lines += layer_table(engine, *per_layer(layer_kernels(ctx, dev_feeds), rows))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
