@@ -20,10 +20,10 @@ layers' distance from their floor is latency that more programs hide. Its log H2
 has a residual loaded by pointer loads issued before the K loop ("z early", a tma_gemm.gemm option since removed:
 slower everywhere, 2-10x with 4-stage pipelines).
 
-`--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes twice: as the builder
-does (the same operands every call, so they stay in L2) and after a read of twice L2's size (operands from
-memory, as an engine's layer reads its weights). On BERT the builder chose 64-row tiles that were 10% slower
-inside the engine (docs/performance-notes.md).
+`--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes three ways: with the
+same operands every call, so they stay in L2 ("warm", as the builder timed them until 2026-11-30 21:46); after
+an L2Reset keeping x (weights from memory, x from L2: as the builder times 8-bit layers now and an engine runs
+them, tactics/timer.py); and after a read of twice L2's size (every operand from memory).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from kiln.ir.graph import Node  # noqa: E402
 from kiln.kernels import gemm, tma_gemm  # noqa: E402
 from kiln.kernels.gemm import TileConfig  # noqa: E402
 from kiln.tactics.library import fp8_scaled_mm  # noqa: E402
-from kiln.tactics.timer import median_ms  # noqa: E402
+from kiln.tactics.timer import L2Reset, median_ms  # noqa: E402
 
 F16 = [TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 128, 64, 4, 4),
        TileConfig(64, 128, 64, 4, 4), TileConfig(256, 128, 64, 8, 3), TileConfig(128, 64, 64, 4, 4)]
@@ -174,26 +174,18 @@ def sweep_latency(M, K, N, with_z, qtype="int8"):
     return rows
 
 
-L2_BYTES = 50 * 2**20  # the H200's L2
-
-
 def sweep_cold(M, K, N, act):
-    """Each 8-bit tile timed as the builder times it (the same operands every call, so they stay in L2) and after
-    reading a buffer twice L2's size (operands from memory): the second is time(read + GEMM) - time(read)."""
+    """Each 8-bit tile timed warm (the same operands every call, so they stay in L2), after an L2Reset keeping x
+    (as the builder times 8-bit layers) and after a read of twice L2's size: time(read + GEMM) - time(read)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x8 = torch.randint(-128, 128, (M, K), device="cuda", generator=g, dtype=torch.int8)
     w8 = torch.randint(-127, 128, (N, K), device="cuda", generator=g, dtype=torch.int8).t()  # K-major
     b = torch.randn(N, device="cuda").half()
     kw = dict(qtype="int8", x_scale=torch.tensor(0.02, device="cuda"),
               w_scale=torch.rand(N, device="cuda") * 1e-3, out_dtype=torch.float16)
-    evict = torch.ones(2 * L2_BYTES // 4, device="cuda")
-    sink = torch.empty((), device="cuda")
-
-    def read():  # a clean read: no dirty lines for the GEMM to write back
-        torch.sum(evict, dim=0, out=sink)
-
+    read, reset = L2Reset(x8.device), L2Reset(x8.device).keeping([x8])  # a clean read of twice L2's size
     read_us = float(us(read))
-    rows = [f"reading {evict.numel() * 4 / 2**20:.0f} MiB alone: {read_us:.1f} us"]
+    rows = [f"reading twice L2's size alone: {read_us:.1f} us"]
     for c in [t for t, _ in tma_gemm.QUANT_CONFIGS]:
         def gemm_(c=c):
             return tma_gemm.gemm(x8, w8, b, act, config=c, **kw)
@@ -204,9 +196,11 @@ def sweep_cold(M, K, N, act):
 
         warm, both = us(gemm_), us(after_read)
         try:
+            builder = median_ms(gemm_, runs=20, before=reset) * 1000
             cold = float(both) - read_us
-            rows.append(f"tma {c.name} warm {float(warm):.1f} us, cold {cold:.1f} us ({cold / float(warm):.2f}x)")
-        except ValueError:
+            rows.append(f"tma {c.name} warm {float(warm):.1f} us, weights out of L2 {builder:.1f} us, cold "
+                        f"{cold:.1f} us ({cold / float(warm):.2f}x)")
+        except Exception:  # a configuration that does not compile or run here
             rows.append(f"tma {c.name} warm {warm}, after the read {both}")
     return rows
 
