@@ -43,23 +43,16 @@ def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
 
 def layer_kernels(ctx, feeds: dict) -> list[tuple[str, list[str]]]:
     """(layer name, the names of the kernels it launches) per device layer, from one eager run with a marker
-    kernel before each layer (after a first run: weight uploads and compiles happen there)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    kernel before each layer (after kernel_events' warm-up run: weight uploads and compiles happen there)."""
     names = []
 
     def mark(node, args):
         names.append(node.name or node.label)
         torch.cuda._sleep(1)
 
-    ctx.run_with_inputs_hook(feeds, mark)
-    torch.cuda.synchronize()
-    names.clear()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ctx.run_with_inputs_hook(feeds, mark)
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
+    events = sorted(kernel_events(lambda f: ctx.run_with_inputs_hook(f, mark), feeds, runs=1),
                     key=lambda e: e.time_range.start)
+    names = names[len(names) // 2:]  # the warm-up run marked its layers too
     groups: list[list[str]] = []
     for e in events:
         if "spin_kernel" in e.name:
