@@ -291,6 +291,32 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     return y.reshape(*x.shape[:-1], w_q.shape[1])
 
 
+def _cublaslt_epilogue_ok(node, args):
+    from ..kernels import cublaslt
+
+    x, w_q = args[0], args[1]
+    b, y_scale = (list(args[4:6]) + [None, None])[:2]
+    ft = float_type(node, x)
+    if not (x.is_cuda and node.attr("qtype", "int8") == "fp8" and args[3].numel() == 1 and ft in _LOW
+            and (y_scale is None or y_scale.numel() == 1)):
+        return False
+    out = torch.float8_e4m3fn if y_scale is not None else ft
+    return cublaslt.supported(x.numel() // x.shape[-1], w_q.shape[1], x.shape[-1], out,
+                              ft if b is not None else None, node.attr("activation", ""), x.device)
+
+
+@tactic("QGemm", "cublaslt_fp8_epilogue", _cublaslt_epilogue_ok)
+def fp8_cublaslt_epilogue(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+    """cuBLASLt's FP8 GEMM with the scales, bias, activation and any FP8 re-quantization all in its epilogue:
+    one kernel where torch._scaled_mm needs a second pass for the last two (kernels/cublaslt.py)."""
+    from ..kernels import cublaslt
+    from ..kernels.rescale import to_8bit
+
+    y = cublaslt.fp8_gemm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "fp8"), w_q.t().contiguous().t(), x_scale,
+                          w_scale, b, node.attr("activation", ""), y_scale, float_type(node, x))
+    return y.reshape(*x.shape[:-1], w_q.shape[1])
+
+
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
 # The same quantized math (quantized activation, quantized weight, both scaled back) computed by a
 # GEMM/convolution in the engine's float type (ops.fused.float_type): int8 values are exact in FP16, and

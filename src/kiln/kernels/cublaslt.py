@@ -1,0 +1,241 @@
+"""cuBLASLt's FP8 GEMM called directly, for the epilogues torch._scaled_mm leaves out.
+
+torch._scaled_mm reaches cuBLASLt's FP8 GEMM with its scales and a bias, but not its activation
+epilogues nor an FP8 output scale. A GELU or ReLU after it, or quantizing its output for the next 8-bit
+layer, then cost one more pass over the output (kernels/rescale.py): at BERT-base batch 32 that pass
+is a 25 MB FP16 read and write after each FFN1 GEMM. cuBLASLt does all of it in the GEMM's epilogue:
+
+    y = saturate(y_scale_inverse * act(x_scale * w_scale * (x8 @ w8) + bias))
+
+This module calls the cuBLASLt library torch itself loaded, through ctypes (no build step, no new
+dependency), with Hopper's fast FP8 accumulation (as Triton's FP8 dot on sm_90 does). cuBLASLt's GELU
+is the tanh form: it differs from the erf form by at most 4.7e-4 (at |x| = 2.7, where FP16's step is
+2e-3), and the builder checks every tactic's output against the exact reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+# cublasLt.h / library_types.h values (stable across CUDA 12 and 13)
+_R_32F, _R_16F, _R_16BF, _R_8F_E4M3 = 0, 2, 14, 28
+_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
+_PREF_MAX_WORKSPACE = 1
+EPILOGUES = {("", False): 1, ("", True): 4, ("Relu", False): 2, ("Relu", True): 6,
+             ("GeluErf", False): 32, ("GeluErf", True): 36, ("GeluTanh", False): 32, ("GeluTanh", True): 36}
+_TYPES = {torch.float16: _R_16F, torch.bfloat16: _R_16BF, torch.float8_e4m3fn: _R_8F_E4M3}
+MAX_WORKSPACE = 32 << 20
+
+
+class CublasLtError(RuntimeError):
+    pass
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _library_paths() -> list[str]:
+    """The libcublasLt torch loaded (from /proc/self/maps), else the pip wheels' copies, else the soname."""
+    major = (torch.version.cuda or "0").split(".")[0]
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths += sorted({line.split()[-1] for line in maps if "libcublasLt.so" in line})
+    except OSError:
+        pass
+    for root in sys.path:
+        paths += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", f"libcublasLt.so.{major}")))
+    return paths + [f"libcublasLt.so.{major}"]
+
+
+@functools.cache
+def _lib():
+    for path in _library_paths():
+        try:
+            lib = ctypes.CDLL(path)
+            break
+        except OSError:
+            continue
+    else:
+        raise CublasLtError("libcublasLt was not found next to torch")
+    p, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    for name, args in [("cublasLtCreate", [pp]), ("cublasLtMatmulDescCreate", [pp, i, i]),
+                       ("cublasLtMatmulDescSetAttribute", [p, i, p, sz]),
+                       ("cublasLtMatrixLayoutCreate", [pp, i, u64, u64, i64]),
+                       ("cublasLtMatmulPreferenceCreate", [pp]),
+                       ("cublasLtMatmulPreferenceSetAttribute", [p, i, p, sz]),
+                       ("cublasLtMatmulAlgoGetHeuristic", [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic),
+                                                           ctypes.POINTER(i)]),
+                       ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p])]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.cublasLtGetStatusName.argtypes, lib.cublasLtGetStatusName.restype = [i], ctypes.c_char_p
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{what}: {_lib().cublasLtGetStatusName(status).decode()}")
+
+
+@functools.cache
+def _handle(device: int) -> ctypes.c_void_p:
+    h = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        _check(_lib().cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+    return h
+
+
+def _set(desc, attr: int, value) -> None:
+    _check(_lib().cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+           f"cublasLtMatmulDescSetAttribute({attr})")
+
+
+def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+    layout = ctypes.c_void_p()
+    _check(_lib().cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+    return layout
+
+
+@dataclass(frozen=True)
+class _Plan:
+    desc: ctypes.c_void_p
+    layouts: tuple  # A (weights), B (activations), C, D
+    algo: _Heuristic
+    workspace: int
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(device: int, m: int, n: int, k: int, out: torch.dtype, bias: torch.dtype | None, act: str) -> _Plan | None:
+    """cuBLASLt's heuristic choice for y[m, n] = x[m, k] @ w[k, n] in column-major terms: y^T = w^T x^T, with
+    w^T read transposed from the K-major weights (cuBLASLt's FP8 GEMM takes only that "TN" form). None when
+    cuBLASLt has no kernel for it."""
+    lib = _lib()
+    desc = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
+    _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
+    _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
+    _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(act, bias is not None)]))
+    _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
+    c_type = _TYPES[bias or (out if out != torch.float8_e4m3fn else torch.float16)]
+    if bias is not None:
+        _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[bias]))
+    # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
+    # alignment); fp8_gemm sets the real ones before each call.
+    aligned = ctypes.c_void_p(256)
+    for attr in (_DESC_A_SCALE, _DESC_B_SCALE) + ((_DESC_D_SCALE,) if out == torch.float8_e4m3fn else ()) + (
+            (_DESC_BIAS_POINTER,) if bias is not None else ()):
+        _set(desc, attr, aligned)
+    layouts = (_layout(_R_8F_E4M3, k, n, k), _layout(_R_8F_E4M3, k, m, k), _layout(c_type, n, m, n),
+               _layout(_TYPES[out], n, m, n))
+    pref = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    cap = ctypes.c_uint64(MAX_WORKSPACE)
+    _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(cap), 8),
+           "cublasLtMatmulPreferenceSetAttribute")
+    result, count = _Heuristic(), ctypes.c_int(0)
+    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, *layouts, pref, 1, ctypes.byref(result),
+                                                ctypes.byref(count))
+    if status != 0 or count.value == 0 or result.state != 0:
+        return None
+    return _Plan(desc, layouts, result, result.workspace)
+
+
+def supported(m: int, n: int, k: int, out: torch.dtype, bias: torch.dtype | None, act: str,
+              device: torch.device) -> bool:
+    """Whether cuBLASLt has an FP8 kernel for this GEMM and epilogue on `device` (a CUDA device of compute
+    capability 8.9 or higher; K and N multiples of 16)."""
+    if (act, bias is not None) not in EPILOGUES or out not in _TYPES or (bias is not None and bias not in _TYPES):
+        return False
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9) or k % 16 or n % 16 or m < 1:
+        return False
+    try:
+        return _plan(device.index or 0, m, n, k, out, bias, act) is not None
+    except CublasLtError:
+        return False
+
+
+_CONSTANTS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def _constant(t: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False) -> torch.Tensor:
+    """t as a contiguous dtype tensor (or its reciprocal), made once per tensor: scales and biases are engine
+    constants, and a conversion kernel per call would cost more than a small GEMM's epilogue. Not kept when
+    first made inside a CUDA graph capture, where its kernel runs only when the graph does."""
+    key = (t.data_ptr(), t.device, dtype, reciprocal)
+    hit = _CONSTANTS.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    v = t.detach().to(dtype)
+    v = (1.0 / v if reciprocal else v).contiguous()
+    if v.data_ptr() == t.data_ptr():  # already so: nothing to keep
+        return v
+    if not torch.cuda.is_current_stream_capturing():
+        _CONSTANTS[key] = (weakref.ref(t), v)
+    return v
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced workspaces: CUDA graphs captured earlier still point at them
+
+
+def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    """Scratch for cuBLASLt on the current stream (kernels on two streams may run at the same time)."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < nbytes:
+        if ws is not None:
+            _OUTGROWN.append(ws)
+        ws = _WORKSPACES[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+    return ws
+
+
+def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, act: str = "", y_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """act(x8 @ w8 * x_scale * w_scale + bias) as out_dtype, or as FP8 E4M3 quantized with y_scale.
+
+    x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
+    weight layout); scales: one value each; bias: [N], used in out_dtype (FP16 or BF16). Raises CublasLtError
+    where `supported` is False."""
+    m, k = x8.shape
+    n = w8.shape[1]
+    out = torch.float8_e4m3fn if y_scale is not None else out_dtype
+    bias_dtype = out_dtype if bias is not None else None
+    if not x8.is_contiguous() or not w8.t().is_contiguous():
+        raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
+    plan = _plan(x8.device.index or 0, m, n, k, out, bias_dtype, act)
+    if plan is None:
+        raise CublasLtError(f"cuBLASLt has no FP8 kernel for {m}x{k}x{n} with epilogue {act or 'none'}")
+    y = torch.empty(m, n, dtype=out, device=x8.device)
+    if m == 0:
+        return y
+    # A is the weights, B the activations: A's scale is the weights'
+    pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
+    if y_scale is not None:
+        pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
+    if bias is not None:
+        pointers.append((_DESC_BIAS_POINTER, _constant(bias, bias_dtype)))
+    for attr, t in pointers:
+        _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
+    ws, dev = _workspace(x8.device, plan.workspace), x8.device.index or 0
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w8.data_ptr(), plan.layouts[0],
+                                 x8.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
+                                 y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
+                                 plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream), "cublasLtMatmul")
+    return y

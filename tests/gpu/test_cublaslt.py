@@ -1,0 +1,93 @@
+"""cuBLASLt's FP8 GEMM with its epilogues (kiln/kernels/cublaslt.py): right against the exact reference, in a
+CUDA graph, and timed inside a real FP8 build."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import kiln
+from kiln.kernels import cublaslt
+from kiln.kernels.rescale import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs Ada or Hopper")]
+
+
+def _operands(m=200, k=256, n=384, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(k, n, device="cuda", generator=g) / k ** 0.5
+    sx, sw = torch.tensor(4.0 / 448, device="cuda"), (w.abs().max() / 448).reshape(1)
+    x8 = (x / sx).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w8 = (w / sw).clamp(-448, 448).to(torch.float8_e4m3fn).t().contiguous().t()  # K-major, as engines store it
+    return x8, w8, sx, sw, torch.randn(n, device="cuda", generator=g)
+
+
+def _assert_close(y, ref):
+    """Float outputs within 1% of the range; FP8 outputs within one E4M3 step plus that."""
+    diff = (y.float() - ref.float()).abs()
+    bound = 1e-2 * ref.float().abs().max()
+    if ref.dtype == torch.float8_e4m3fn:
+        bound = bound + torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(2.0 ** -6))) - 3)
+    assert bool((diff <= bound).all()), f"max error {float(diff.max()):.3g}"
+
+
+@pytest.mark.parametrize("act", ["", "Relu", "GeluErf"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("out", ["float16", "bfloat16", "fp8"])
+def test_fp8_gemm_applies_scales_bias_activation_and_the_output_scale_in_one_call(act, with_bias, out):
+    x8, w8, sx, sw, b = _operands()
+    out_dtype = torch.bfloat16 if out == "bfloat16" else torch.float16
+    bias = b.to(out_dtype) if with_bias else None
+    y_scale = torch.tensor(0.02, device="cuda") if out == "fp8" else None
+    assert cublaslt.supported(200, 384, 256, torch.float8_e4m3fn if y_scale is not None else out_dtype,
+                              out_dtype if with_bias else None, act, x8.device)
+    y = cublaslt.fp8_gemm(x8, w8, sx, sw, bias, act, y_scale, out_dtype)
+    acc = x8.double() @ w8.double()
+    ref = reference(acc, sx, sw, bias, act, (), y_scale, "fp8", out_dtype)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    _assert_close(y, ref)
+
+
+def test_fp8_gemm_replays_in_a_cuda_graph_with_new_inputs():
+    x8, w8, sx, sw, b = _operands()
+    y_scale = torch.tensor(0.02, device="cuda")
+    cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale)
+    x8.copy_(_operands(seed=1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y.float(), cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale).float())
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(128, 512), torch.nn.Linear(512, 128)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_an_fp8_build_times_the_epilogue_tactic_and_matches_onnxruntime():
+    """A transformer's FFN in an FP8 engine: its GELU GEMM (which re-quantizes for the next GEMM) and its last
+    GEMM both have cuBLASLt's epilogue tactic timed, so applicable and numerically right."""
+    torch.manual_seed(0)
+    model, _ = kiln.from_torch(_Mlp().eval(), (torch.randn(64, 128),), opset=18)
+    name = model.graph.input[0].name
+    rng = np.random.default_rng(0)
+    calib = [{name: rng.standard_normal((64, 128)).astype(np.float32)} for _ in range(16)]
+    eng = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False, fp16=True, fp8=True, calib=calib,
+                                             optimization_level=4))
+    layers = [t for t in eng.tactics if t["op"] == "QGemm"]
+    assert len(layers) == 2
+    for t in layers:
+        assert "cublaslt_fp8_epilogue" in t["timings"], (t["layer"], sorted(t["timings"]), t["excluded"])
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
+    out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]
+    assert np.abs(out.float().cpu().numpy() - ref).max() <= 0.1 * np.abs(ref).max()
