@@ -41,13 +41,27 @@ def test_fp8_gemm_applies_scales_bias_activation_and_the_output_scale_in_one_cal
     out_dtype = torch.bfloat16 if out == "bfloat16" else torch.float16
     bias = b.to(out_dtype) if with_bias else None
     y_scale = torch.tensor(0.02, device="cuda") if out == "fp8" else None
-    assert cublaslt.supported(200, 384, 256, torch.float8_e4m3fn if y_scale is not None else out_dtype,
-                              out_dtype if with_bias else None, act, x8.device)
+    spec = cublaslt.spec_of(x8, w8, sw, with_bias, act, y_scale is not None, out_dtype)
+    assert cublaslt.supported(spec, x8.device)
     y = cublaslt.fp8_gemm(x8, w8, sx, sw, bias, act, y_scale, out_dtype)
     acc = x8.double() @ w8.double()
     ref = reference(acc, sx, sw, bias, act, (), y_scale, "fp8", out_dtype)
     assert y.dtype == ref.dtype and y.shape == ref.shape
     _assert_close(y, ref)
+
+
+def test_every_heuristic_choice_is_right_with_per_channel_weight_scales():
+    """Outer-vector scaling (one weight scale per output column, as a merged QKV GEMM has), for each of
+    cuBLASLt's heuristic choices that the tactics offer."""
+    x8, w8, sx, _, b = _operands()
+    sw = torch.linspace(0.5, 2.0, 384, device="cuda") / 448
+    y_scale = torch.tensor(0.02, device="cuda")
+    spec = cublaslt.spec_of(x8, w8, sw, True, "GeluErf", True, torch.float16)
+    algos = [a for a in range(cublaslt.ALGOS) if cublaslt.supported(spec, x8.device, a)]
+    assert algos, "no cuBLASLt kernel takes per-channel FP8 weight scales"
+    ref = reference(x8.double() @ w8.double(), sx, sw, b.half(), "GeluErf", (), y_scale, "fp8", torch.float16)
+    for a in algos:
+        _assert_close(cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale, torch.float16, algo=a), ref)
 
 
 def test_fp8_gemm_replays_in_a_cuda_graph_with_new_inputs():

@@ -6,8 +6,15 @@ from kiln.kernels import cublaslt
 
 
 def test_the_fp8_gemm_is_declined_off_the_gpu_and_for_epilogues_or_types_cublaslt_lacks():
-    cuda = torch.device("cuda")
-    assert not cublaslt.supported(64, 64, 64, torch.float16, None, "", torch.device("cpu"))
-    assert not cublaslt.supported(64, 64, 64, torch.float16, torch.float16, "Sigmoid", cuda)  # no such epilogue
-    assert not cublaslt.supported(64, 64, 64, torch.float32, None, "", cuda)  # FP32 output: not offered
-    assert not cublaslt.supported(64, 64, 64, torch.float16, torch.float32, "Relu", cuda)  # FP32 bias: likewise
+    cuda, Spec = torch.device("cuda"), cublaslt.Spec
+    assert not cublaslt.supported(Spec(64, 64, 64, torch.float16, None), torch.device("cpu"))
+    assert not cublaslt.supported(Spec(64, 64, 64, torch.float16, torch.float16, "Sigmoid"), cuda)  # no such epilogue
+    assert not cublaslt.supported(Spec(64, 64, 64, torch.float32, None), cuda)  # FP32 output: not offered
+    assert not cublaslt.supported(Spec(64, 64, 64, torch.float16, torch.float32, "Relu"), cuda)  # FP32 bias: likewise
+
+
+def test_a_gemms_spec_flattens_leading_axes_and_tells_per_channel_weight_scales():
+    x, w = torch.zeros(2, 8, 32, dtype=torch.float8_e4m3fn), torch.zeros(32, 48, dtype=torch.float8_e4m3fn)
+    spec = cublaslt.spec_of(x, w, torch.ones(48), True, "GeluErf", True, torch.bfloat16)
+    assert spec == cublaslt.Spec(16, 48, 32, torch.float8_e4m3fn, torch.bfloat16, "GeluErf", per_channel=True)
+    assert not cublaslt.spec_of(x, w, torch.ones(1), False, "", False, torch.float16).per_channel

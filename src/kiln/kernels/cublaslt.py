@@ -31,7 +31,9 @@ _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
+_DESC_A_SCALE_MODE, _SCALE_OUTER_VEC_32F = 31, 3
 _PREF_MAX_WORKSPACE = 1
+ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
 EPILOGUES = {("", False): 1, ("", True): 4, ("Relu", False): 2, ("Relu", True): 6,
              ("GeluErf", False): 32, ("GeluErf", True): 36, ("GeluTanh", False): 32, ("GeluTanh", True): 36}
 _TYPES = {torch.float16: _R_16F, torch.bfloat16: _R_16BF, torch.float8_e4m3fn: _R_8F_E4M3}
@@ -112,6 +114,18 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
 
 
 @dataclass(frozen=True)
+class Spec:
+    """One FP8 GEMM y[m, n] = act(x[m, k] @ w[k, n] * scales + bias) as cuBLASLt sees it."""
+    m: int
+    n: int
+    k: int
+    out: torch.dtype  # FP16, BF16, or FP8 E4M3 (re-quantized with y_scale)
+    bias: torch.dtype | None  # the bias's type (the output's float type), None without one
+    act: str = ""
+    per_channel: bool = False  # one weight scale per output column (cuBLASLt's outer-vector scaling)
+
+
+@dataclass(frozen=True)
 class _Plan:
     desc: ctypes.c_void_p
     layouts: tuple  # A (weights), B (activations), C, D
@@ -120,53 +134,62 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(device: int, m: int, n: int, k: int, out: torch.dtype, bias: torch.dtype | None, act: str) -> _Plan | None:
-    """cuBLASLt's heuristic choice for y[m, n] = x[m, k] @ w[k, n] in column-major terms: y^T = w^T x^T, with
-    w^T read transposed from the K-major weights (cuBLASLt's FP8 GEMM takes only that "TN" form). None when
+def _plans(device: int, spec: Spec) -> tuple[_Plan, ...]:
+    """cuBLASLt's heuristic choices (best first, up to ALGOS) for the spec in column-major terms: y^T = w^T x^T,
+    w^T read transposed from the K-major weights (cuBLASLt's FP8 GEMM takes only that "TN" form). Empty when
     cuBLASLt has no kernel for it."""
     lib = _lib()
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
     _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
     _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
-    _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(act, bias is not None)]))
+    _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
     _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
-    c_type = _TYPES[bias or (out if out != torch.float8_e4m3fn else torch.float16)]
-    if bias is not None:
-        _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[bias]))
+    if spec.per_channel:
+        _set(desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_OUTER_VEC_32F))
+    c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
+    if spec.bias is not None:
+        _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
     # alignment); fp8_gemm sets the real ones before each call.
     aligned = ctypes.c_void_p(256)
-    for attr in (_DESC_A_SCALE, _DESC_B_SCALE) + ((_DESC_D_SCALE,) if out == torch.float8_e4m3fn else ()) + (
-            (_DESC_BIAS_POINTER,) if bias is not None else ()):
+    for attr in (_DESC_A_SCALE, _DESC_B_SCALE) + ((_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
+            (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
         _set(desc, attr, aligned)
+    m, n, k = spec.m, spec.n, spec.k
     layouts = (_layout(_R_8F_E4M3, k, n, k), _layout(_R_8F_E4M3, k, m, k), _layout(c_type, n, m, n),
-               _layout(_TYPES[out], n, m, n))
+               _layout(_TYPES[spec.out], n, m, n))
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
     cap = ctypes.c_uint64(MAX_WORKSPACE)
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(cap), 8),
            "cublasLtMatmulPreferenceSetAttribute")
-    result, count = _Heuristic(), ctypes.c_int(0)
-    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, *layouts, pref, 1, ctypes.byref(result),
+    results, count = (_Heuristic * ALGOS)(), ctypes.c_int(0)
+    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, *layouts, pref, ALGOS, results,
                                                 ctypes.byref(count))
-    if status != 0 or count.value == 0 or result.state != 0:
-        return None
-    return _Plan(desc, layouts, result, result.workspace)
+    if status != 0:
+        return ()
+    return tuple(_Plan(desc, layouts, r, r.workspace) for r in results[:count.value] if r.state == 0)
 
 
-def supported(m: int, n: int, k: int, out: torch.dtype, bias: torch.dtype | None, act: str,
-              device: torch.device) -> bool:
-    """Whether cuBLASLt has an FP8 kernel for this GEMM and epilogue on `device` (a CUDA device of compute
-    capability 8.9 or higher; K and N multiples of 16)."""
-    if (act, bias is not None) not in EPILOGUES or out not in _TYPES or (bias is not None and bias not in _TYPES):
+def supported(spec: Spec, device: torch.device, algo: int = 0) -> bool:
+    """Whether cuBLASLt has an FP8 kernel (its heuristic's choice number `algo`) for this GEMM and epilogue on
+    `device` (a CUDA device of compute capability 8.9 or higher; K and N multiples of 16)."""
+    if ((spec.act, spec.bias is not None) not in EPILOGUES or spec.out not in _TYPES
+            or (spec.bias is not None and spec.bias not in _TYPES)):
         return False
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9) or k % 16 or n % 16 or m < 1:
+    if (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9) or spec.k % 16 or spec.n % 16
+            or spec.m < 1):
         return False
     try:
-        return _plan(device.index or 0, m, n, k, out, bias, act) is not None
+        return len(_plans(device.index or 0, spec)) > algo
     except CublasLtError:
         return False
+
+
+def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0) -> int:
+    """The scratch cuBLASLt's choice `algo` needs (at most MAX_WORKSPACE); call where `supported` is True."""
+    return _plans(device.index or 0, spec)[algo].workspace
 
 
 _CONSTANTS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
@@ -205,31 +228,27 @@ def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
 
 
 def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, act: str = "", y_scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+             bias: torch.Tensor | None = None, act: str = "", y_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float16, algo: int = 0) -> torch.Tensor:
     """act(x8 @ w8 * x_scale * w_scale + bias) as out_dtype, or as FP8 E4M3 quantized with y_scale.
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
-    weight layout); scales: one value each; bias: [N], used in out_dtype (FP16 or BF16). Raises CublasLtError
-    where `supported` is False."""
-    m, k = x8.shape
-    n = w8.shape[1]
-    out = torch.float8_e4m3fn if y_scale is not None else out_dtype
-    bias_dtype = out_dtype if bias is not None else None
+    weight layout); x_scale, y_scale: one value; w_scale: one value or N; bias: [N], used in out_dtype (FP16
+    or BF16); algo: which of cuBLASLt's heuristic choices. Raises CublasLtError where `supported` is False."""
+    spec = spec_of(x8, w8, w_scale, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
-    plan = _plan(x8.device.index or 0, m, n, k, out, bias_dtype, act)
-    if plan is None:
-        raise CublasLtError(f"cuBLASLt has no FP8 kernel for {m}x{k}x{n} with epilogue {act or 'none'}")
-    y = torch.empty(m, n, dtype=out, device=x8.device)
-    if m == 0:
-        return y
+    plans = _plans(x8.device.index or 0, spec)
+    if len(plans) <= algo:
+        raise CublasLtError(f"cuBLASLt has no FP8 kernel (choice {algo}) for {spec}")
+    plan = plans[algo]
+    y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
     # A is the weights, B the activations: A's scale is the weights'
     pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
     if y_scale is not None:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
-        pointers.append((_DESC_BIAS_POINTER, _constant(bias, bias_dtype)))
+        pointers.append((_DESC_BIAS_POINTER, _constant(bias, out_dtype)))
     for attr, t in pointers:
         _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
     ws, dev = _workspace(x8.device, plan.workspace), x8.device.index or 0
@@ -239,3 +258,11 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
                                  y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
                                  plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream), "cublasLtMatmul")
     return y
+
+
+def spec_of(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, has_bias: bool, act: str, fp8_out: bool,
+            out_dtype: torch.dtype) -> Spec:
+    """The Spec of x[..., K] @ w[K, N] (x's leading axes flattened)."""
+    k, n = w.shape
+    return Spec(x.numel() // k, n, k, torch.float8_e4m3fn if fp8_out else out_dtype,
+                out_dtype if has_bias else None, act, w_scale.numel() == n and n > 1)

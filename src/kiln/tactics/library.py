@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cublaslt
 from ..ops.fused import activation, attention, float_type, fused_conv, writes_fp32
 from . import tactic
 
@@ -291,30 +292,41 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     return y.reshape(*x.shape[:-1], w_q.shape[1])
 
 
-def _cublaslt_epilogue_ok(node, args):
-    from ..kernels import cublaslt
+def _cublaslt_epilogue(algo: int):
+    """QGemm on cuBLASLt's FP8 GEMM with the scales, bias, activation and any FP8 re-quantization all in its
+    epilogue: one kernel where torch._scaled_mm needs a second pass for the last two (kernels/cublaslt.py).
+    One tactic per heuristic choice `algo`."""
 
-    x, w_q = args[0], args[1]
-    b, y_scale = (list(args[4:6]) + [None, None])[:2]
-    ft = float_type(node, x)
-    if not (x.is_cuda and node.attr("qtype", "int8") == "fp8" and args[3].numel() == 1 and ft in _LOW
-            and (y_scale is None or y_scale.numel() == 1)):
-        return False
-    out = torch.float8_e4m3fn if y_scale is not None else ft
-    return cublaslt.supported(x.numel() // x.shape[-1], w_q.shape[1], x.shape[-1], out,
-                              ft if b is not None else None, node.attr("activation", ""), x.device)
+    def spec(node, args):
+        x, w_q, _, w_scale = args[:4]
+        b, y_scale = (list(args[4:6]) + [None, None])[:2]
+        return cublaslt.spec_of(x, w_q, w_scale, b is not None, node.attr("activation", ""), y_scale is not None,
+                                float_type(node, x))
+
+    def applies(node, args):
+        x, w_q, x_scale, w_scale = args[:4]
+        y_scale = args[5] if len(args) > 5 else None
+        return (x.is_cuda and node.attr("qtype", "int8") == "fp8" and float_type(node, x) in _LOW
+                and x_scale.numel() == 1 and w_scale.numel() in (1, w_q.shape[1])
+                and (y_scale is None or y_scale.numel() == 1) and cublaslt.supported(spec(node, args), x.device, algo))
+
+    def run(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+        from ..kernels.rescale import to_8bit
+
+        y = cublaslt.fp8_gemm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "fp8"), w_q.t().contiguous().t(),
+                              x_scale, w_scale, b, node.attr("activation", ""), y_scale, float_type(node, x), algo)
+        return y.reshape(*x.shape[:-1], w_q.shape[1])
+
+    def workspace(node, args):
+        return cublaslt.workspace_bytes(spec(node, args), args[0].device, algo)
+
+    return applies, run, workspace
 
 
-@tactic("QGemm", "cublaslt_fp8_epilogue", _cublaslt_epilogue_ok)
-def fp8_cublaslt_epilogue(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
-    """cuBLASLt's FP8 GEMM with the scales, bias, activation and any FP8 re-quantization all in its epilogue:
-    one kernel where torch._scaled_mm needs a second pass for the last two (kernels/cublaslt.py)."""
-    from ..kernels import cublaslt
-    from ..kernels.rescale import to_8bit
-
-    y = cublaslt.fp8_gemm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "fp8"), w_q.t().contiguous().t(), x_scale,
-                          w_scale, b, node.attr("activation", ""), y_scale, float_type(node, x))
-    return y.reshape(*x.shape[:-1], w_q.shape[1])
+for _algo in range(cublaslt.ALGOS):
+    _applies, _run, _workspace = _cublaslt_epilogue(_algo)
+    tactic("QGemm", "cublaslt_fp8_epilogue" + (f"_algo{_algo}" if _algo else ""), _applies, workspace=_workspace,
+           level=1 if _algo == 0 else 3)(_run)
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
