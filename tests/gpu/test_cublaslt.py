@@ -51,7 +51,7 @@ def test_fp8_gemm_applies_scales_bias_activation_and_the_output_scale_in_one_cal
 
 
 def test_every_heuristic_choice_is_right_with_per_channel_weight_scales():
-    """Outer-vector scaling (one weight scale per output column, as a merged QKV GEMM has), for each of
+    """One weight scale per output column (as a merged QKV GEMM has; a vector alpha), for each of
     cuBLASLt's heuristic choices that the tactics offer."""
     x8, w8, sx, _, b = _operands()
     sw = torch.linspace(0.5, 2.0, 384, device="cuda") / 448

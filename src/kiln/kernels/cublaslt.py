@@ -31,7 +31,7 @@ _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
-_DESC_A_SCALE_MODE, _SCALE_OUTER_VEC_32F = 31, 3
+_DESC_POINTER_MODE, _ALPHA_VECTOR_BETA_ZERO = 2, 3
 _PREF_MAX_WORKSPACE = 1
 ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
 EPILOGUES = {("", False): 1, ("", True): 4, ("Relu", False): 2, ("Relu", True): 6,
@@ -122,7 +122,7 @@ class Spec:
     out: torch.dtype  # FP16, BF16, or FP8 E4M3 (re-quantized with y_scale)
     bias: torch.dtype | None  # the bias's type (the output's float type), None without one
     act: str = ""
-    per_channel: bool = False  # one weight scale per output column (cuBLASLt's outer-vector scaling)
+    per_channel: bool = False  # one weight scale per output column, given to cuBLASLt as a vector alpha
 
 
 @dataclass(frozen=True)
@@ -145,15 +145,16 @@ def _plans(device: int, spec: Spec) -> tuple[_Plan, ...]:
     _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
     _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
     _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
-    if spec.per_channel:
-        _set(desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_OUTER_VEC_32F))
+    if spec.per_channel:  # alpha is then a device vector, one value per row of y^T; A's scale stays 1
+        _set(desc, _DESC_POINTER_MODE, ctypes.c_int32(_ALPHA_VECTOR_BETA_ZERO))
     c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
     if spec.bias is not None:
         _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
     # alignment); fp8_gemm sets the real ones before each call.
     aligned = ctypes.c_void_p(256)
-    for attr in (_DESC_A_SCALE, _DESC_B_SCALE) + ((_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
+    for attr in (() if spec.per_channel else (_DESC_A_SCALE,)) + (_DESC_B_SCALE,) + (
+            (_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
             (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
         _set(desc, attr, aligned)
     m, n, k = spec.m, spec.n, spec.k
@@ -243,8 +244,12 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
         raise CublasLtError(f"cuBLASLt has no FP8 kernel (choice {algo}) for {spec}")
     plan = plans[algo]
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
-    # A is the weights, B the activations: A's scale is the weights'
-    pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
+    # A is the weights, B the activations: A's scale is the weights', or alpha's when it is one per channel
+    w_scale = _constant(w_scale, torch.float32)
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    alpha = ctypes.c_void_p(w_scale.data_ptr()) if spec.per_channel else ctypes.byref(one)
+    pointers = [(_DESC_B_SCALE, _constant(x_scale, torch.float32))] + ([] if spec.per_channel else [
+        (_DESC_A_SCALE, w_scale)])
     if y_scale is not None:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
@@ -252,8 +257,7 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
     for attr, t in pointers:
         _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
     ws, dev = _workspace(x8.device, plan.workspace), x8.device.index or 0
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w8.data_ptr(), plan.layouts[0],
+    _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, alpha, w8.data_ptr(), plan.layouts[0],
                                  x8.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
                                  y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
                                  plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream), "cublasLtMatmul")
