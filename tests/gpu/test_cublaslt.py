@@ -41,7 +41,7 @@ def test_fp8_gemm_applies_scales_bias_activation_and_the_output_scale_in_one_cal
     out_dtype = torch.bfloat16 if out == "bfloat16" else torch.float16
     bias = b.to(out_dtype) if with_bias else None
     y_scale = torch.tensor(0.02, device="cuda") if out == "fp8" else None
-    spec = cublaslt.spec_of(x8, w8, sw, with_bias, act, y_scale is not None, out_dtype)
+    spec = cublaslt.spec_of(x8, w8, with_bias, act, y_scale is not None, out_dtype)
     assert cublaslt.supported(spec, x8.device)
     y = cublaslt.fp8_gemm(x8, w8, sx, sw, bias, act, y_scale, out_dtype)
     acc = x8.double() @ w8.double()
@@ -50,15 +50,12 @@ def test_fp8_gemm_applies_scales_bias_activation_and_the_output_scale_in_one_cal
     _assert_close(y, ref)
 
 
-def test_every_heuristic_choice_is_right_with_per_channel_weight_scales():
-    """One weight scale per output column (as a merged QKV GEMM has; a vector alpha), for each of
-    cuBLASLt's heuristic choices that the tactics offer."""
-    x8, w8, sx, _, b = _operands()
-    sw = torch.linspace(0.5, 2.0, 384, device="cuda") / 448
+def test_every_heuristic_choice_the_tactics_offer_is_right():
+    x8, w8, sx, sw, b = _operands()
     y_scale = torch.tensor(0.02, device="cuda")
-    spec = cublaslt.spec_of(x8, w8, sw, True, "GeluErf", True, torch.float16)
+    spec = cublaslt.spec_of(x8, w8, True, "GeluErf", True, torch.float16)
     algos = [a for a in range(cublaslt.ALGOS) if cublaslt.supported(spec, x8.device, a)]
-    assert algos, "no cuBLASLt kernel takes per-channel FP8 weight scales"
+    assert len(algos) > 1
     ref = reference(x8.double() @ w8.double(), sx, sw, b.half(), "GeluErf", (), y_scale, "fp8", torch.float16)
     for a in algos:
         _assert_close(cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale, torch.float16, algo=a), ref)

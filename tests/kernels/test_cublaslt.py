@@ -13,8 +13,8 @@ def test_the_fp8_gemm_is_declined_off_the_gpu_and_for_epilogues_or_types_cublasl
     assert not cublaslt.supported(Spec(64, 64, 64, torch.float16, torch.float32, "Relu"), cuda)  # FP32 bias: likewise
 
 
-def test_a_gemms_spec_flattens_leading_axes_and_tells_per_channel_weight_scales():
+def test_a_gemms_spec_flattens_leading_axes():
     x, w = torch.zeros(2, 8, 32, dtype=torch.float8_e4m3fn), torch.zeros(32, 48, dtype=torch.float8_e4m3fn)
-    spec = cublaslt.spec_of(x, w, torch.ones(48), True, "GeluErf", True, torch.bfloat16)
-    assert spec == cublaslt.Spec(16, 48, 32, torch.float8_e4m3fn, torch.bfloat16, "GeluErf", per_channel=True)
-    assert not cublaslt.spec_of(x, w, torch.ones(1), False, "", False, torch.float16).per_channel
+    spec = cublaslt.spec_of(x, w, True, "GeluErf", True, torch.bfloat16)
+    assert spec == cublaslt.Spec(16, 48, 32, torch.float8_e4m3fn, torch.bfloat16, "GeluErf")
+    assert cublaslt.spec_of(x, w, False, "", False, torch.float16).bias is None

@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 
 import kiln
@@ -24,6 +25,29 @@ def test_quantize_weight_is_per_output_channel():
     w_q, s = insert_qdq.quantize_weight(w, channel_axis=1)
     torch.testing.assert_close(s, torch.tensor([1.0, 4.0]) / 127)
     assert w_q.dtype == torch.int8 and w_q.abs().max() == 127
+
+
+def _siblings(ranges):
+    """Graph: MatMuls reading one input x, weight i filled with ranges[i] (largest |w|)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.full((8, 4), r, np.float32) * np.linspace(-1, 1, 4, dtype=np.float32),
+                                     f"w{i}") for i, r in enumerate(ranges)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"mm{i}") for i in range(len(ranges))]
+    outs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 4]) for i in range(len(ranges))]
+    g = helper.make_graph(nodes, "siblings", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])], outs,
+                          inits)
+    graph = model_to_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    graph.quant_amax, graph.quant_type = {"x": 1.0}, "fp8"
+    insert_qdq.run(graph)
+    return [float(graph.initializers[f"mm{i}.weight_scale"]) for i in range(len(ranges))]
+
+
+def test_fp8_gemms_reading_one_input_share_the_largest_weight_scale_within_16x():
+    """Q, K and V share one FP8 weight scale, so their merged GEMM keeps one (cuBLASLt's FP8 GEMM takes no
+    other kind on Hopper); a sibling 100x smaller would lose precision to subnormals, so then none share."""
+    assert _siblings([1.0, 3.0, 0.5]) == pytest.approx([3.0 / 448] * 3)
+    assert _siblings([1.0, 100.0]) == pytest.approx([1.0 / 448, 100.0 / 448])
 
 
 def test_insertion_then_fusion_gives_int8_layers_close_to_fp32():

@@ -85,6 +85,7 @@ def test_fp8_projections_calibrated_by_kiln_merge_too():
     calib = [{"x": np.random.default_rng(s).standard_normal((4, 16)).astype(np.float32)} for s in range(8)]
     engine = _build(m, fp8=True, calib=calib)
     assert [n.op_type for n in engine.graph.nodes] == ["QGemm", "Split"]
+    assert engine.graph.initializers[engine.graph.nodes[0].inputs[3]].numel() == 1  # one shared FP8 weight scale
     x = np.random.default_rng(9).standard_normal((6, 16)).astype(np.float32)
     got = engine.create_execution_context().run({"x": x})
     for name, ref in zip("qkv", _ort(m, x)):  # FP8: a few percent of the range

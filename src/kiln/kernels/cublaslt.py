@@ -31,7 +31,6 @@ _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
-_DESC_POINTER_MODE, _ALPHA_VECTOR_BETA_ZERO = 2, 3
 _PREF_MAX_WORKSPACE = 1
 ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
 EPILOGUES = {("", False): 1, ("", True): 4, ("Relu", False): 2, ("Relu", True): 6,
@@ -122,7 +121,6 @@ class Spec:
     out: torch.dtype  # FP16, BF16, or FP8 E4M3 (re-quantized with y_scale)
     bias: torch.dtype | None  # the bias's type (the output's float type), None without one
     act: str = ""
-    per_channel: bool = False  # one weight scale per output column, given to cuBLASLt as a vector alpha
 
 
 @dataclass(frozen=True)
@@ -145,16 +143,13 @@ def _plans(device: int, spec: Spec) -> tuple[_Plan, ...]:
     _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
     _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
     _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
-    if spec.per_channel:  # alpha is then a device vector, one value per row of y^T; A's scale stays 1
-        _set(desc, _DESC_POINTER_MODE, ctypes.c_int32(_ALPHA_VECTOR_BETA_ZERO))
     c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
     if spec.bias is not None:
         _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
     # alignment); fp8_gemm sets the real ones before each call.
     aligned = ctypes.c_void_p(256)
-    for attr in (() if spec.per_channel else (_DESC_A_SCALE,)) + (_DESC_B_SCALE,) + (
-            (_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
+    for attr in (_DESC_A_SCALE, _DESC_B_SCALE) + ((_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
             (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
         _set(desc, attr, aligned)
     m, n, k = spec.m, spec.n, spec.k
@@ -234,9 +229,10 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
     """act(x8 @ w8 * x_scale * w_scale + bias) as out_dtype, or as FP8 E4M3 quantized with y_scale.
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
-    weight layout); x_scale, y_scale: one value; w_scale: one value or N; bias: [N], used in out_dtype (FP16
+    weight layout); scales: one value each (cuBLASLt's FP8 GEMM takes no per-channel ones on Hopper: its
+    heuristic offered none on the H200, as outer-vector scales or as a vector alpha); bias: [N], used in out_dtype (FP16
     or BF16); algo: which of cuBLASLt's heuristic choices. Raises CublasLtError where `supported` is False."""
-    spec = spec_of(x8, w8, w_scale, bias is not None, act, y_scale is not None, out_dtype)
+    spec = spec_of(x8, w8, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
     plans = _plans(x8.device.index or 0, spec)
@@ -244,12 +240,8 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
         raise CublasLtError(f"cuBLASLt has no FP8 kernel (choice {algo}) for {spec}")
     plan = plans[algo]
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
-    # A is the weights, B the activations: A's scale is the weights', or alpha's when it is one per channel
-    w_scale = _constant(w_scale, torch.float32)
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    alpha = ctypes.c_void_p(w_scale.data_ptr()) if spec.per_channel else ctypes.byref(one)
-    pointers = [(_DESC_B_SCALE, _constant(x_scale, torch.float32))] + ([] if spec.per_channel else [
-        (_DESC_A_SCALE, w_scale)])
+    # A is the weights, B the activations: A's scale is the weights'
+    pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
     if y_scale is not None:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
@@ -257,16 +249,16 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
     for attr, t in pointers:
         _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
     ws, dev = _workspace(x8.device, plan.workspace), x8.device.index or 0
-    _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, alpha, w8.data_ptr(), plan.layouts[0],
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w8.data_ptr(), plan.layouts[0],
                                  x8.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
                                  y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
                                  plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream), "cublasLtMatmul")
     return y
 
 
-def spec_of(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, has_bias: bool, act: str, fp8_out: bool,
-            out_dtype: torch.dtype) -> Spec:
+def spec_of(x: torch.Tensor, w: torch.Tensor, has_bias: bool, act: str, fp8_out: bool, out_dtype: torch.dtype) -> Spec:
     """The Spec of x[..., K] @ w[K, N] (x's leading axes flattened)."""
     k, n = w.shape
-    return Spec(x.numel() // k, n, k, torch.float8_e4m3fn if fp8_out else out_dtype,
-                out_dtype if has_bias else None, act, w_scale.numel() == n and n > 1)
+    return Spec(x.numel() // k, n, k, torch.float8_e4m3fn if fp8_out else out_dtype, out_dtype if has_bias else None,
+                act)

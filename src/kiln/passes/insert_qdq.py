@@ -4,7 +4,7 @@ Runs only in an INT8 or FP8 build (graph.quant_amax holds the calibrated
 activation ranges). Each MatMul/Gemm/Conv with constant float weights whose
 input has a calibrated range gets QuantizeLinear/DequantizeLinear on that input
 (per-tensor scale amax/127, or amax/448 for FP8 E4M3) and quantized weights
-(int8 per output channel; FP8 per tensor). The graph is
+(int8 per output channel; FP8 per tensor, one shared by GEMMs reading one input). The graph is
 then an explicitly quantized ONNX graph (exportable, onnxruntime runs it), and
 fuse_qdq turns each pattern into an INT8 layer.
 
@@ -35,16 +35,36 @@ def quantize_weight(w: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, t
     return w_q, scale
 
 
-def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 E4M3 weights with one scale (max|w| / 448), as cuBLASLt's FP8 GEMM takes them."""
-    amax = w.abs().max()
+def quantize_weight_fp8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 weights with one scale (amax / 448, amax max|w| unless given), as cuBLASLt's FP8 GEMM takes them."""
+    amax = w.abs().max() if amax is None else amax
     scale = (amax / FP8_MAX if amax > 0 else torch.tensor(1.0)).float().reshape(1)
     return torch.clamp(w.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
+SHARED_FP8_RANGE = 16.0  # sibling GEMMs share an FP8 weight scale when their max|w| are within this factor
 MIN_CHANNELS = 4  # input channels per group below which a convolution is not quantized (RGB, grey)
 KEPT_IN_FLOAT = "kept in float"  # how the note of a layer this pass leaves unquantized begins
+
+
+def _shared_fp8_amax(graph: Graph, view: View) -> dict[str, torch.Tensor]:
+    """{GEMM name: the max|w| its FP8 weights are scaled by} for GEMMs that read one input (Q, K and V):
+    the largest of theirs, so merge_parallel_gemms keeps one weight scale, the only kind cuBLASLt's FP8 GEMM
+    takes on Hopper (it offers no per-channel FP8 scales there; H200, 2026-11-30). FP8 is a float: a larger
+    scale moves a weight down its binades at the same relative precision, losing bits only below 2^-6 of
+    the scale, so sharing costs nothing measurable while the max|w| are within SHARED_FP8_RANGE."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for n in graph.nodes:
+        w = view.const(n.inputs[1]) if n.op_type in ("MatMul", "Gemm") and not n.domain else None
+        if w is not None and w.dtype.is_floating_point and w.dim() == 2:
+            groups.setdefault(n.inputs[0], []).append((n.name, w.abs().max()))
+    shared = {}
+    for members in groups.values():
+        top = max(a for _, a in members)
+        if len(members) > 1 and all(a * SHARED_FP8_RANGE >= top for _, a in members):
+            shared.update({name: top for name, _ in members})
+    return shared
 
 
 def run(graph: Graph) -> None:
@@ -55,6 +75,7 @@ def run(graph: Graph) -> None:
     view = View(graph)
     zero = "kiln.fp8_zero_point" if fp8 else "kiln.int8_zero_point"
     graph.initializers[zero] = torch.zeros((), dtype=torch.float8_e4m3fn if fp8 else torch.int8)
+    shared = _shared_fp8_amax(graph, view) if fp8 else {}
     for n in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
         w = view.const(n.inputs[1])
         if w is None or not w.dtype.is_floating_point or (n.op_type != "Conv" and w.dim() != 2):
@@ -70,7 +91,7 @@ def run(graph: Graph) -> None:
             miss(graph, "INT8 layer", [n], f"no calibrated range for its input '{x}'")
             continue
         axis = 0 if n.op_type == "Conv" or (n.op_type == "Gemm" and n.attr("transB", 0)) else 1
-        w_q, w_scale = quantize_weight_fp8(w) if fp8 else quantize_weight(w, axis)
+        w_q, w_scale = quantize_weight_fp8(w, shared.get(n.name)) if fp8 else quantize_weight(w, axis)
         tag = n.name
         graph.initializers.update({
             f"{tag}.input_scale": torch.tensor(amax[x] / (FP8_MAX if fp8 else 127.0), dtype=torch.float32),

@@ -298,16 +298,16 @@ def _cublaslt_epilogue(algo: int):
     One tactic per heuristic choice `algo`."""
 
     def spec(node, args):
-        x, w_q, _, w_scale = args[:4]
+        x, w_q = args[:2]
         b, y_scale = (list(args[4:6]) + [None, None])[:2]
-        return cublaslt.spec_of(x, w_q, w_scale, b is not None, node.attr("activation", ""), y_scale is not None,
+        return cublaslt.spec_of(x, w_q, b is not None, node.attr("activation", ""), y_scale is not None,
                                 float_type(node, x))
 
     def applies(node, args):
         x, w_q, x_scale, w_scale = args[:4]
         y_scale = args[5] if len(args) > 5 else None
         return (x.is_cuda and node.attr("qtype", "int8") == "fp8" and float_type(node, x) in _LOW
-                and x_scale.numel() == 1 and w_scale.numel() in (1, w_q.shape[1])
+                and x_scale.numel() == 1 and w_scale.numel() == 1
                 and (y_scale is None or y_scale.numel() == 1) and cublaslt.supported(spec(node, args), x.device, algo))
 
     def run(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
