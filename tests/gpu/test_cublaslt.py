@@ -102,3 +102,34 @@ def test_an_fp8_build_times_the_epilogue_tactic_and_matches_onnxruntime():
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
     out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]
     assert np.abs(out.float().cpu().numpy() - ref).max() <= 0.1 * np.abs(ref).max()
+
+
+def _pointwise_convs():
+    """x -> 1x1 conv + ReLU -> 1x1 conv + ReLU -> 3x3 conv: the second reads the first's channels-last output."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n)
+             for n, s in [("wa", (64, 32, 1, 1)), ("wb", (64, 64, 1, 1)), ("bb", (64,)), ("wc", (32, 64, 3, 3))]]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["a"], name="conv_a"), helper.make_node("Relu", ["a"], ["ra"]),
+             helper.make_node("Conv", ["ra", "wb", "bb"], ["b"], name="conv_b"),
+             helper.make_node("Relu", ["b"], ["rb"]),
+             helper.make_node("Conv", ["rb", "wc"], ["y"], name="conv_c", pads=[1, 1, 1, 1])]
+    g = helper.make_graph(nodes, "pointwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32, 16, 16])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_fp8_build_times_the_epilogue_tactic_for_a_1x1_convolution_and_matches_onnxruntime():
+    """A 1x1 convolution over channels-last pixels, with bias, ReLU and an FP8 output for the next convolution, is
+    the same cuBLASLt GEMM."""
+    model = _pointwise_convs()
+    rng = np.random.default_rng(1)
+    calib = [{"x": rng.standard_normal((8, 32, 16, 16)).astype(np.float32)} for _ in range(8)]
+    eng = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False, fp16=True, fp8=True, calib=calib))
+    conv_b = next(t for t in eng.tactics if "conv_b" in t["layer"] and t["op"] == "QConv")
+    assert "cublaslt_fp8_epilogue" in conv_b["timings"], (sorted(conv_b["timings"]), conv_b["excluded"])
+    x = rng.standard_normal((8, 32, 16, 16)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    out = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["y"]
+    assert np.abs(out.float().cpu().numpy() - ref).max() <= 0.1 * np.abs(ref).max()

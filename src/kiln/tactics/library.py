@@ -292,41 +292,61 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     return y.reshape(*x.shape[:-1], w_q.shape[1])
 
 
-def _cublaslt_epilogue(algo: int):
-    """QGemm on cuBLASLt's FP8 GEMM with the scales, bias, activation and any FP8 re-quantization all in its
-    epilogue: one kernel where torch._scaled_mm needs a second pass for the last two (kernels/cublaslt.py).
-    One tactic per heuristic choice `algo`."""
+def _as_fp8_gemm(node, args):
+    """(x rows [M, K], weights [K, N], bias, y_scale) of an FP8 QGemm, or of an FP8 QConv that is a 1x1 convolution
+    over channels-last pixels with no residual and one output; None for any other layer."""
+    from ..kernels import conv
 
-    def spec(node, args):
-        x, w_q = args[:2]
+    x, w = args[0], args[1]
+    if not x.is_cuda or node.attr("qtype", "int8") != "fp8" or float_type(node, x) not in _LOW:
+        return None
+    if node.op_type == "QGemm":  # (x, w_q, x_scale, w_scale, b, y_scale)
         b, y_scale = (list(args[4:6]) + [None, None])[:2]
-        return cublaslt.spec_of(x, w_q, b is not None, node.attr("activation", ""), y_scale is not None,
-                                float_type(node, x))
+        return x.reshape(-1, x.shape[-1]), w, b, y_scale
+    b, z, y_scale, q_scale = (list(args[4:8]) + [None] * 4)[:4]  # QConv: (.., b, z, y_scale, q_scale, z_scale)
+    if z is not None or q_scale is not None or not conv.is_pointwise(node, x, w, None):
+        return None
+    return conv.pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, y_scale
+
+
+def _cublaslt_epilogue(algo: int):
+    """QGemm and 1x1 QConv on cuBLASLt's FP8 GEMM with the scales, bias, activation and any FP8 re-quantization
+    all in its epilogue: one kernel where torch._scaled_mm needs a second pass for the last two
+    (kernels/cublaslt.py). One tactic per heuristic choice `algo`."""
+
+    def spec(node, rows, w, b, y_scale):
+        return cublaslt.spec_of(rows, w, b is not None, node.attr("activation", ""), y_scale is not None,
+                                float_type(node, rows))
 
     def applies(node, args):
-        x, w_q, x_scale, w_scale = args[:4]
-        y_scale = args[5] if len(args) > 5 else None
-        return (x.is_cuda and node.attr("qtype", "int8") == "fp8" and float_type(node, x) in _LOW
-                and x_scale.numel() == 1 and w_scale.numel() == 1
-                and (y_scale is None or y_scale.numel() == 1) and cublaslt.supported(spec(node, args), x.device, algo))
+        gemm = _as_fp8_gemm(node, args)
+        if gemm is None or args[2].numel() != 1 or args[3].numel() != 1:
+            return False
+        y_scale = gemm[3]
+        return (y_scale is None or y_scale.numel() == 1) and cublaslt.supported(spec(node, *gemm), args[0].device,
+                                                                                algo)
 
-    def run(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
+    def run(node, *args):
+        from ..kernels.conv import pixels_as_nchw
         from ..kernels.rescale import to_8bit
 
-        y = cublaslt.fp8_gemm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "fp8"), w_q.t().contiguous().t(),
-                              x_scale, w_scale, b, node.attr("activation", ""), y_scale, float_type(node, x), algo)
-        return y.reshape(*x.shape[:-1], w_q.shape[1])
+        x, x_scale, w_scale = args[0], args[2], args[3]
+        rows, w, b, y_scale = _as_fp8_gemm(node, args)
+        y = cublaslt.fp8_gemm(to_8bit(rows, x_scale, "fp8"), w.t().contiguous().t(), x_scale, w_scale, b,
+                              node.attr("activation", ""), y_scale, float_type(node, x), algo)
+        return y.reshape(*x.shape[:-1], w.shape[1]) if node.op_type == "QGemm" else pixels_as_nchw(y, x)
 
     def workspace(node, args):
-        return cublaslt.workspace_bytes(spec(node, args), args[0].device, algo)
+        return cublaslt.workspace_bytes(spec(node, *_as_fp8_gemm(node, args)), args[0].device, algo)
 
     return applies, run, workspace
 
 
 for _algo in range(cublaslt.ALGOS):
     _applies, _run, _workspace = _cublaslt_epilogue(_algo)
-    tactic("QGemm", "cublaslt_fp8_epilogue" + (f"_algo{_algo}" if _algo else ""), _applies, workspace=_workspace,
-           level=1 if _algo == 0 else 3)(_run)
+    for _op in ("QGemm", "QConv"):
+        tactic(_op, "cublaslt_fp8_epilogue" + (f"_algo{_algo}" if _algo else ""), _applies, workspace=_workspace,
+               level=1 if _algo == 0 else 3)(_run)
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
