@@ -230,8 +230,9 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
     weight layout); scales: one value each (cuBLASLt's FP8 GEMM takes no per-channel ones on Hopper: its
-    heuristic offered none on the H200, as outer-vector scales or as a vector alpha); bias: [N], used in out_dtype (FP16
-    or BF16); algo: which of cuBLASLt's heuristic choices. Raises CublasLtError where `supported` is False."""
+    heuristic offered none on the H200, as outer-vector scales or as a vector alpha); bias: [N], used in
+    out_dtype (FP16 or BF16); algo: which of cuBLASLt's heuristic choices. Raises CublasLtError where
+    `supported` is False."""
     spec = spec_of(x8, w8, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
