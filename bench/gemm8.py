@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench.run import kernel_profile  # noqa: E402
 from kiln.ir.graph import Node  # noqa: E402
-from kiln.kernels import gemm  # noqa: E402
+from kiln.kernels import cublaslt, gemm  # noqa: E402
+from kiln.kernels.rescale import to_8bit  # noqa: E402
 from kiln.tactics.library import fp8_scaled_mm, int8_int_mm  # noqa: E402
 from kiln.tactics.timer import median_ms  # noqa: E402
 
@@ -86,6 +87,9 @@ def candidates(M, K, N, data="realistic"):
                 lib = fp8_scaled_mm if qtype == "fp8" else int8_int_mm
                 out[f"{qtype} cuBLASLt, {label}"] = (
                     lambda lib=lib, n=node_x, x=x, w8=w8, sx=sx, sw=sw: lib(n, x, w8, sx, sw, b))
+            if qtype == "fp8" and sw.numel() == 1:  # the same GEMM called directly, bias in its epilogue
+                out[f"fp8 cuBLASLt epilogue, {label}"] = (
+                    lambda x=x, w8=w8, sx=sx, sw=sw: cublaslt.fp8_gemm(to_8bit(x, sx, "fp8"), w8, sx, sw, b))
     return out
 
 
