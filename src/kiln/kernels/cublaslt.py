@@ -20,6 +20,7 @@ import functools
 import glob
 import os
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -208,6 +209,7 @@ def _constant(t: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False) -> 
     return v
 
 
+_LAUNCH = threading.Lock()  # engines may run in several threads; each call sets its pointers, then launches
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced workspaces: CUDA graphs captured earlier still point at them
 
@@ -247,14 +249,16 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
         pointers.append((_DESC_BIAS_POINTER, _constant(bias, out_dtype)))
-    for attr, t in pointers:
-        _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
     ws, dev = _workspace(x8.device, plan.workspace), x8.device.index or 0
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w8.data_ptr(), plan.layouts[0],
-                                 x8.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
-                                 y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
-                                 plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream), "cublasLtMatmul")
+    with _LAUNCH:  # the pointers live in the plan's shared descriptor until cublasLtMatmul has read them
+        for attr, t in pointers:
+            _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
+        _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w8.data_ptr(), plan.layouts[0],
+                                     x8.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
+                                     y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
+                                     plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream),
+               "cublasLtMatmul")
     return y
 
 
