@@ -190,11 +190,12 @@ def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0) -> int:
 
 
 _CONSTANTS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+_MADE_IN_CAPTURES: list[torch.Tensor] = []
 
 
 def _constant(t: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False) -> torch.Tensor:
     """t as a contiguous dtype tensor (or its reciprocal), made once per tensor: scales and biases are engine
-    constants, and a conversion kernel per call would cost more than a small GEMM's epilogue. Not kept when
+    constants, and a conversion kernel per call would cost more than a small GEMM's epilogue. Not reused when
     first made inside a CUDA graph capture, where its kernel runs only when the graph does."""
     key = (t.data_ptr(), t.device, dtype, reciprocal)
     hit = _CONSTANTS.get(key)
@@ -204,7 +205,9 @@ def _constant(t: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False) -> 
     v = (1.0 / v if reciprocal else v).contiguous()
     if v.data_ptr() == t.data_ptr():  # already so: nothing to keep
         return v
-    if not torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():
+        _MADE_IN_CAPTURES.append(v)  # the graph reads it on every replay: never free it
+    else:
         _CONSTANTS[key] = (weakref.ref(t), v)
     return v
 
