@@ -18,3 +18,15 @@ def test_a_gemms_spec_flattens_leading_axes():
     spec = cublaslt.spec_of(x, w, True, "GeluErf", True, torch.bfloat16)
     assert spec == cublaslt.Spec(16, 48, 32, torch.float8_e4m3fn, torch.bfloat16, "GeluErf")
     assert cublaslt.spec_of(x, w, False, "", False, torch.float16).bias is None
+
+
+def test_scales_and_biases_are_converted_once_per_tensor():
+    """A conversion or reciprocal is made on the first call and reused (no kernel per call); a tensor already
+    in the asked type is used as it is."""
+    scale, bias = torch.tensor([0.5]), torch.randn(8)
+    assert cublaslt._constant(scale, torch.float32) is scale
+    inverse = cublaslt._constant(scale, torch.float32, reciprocal=True)
+    assert float(inverse) == 2.0 and cublaslt._constant(scale, torch.float32, reciprocal=True) is inverse
+    half = cublaslt._constant(bias, torch.float16)
+    assert half.dtype == torch.float16 and cublaslt._constant(bias, torch.float16) is half
+    assert cublaslt._constant(bias.clone(), torch.float16) is not half  # another tensor, even with equal values
