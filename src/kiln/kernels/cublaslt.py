@@ -205,7 +205,7 @@ def _constant(t: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False) -> 
     v = (1.0 / v if reciprocal else v).contiguous()
     if v.data_ptr() == t.data_ptr():  # already so: nothing to keep
         return v
-    if torch.cuda.is_current_stream_capturing():
+    if v.is_cuda and torch.cuda.is_current_stream_capturing():
         _MADE_IN_CAPTURES.append(v)  # the graph reads it on every replay: never free it
     else:
         _CONSTANTS[key] = (weakref.ref(t), v)
