@@ -186,7 +186,8 @@ def supported(spec: Spec, device: torch.device, algo: int = 0) -> bool:
 
 def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0) -> int:
     """The scratch cuBLASLt's choice `algo` needs (at most MAX_WORKSPACE); call where `supported` is True."""
-    return _plans(device.index or 0, spec)[algo].workspace
+    plans = _plans(device.index or 0, spec)
+    return plans[min(algo, len(plans) - 1)].workspace
 
 
 _CONSTANTS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
@@ -236,15 +237,15 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
     weight layout); scales: one value each (cuBLASLt's FP8 GEMM takes no per-channel ones on Hopper: its
     heuristic offered none on the H200, as outer-vector scales or as a vector alpha); bias: [N], used in
-    out_dtype (FP16 or BF16); algo: which of cuBLASLt's heuristic choices. Raises CublasLtError where
-    `supported` is False."""
+    out_dtype (FP16 or BF16); algo: which of cuBLASLt's heuristic choices (its last one where it has fewer).
+    Raises CublasLtError where `supported` is False for choice 0."""
     spec = spec_of(x8, w8, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
     plans = _plans(x8.device.index or 0, spec)
-    if len(plans) <= algo:
-        raise CublasLtError(f"cuBLASLt has no FP8 kernel (choice {algo}) for {spec}")
-    plan = plans[algo]
+    if not plans:
+        raise CublasLtError(f"cuBLASLt has no FP8 kernel for {spec}")
+    plan = plans[min(algo, len(plans) - 1)]  # a runtime shape may have fewer choices than the opt shape had
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
     # A is the weights, B the activations: A's scale is the weights'
     pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
