@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .workspace import scratch
+
 # cublasLt.h / library_types.h values (stable across CUDA 12 and 13)
 _R_32F, _R_16F, _R_16BF, _R_8F_E4M3 = 0, 2, 14, 28
 _COMPUTE_32F = 68
@@ -184,10 +186,18 @@ def supported(spec: Spec, device: torch.device, algo: int = 0) -> bool:
         return False
 
 
+def _plan(device: torch.device, spec: Spec, algo: int) -> _Plan:
+    """cuBLASLt's choice `algo`, or its last one where it has fewer (a runtime shape may have fewer choices than
+    the opt shape had)."""
+    plans = _plans(device.index or 0, spec)
+    if not plans:
+        raise CublasLtError(f"cuBLASLt has no FP8 kernel for {spec}")
+    return plans[min(algo, len(plans) - 1)]
+
+
 def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0) -> int:
     """The scratch cuBLASLt's choice `algo` needs (at most MAX_WORKSPACE); call where `supported` is True."""
-    plans = _plans(device.index or 0, spec)
-    return plans[min(algo, len(plans) - 1)].workspace
+    return _plan(device, spec, algo).workspace
 
 
 _CONSTANTS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
@@ -214,19 +224,6 @@ def _constant(t: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False) -> 
 
 
 _LAUNCH = threading.Lock()  # engines may run in several threads; each call sets its pointers, then launches
-_WORKSPACES: dict[tuple, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # replaced workspaces: CUDA graphs captured earlier still point at them
-
-
-def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    """Scratch for cuBLASLt on the current stream (kernels on two streams may run at the same time)."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws.numel() < nbytes:
-        if ws is not None:
-            _OUTGROWN.append(ws)
-        ws = _WORKSPACES[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
-    return ws
 
 
 def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -242,10 +239,7 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
     spec = spec_of(x8, w8, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
-    plans = _plans(x8.device.index or 0, spec)
-    if not plans:
-        raise CublasLtError(f"cuBLASLt has no FP8 kernel for {spec}")
-    plan = plans[min(algo, len(plans) - 1)]  # a runtime shape may have fewer choices than the opt shape had
+    plan = _plan(x8.device, spec, algo)
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
     # A is the weights, B the activations: A's scale is the weights'
     pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
@@ -253,7 +247,7 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
         pointers.append((_DESC_BIAS_POINTER, _constant(bias, out_dtype)))
-    ws, dev = _workspace(x8.device, plan.workspace), x8.device.index or 0
+    ws, dev = scratch(x8.device, plan.workspace), x8.device.index or 0
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     with _LAUNCH:  # the pointers live in the plan's shared descriptor until cublasLtMatmul has read them
         for attr, t in pointers:

@@ -1,6 +1,7 @@
-"""Zeroed FP32 sums and int32 arrival counters for kernels that reduce across programs with atomics.
+"""Per-stream scratch: zeroed FP32 sums and int32 arrival counters for kernels that reduce across programs
+with atomics, and plain bytes for library kernels' workspaces.
 
-Such a kernel (splitk_conv.py, pooled_gemm.py) adds its programs' partial results into an FP32 sum;
+A reducing kernel (splitk_conv.py, pooled_gemm.py) adds its programs' partial results into an FP32 sum;
 the last program of each output tile to arrive (an atomic counter per tile) applies the epilogue and
 zeroes the tile's sum and counter again. So the buffers are zero between calls and one pair serves
 every such layer on a stream: no memset kernel per call, and a CUDA graph replays the layers as they
@@ -15,11 +16,15 @@ _BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured earlier still point at them
 
 
+def _stream_key(device: torch.device) -> tuple:
+    return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+
+
 def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP32 sums, int32 counters) for the current stream with at least `sums` and `tiles` elements.
     Allocated in the first, uncaptured warm-up call of a layer; one allocated during a capture is
     zeroed by the graph itself."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = _stream_key(device)
     total, counters = _BUFFERS.get(key, (None, None))
     if total is None or total.numel() < sums or counters.numel() < tiles:
         if total is not None:
@@ -28,3 +33,17 @@ def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch
         counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _BUFFERS[key] = total, counters
     return total, counters
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(device: torch.device, nbytes: int) -> torch.Tensor:
+    """Uninitialized bytes for the current stream, at least `nbytes` (a library kernel's workspace: cuBLASLt's)."""
+    key = _stream_key(device)
+    ws = _SCRATCH.get(key)
+    if ws is None or ws.numel() < nbytes:
+        if ws is not None:
+            _OUTGROWN.append(ws)
+        ws = _SCRATCH[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+    return ws

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..kernels import cublaslt
 from ..ops.fused import activation, attention, float_type, fused_conv, writes_fp32
-from . import tactic
+from . import layer_gemm, tactic
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -295,18 +295,12 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
 def _as_fp8_gemm(node, args):
     """(x rows [M, K], weights [K, N], bias, y_scale) of an FP8 QGemm, or of an FP8 QConv that is a 1x1 convolution
     over channels-last pixels with no residual and one output; None for any other layer."""
-    from ..kernels import conv
-
-    x, w = args[0], args[1]
-    if not x.is_cuda or node.attr("qtype", "int8") != "fp8" or float_type(node, x) not in _LOW:
+    x, w, b, z, y_scale, q_scale, _ = layer_gemm.operands(node, args)
+    if (not x.is_cuda or layer_gemm.qtype(node) != "fp8" or float_type(node, x) not in _LOW or z is not None
+            or q_scale is not None):
         return None
-    if node.op_type == "QGemm":  # (x, w_q, x_scale, w_scale, b, y_scale)
-        b, y_scale = (list(args[4:6]) + [None, None])[:2]
-        return x.reshape(-1, x.shape[-1]), w, b, y_scale
-    b, z, y_scale, q_scale = (list(args[4:8]) + [None] * 4)[:4]  # QConv: (.., b, z, y_scale, q_scale, z_scale)
-    if z is not None or q_scale is not None or not conv.is_pointwise(node, x, w, None):
-        return None
-    return conv.pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t(), b, y_scale
+    mats = layer_gemm.as_gemm(node, x, w)
+    return None if mats is None else (mats[0].reshape(-1, mats[0].shape[-1]), mats[1], b, y_scale)
 
 
 def _cublaslt_epilogue(algo: int):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import tactic
+from . import layer_gemm, tactic
 
 
 def _device_ok(x: torch.Tensor, smem_bytes: int) -> bool:
@@ -28,34 +28,6 @@ def _device_ok(x: torch.Tensor, smem_bytes: int) -> bool:
     return _fits(x, smem_bytes)
 
 
-def _quantized(node) -> str:
-    return node.attr("qtype", "int8") if node.op_type in ("QGemm", "QConv") else ""
-
-
-def _operands(node, args):
-    """(x, w, b, z, y_scale, q_scale, z_scale) of a FusedGemm/FusedConv (x, w, b, z) or QGemm/QConv
-    (x, w_q, x_scale, w_scale, b, z | y_scale, ...)."""
-    if not _quantized(node):
-        rest = list(args[2:]) + [None, None]
-        return args[0], args[1], rest[0], rest[1], None, None, None
-    rest = list(args[4:]) + [None] * 5
-    if node.op_type == "QGemm":  # (x, w_q, x_scale, w_scale, b, y_scale)
-        return args[0], args[1], rest[0], None, rest[1], None, None
-    return args[0], args[1], *rest[:5]  # QConv: (.., b, z, y_scale, q_scale, z_scale)
-
-
-def _as_gemm(node, x: torch.Tensor, w: torch.Tensor):
-    """(x rows, w [K, N]) of the GEMM the layer is: a FusedGemm/QGemm's own, a 1x1 convolution's over
-    channels-last pixels (kernels/conv.py is_pointwise); None if neither."""
-    from ..kernels import conv
-
-    if node.op_type in ("FusedGemm", "QGemm"):
-        return x, w
-    if not conv.is_pointwise(node, x, w, None):
-        return None
-    return conv.pixel_rows(x), w.reshape(w.shape[0], w.shape[1]).t()
-
-
 def _operands_ok(node, args, x, w) -> bool:
     """Tensor x and w, and a quantized layer's scales for w's output channels (a QGemm's [K, N], a QConv's
     [OC, C, ..])."""
@@ -64,20 +36,20 @@ def _operands_ok(node, args, x, w) -> bool:
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
         return False
     out_channels = w.shape[1] if node.op_type == "QGemm" else w.shape[0]
-    return not _quantized(node) or gemm.scales_ok(args[2], args[3], out_channels, x.device)
+    return not layer_gemm.qtype(node) or gemm.scales_ok(args[2], args[3], out_channels, x.device)
 
 
 def _applies(config):
     def applies(node, args) -> bool:
         from ..kernels import conv, tma_gemm
 
-        x, w, b, z, _, q_scale, _ = _operands(node, args)
+        x, w, b, z, _, q_scale, _ = layer_gemm.operands(node, args)
         if not _operands_ok(node, args, x, w):
             return False
-        qtype = _quantized(node)
+        qtype = layer_gemm.qtype(node)
         if node.op_type in ("FusedConv", "QConv") and not conv.is_pointwise(node, x, w, z):
             return False
-        mats = _as_gemm(node, x, w)
+        mats = layer_gemm.as_gemm(node, x, w)
         if mats is None or not tma_gemm.supports(*mats, b, node.attr("activation", ""), qtype,
                                                  conv.pixel_rows(z) if z is not None and x.dim() == 4 else z):
             return False
@@ -92,9 +64,9 @@ def _run(config):
         from ..kernels import tma_gemm
         from ..ops.fused import float_type
 
-        x, w, b, z, y_scale, q_scale, z_scale = _operands(node, args)
-        qtype = _quantized(node)
-        rows, w2 = _as_gemm(node, x, w)
+        x, w, b, z, y_scale, q_scale, z_scale = layer_gemm.operands(node, args)
+        qtype = layer_gemm.qtype(node)
+        rows, w2 = layer_gemm.as_gemm(node, x, w)
         conv = node.op_type in ("FusedConv", "QConv")
         if conv and z is not None:
             from ..kernels.conv import pixel_rows
@@ -116,10 +88,10 @@ def _conv_applies(config):
     def applies(node, args) -> bool:
         from ..kernels import conv, tma_conv
 
-        x, w, b, z, _, _, _ = _operands(node, args)
+        x, w, b, z, _, _, _ = layer_gemm.operands(node, args)
         if not _operands_ok(node, args, x, w) or w.dim() != 4:
             return False
-        qtype = _quantized(node)
+        qtype = layer_gemm.qtype(node)
         if conv.is_pointwise(node, x, w, z) or not tma_conv.supports(node, x, w, b, z, config, qtype):
             return False  # 1x1 stride 1: the TMA GEMM's
         return _device_ok(x, config.smem_bytes(1 if qtype else x.element_size()))
@@ -132,9 +104,9 @@ def _conv_run(config):
         from ..kernels import tma_conv
         from ..ops.fused import float_type
 
-        x, w, b, z, y_scale, q_scale, z_scale = _operands(node, args)
+        x, w, b, z, y_scale, q_scale, z_scale = layer_gemm.operands(node, args)
         quant = dict(x_scale=args[2], w_scale=args[3], y_scale=y_scale, q_scale=q_scale, z_scale=z_scale,
-                     out_dtype=float_type(node, x)) if _quantized(node) else {}
+                     out_dtype=float_type(node, x)) if layer_gemm.qtype(node) else {}
         return tma_conv.conv2d(node, x, w, b, z, config=config, **quant)
 
     return run
