@@ -54,11 +54,12 @@ def test_every_heuristic_choice_the_tactics_offer_is_right():
     x8, w8, sx, sw, b = _operands()
     y_scale = torch.tensor(0.02, device="cuda")
     spec = cublaslt.spec_of(x8, w8, True, "GeluErf", True, torch.float16)
-    algos = [a for a in range(cublaslt.ALGOS) if cublaslt.supported(spec, x8.device, a)]
-    assert len(algos) > 1
     ref = reference(x8.double() @ w8.double(), sx, sw, b.half(), "GeluErf", (), y_scale, "fp8", torch.float16)
-    for a in algos:
-        _assert_close(cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale, torch.float16, algo=a), ref)
+    for cap in (cublaslt.MAX_WORKSPACE, 0):
+        algos = [a for a in range(cublaslt.ALGOS) if cublaslt.supported(spec, x8.device, a, cap)]
+        assert len(algos) > 1
+        for a in algos:
+            _assert_close(cublaslt.fp8_gemm(x8, w8, sx, sw, b.half(), "GeluErf", y_scale, torch.float16, a, cap), ref)
 
 
 def test_fp8_gemm_replays_in_a_cuda_graph_with_new_inputs():
@@ -86,7 +87,8 @@ class _Mlp(torch.nn.Module):
 
 def test_an_fp8_build_times_the_epilogue_tactic_and_matches_onnxruntime():
     """A transformer's FFN in an FP8 engine: its GELU GEMM (which re-quantizes for the next GEMM) and its last
-    GEMM both have cuBLASLt's epilogue tactic timed, so applicable and numerically right."""
+    GEMM both have cuBLASLt's epilogue tactics (with and without scratch) timed, so applicable and numerically
+    right."""
     torch.manual_seed(0)
     model, _ = kiln.from_torch(_Mlp().eval(), (torch.randn(64, 128),), opset=18)
     name = model.graph.input[0].name
@@ -97,7 +99,8 @@ def test_an_fp8_build_times_the_epilogue_tactic_and_matches_onnxruntime():
     layers = [t for t in eng.tactics if t["op"] == "QGemm"]
     assert len(layers) == 2
     for t in layers:
-        assert "cublaslt_fp8_epilogue" in t["timings"], (t["layer"], sorted(t["timings"]), t["excluded"])
+        for name in ("cublaslt_fp8_epilogue", "cublaslt_fp8_epilogue_no_workspace"):
+            assert name in t["timings"], (t["layer"], sorted(t["timings"]), t["excluded"])
     x = rng.standard_normal((64, 128)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
     out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]

@@ -36,6 +36,10 @@ _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
 _PREF_MAX_WORKSPACE = 1
 ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
+# Offered with 32 MiB of scratch and with none: allowed scratch, the heuristic mostly picks kernels that clear a
+# buffer with a cudaMemsetAsync before every call, after which the next kernel of a CUDA graph started 3-4 us
+# late; allowed none, it offers the same tiles statically scheduled ("ssched" kernels), which at BERT-base
+# batch 32 were as fast or faster (FFN1: 24.6 against 26.3 us; H200, bench/results/H200-cublaslt-choices.md).
 EPILOGUES = {("", False): 1, ("", True): 4, ("Relu", False): 2, ("Relu", True): 6,
              ("GeluErf", False): 32, ("GeluErf", True): 36, ("GeluTanh", False): 32, ("GeluTanh", True): 36}
 _TYPES = {torch.float16: _R_16F, torch.bfloat16: _R_16BF, torch.float8_e4m3fn: _R_8F_E4M3}
@@ -135,10 +139,10 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _plans(device: int, spec: Spec) -> tuple[_Plan, ...]:
-    """cuBLASLt's heuristic choices (best first, up to ALGOS) for the spec in column-major terms: y^T = w^T x^T,
-    w^T read transposed from the K-major weights (cuBLASLt's FP8 GEMM takes only that "TN" form). Empty when
-    cuBLASLt has no kernel for it."""
+def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
+    """cuBLASLt's heuristic choices (best first, up to `count`, each needing at most `max_workspace` bytes) for
+    the spec in column-major terms: y^T = w^T x^T, w^T read transposed from the K-major weights (cuBLASLt's FP8
+    GEMM takes only that "TN" form). Empty when cuBLASLt has no kernel for it."""
     lib = _lib()
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
@@ -160,20 +164,21 @@ def _plans(device: int, spec: Spec) -> tuple[_Plan, ...]:
                _layout(_TYPES[spec.out], n, m, n))
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-    cap = ctypes.c_uint64(MAX_WORKSPACE)
+    cap = ctypes.c_uint64(max_workspace)
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(cap), 8),
            "cublasLtMatmulPreferenceSetAttribute")
-    results, count = (_Heuristic * ALGOS)(), ctypes.c_int(0)
-    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, *layouts, pref, ALGOS, results,
-                                                ctypes.byref(count))
+    results, found = (_Heuristic * count)(), ctypes.c_int(0)
+    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, *layouts, pref, count, results,
+                                                ctypes.byref(found))
     if status != 0:
         return ()
-    return tuple(_Plan(desc, layouts, r, r.workspace) for r in results[:count.value] if r.state == 0)
+    return tuple(_Plan(desc, layouts, r, r.workspace) for r in results[:found.value] if r.state == 0)
 
 
-def supported(spec: Spec, device: torch.device, algo: int = 0) -> bool:
-    """Whether cuBLASLt has an FP8 kernel (its heuristic's choice number `algo`) for this GEMM and epilogue on
-    `device` (a CUDA device of compute capability 8.9 or higher; K and N multiples of 16)."""
+def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> bool:
+    """Whether cuBLASLt has an FP8 kernel (its heuristic's choice number `algo` among those needing at most
+    `workspace_cap` bytes of scratch) for this GEMM and epilogue on `device` (a CUDA device of compute
+    capability 8.9 or higher; K and N multiples of 16)."""
     if ((spec.act, spec.bias is not None) not in EPILOGUES or spec.out not in _TYPES
             or (spec.bias is not None and spec.bias not in _TYPES)):
         return False
@@ -181,23 +186,29 @@ def supported(spec: Spec, device: torch.device, algo: int = 0) -> bool:
             or spec.m < 1):
         return False
     try:
-        return len(_plans(device.index or 0, spec)) > algo
+        return len(_plans(device.index or 0, spec, ALGOS, workspace_cap)) > algo
     except CublasLtError:
         return False
 
 
-def _plan(device: torch.device, spec: Spec, algo: int) -> _Plan:
+def _plan(device: torch.device, spec: Spec, algo: int, workspace_cap: int) -> _Plan:
     """cuBLASLt's choice `algo`, or its last one where it has fewer (a runtime shape may have fewer choices than
     the opt shape had)."""
-    plans = _plans(device.index or 0, spec)
+    plans = _plans(device.index or 0, spec, ALGOS, workspace_cap)
     if not plans:
         raise CublasLtError(f"cuBLASLt has no FP8 kernel for {spec}")
     return plans[min(algo, len(plans) - 1)]
 
 
-def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0) -> int:
-    """The scratch cuBLASLt's choice `algo` needs (at most MAX_WORKSPACE); call where `supported` is True."""
-    return _plan(device, spec, algo).workspace
+def choices(spec: Spec, device: torch.device, count: int, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
+    """Up to `count` of cuBLASLt's heuristic choices for the spec, each needing at most `max_workspace` bytes of
+    scratch (bench/cublaslt_choices.py compares them)."""
+    return _plans(device.index or 0, spec, count, max_workspace)
+
+
+def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> int:
+    """The scratch cuBLASLt's choice `algo` needs (at most workspace_cap); call where `supported` is True."""
+    return _plan(device, spec, algo, workspace_cap).workspace
 
 
 _CONSTANTS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
@@ -228,18 +239,20 @@ _LAUNCH = threading.Lock()  # engines may run in several threads; each call sets
 
 def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", y_scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype = torch.float16, algo: int = 0) -> torch.Tensor:
+             out_dtype: torch.dtype = torch.float16, algo: int = 0, workspace_cap: int = MAX_WORKSPACE,
+             plan: _Plan | None = None) -> torch.Tensor:
     """act(x8 @ w8 * x_scale * w_scale + bias) as out_dtype, or as FP8 E4M3 quantized with y_scale.
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
     weight layout); scales: one value each (cuBLASLt's FP8 GEMM takes no per-channel ones on Hopper: its
     heuristic offered none on the H200, as outer-vector scales or as a vector alpha); bias: [N], used in
-    out_dtype (FP16 or BF16); algo: which of cuBLASLt's heuristic choices (its last one where it has fewer).
+    out_dtype (FP16 or BF16); algo: which of cuBLASLt's heuristic choices among those needing at most
+    workspace_cap bytes of scratch (its last one where it has fewer), or `plan`, one of `choices` for this GEMM.
     Raises CublasLtError where `supported` is False for choice 0."""
     spec = spec_of(x8, w8, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
-    plan = _plan(x8.device, spec, algo)
+    plan = plan or _plan(x8.device, spec, algo, workspace_cap)
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
     # A is the weights, B the activations: A's scale is the weights'
     pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]

@@ -303,10 +303,11 @@ def _as_fp8_gemm(node, args):
     return None if mats is None else (mats[0].reshape(-1, mats[0].shape[-1]), mats[1], b, y_scale)
 
 
-def _cublaslt_epilogue(algo: int):
+def _cublaslt_epilogue(algo: int, workspace_cap: int):
     """QGemm and 1x1 QConv on cuBLASLt's FP8 GEMM with the scales, bias, activation and any FP8 re-quantization
     all in its epilogue: one kernel where torch._scaled_mm needs a second pass for the last two
-    (kernels/cublaslt.py). One tactic per heuristic choice `algo`."""
+    (kernels/cublaslt.py). One tactic per heuristic choice `algo` among those needing at most workspace_cap
+    bytes of scratch."""
 
     def spec(node, rows, w, b, y_scale):
         return cublaslt.spec_of(rows, w, b is not None, node.attr("activation", ""), y_scale is not None,
@@ -319,7 +320,8 @@ def _cublaslt_epilogue(algo: int):
         # Any choice, not only `algo`: a runtime shape away from the opt shape may have fewer (fp8_gemm then
         # runs its last one), and the float64 reference is no fallback. A shape with fewer times some twice.
         y_scale = gemm[3]
-        return (y_scale is None or y_scale.numel() == 1) and cublaslt.supported(spec(node, *gemm), args[0].device)
+        return (y_scale is None or y_scale.numel() == 1) and cublaslt.supported(spec(node, *gemm), args[0].device,
+                                                                                workspace_cap=workspace_cap)
 
     def run(node, *args):
         from ..kernels.conv import pixels_as_nchw
@@ -328,20 +330,21 @@ def _cublaslt_epilogue(algo: int):
         x, x_scale, w_scale = args[0], args[2], args[3]
         rows, w, b, y_scale = _as_fp8_gemm(node, args)
         y = cublaslt.fp8_gemm(to_8bit(rows, x_scale, "fp8"), w.t().contiguous().t(), x_scale, w_scale, b,
-                              node.attr("activation", ""), y_scale, float_type(node, x), algo)
+                              node.attr("activation", ""), y_scale, float_type(node, x), algo, workspace_cap)
         return y.reshape(*x.shape[:-1], w.shape[1]) if node.op_type == "QGemm" else pixels_as_nchw(y, x)
 
     def workspace(node, args):
-        return cublaslt.workspace_bytes(spec(node, *_as_fp8_gemm(node, args)), args[0].device, algo)
+        return cublaslt.workspace_bytes(spec(node, *_as_fp8_gemm(node, args)), args[0].device, algo, workspace_cap)
 
     return applies, run, workspace
 
 
 for _algo in range(cublaslt.ALGOS):
-    _applies, _run, _workspace = _cublaslt_epilogue(_algo)
-    for _op in ("QGemm", "QConv"):
-        tactic(_op, "cublaslt_fp8_epilogue" + (f"_algo{_algo}" if _algo else ""), _applies, workspace=_workspace,
-               level=1 if _algo == 0 else 3)(_run)
+    for _cap, _suffix in ((cublaslt.MAX_WORKSPACE, ""), (0, "_no_workspace")):
+        _applies, _run, _workspace = _cublaslt_epilogue(_algo, _cap)
+        for _op in ("QGemm", "QConv"):
+            tactic(_op, "cublaslt_fp8_epilogue" + (f"_algo{_algo}" if _algo else "") + _suffix, _applies,
+                   workspace=_workspace, level=1 if _algo == 0 else 3)(_run)
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
