@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -54,14 +55,16 @@ def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128):
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
-def flash_source(quant: str):
-    """Flash attention writing 8-bit output (the quantized projection's input): pointer loads, no TMA."""
+def flash_source(quant: str, fp8_inputs: bool = False):
+    """Flash attention writing 8-bit output (the quantized projection's input), optionally reading FP8 q, k, v
+    (an FP8 engine's merged QKV codes): pointer loads, no TMA."""
     strides = "sqb sqh sqm sqd skb skh skn skd svb svh svn svd smb smh smm smn sob soh som sod".split()
-    sig = {**{p: "*fp16" for p in ("q_ptr", "k_ptr", "v_ptr", "m_ptr")}, "o_ptr": f"*{DTYPES[quant]}",
-           "ys_ptr": "*fp32", **{p: "i32" for p in ("H", "SQ", "SK", "D", "DV")}, "qk_scale": "fp32",
-           **{p: "i32" for p in strides}}
+    qkv = "*fp8e4nv" if fp8_inputs else "*fp16"
+    sig = {**{p: qkv for p in ("q_ptr", "k_ptr", "v_ptr")}, "m_ptr": "*fp16", "o_ptr": f"*{DTYPES[quant]}",
+           "ys_ptr": "*fp32", "qs_ptr": "*fp32", **{p: "i32" for p in ("H", "SQ", "SK", "D", "DV")},
+           "qk_scale": "fp32", **{p: "i32" for p in strides}}
     cx = dict(HAS_MASK=True, MASK_ROW=True, EVEN_M=True, EVEN_N=True, EVEN_D=True, NAN_GUARD=False, PREC="tf32",
-              QUANT=quant, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64)
+              QUANT=quant, QKV_SCALED=fp8_inputs, CDT=tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64)
     return ASTSource(fn=attention._flash_fwd_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
                      constexprs=cx)
 
@@ -70,14 +73,15 @@ def flash_compiles() -> int:
     """Compile the flash kernel's 8-bit outputs; the number that failed. The interpreter ran one that the
     compiler refused (a variable of the key loop read after it) and only the H200 found it (2026-11-30)."""
     failed = 0
-    for quant in ("int8", "fp8"):
+    for quant, fp8_inputs in (("int8", False), ("fp8", False), ("fp8", True)):
+        name = f"flash attention, {quant} output" + (", fp8 q/k/v" if fp8_inputs else "")
         try:
-            triton.compile(flash_source(quant), target=GPUTarget("cuda", 90, 32),
+            triton.compile(flash_source(quant, fp8_inputs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4, "num_stages": 3})
-            print(f"flash attention, {quant} output: compiles")
+            print(f"{name}: compiles")
         except Exception as e:
             failed += 1
-            print(f"flash attention, {quant} output: FAILED {type(e).__name__}: {str(e)[:400]}")
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
     return failed
 
 

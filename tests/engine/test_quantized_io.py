@@ -291,3 +291,37 @@ def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input(tmp_
     again = kiln.load(tmp_path / "attention.kiln")
     np.testing.assert_array_equal(again.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name],
                                   got)
+
+
+def test_an_fp8_attention_reads_q_k_and_v_as_the_fp8_output_of_their_merged_projection(tmp_path):
+    """FP8 engine: the merged QKV projection writes FP8 codes of one scale (the calibrated maximum of its output),
+    which pass the Split and the head views as they are and which the attention reads with that scale."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32)
+    model, _ = kiln.from_torch(_SelfAttention().eval(), (x,), opset=18)
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, fp8=True, calib=calib))
+    attention = next(n for n in engine.graph.nodes if n.op_type == "Attention")
+    qkv = next(n for n in engine.graph.nodes if n.op_type == "QGemm")
+    assert qkv.inputs[5] == attention.inputs[5] == f"{qkv.outputs[0]}.fp8_scale"
+    scale = float(engine.graph.initializers[attention.inputs[5]])
+    assert scale * 448 == pytest.approx(engine.graph.quant_absmax[qkv.outputs[0]], rel=1e-6)
+    seen = {}
+
+    def observe(node, outs):
+        if outs is not None:
+            seen.update(zip(node.outputs, outs))
+
+    feeds = {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
+    engine.create_execution_context().run_layerwise(feeds, observe)
+    assert all(seen[v].dtype == torch.float8_e4m3fn for v in [qkv.outputs[0], *attention.inputs[:3]])
+    name = model.graph.input[0].name
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {name: feeds["x"]})[0]
+    got = engine.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name]
+    assert np.abs(got - ref).max() <= 0.1 * np.abs(ref).max()  # FP8's 3-bit mantissa
+    engine.save(tmp_path / "attention.kiln")  # the projection's and the attention's scale survive the file
+    again = kiln.load(tmp_path / "attention.kiln")
+    np.testing.assert_array_equal(again.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name],
+                                  got)

@@ -377,7 +377,8 @@ def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onn
 @pytest.mark.parametrize("qtype", ["int8", "fp8"])
 def test_an_attention_writes_its_projections_8_bit_input_on_the_gpu(qtype):
     """BERT-shaped attention in an 8-bit FP16 engine: the flash kernel (or an SDPA tactic) quantizes its result
-    for the output projection (engine/quantized_io.py), and the engine stays within 5% (INT8) or 10% (FP8, three
+    for the output projection (engine/quantized_io.py), FP8 engines also read q, k and v as FP8 codes (the flash
+    kernel only), and the engine stays within 5% (INT8) or 10% (FP8, three
     mantissa bits: 6.3% in a CPU build) of onnxruntime's range."""
 
     if qtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -390,6 +391,10 @@ def test_an_attention_writes_its_projections_8_bit_input_on_the_gpu(qtype):
     eng = kiln.build(model, _cfg(fp16=True, calib=calib, **{qtype: True}))
     attention = next(n for n in eng.graph.nodes if n.op_type == "Attention")
     assert attention.inputs[4] and attention.attrs["qtype"] == qtype, attention.tactic
+    if qtype == "fp8":  # q, k, v arrive as the merged projection's FP8 codes; the flash kernel reads them
+        assert attention.inputs[5], attention.inputs
+        timed = next(t for t in eng.tactics if t["op"] == "Attention")
+        assert any(n.startswith("triton_flash") for n in timed["timings"]), (timed["timings"], timed["excluded"])
     x = rng.standard_normal((4, 64, 128)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
     out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]

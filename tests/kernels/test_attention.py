@@ -148,6 +148,28 @@ def test_heads_interleaved_like_q_after_a_qkv_projection():
     assert merged.data_ptr() == got.data_ptr()  # a view: the output was written interleaved
 
 
+def test_fp8_inputs_sharing_one_scale_are_converted_as_they_are_loaded():
+    """q, k, v as an FP8 engine's merged QKV projection writes them: E4M3 codes of one scale, heads interleaved.
+    The kernel computes in FP16 on the codes and applies the scale after the dots: the reference on the
+    dequantized values, to FP16's rounding."""
+    qkv = _rand(B, SQ, 3 * H * 64, seed=9) * 3
+    scale = qkv.abs().max() / 448
+    codes = (qkv / scale).to(attention.FP8)
+    q, k, v = (t.reshape(B, SQ, H, 64).transpose(1, 2) for t in codes.split(H * 64, dim=-1))
+    k = k.transpose(-1, -2)
+    mask = _rand(B, 1, 1, SQ, seed=4)
+    assert attention.supports(q, k, v, mask, True, fp8=True) and not attention.supports(q, k, v, mask, True)
+    got = attention.flash_attention(q, k, v, mask, None, True, config=SMALL, qkv_scale=scale,
+                                    float_type=torch.float16)
+    assert got.dtype == torch.float16
+    want = attention.reference(q, k, v, mask, None, True, qkv_scale=scale, float_type=torch.float16)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    layer = Node("Attention", ["q", "k", "v", "m", "", "s"], ["o"], {"k_transposed": 1, "float_type": "float16"},
+                 domain="kiln")
+    # the layer rounds its probabilities to FP16 before p @ v
+    torch.testing.assert_close(layer_reference(layer, q, k, v, mask, None, scale), want, atol=5e-2, rtol=2e-2)
+
+
 def test_supports_refuses_what_the_kernel_cannot_do():
     q, k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 7, 64), torch.randn(1, 2, 7, 64)
     assert attention.supports(q, k, v) and attention.supports(q, k.transpose(-1, -2), v, None, True)

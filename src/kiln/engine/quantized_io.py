@@ -42,6 +42,8 @@ Y_SCALE_INPUT = {"QGemm": 5, "QConv": 6}  # after (x, w_q, x_scale, w_scale, bia
 COPY_AT = {"SkipLayerNorm": (4, 2), "QConv": (7, 1)}
 Z_SCALE_INPUT = 8  # a QConv's residual scale, after (x, w_q, x_scale, w_scale, bias, z, y_scale, q_scale)
 ATTENTION_Y_SCALE = 4  # after (q, k, v, mask)
+QKV_SCALE_INPUT = 5  # an Attention's FP8 q/k/v scale, after (q, k, v, mask, y_scale)
+QGEMM_Y_SCALE = Y_SCALE_INPUT["QGemm"]
 # Ops that only view their input (the head merge between attention and its output projection): 8-bit values
 # pass through them unchanged.
 VIEWS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
@@ -92,6 +94,7 @@ def link(graph: Graph, float_precision: str) -> None:
             _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
     _quantized_residuals(graph)
     _quantized_attention(graph, readers, outputs)
+    _fp8_attention_inputs(graph, readers, outputs, float_type)
 
 
 def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:
@@ -113,6 +116,49 @@ def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:
                 n.attrs["qtype"] = r.attr("qtype", "int8")
                 r.attrs["x_quantized"] = 1
             break
+
+
+def _fp8_attention_inputs(graph: Graph, readers: dict, outputs: set, float_type: str) -> None:
+    """An FP8 engine's merged QKV projection (QGemm, Split, head views, Attention) writes FP8 codes of one scale, the
+    calibrated maximum of its output, and the attention reads them (input qkv_scale): half the bytes of the
+    projection's output and of the attention's input. The maximum, not a clipping calibrator's range: an outlier
+    in q or k decides where the softmax peaks."""
+    absmax = graph.quant_absmax or {}
+    made_by = {o: n for n in graph.nodes for o in n.outputs if o}
+    for n in graph.nodes:
+        if not (n.domain == "kiln" and n.op_type == "Attention" and n.placement == "device" and len(n.inputs) >= 3):
+            continue
+        starts = [_before_views(v, made_by, readers, outputs) for v in n.inputs[:3]]
+        split = made_by.get(starts[0])
+        if (split is None or split.op_type != "Split" or len(set(starts)) != 3
+                or sorted(starts) != sorted(split.outputs) or any(len(readers.get(v, [])) != 1 for v in starts)):
+            continue
+        gemm, wide = made_by.get(split.inputs[0]), split.inputs[0]
+        if (gemm is None or not _quantized(gemm) or gemm.op_type != "QGemm" or gemm.attr("qtype", "int8") != "fp8"
+                or len(readers.get(wide, [])) != 1 or wide in outputs
+                or (len(gemm.inputs) > QGEMM_Y_SCALE and gemm.inputs[QGEMM_Y_SCALE])):
+            continue
+        seen = absmax.get(wide)
+        if seen is None or not seen > 0:
+            continue
+        scale = f"{wide}.fp8_scale"
+        graph.initializers[scale] = torch.tensor(seen / FP8_MAX, dtype=torch.float32)
+        gemm.inputs = gemm.inputs + [""] * (QGEMM_Y_SCALE + 1 - len(gemm.inputs))
+        gemm.inputs[QGEMM_Y_SCALE] = scale
+        n.inputs = n.inputs + [""] * (QKV_SCALE_INPUT + 1 - len(n.inputs))
+        n.inputs[QKV_SCALE_INPUT] = scale
+        n.attrs["float_type"] = float_type
+
+
+def _before_views(value: str, made_by: dict, readers: dict, outputs: set) -> str:
+    """The value a chain of views (each read by the next alone) starts from: Split's output for BERT's q, k, v."""
+    while True:
+        p = made_by.get(value)
+        if p is None or p.op_type not in VIEWS or p.domain not in ("", "ai.onnx") or p.inputs[0] in outputs:
+            return value
+        if len(readers.get(p.inputs[0], [])) != 1 or len([o for o in p.outputs if o]) != 1:
+            return value
+        value = p.inputs[0]
 
 
 def _biases_in(graph: Graph, float_type: str, readers: dict) -> None:

@@ -13,6 +13,11 @@ A row whose every key is masked (-inf) has l == 0: the result is 0 with nan_guar
 Head dims up to 128 (32, 64, 80, 96, 128 in the models that matter; D is padded to
 a power of two inside the kernel and masked).
 
+FP8 inputs (qkv_scale): q, k and v as FP8 E4M3 codes sharing one scale, as an FP8 engine's merged QKV
+projection writes them (kiln/engine/quantized_io.py). Each tile is converted to the float type as it is
+loaded and the scale is applied after the dots (its square folded into the softmax scale, once more on the
+output): the codes are exact in FP16/BF16, so the dots lose nothing, and half the bytes cross memory.
+
 Reference: kiln.ops.fused.attention; `reference` below.
 """
 
@@ -29,17 +34,20 @@ from .gemm import QTYPES, quantize
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E)
 _INT32_MAX = 2**31 - 1
 
 
 @triton.jit
-def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, H, SQ, SK, D, DV, qk_scale,
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, SK, D, DV, qk_scale,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                       smb, smh, smm, smn, sob, soh, som, sod,
                       HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
+                      QKV_SCALED: tl.constexpr, CDT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -59,7 +67,10 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, H, SQ, SK, D, D
         dv_ok = rdv < DV
 
     q = tl.load(q_ptr + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :] * sqd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+    if QKV_SCALED:  # FP8 codes: q k^T carries the scale twice, p v once (applied at the end)
+        qs = tl.load(qs_ptr).to(tl.float32)
+        qk_scale = qk_scale * qs * qs
     k_base = k_ptr + b * skb + h * skh + rd[:, None] * skd  # k^T tile [BLOCK_D, BLOCK_N]
     v_base = v_ptr + b * svb + h * svh + rdv[None, :] * svd  # v tile [BLOCK_N, BLOCK_DV]
     if HAS_MASK:
@@ -74,7 +85,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, H, SQ, SK, D, D
     for start_n in range(0, SK, BLOCK_N):
         cols = start_n + rn
         n_ok = (rn < BLOCK_N) if EVEN_N else (cols < SK)
-        kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(CDT)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
         if HAS_MASK:
             if MASK_ROW:
@@ -89,17 +100,19 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, H, SQ, SK, D, D
         p = tl.math.exp2(s - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(CDT)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        acc = tl.dot(p.to(CDT), v, acc, input_precision=PREC)
         m_i = m_new
 
+    if QKV_SCALED:
+        acc = acc * qs
     if NAN_GUARD:
         out = tl.where((l_i > 0.0)[:, None], acc / l_i[:, None], 0.0)
     else:
         out = acc / l_i[:, None]  # 0/0 = NaN for fully masked rows, like softmax over all -inf
-    if QUANT != "":  # 8-bit output for the quantized layer after (rounded to v's type first, as the reference)
-        out = quantize(out.to(v_ptr.dtype.element_ty), ys_ptr, QUANT)
+    if QUANT != "":  # 8-bit output for the quantized layer after (rounded to the float type first, as the reference)
+        out = quantize(out.to(CDT), ys_ptr, QUANT)
     tl.store(o_ptr + b * sob + h * soh + rm[:, None] * som + rdv[None, :] * sod, out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & dv_ok[None, :])
 
@@ -152,9 +165,10 @@ def _shapes(q, k, v, k_transposed: bool):
     return tuple(lead), q.shape[-2], ks, q.shape[-1], v.shape[-1]
 
 
-def supports(q, k, v, mask=None, k_transposed: bool = False) -> bool:
-    """Same-dtype FP16/BF16/FP32 q, k, v of rank 3 or 4, head dims in HEAD_DIMS, a broadcastable mask."""
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+def supports(q, k, v, mask=None, k_transposed: bool = False, fp8: bool = False) -> bool:
+    """Same-dtype FP16/BF16/FP32 q, k, v (FP8 E4M3 ones with fp8) of rank 3 or 4, head dims in HEAD_DIMS, a
+    broadcastable mask."""
+    if q.dtype not in ((FP8,) if fp8 else DTYPES) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if not (q.device == k.device == v.device) or min(q.numel(), k.numel(), v.numel()) == 0:
         return False
@@ -198,12 +212,15 @@ def _like_q(q: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.T
 def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed: bool = False,
                     nan_guard: bool = False, precision: str = "float32", config: FlashConfig = CONFIGS[0][0],
                     out: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
-                    qtype: str = "") -> torch.Tensor:
+                    qtype: str = "", qkv_scale: torch.Tensor | None = None,
+                    float_type: torch.dtype = torch.float16) -> torch.Tensor:
     """softmax(q @ k^T * scale + mask) @ v; returns a [.., Sq, Dv] tensor of q's dtype, laid out like q, or
-    with y_scale its qtype's 8-bit values."""
+    with y_scale its qtype's 8-bit values. qkv_scale: q, k and v are FP8 codes of that one scale, computed in
+    float_type (also the output's type)."""
     lead, sq, sk, d, dv = _shapes(q, k, v, k_transposed)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    o = out if out is not None else _like_q(q, (*lead, sq, dv), QTYPES[qtype] if y_scale is not None else None)
+    cdt = float_type if qkv_scale is not None else q.dtype
+    o = out if out is not None else _like_q(q, (*lead, sq, dv), QTYPES[qtype] if y_scale is not None else cdt)
     q4, k4, v4, o4 = _as4d(q), _as4d(k), _as4d(v), _as4d(o)
     B, H = q4.shape[0], q4.shape[1]
     k4 = k4.expand(B, H, *k4.shape[2:])
@@ -220,20 +237,26 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
 
     grid = (triton.cdiv(sq, config.block_m), B * H)
     _flash_fwd_kernel[grid](
-        q4, k4, v4, m4, o4, y_scale if y_scale is not None else q4, H, sq, sk, d, dv, scale * _LOG2E,
+        q4, k4, v4, m4, o4, y_scale if y_scale is not None else q4, qkv_scale if qkv_scale is not None else q4,
+        H, sq, sk, d, dv, scale * _LOG2E,
         *q4.stride(), skb, skh, skn, skd, *v4.stride(), *ms, *o4.stride(),
         HAS_MASK=mask is not None, MASK_ROW=mask is not None and ms[2] == 0, EVEN_N=sk % config.block_n == 0,
         EVEN_M=sq % config.block_m == 0,
         EVEN_D=d == max(16, triton.next_power_of_2(d)) and dv == max(16, triton.next_power_of_2(dv)),
-        NAN_GUARD=bool(nan_guard), PREC=dot_precision(q.dtype, precision), QUANT=qtype if y_scale is not None else "",
+        NAN_GUARD=bool(nan_guard), PREC=dot_precision(cdt, precision), QUANT=qtype if y_scale is not None else "",
+        QKV_SCALED=qkv_scale is not None, CDT=_TL[cdt],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o
 
 
-def reference(q, k, v, mask=None, scale=None, k_transposed=False, nan_guard=False):
-    """kiln.ops.fused.attention's semantics in FP32, returned in q's dtype."""
+def reference(q, k, v, mask=None, scale=None, k_transposed=False, nan_guard=False, qkv_scale=None,
+              float_type=torch.float16):
+    """kiln.ops.fused.attention's semantics in FP32, returned in q's dtype (float_type for FP8 codes of
+    qkv_scale)."""
+    if qkv_scale is not None:
+        q, k, v = ((t.float() * qkv_scale.float()).to(float_type) for t in (q, k, v))
     if k_transposed:
         k = k.transpose(-1, -2)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -74,8 +74,8 @@ def writes_fp32(node) -> bool:
     return node.attr("output_type", "") == "float32"
 
 
-@register("Attention", domain=KILN, saturating_inputs=(3,), uncast_inputs=(4,))
-def attention(node, q, k, v, mask=None, y_scale=None):
+@register("Attention", domain=KILN, saturating_inputs=(3,), uncast_inputs=(4, 5))
+def attention(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
     """softmax(q @ k^T * scale + mask) @ v, as one layer (SDPA/flash class).
 
     k arrives already transposed ([.., D, S]) when node.attr("k_transposed"): the
@@ -83,7 +83,12 @@ def attention(node, q, k, v, mask=None, y_scale=None):
     nan_guard: exporters zero the probabilities of rows whose keys are all masked.
     y_scale (input 4, attribute qtype): the result as 8-bit values for the quantized layer that reads it
     (BERT's output projection; kiln/engine/quantized_io.py).
+    qkv_scale (input 5): q, k and v are FP8 codes of this one scale (an FP8 engine's merged QKV projection
+    writes them so), computed in the layer's float type (attribute float_type).
     """
+    if qkv_scale is not None:
+        ft = float_type(node, q)
+        q, k, v = ((t.float() * qkv_scale.float()).to(ft) for t in (q, k, v))
     if node.attr("k_transposed", 0):
         k = k.transpose(-1, -2)
     scale = node.attr("scale", 1.0 / math.sqrt(q.shape[-1]))

@@ -183,7 +183,7 @@ def _sdpa(backend):
 
     chosen = getattr(SDPBackend, backend)
 
-    def run(node, q, k, v, mask=None, y_scale=None):
+    def run(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):  # qkv_scale: declined (_attn_ok)
         if node.attr("k_transposed", 0):
             k = k.transpose(-1, -2)
         if mask is not None:
@@ -201,9 +201,11 @@ def _sdpa(backend):
 
 
 def _attn_ok(node, args, needs_no_mask=False, low_only=False):
+    """SDPA takes float q, k, v (not an FP8 engine's codes, input 5's scale: the flash kernel reads those)."""
     q = args[0]
     mask = args[3] if len(args) > 3 else None
-    return q.is_cuda and q.dim() == 4 and (mask is None or not needs_no_mask) and (q.dtype in _LOW or not low_only)
+    return (q.is_cuda and q.dim() == 4 and q.dtype.is_floating_point and q.element_size() > 1
+            and (mask is None or not needs_no_mask) and (q.dtype in _LOW or not low_only))
 
 
 def _scores_bytes(node, args):

@@ -200,23 +200,28 @@ def _flash_applies(config):
 
         q, k, v = args[0], args[1], args[2]
         mask = args[3] if len(args) > 3 else None
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not q.is_cuda or not _dtype_ok(node, q):
+        fp8 = len(args) > 5 and args[5] is not None  # FP8 codes, converted to the float type as they are loaded
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not q.is_cuda:
             return False
-        if not attention.supports(q, k, v, mask, bool(node.attr("k_transposed", 0))):
+        if not (fp8 and node.attr("float_type") in ("float16", "bfloat16")) and not _dtype_ok(node, q):
             return False
-        return (_fits(q, config.smem_bytes(q.shape[-1], v.shape[-1], q.element_size()))
+        if not attention.supports(q, k, v, mask, bool(node.attr("k_transposed", 0)), fp8=fp8):
+            return False
+        return (_fits(q, config.smem_bytes(q.shape[-1], v.shape[-1], max(q.element_size(), 2)))
                 and _not_oversized(config.block_m, q.shape[-2]))
 
     return applies
 
 
 def _flash_run(config):
-    def run(node, q, k, v, mask=None, y_scale=None):
+    def run(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
         from ..kernels import attention
+        from ..ops.fused import float_type
 
         return attention.flash_attention(q, k, v, mask, node.attr("scale", None), bool(node.attr("k_transposed", 0)),
                                          bool(node.attr("nan_guard", 0)), precision=node.precision, config=config,
-                                         y_scale=y_scale, qtype=node.attr("qtype", "int8"))
+                                         y_scale=y_scale, qtype=node.attr("qtype", "int8"), qkv_scale=qkv_scale,
+                                         float_type=float_type(node, q))
 
     return run
 
