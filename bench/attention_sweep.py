@@ -5,6 +5,7 @@ on the operands a BERT/ViT engine hands it: q, k, v as head views of one fused Q
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's selector times tactics), us.
 
     python bench/attention_sweep.py > bench/results/H200-attention-sweep.log        (GPU)
+    python bench/attention_sweep.py --fp8       (BERT-base b32 only: FP16 against FP8 q/k/v, FP8 output)
 """
 
 from __future__ import annotations
@@ -45,8 +46,38 @@ def operands(b, s, h, d, masked):
     return q, k, v, mask
 
 
+FP8_TILES = [FlashConfig(m, n, 4, s) for m, n, s in itertools.product((64, 128), (32, 64, 128), (2, 3))]
+
+
+def fp8_inputs() -> None:
+    """BERT-base b32 in an FP8 engine: q, k, v as FP16 or as the merged projection's FP8 codes (q k^T on the
+    codes' FP8 tensor cores, or on codes converted to FP16 as they are loaded), the output as FP8 codes for the
+    output projection."""
+    q, k, v, mask = operands(32, 128, 12, 64, True)
+    scale = torch.tensor(max(t.abs().max().item() for t in (q, k, v)) / 448, device="cuda")
+    q8, k8, v8 = ((t.float() / scale).to(attention.FP8) for t in (q, k, v))  # same views of one [B, S, 3, H, D]
+    y_scale = torch.tensor(0.01, device="cuda")
+    ref = attention.reference(q8, k8, v8, mask, qkv_scale=scale).float()
+    print("\n## bert-base b32, FP8 output (y_scale), us: fp16 q/k/v | fp8 codes, q k^T in FP8 | fp8 codes, "
+          "converted to FP16")
+    for c in FP8_TILES:
+        cells = []
+        for args, kw in (((q, k, v), {}), ((q8, k8, v8), dict(qkv_scale=scale)),
+                         ((q8, k8, v8), dict(qkv_scale=scale, fp8_qk=False))):
+            def run(args=args, kw=kw, c=c):
+                return attention.flash_attention(*args, mask, config=c, y_scale=y_scale, qtype="fp8", **kw)
+            try:
+                err = (run().float() * y_scale - ref).abs().max().item() if kw else 0.0
+                cells.append(f"{us(run)}" + (f" (err {err:.1e})" if kw else ""))
+            except Exception as e:
+                cells.append(f"fail {type(e).__name__}: {str(e)[:80]}")
+        print(f"triton {c.name} | " + " | ".join(cells))
+
+
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "--fp8" in sys.argv:
+        return fp8_inputs()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for name, b, s, h, d, masked in SHAPES:

@@ -47,7 +47,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
                       smb, smh, smm, smn, sob, soh, som, sod,
                       HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
-                      QKV_SCALED: tl.constexpr, CDT: tl.constexpr,
+                      QKV_SCALED: tl.constexpr, CDT: tl.constexpr, QK_DT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -67,7 +67,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
         dv_ok = rdv < DV
 
     q = tl.load(q_ptr + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :] * sqd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(QK_DT)
     if QKV_SCALED:  # FP8 codes: q k^T carries the scale twice, p v once (applied at the end)
         qs = tl.load(qs_ptr).to(tl.float32)
         qk_scale = qk_scale * qs * qs
@@ -85,7 +85,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
     for start_n in range(0, SK, BLOCK_N):
         cols = start_n + rn
         n_ok = (rn < BLOCK_N) if EVEN_N else (cols < SK)
-        kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(CDT)
+        kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(QK_DT)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
         if HAS_MASK:
             if MASK_ROW:
@@ -213,7 +213,7 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
                     nan_guard: bool = False, precision: str = "float32", config: FlashConfig = CONFIGS[0][0],
                     out: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
                     qtype: str = "", qkv_scale: torch.Tensor | None = None,
-                    float_type: torch.dtype = torch.float16) -> torch.Tensor:
+                    float_type: torch.dtype = torch.float16, fp8_qk: bool = True) -> torch.Tensor:
     """softmax(q @ k^T * scale + mask) @ v; returns a [.., Sq, Dv] tensor of q's dtype, laid out like q, or
     with y_scale its qtype's 8-bit values. qkv_scale: q, k and v are FP8 codes of that one scale, computed in
     float_type (also the output's type)."""
@@ -245,6 +245,7 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
         EVEN_D=d == max(16, triton.next_power_of_2(d)) and dv == max(16, triton.next_power_of_2(dv)),
         NAN_GUARD=bool(nan_guard), PREC=dot_precision(cdt, precision), QUANT=qtype if y_scale is not None else "",
         QKV_SCALED=qkv_scale is not None, CDT=_TL[cdt],
+        QK_DT=tl.float8e4nv if qkv_scale is not None and fp8_qk else _TL[cdt],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
     )
