@@ -148,10 +148,11 @@ def test_heads_interleaved_like_q_after_a_qkv_projection():
     assert merged.data_ptr() == got.data_ptr()  # a view: the output was written interleaved
 
 
-def test_fp8_inputs_sharing_one_scale_are_converted_as_they_are_loaded():
+@pytest.mark.parametrize("fp8_qk", [True, False])
+def test_fp8_inputs_sharing_one_scale_are_read_as_codes(fp8_qk):
     """q, k, v as an FP8 engine's merged QKV projection writes them: E4M3 codes of one scale, heads interleaved.
-    The kernel computes in FP16 on the codes and applies the scale after the dots: the reference on the
-    dequantized values, to FP16's rounding."""
+    The kernel computes on the codes (q k^T in FP8, or converted to FP16) and applies the scale after the dots:
+    the reference on the dequantized values, to FP16's rounding."""
     qkv = _rand(B, SQ, 3 * H * 64, seed=9) * 3
     scale = qkv.abs().max() / 448
     codes = (qkv / scale).to(attention.FP8)
@@ -160,7 +161,7 @@ def test_fp8_inputs_sharing_one_scale_are_converted_as_they_are_loaded():
     mask = _rand(B, 1, 1, SQ, seed=4)
     assert attention.supports(q, k, v, mask, True, fp8=True) and not attention.supports(q, k, v, mask, True)
     got = attention.flash_attention(q, k, v, mask, None, True, config=SMALL, qkv_scale=scale,
-                                    float_type=torch.float16)
+                                    float_type=torch.float16, fp8_qk=fp8_qk)
     assert got.dtype == torch.float16
     want = attention.reference(q, k, v, mask, None, True, qkv_scale=scale, float_type=torch.float16)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
