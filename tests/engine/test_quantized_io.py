@@ -261,67 +261,62 @@ class _SelfAttention(torch.nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, s, w))
 
 
-def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input(tmp_path):
+def _attention_engine(qtype: str):
+    """(model, engine, feeds): _SelfAttention built for the CPU target with qtype, calibrated on 50 batches."""
     torch.manual_seed(0)
-    x = torch.randn(2, 8, 32)
-    model, _ = kiln.from_torch(_SelfAttention().eval(), (x,), opset=18)
+    model, _ = kiln.from_torch(_SelfAttention().eval(), (torch.randn(2, 8, 32),), opset=18)
     rng = np.random.default_rng(0)
     calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, int8=True, calib=calib))
-    attention = next(n for n in engine.graph.nodes if n.op_type == "Attention")
-    projection = engine.graph.nodes[-1]
-    assert projection.op_type == "QGemm" and projection.attrs["x_quantized"] == 1
-    assert attention.inputs[4] == projection.inputs[2] and attention.attrs["qtype"] == "int8"
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, calib=calib, **{qtype: True}))
+    return model, engine, {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
+
+
+def _layer_values(engine, feeds) -> dict:
     seen = {}
 
     def observe(node, outs):
         if outs is not None:
             seen.update(zip(node.outputs, outs))
 
-    feeds = {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
     engine.create_execution_context().run_layerwise(feeds, observe)
-    assert seen[attention.outputs[0]].dtype == torch.int8  # through the head merge's views to the projection
+    return seen
+
+
+def _matches_onnxruntime_and_its_file(tmp_path, model, engine, feeds, tol: float) -> None:
+    """Within tol of onnxruntime's range, and the same after a save and load (the scale inputs survive the file)."""
     name = model.graph.input[0].name
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {name: feeds["x"]})[0]
     got = engine.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name]
-    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()  # INT8 GEMM error only
-    assert compare(model, engine, [{name: feeds["x"]}], layerwise=True).outputs[0].passed
-    engine.save(tmp_path / "attention.kiln")  # the attention's scale input survives the engine file
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+    engine.save(tmp_path / "attention.kiln")
     again = kiln.load(tmp_path / "attention.kiln")
     np.testing.assert_array_equal(again.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name],
                                   got)
+
+
+def test_an_attention_read_by_a_quantized_projection_writes_its_8_bit_input(tmp_path):
+    model, engine, feeds = _attention_engine("int8")
+    attention = next(n for n in engine.graph.nodes if n.op_type == "Attention")
+    projection = engine.graph.nodes[-1]
+    assert projection.op_type == "QGemm" and projection.attrs["x_quantized"] == 1
+    assert attention.inputs[4] == projection.inputs[2] and attention.attrs["qtype"] == "int8"
+    # through the head merge's views to the projection
+    assert _layer_values(engine, feeds)[attention.outputs[0]].dtype == torch.int8
+    _matches_onnxruntime_and_its_file(tmp_path, model, engine, feeds, 0.05)  # INT8 GEMM error only
+    name = model.graph.input[0].name
+    assert compare(model, engine, [{name: feeds["x"]}], layerwise=True).outputs[0].passed
 
 
 def test_an_fp8_attention_reads_q_k_and_v_as_the_fp8_output_of_their_merged_projection(tmp_path):
     """FP8 engine: the merged QKV projection writes FP8 codes of one scale (the calibrated maximum of its output),
     which pass the Split and the head views as they are and which the attention reads with that scale."""
-    torch.manual_seed(0)
-    x = torch.randn(2, 8, 32)
-    model, _ = kiln.from_torch(_SelfAttention().eval(), (x,), opset=18)
-    rng = np.random.default_rng(0)
-    calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
-    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, fp8=True, calib=calib))
+    model, engine, feeds = _attention_engine("fp8")
     attention = next(n for n in engine.graph.nodes if n.op_type == "Attention")
     qkv = next(n for n in engine.graph.nodes if n.op_type == "QGemm")
     assert qkv.inputs[5] == attention.inputs[5] == f"{qkv.outputs[0]}.fp8_scale"
     scale = float(engine.graph.initializers[attention.inputs[5]])
     assert scale * 448 == pytest.approx(engine.graph.quant_absmax[qkv.outputs[0]], rel=1e-6)
-    seen = {}
-
-    def observe(node, outs):
-        if outs is not None:
-            seen.update(zip(node.outputs, outs))
-
-    feeds = {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
-    engine.create_execution_context().run_layerwise(feeds, observe)
+    seen = _layer_values(engine, feeds)
     assert all(seen[v].dtype == torch.float8_e4m3fn for v in [qkv.outputs[0], *attention.inputs[:3]])
-    name = model.graph.input[0].name
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {name: feeds["x"]})[0]
-    got = engine.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name]
-    assert np.abs(got - ref).max() <= 0.1 * np.abs(ref).max()  # FP8's 3-bit mantissa
-    engine.save(tmp_path / "attention.kiln")  # the projection's and the attention's scale survive the file
-    again = kiln.load(tmp_path / "attention.kiln")
-    np.testing.assert_array_equal(again.create_execution_context().run({name: feeds["x"]})[engine.outputs[0].name],
-                                  got)
+    _matches_onnxruntime_and_its_file(tmp_path, model, engine, feeds, 0.1)  # FP8's 3-bit mantissa
