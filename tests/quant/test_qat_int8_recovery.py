@@ -22,6 +22,9 @@ all five seeds):
     3     71.00  68.42       70.92              71.67                      69.92        68.75
     4     75.08  71.75       75.17              75.00                      74.33        71.42
 
+(Those were measured in November 2026. With scikit-learn 1.9.1, numpy 2.4.6 and torch 2.14.1, on 2026-12-01,
+seed 0 gives FP32 70.00, PTQ 67.00, QAT 71.83, control 71.25: the control gained 1.25, QAT 4.83.)
+
 PTQ loses 2.6-5.7 points; QAT wins back 1.4-5.2 of them (ending 0.1-1.6 below FP32, or 0.1 above on seed 4).
 The control (the FP32 net fine-tuned with the same epochs and rate) moves -0.75 to +0.67, so extra training
 does not explain the gain. QAT with the steps frozen at the MinMax values gains -0.33 to +2.92, so learning
@@ -93,7 +96,9 @@ def test_int8_qat_recovers_what_minmax_ptq_loses_to_outlier_samples():
     assert acc["ptq"] <= acc["fp32"] - 2.0  # seed 0: -4.08; the outliers' range costs INT8 PTQ accuracy...
     assert acc["qat"] >= acc["ptq"] + 2.0  # seed 0: +3.58; ...which QAT wins back,
     assert first(tuned) < 0.5 * first(ptq)  # by learning to clip (first layer amax 24.7 -> 7.1 on seed 0),
-    assert abs(acc["control"] - acc["fp32"]) <= 1.0  # and not by extra training (control: +0.25)
+    # and not by extra training: the control gains far less (seed 0: +0.25, and +1.25 against QAT's +4.83 over
+    # PTQ with scikit-learn 1.9.1, numpy 2.4.6, torch 2.14.1)
+    assert acc["qat"] - acc["ptq"] >= acc["control"] - acc["fp32"] + 2.0
     # Kiln's engine from the Q/DQ export computes what the fake-quantized module does.
     model = qat.export_onnx(tuned, (torch.from_numpy(x_te[:2]),), input_names=["features"])
     f = bench.SYNTH_FEATURES
