@@ -1,5 +1,6 @@
 """A GEMM-like layer's operands, and the GEMM it is: shared by the tactics that run FusedGemm/FusedConv and
-QGemm/QConv layers as matrix products (triton_tma.py's TMA GEMM, library.py's cuBLASLt FP8 GEMM)."""
+QGemm/QConv layers as matrix products (triton_gemm.py's tiles, triton_tma.py's TMA GEMM, library.py's cuBLASLt FP8
+GEMM)."""
 
 from __future__ import annotations
 

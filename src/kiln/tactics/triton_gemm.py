@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from . import tactic
+from . import layer_gemm, tactic
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,12 +65,6 @@ def _not_oversized(block: int, extent: int) -> bool:
     return block <= 4 * p
 
 
-def _operands(args, quant: bool):
-    """(x, w, b, z) of a FusedGemm/FusedConv (x, w, b, z) or QGemm/QConv (x, w_q, x_scale, w_scale, b, z)."""
-    rest = list(args[4 if quant else 2:]) + [None, None]
-    return args[0], args[1], rest[0], rest[1]
-
-
 def _precision_ok(node, args, quant: bool, n_dim: int) -> bool:
     """CUDA tensors in a precision the kernel runs: float layers' 16-bit (or TF32-allowed) operands;
     quantized layers' scales, any float x (the products are 8-bit), FP8 only on Ada/Hopper (sm_89+)."""
@@ -91,7 +85,7 @@ def _gemm_applies(config, quant: bool = False):
     def applies(node, args) -> bool:
         from ..kernels import gemm
 
-        x, w, b, _ = _operands(args, quant)
+        x, w, b = layer_gemm.operands(node, args)[:3]
         if not _precision_ok(node, args, quant, 1):
             return False
         if not gemm.supports(x, w, b, node.attr("activation", ""), node.attr("qtype", "int8") if quant else ""):
@@ -127,7 +121,7 @@ def _conv_applies(config, quant: bool = False, pointwise: bool = False):
     def applies(node, args) -> bool:
         from ..kernels import conv
 
-        x, w, b, z = _operands(args, quant)
+        x, w, b, z = layer_gemm.operands(node, args)[:4]
         if not _precision_ok(node, args, quant, 0):
             return False
         if not conv.supports(node, x, w, b, z, node.attr("qtype", "int8") if quant else ""):
@@ -162,7 +156,7 @@ def _conv_splitk_applies(cfg):
     def applies(node, args) -> bool:
         from ..kernels import splitk_conv
 
-        x, w, b, z = _operands(args, False)
+        x, w, b, z = layer_gemm.operands(node, args)[:4]
         return (_precision_ok(node, args, False, 0) and splitk_conv.supports(node, x, w, b, z, cfg)
                 and _fits(x, cfg.smem_bytes(x.element_size())) and _splitk_conv_worth_timing(node, x, w, cfg))
 
