@@ -33,8 +33,10 @@ def test_an_l2_reset_runs_before_each_call_uncharged_and_keeps_only_whole_device
     """The selector's L2Reset (timer.py): its own time is subtracted, and it re-reads the activation inputs a
     byte view can read whole (a 64 MiB add does not fit in L2, so the reset leaves its time as it was)."""
     x = torch.randn(16 * 2**20, device="cuda")
-    reset = L2Reset(x.device).keeping([x, x.view(4096, -1).t(), None, torch.ones(3)])
+    base = L2Reset(x.device)
+    reset = base.keeping([x, x.view(4096, -1).t(), None, torch.ones(3)])
     assert [t.numel() for t in reset.keep] == [x.numel() * 4]
+    assert base.keep == [] and reset._buffer is base._buffer  # a new reset over the same buffer
     add = lambda: x.add(1)  # noqa: E731
     plain, after_reset = median_ms(add), median_ms(add, before=reset)
     assert 0.7 * plain < after_reset < 1.3 * plain

@@ -18,6 +18,7 @@ time of `before` alone, measured the same way, is subtracted. (select.py says wh
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import torch
@@ -93,10 +94,12 @@ class L2Reset:
             torch.sum(t, dim=0, dtype=torch.int32, out=self._int_sink)
 
     def keeping(self, tensors) -> L2Reset:
-        """The same reset, re-reading these tensors' bytes afterwards (those a byte view can read whole)."""
-        self.keep = [t.view(torch.uint8).view(-1) for t in tensors
-                     if isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.numel()]
-        return self
+        """A reset sharing this one's buffer that re-reads these tensors' bytes afterwards (those a byte view can
+        read whole)."""
+        other = copy.copy(self)
+        other.keep = [t.view(torch.uint8).view(-1) for t in tensors
+                      if isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.numel()]
+        return other
 
 
 def _median_ms(fn, warmup: int, runs: int, may_sync: bool) -> float:
