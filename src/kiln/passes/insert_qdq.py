@@ -48,9 +48,9 @@ MIN_CHANNELS = 4  # input channels per group below which a convolution is not qu
 KEPT_IN_FLOAT = "kept in float"  # how the note of a layer this pass leaves unquantized begins
 
 
-def _shared_fp8_amax(graph: Graph, view: View) -> dict[str, torch.Tensor]:
-    """{GEMM name: the max|w| its FP8 weights are scaled by} for GEMMs that read one input (Q, K and V):
-    the largest of theirs, so merge_parallel_gemms keeps one weight scale, the only kind cuBLASLt's FP8 GEMM
+def _fp8_gemm_amax(graph: Graph, view: View) -> dict[str, torch.Tensor]:
+    """{GEMM name: the max|w| its FP8 weights are scaled by}: its own, or for GEMMs that read one input (Q, K and
+    V) the largest of theirs, so merge_parallel_gemms keeps one weight scale, the only kind cuBLASLt's FP8 GEMM
     takes on Hopper (it offers no per-channel FP8 scales there; H200, 2026-11-30). FP8 is a float: a larger
     scale moves a weight down its binades at the same relative precision, losing bits only below 2^-6 of
     the scale, so sharing costs nothing measurable while the max|w| are within SHARED_FP8_RANGE."""
@@ -59,12 +59,12 @@ def _shared_fp8_amax(graph: Graph, view: View) -> dict[str, torch.Tensor]:
         w = view.const(n.inputs[1]) if n.op_type in ("MatMul", "Gemm") and not n.domain else None
         if w is not None and w.dtype.is_floating_point and w.dim() == 2:
             groups.setdefault(n.inputs[0], []).append((n.name, w.abs().max()))
-    shared = {}
+    amax = {}
     for members in groups.values():
         top = max(a for _, a in members)
-        if len(members) > 1 and all(a * SHARED_FP8_RANGE >= top for _, a in members):
-            shared.update({name: top for name, _ in members})
-    return shared
+        share = len(members) > 1 and all(a * SHARED_FP8_RANGE >= top for _, a in members)
+        amax.update({name: top if share else a for name, a in members})
+    return amax
 
 
 def run(graph: Graph) -> None:
@@ -75,7 +75,7 @@ def run(graph: Graph) -> None:
     view = View(graph)
     zero = "kiln.fp8_zero_point" if fp8 else "kiln.int8_zero_point"
     graph.initializers[zero] = torch.zeros((), dtype=torch.float8_e4m3fn if fp8 else torch.int8)
-    shared = _shared_fp8_amax(graph, view) if fp8 else {}
+    fp8_amax = _fp8_gemm_amax(graph, view) if fp8 else {}
     for n in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
         w = view.const(n.inputs[1])
         if w is None or not w.dtype.is_floating_point or (n.op_type != "Conv" and w.dim() != 2):
@@ -91,7 +91,7 @@ def run(graph: Graph) -> None:
             miss(graph, "INT8 layer", [n], f"no calibrated range for its input '{x}'")
             continue
         axis = 0 if n.op_type == "Conv" or (n.op_type == "Gemm" and n.attr("transB", 0)) else 1
-        w_q, w_scale = quantize_weight_fp8(w, shared.get(n.name)) if fp8 else quantize_weight(w, axis)
+        w_q, w_scale = quantize_weight_fp8(w, fp8_amax.get(n.name)) if fp8 else quantize_weight(w, axis)
         tag = n.name
         graph.initializers.update({
             f"{tag}.input_scale": torch.tensor(amax[x] / (FP8_MAX if fp8 else 127.0), dtype=torch.float32),
