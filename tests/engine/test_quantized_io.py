@@ -320,3 +320,27 @@ def test_an_fp8_attention_reads_q_k_and_v_as_the_fp8_output_of_their_merged_proj
     seen = _layer_values(engine, feeds)
     assert all(seen[v].dtype == torch.float8_e4m3fn for v in [qkv.outputs[0], *attention.inputs[:3]])
     _matches_onnxruntime_and_its_file(tmp_path, model, engine, feeds, 0.1)  # FP8's 3-bit mantissa
+
+
+class _SelfAttentionAlsoReturningQ(_SelfAttention):
+    def forward(self, x):
+        return super().forward(x), self.qkv[0](x)
+
+
+def test_an_fp8_attention_keeps_float_q_k_v_when_a_projection_is_also_read_elsewhere():
+    """q's projection is also a model output: it must stay float, so the merged projection writes float values
+    and the attention reads them as such."""
+    torch.manual_seed(0)
+    model, _ = kiln.from_torch(_SelfAttentionAlsoReturningQ().eval(), (torch.randn(2, 8, 32),), opset=18)
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, calib=calib, fp8=True))
+    attention = next(n for n in engine.graph.nodes if n.op_type == "Attention")
+    assert len(attention.inputs) < 6 or not attention.inputs[5]
+    feeds = {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
+    name = model.graph.input[0].name
+    refs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {name: feeds["x"]})
+    got = engine.create_execution_context().run({name: feeds["x"]})
+    for out, ref in zip(engine.outputs, refs):
+        assert got[out.name].dtype == np.float32 and np.abs(got[out.name] - ref).max() <= 0.1 * np.abs(ref).max()
