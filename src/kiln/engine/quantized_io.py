@@ -49,6 +49,10 @@ QGEMM_Y_SCALE = Y_SCALE_INPUT["QGemm"]
 VIEWS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
 
 
+def _is_view(n: Node) -> bool:
+    return n.op_type in VIEWS and n.domain in ("", "ai.onnx")
+
+
 def _quantized(n: Node) -> bool:
     return n.domain == "kiln" and n.op_type in QUANTIZED and n.placement == "device"
 
@@ -107,7 +111,7 @@ def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:
         value = n.outputs[0]
         while len(readers.get(value, [])) == 1 and value not in outputs:
             r = readers[value][0]
-            if r.op_type in VIEWS and r.domain in ("", "ai.onnx") and r.inputs[0] == value:
+            if _is_view(r) and r.inputs[0] == value:
                 value = r.outputs[0]
                 continue
             if _reads_as_x(r, value) and not r.attr("x_quantized", 0) and _x_scale(graph, r) is not None:
@@ -124,7 +128,7 @@ def _fp8_attention_inputs(graph: Graph, readers: dict, outputs: set, float_type:
     projection's output and of the attention's input. The maximum, not a clipping calibrator's range: an outlier
     in q or k decides where the softmax peaks."""
     absmax = graph.quant_absmax or {}
-    made_by = {o: n for n in graph.nodes for o in n.outputs if o}
+    made_by = graph.producers()
     for n in graph.nodes:
         if not (n.domain == "kiln" and n.op_type == "Attention" and n.placement == "device" and len(n.inputs) >= 3):
             continue
@@ -154,7 +158,7 @@ def _before_views(value: str, made_by: dict, readers: dict, outputs: set) -> str
     """The value a chain of views (each read by the next alone) starts from: Split's output for BERT's q, k, v."""
     while True:
         p = made_by.get(value)
-        if p is None or p.op_type not in VIEWS or p.domain not in ("", "ai.onnx") or p.inputs[0] in outputs:
+        if p is None or not _is_view(p) or p.inputs[0] in outputs:
             return value
         if len(readers.get(p.inputs[0], [])) != 1 or len([o for o in p.outputs if o]) != 1:
             return value
