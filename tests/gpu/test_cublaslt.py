@@ -1,5 +1,5 @@
-"""cuBLASLt's FP8 GEMM with its epilogues (kiln/kernels/cublaslt.py): right against the exact reference, in a
-CUDA graph, and timed inside a real FP8 build."""
+"""cuBLASLt's FP8 and FP16/BF16 GEMMs with their epilogues (kiln/kernels/cublaslt.py): right against the exact
+reference, in a CUDA graph, and timed inside real FP8 and FP16 builds."""
 
 import numpy as np
 import onnxruntime as ort
@@ -141,3 +141,64 @@ def test_an_fp8_build_times_the_epilogue_tactic_for_a_1x1_convolution_and_matche
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     out = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["y"]
     assert np.abs(out.float().cpu().numpy() - ref).max() <= 0.1 * np.abs(ref).max()
+
+
+# --- FP16/BF16 GEMMs on kernels that need no scratch ------------------------------------------------------
+def _float_operands(dtype, k_major, m=200, k=256, n=384):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(k, n, device="cuda", generator=g) / k ** 0.5).to(dtype)
+    return x, (w.t().contiguous().t() if k_major else w), torch.randn(n, device="cuda", generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("act", ["", "Relu", "GeluTanh"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k_major", [False, True])
+def test_the_float_gemm_applies_bias_and_activation_in_one_call(act, dtype, k_major):
+    from kiln.ops.fused import activation
+
+    x, w, b = _float_operands(dtype, k_major)
+    spec = cublaslt.spec_of(x, w, True, act, False, dtype)
+    assert spec.k_major == k_major and cublaslt.supported(spec, x.device, workspace_cap=0)
+    y = cublaslt.gemm(x, w, b, act)
+    ref = activation(act, x.double() @ w.double() + b.double(), [])
+    assert y.dtype == dtype and y.shape == ref.shape
+    _assert_close(y, ref)
+
+
+def test_every_float_choice_without_scratch_is_right_and_launches_no_memset():
+    """BERT-base's FFN1 at batch 32: with a workspace allowed, cuBLASLt's kernels for it clear a buffer before each
+    call; none of the choices needing no scratch may."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 768, device="cuda", generator=g).half()
+    w = (torch.randn(768, 3072, device="cuda", generator=g) / 768 ** 0.5).half()
+    b = torch.randn(3072, device="cuda", generator=g).half()
+    ref = torch.nn.functional.gelu(x.float() @ w.float() + b.float(), approximate="tanh")
+    spec = cublaslt.spec_of(x, w, True, "GeluErf", False, torch.float16)
+    algos = [a for a in range(cublaslt.ALGOS) if cublaslt.supported(spec, x.device, a, 0)]
+    assert len(algos) > 1
+    for a in algos:
+        _assert_close(cublaslt.gemm(x, w, b, "GeluErf", a), ref)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cublaslt.gemm(x, w, b, "GeluErf", a)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert names and not any("Memset" in n for n in names), (a, names)
+
+
+def test_an_fp16_build_times_the_float_epilogue_tactic_and_matches_onnxruntime():
+    torch.manual_seed(0)
+    model, _ = kiln.from_torch(_Mlp().eval(), (torch.randn(64, 128),), opset=18)
+    name = model.graph.input[0].name
+    eng = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False, fp16=True, optimization_level=4))
+    layers = [t for t in eng.tactics if t["op"] == "FusedGemm"]
+    assert len(layers) == 2
+    for t in layers:
+        assert "cublaslt_epilogue_no_workspace" in t["timings"], (t["layer"], sorted(t["timings"]), t["excluded"])
+    x = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
+    out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]
+    assert np.abs(out.float().cpu().numpy() - ref).max() <= 2e-2 * np.abs(ref).max()

@@ -13,11 +13,28 @@ def test_the_fp8_gemm_is_declined_off_the_gpu_and_for_epilogues_or_types_cublasl
     assert not cublaslt.supported(Spec(64, 64, 64, torch.float16, torch.float32, "Relu"), cuda)  # FP32 bias: likewise
 
 
+def test_the_float_gemm_is_declined_for_mixed_types_and_fp8_for_row_major_weights():
+    cuda, Spec, f16, bf16 = torch.device("cuda"), cublaslt.Spec, torch.float16, torch.bfloat16
+    assert not cublaslt.supported(Spec(64, 64, 64, bf16, f16, "", f16), cuda)  # output of another type
+    assert not cublaslt.supported(Spec(64, 64, 64, f16, bf16, "", f16), cuda)  # bias of another type
+    assert not cublaslt.supported(Spec(64, 64, 64, f16, f16, "", torch.float32), cuda)  # FP32 inputs: not offered
+    assert not cublaslt.supported(Spec(64, 64, 64, f16, f16, "", torch.float8_e4m3fn, False), cuda)  # FP8 takes TN
+    assert not cublaslt.supported(Spec(64, 64, 64, f16, f16, "Relu", f16), torch.device("cpu"))
+
+
 def test_a_gemms_spec_flattens_leading_axes():
     x, w = torch.zeros(2, 8, 32, dtype=torch.float8_e4m3fn), torch.zeros(32, 48, dtype=torch.float8_e4m3fn)
     spec = cublaslt.spec_of(x, w, True, "GeluErf", True, torch.bfloat16)
     assert spec == cublaslt.Spec(16, 48, 32, torch.float8_e4m3fn, torch.bfloat16, "GeluErf")
     assert cublaslt.spec_of(x, w, False, "", False, torch.float16).bias is None
+
+
+def test_a_float_gemms_spec_records_its_inputs_type_and_weight_layout():
+    x, w = torch.zeros(4, 32, dtype=torch.float16), torch.zeros(32, 48, dtype=torch.float16)
+    row_major = cublaslt.spec_of(x, w, True, "Relu", False, torch.float16)
+    assert row_major == cublaslt.Spec(4, 48, 32, torch.float16, torch.float16, "Relu", torch.float16, False)
+    assert cublaslt.spec_of(x, w.t().contiguous().t(), True, "Relu", False, torch.float16).k_major
+    assert cublaslt.spec_of(x.to(torch.float8_e4m3fn), w, True, "", False, torch.float16).k_major  # made so to run
 
 
 def test_scales_and_biases_are_converted_once_per_tensor():

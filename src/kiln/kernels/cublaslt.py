@@ -1,4 +1,4 @@
-"""cuBLASLt's FP8 GEMM called directly, for the epilogues torch._scaled_mm leaves out.
+"""cuBLASLt's GEMM called directly, for the epilogues and choices torch's calls leave out.
 
 torch._scaled_mm reaches cuBLASLt's FP8 GEMM with its scales and a bias, but not its activation
 epilogues nor an FP8 output scale. A GELU or ReLU after it, or quantizing its output for the next 8-bit
@@ -6,6 +6,10 @@ layer, then cost one more pass over the output (kernels/rescale.py): at BERT-bas
 is a 25 MB FP16 read and write after each FFN1 GEMM. cuBLASLt does all of it in the GEMM's epilogue:
 
     y = saturate(y_scale_inverse * act(x_scale * w_scale * (x8 @ w8) + bias))
+
+For FP16/BF16 GEMMs torch's addmm reaches the same epilogues, but always offers cuBLASLt a workspace, and
+with one cuBLASLt picks kernels that clear a buffer before every call (see MAX_WORKSPACE); `gemm` here
+asks for the kernels that need none.
 
 This module calls the cuBLASLt library torch itself loaded, through ctypes (no build step, no new
 dependency), with Hopper's fast FP8 accumulation (as Triton's FP8 dot on sm_90 does). cuBLASLt's GELU
@@ -121,13 +125,20 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
 
 @dataclass(frozen=True)
 class Spec:
-    """One FP8 GEMM y[m, n] = act(x[m, k] @ w[k, n] * scales + bias) as cuBLASLt sees it."""
+    """One GEMM y[m, n] = act(x[m, k] @ w[k, n] * scales + bias) as cuBLASLt sees it: FP8 inputs with scales, or
+    FP16/BF16 inputs without."""
     m: int
     n: int
     k: int
-    out: torch.dtype  # FP16, BF16, or FP8 E4M3 (re-quantized with y_scale)
+    out: torch.dtype  # FP16, BF16, or FP8 E4M3 (re-quantized with y_scale); a float GEMM's is its inputs' type
     bias: torch.dtype | None  # the bias's type (the output's float type), None without one
     act: str = ""
+    inputs: torch.dtype = torch.float8_e4m3fn  # x's and w's type
+    k_major: bool = True  # w stored K-major (w.t() contiguous, FP8 engines' layout), else row-major [K, N]
+
+    @property
+    def fp8(self) -> bool:
+        return self.inputs == torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -141,27 +152,29 @@ class _Plan:
 @functools.lru_cache(maxsize=512)
 def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
     """cuBLASLt's heuristic choices (best first, up to `count`, each needing at most `max_workspace` bytes) for
-    the spec in column-major terms: y^T = w^T x^T, w^T read transposed from the K-major weights (cuBLASLt's FP8
-    GEMM takes only that "TN" form). Empty when cuBLASLt has no kernel for it."""
+    the spec in column-major terms: y^T = w^T x^T, w^T read transposed from K-major weights (cuBLASLt's FP8
+    GEMM takes only that "TN" form) or as it is from row-major ones. Empty when cuBLASLt has no kernel for it."""
     lib = _lib()
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
-    _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
+    _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T if spec.k_major else _OP_N))
     _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
     _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
-    _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
+    if spec.fp8:
+        _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
     c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
     if spec.bias is not None:
         _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
-    # alignment); fp8_gemm sets the real ones before each call.
+    # alignment); _matmul sets the real ones before each call.
     aligned = ctypes.c_void_p(256)
-    for attr in (_DESC_A_SCALE, _DESC_B_SCALE) + ((_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
+    for attr in ((_DESC_A_SCALE, _DESC_B_SCALE) if spec.fp8 else ()) + (
+            (_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
             (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
         _set(desc, attr, aligned)
-    m, n, k = spec.m, spec.n, spec.k
-    layouts = (_layout(_R_8F_E4M3, k, n, k), _layout(_R_8F_E4M3, k, m, k), _layout(c_type, n, m, n),
-               _layout(_TYPES[spec.out], n, m, n))
+    m, n, k, a_type = spec.m, spec.n, spec.k, _TYPES[spec.inputs]
+    layouts = (_layout(a_type, k, n, k) if spec.k_major else _layout(a_type, n, k, n), _layout(a_type, k, m, k),
+               _layout(c_type, n, m, n), _layout(_TYPES[spec.out], n, m, n))
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
     cap = ctypes.c_uint64(max_workspace)
@@ -176,14 +189,20 @@ def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX
 
 
 def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> bool:
-    """Whether cuBLASLt has an FP8 kernel (its heuristic's choice number `algo` among those needing at most
-    `workspace_cap` bytes of scratch) for this GEMM and epilogue on `device` (a CUDA device of compute
-    capability 8.9 or higher; K and N multiples of 16)."""
+    """Whether cuBLASLt has a kernel (its heuristic's choice number `algo` among those needing at most
+    `workspace_cap` bytes of scratch) for this GEMM and epilogue on `device`: FP8 on compute capability 8.9 or
+    higher, K and N multiples of 16; FP16/BF16 (output and bias of the inputs' type) on 8.0 or higher, K and N
+    multiples of 8 (rows of 16 bytes)."""
     if ((spec.act, spec.bias is not None) not in EPILOGUES or spec.out not in _TYPES
-            or (spec.bias is not None and spec.bias not in _TYPES)):
+            or (spec.bias is not None and spec.bias not in _TYPES) or spec.inputs not in _TYPES):
         return False
-    if (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9) or spec.k % 16 or spec.n % 16
-            or spec.m < 1):
+    if not spec.fp8 and (spec.out != spec.inputs or spec.bias not in (None, spec.inputs)):
+        return False
+    if spec.fp8 and not spec.k_major:
+        return False
+    step = 16 if spec.fp8 else 8
+    if (device.type != "cuda" or torch.cuda.get_device_capability(device) < ((8, 9) if spec.fp8 else (8, 0))
+            or spec.k % step or spec.n % step or spec.m < 1):
         return False
     try:
         return len(_plans(device.index or 0, spec, ALGOS, workspace_cap)) > algo
@@ -196,7 +215,7 @@ def _plan(device: torch.device, spec: Spec, algo: int, workspace_cap: int) -> _P
     the opt shape had)."""
     plans = _plans(device.index or 0, spec, ALGOS, workspace_cap)
     if not plans:
-        raise CublasLtError(f"cuBLASLt has no FP8 kernel for {spec}")
+        raise CublasLtError(f"cuBLASLt has no kernel for {spec}")
     return plans[min(algo, len(plans) - 1)]
 
 
@@ -252,23 +271,46 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
     spec = spec_of(x8, w8, bias is not None, act, y_scale is not None, out_dtype)
     if not x8.is_contiguous() or not w8.t().is_contiguous():
         raise CublasLtError("fp8_gemm takes a row-major x and K-major weights")
-    plan = plan or _plan(x8.device, spec, algo, workspace_cap)
-    y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x8.device)
     # A is the weights, B the activations: A's scale is the weights'
     pointers = [(_DESC_A_SCALE, _constant(w_scale, torch.float32)), (_DESC_B_SCALE, _constant(x_scale, torch.float32))]
     if y_scale is not None:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
         pointers.append((_DESC_BIAS_POINTER, _constant(bias, out_dtype)))
-    ws, dev = scratch(x8.device, plan.workspace), x8.device.index or 0
+    return _matmul(spec, plan or _plan(x8.device, spec, algo, workspace_cap), x8, w8, pointers)
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "", algo: int = 0,
+         workspace_cap: int = 0, plan: _Plan | None = None) -> torch.Tensor:
+    """act(x @ w + bias) for FP16/BF16 x [M, K] (row-major) and w [K, N] (row-major or K-major), in x's type, with
+    cuBLASLt's choice `algo` among the kernels needing at most workspace_cap bytes of scratch (none by default:
+    torch's addmm covers the others), or `plan`. Raises CublasLtError where `supported` is False for choice 0."""
+    spec = spec_of(x, w, bias is not None, act, False, x.dtype)
+    if not aligned(x, w):
+        raise CublasLtError("gemm takes a row-major x and row-major or K-major weights, both 256-byte aligned")
+    pointers = [] if bias is None else [(_DESC_BIAS_POINTER, _constant(bias, x.dtype))]
+    return _matmul(spec, plan or _plan(x.device, spec, algo, workspace_cap), x, w, pointers)
+
+
+def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `gemm` takes x and w as they are: the heuristic's kernels may assume 256-byte aligned operands
+    (its default preference), which fresh tensors are and a view into another may not be."""
+    return (x.is_contiguous() and (w.is_contiguous() or w.t().is_contiguous()) and x.data_ptr() % 256 == 0
+            and w.data_ptr() % 256 == 0)
+
+
+def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers: list) -> torch.Tensor:
+    """One cublasLtMatmul of a plan for `spec`, with its per-call pointers (scales, bias) set first."""
+    y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x.device)
+    ws, dev = scratch(x.device, plan.workspace), x.device.index or 0
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     with _LAUNCH:  # the pointers live in the plan's shared descriptor until cublasLtMatmul has read them
         for attr, t in pointers:
             _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
-        _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w8.data_ptr(), plan.layouts[0],
-                                     x8.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
+        _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w.data_ptr(), plan.layouts[0],
+                                     x.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
                                      y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
-                                     plan.workspace, torch.cuda.current_stream(x8.device).cuda_stream),
+                                     plan.workspace, torch.cuda.current_stream(x.device).cuda_stream),
                "cublasLtMatmul")
     return y
 
@@ -276,5 +318,7 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
 def spec_of(x: torch.Tensor, w: torch.Tensor, has_bias: bool, act: str, fp8_out: bool, out_dtype: torch.dtype) -> Spec:
     """The Spec of x[..., K] @ w[K, N] (x's leading axes flattened)."""
     k, n = w.shape
+    fp8 = x.dtype == torch.float8_e4m3fn  # FP8 weights are made K-major (the one form cuBLASLt's FP8 GEMM takes)
+    k_major = fp8 or (w.t().is_contiguous() and not w.is_contiguous())
     return Spec(x.numel() // k, n, k, torch.float8_e4m3fn if fp8_out else out_dtype, out_dtype if has_bias else None,
-                act)
+                act, x.dtype, k_major)

@@ -155,6 +155,41 @@ def cublaslt_bias_gelu(node, x, w, b=None):
     return _addmm(x, w, b, use_gelu=True)
 
 
+def _cublaslt_float(algo: int):
+    """FusedGemm at FP16/BF16 on cuBLASLt's kernels that need no scratch, bias and activation in the epilogue, as
+    one tactic per heuristic choice `algo`. torch's addmm (above) always offers cuBLASLt a workspace, and with one
+    cuBLASLt picks, for BERT's GELU GEMM, a kernel that clears a buffer first: a memset node before every such
+    GEMM in a CUDA graph, after which the GEMM started 3-4 us late (H200, kernels/cublaslt.py MAX_WORKSPACE)."""
+
+    def spec(node, rows, w, b):
+        return cublaslt.spec_of(rows, w, b is not None, node.attr("activation", ""), False, rows.dtype)
+
+    def applies(node, args):
+        x, w = args[0], args[1]
+        if not _gemm_ok(node, args, ("", "Relu", "GeluErf", "GeluTanh")) or x.dtype not in _LOW:
+            return False
+        base = storage_order(x)[0]
+        # Any choice, not only `algo`: a runtime shape with fewer choices runs the last one (cublaslt._plan).
+        return (cublaslt.aligned(base, w)
+                and cublaslt.supported(spec(node, base.reshape(-1, base.shape[-1]), w, args[2]), x.device,
+                                       workspace_cap=0))
+
+    def run(node, x, w, b=None):
+        def gemm(x):
+            y = cublaslt.gemm(x.reshape(-1, x.shape[-1]), w, b, node.attr("activation", ""), algo)
+            return y.reshape(*x.shape[:-1], w.shape[1])
+
+        return _rowwise(gemm, x)
+
+    return applies, run
+
+
+for _algo in range(cublaslt.ALGOS):
+    _applies, _run = _cublaslt_float(_algo)
+    tactic("FusedGemm", "cublaslt_epilogue" + (f"_algo{_algo}" if _algo else "") + "_no_workspace", _applies,
+           level=1 if _algo == 0 else 3)(_run)
+
+
 @tactic("FusedGemm", "cublas_then_activation", lambda n, a: _gemm_ok(n, a, ("GeluErf", "GeluTanh", "Silu",
                                                                              "Sigmoid", "Tanh", "Clip", "LeakyRelu",
                                                                              "HardSwish")))
