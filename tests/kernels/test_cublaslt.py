@@ -34,7 +34,8 @@ def test_a_float_gemms_spec_records_its_inputs_type_and_weight_layout():
     row_major = cublaslt.spec_of(x, w, True, "Relu", False, torch.float16)
     assert row_major == cublaslt.Spec(4, 48, 32, torch.float16, torch.float16, "Relu", torch.float16, False)
     assert cublaslt.spec_of(x, w.t().contiguous().t(), True, "Relu", False, torch.float16).k_major
-    assert cublaslt.spec_of(x.to(torch.float8_e4m3fn), w, True, "", False, torch.float16).k_major  # made so to run
+    fp8 = cublaslt.spec_of(x, w.to(torch.float8_e4m3fn), True, "", True, torch.float16)  # x quantized as it runs
+    assert fp8.inputs == torch.float8_e4m3fn and fp8.k_major  # FP8 weights are made K-major to run
 
 
 def test_scales_and_biases_are_converted_once_per_tensor():

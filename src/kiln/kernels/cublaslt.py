@@ -318,7 +318,9 @@ def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers:
 def spec_of(x: torch.Tensor, w: torch.Tensor, has_bias: bool, act: str, fp8_out: bool, out_dtype: torch.dtype) -> Spec:
     """The Spec of x[..., K] @ w[K, N] (x's leading axes flattened)."""
     k, n = w.shape
-    fp8 = x.dtype == torch.float8_e4m3fn  # FP8 weights are made K-major (the one form cuBLASLt's FP8 GEMM takes)
+    # The weights' type, not x's: the FP8 tactics quantize a float x themselves. FP8 weights are made K-major,
+    # the one form cuBLASLt's FP8 GEMM takes.
+    fp8 = w.dtype == torch.float8_e4m3fn
     k_major = fp8 or (w.t().is_contiguous() and not w.is_contiguous())
     return Spec(x.numel() // k, n, k, torch.float8_e4m3fn if fp8_out else out_dtype, out_dtype if has_bias else None,
-                act, x.dtype, k_major)
+                act, w.dtype, k_major)
