@@ -51,20 +51,19 @@ FP8_TILES = [FlashConfig(m, n, 4, s) for m, n, s in itertools.product((64, 128),
 
 def fp8_inputs() -> None:
     """BERT-base b32 in an FP8 engine: q, k, v as FP16 or as the merged projection's FP8 codes (q k^T on the
-    codes' FP8 tensor cores, or on codes converted to FP16 as they are loaded; p v on FP16 or FP8 tensor cores),
-    the output as FP8 codes for the output projection."""
+    codes' FP8 tensor cores, or on codes converted to FP16 as they are loaded), the output as FP8 codes for the
+    output projection."""
     q, k, v, mask = operands(32, 128, 12, 64, True)
     scale = torch.tensor(max(t.abs().max().item() for t in (q, k, v)) / 448, device="cuda")
     q8, k8, v8 = ((t.float() / scale).to(attention.FP8) for t in (q, k, v))  # same views of one [B, S, 3, H, D]
     y_scale = torch.tensor(0.01, device="cuda")
     ref = attention.reference(q8, k8, v8, mask, qkv_scale=scale).float()
     print("\n## bert-base b32, FP8 output (y_scale), us: fp16 q/k/v | fp8 codes, q k^T in FP8 | fp8 codes, "
-          "converted to FP16 | fp8 codes, q k^T and p v in FP8")
+          "converted to FP16")
     for c in FP8_TILES:
         cells = []
         for args, kw in (((q, k, v), {}), ((q8, k8, v8), dict(qkv_scale=scale)),
-                         ((q8, k8, v8), dict(qkv_scale=scale, fp8_qk=False)),
-                         ((q8, k8, v8), dict(qkv_scale=scale, fp8_pv=True))):
+                         ((q8, k8, v8), dict(qkv_scale=scale, fp8_qk=False))):
             def run(args=args, kw=kw, c=c):
                 return attention.flash_attention(*args, mask, config=c, y_scale=y_scale, qtype="fp8", **kw)
             try:

@@ -49,7 +49,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
                       smb, smh, smm, smn, sob, soh, som, sod,
                       HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
-                      QKV_SCALED: tl.constexpr, CDT: tl.constexpr, QK_DT: tl.constexpr, PV_DT: tl.constexpr,
+                      QKV_SCALED: tl.constexpr, CDT: tl.constexpr, QK_DT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -99,14 +99,12 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
             s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys so far masked: nothing to subtract
-        # FP8 p: in [0, 64], not [0, 1], so that E4M3 keeps 3 mantissa bits down to 2^-12, not 2^-6 (l and acc
-        # both carry the 64, which cancels in acc / l)
-        p = tl.math.exp2(s - (m_ref - 6.0 if PV_DT == tl.float8e4nv else m_ref)[:, None])
+        p = tl.math.exp2(s - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(PV_DT)
+        v = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(CDT)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(PV_DT), v, acc, input_precision=PREC)
+        acc = tl.dot(p.to(CDT), v, acc, input_precision=PREC)
         m_i = m_new
 
     if QKV_SCALED:
@@ -217,12 +215,10 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
                     nan_guard: bool = False, precision: str = "float32", config: FlashConfig = CONFIGS[0][0],
                     out: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
                     qtype: str = "", qkv_scale: torch.Tensor | None = None,
-                    float_type: torch.dtype = torch.float16, fp8_qk: bool = True,
-                    fp8_pv: bool = False) -> torch.Tensor:
+                    float_type: torch.dtype = torch.float16, fp8_qk: bool = True) -> torch.Tensor:
     """softmax(q @ k^T * scale + mask) @ v; returns a [.., Sq, Dv] tensor of q's dtype, laid out like q, or
     with y_scale its qtype's 8-bit values. qkv_scale: q, k and v are FP8 codes of that one scale, computed in
-    float_type (also the output's type); fp8_qk=False converts q and k to it as well (slower, kept to compare);
-    fp8_pv rounds the probabilities to FP8 for p v on FP8 tensor cores too (faster, less exact)."""
+    float_type (also the output's type); fp8_qk=False converts q and k to it as well (slower, kept to compare)."""
     lead, sq, sk, d, dv = _shapes(q, k, v, k_transposed)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cdt = float_type if qkv_scale is not None else q.dtype
@@ -252,7 +248,6 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
         NAN_GUARD=bool(nan_guard), PREC=dot_precision(cdt, precision), QUANT=qtype if y_scale is not None else "",
         QKV_SCALED=qkv_scale is not None, CDT=_TL[cdt],
         QK_DT=tl.float8e4nv if qkv_scale is not None and fp8_qk else _TL[cdt],
-        PV_DT=tl.float8e4nv if qkv_scale is not None and fp8_pv else _TL[cdt],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -188,15 +188,13 @@ def _conv_splitk_run(cfg):
 
 
 # --- Attention ------------------------------------------------------------------
-def _flash_applies(config, fp8_pv=False):
+def _flash_applies(config):
     def applies(node, args) -> bool:
         from ..kernels import attention
 
         q, k, v = args[0], args[1], args[2]
         mask = args[3] if len(args) > 3 else None
-        fp8 = len(args) > 5 and args[5] is not None  # FP8 codes of one scale (input 5)
-        if fp8_pv and not fp8:
-            return False
+        fp8 = len(args) > 5 and args[5] is not None  # FP8 codes, converted to the float type as they are loaded
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not q.is_cuda:
             return False
         if not (fp8 and node.attr("float_type") in ("float16", "bfloat16")) and not _dtype_ok(node, q):
@@ -209,7 +207,7 @@ def _flash_applies(config, fp8_pv=False):
     return applies
 
 
-def _flash_run(config, fp8_pv=False):
+def _flash_run(config):
     def run(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
         from ..kernels import attention
         from ..ops.fused import float_type
@@ -217,7 +215,7 @@ def _flash_run(config, fp8_pv=False):
         return attention.flash_attention(q, k, v, mask, node.attr("scale", None), bool(node.attr("k_transposed", 0)),
                                          bool(node.attr("nan_guard", 0)), precision=node.precision, config=config,
                                          y_scale=y_scale, qtype=node.attr("qtype", "int8"), qkv_scale=qkv_scale,
-                                         float_type=float_type(node, q), fp8_pv=fp8_pv)
+                                         float_type=float_type(node, q))
 
     return run
 
@@ -298,9 +296,6 @@ def _register() -> None:
                level=3)(_conv_splitk_run(cfg))
     for cfg, level in attention.CONFIGS:  # at their own level: cuDNN's SDPA adds a memset and ~4 us per call
         tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=level)(_flash_run(cfg))
-        # FP8 q, k, v only: p rounded to FP8 too, p v on FP8 tensor cores; kept where it passes the layer check
-        tactic("Attention", f"triton_flash_fp8pv_{cfg.name}", _flash_applies(cfg, True),
-               level=level)(_flash_run(cfg, True))
     for cfg, level in gemm.QUANT_CONFIGS:
         tactic("QGemm", f"triton_qgemm_{cfg.name}", _gemm_applies(cfg, True), level=level)(_gemm_run(cfg, True))
     for cfg, level in conv.QUANT_CONFIGS:
