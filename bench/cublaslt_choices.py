@@ -68,7 +68,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--choices", type=int, default=8)
+    ap.add_argument("--gemms", default="", help="comma-separated GEMM names to run (default: all)")
     a = ap.parse_args()
+    wanted = set(a.gemms.split(",")) if a.gemms else None
     dev = torch.device("cuda")
     reset = L2Reset(dev)
     rows = [f"# cuBLASLt choices on BERT-base batch-32 GEMMs ({torch.cuda.get_device_name()}, "
@@ -81,6 +83,8 @@ def main() -> int:
             "| GEMM | workspace cap | choice | workspace KiB | kernels per call | graph us | after L2 reset us |",
             "|---|---|---|---|---|---|---|"]
     for name, M, K, N, act, out, inputs in GEMMS:
+        if wanted and name not in wanted:
+            continue
         x, w, s, bias = operands(M, K, N, inputs)
         spec = cublaslt.spec_of(x, w, True, act, out == FP8, FP16)
         if inputs == FP16:  # the FP16 engine's other tactic: torch's addmm, with its own workspace
