@@ -26,11 +26,11 @@ from .gemm import QTYPES, quantize
 def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
                            rows1, n_rows, sa0, sa1, sb0, sb1, HAS_SKIP: tl.constexpr, HAS_BETA: tl.constexpr,
                            WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr, PARTS: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]: ROWS rows per program
     r0, r1 = row // rows1, row % rows1
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (cols < n_cols) & (row < n_rows)
     off = row * n_cols + cols
     if PARTS > 0:  # a split-K GEMM's FP32 partial products, contiguous [PARTS, n_rows, n_cols]
         s = tl.load(a_ptr + off, mask=mask, other=0.0)
@@ -39,7 +39,7 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
     else:
         s = tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        s += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     if HAS_SKIP:
         s += tl.load(b_ptr + r0 * sb0 + r1 * sb1 + cols, mask=mask, other=0.0).to(tl.float32)
     if WRITE_SUM:
@@ -47,11 +47,11 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
     if RMS:  # RMSNorm: no centring
         d = s
     else:
-        d = tl.where(mask, s - tl.sum(s, axis=0) / n_cols, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
-    y = d * rstd * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, s - (tl.sum(s, axis=1) / n_cols)[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / n_cols + eps)
+    y = d * rstd[:, None] * tl.load(g_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     if HAS_BETA:
-        y += tl.load(beta_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(beta_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, y, mask=mask)
     if QUANT != "":  # quantized from the stored (rounded) values, as a reader quantizing y itself would
@@ -77,11 +77,13 @@ def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
 
 def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
                    q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False,
-                   y_dtype: torch.dtype | None = None):
+                   y_dtype: torch.dtype | None = None, rows_per_program: int = 1, num_warps: int | None = None):
     """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype]).
     b=None: LayerNorm(a). rms: RMSNorm instead of LayerNorm. y_dtype: the normalized rows' type (default a's;
-    FP32 for a model's FP32 output)."""
-    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms, y_dtype=y_dtype)
+    FP32 for a model's FP32 output). rows_per_program, num_warps: the launch (a power of two; by default one
+    row, 256 columns a warp)."""
+    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms, y_dtype=y_dtype,
+                   rows_per_program=rows_per_program, num_warps=num_warps)
 
 
 def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
@@ -92,7 +94,8 @@ def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: floa
                    y_dtype=y_dtype)
 
 
-def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None, y_dtype=None):
+def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None, y_dtype=None,
+            rows_per_program: int = 1, num_warps: int | None = None):
     """The kernel over the rows of `like` (its shape and dtype are the outputs'); a3: the first input as a
     3-D row view, or the skip's when the first input is `parts`."""
     n = like.shape[-1]
@@ -102,13 +105,14 @@ def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts
     s = torch.empty(like.shape, dtype=like.dtype, device=like.device) if write_sum else y
     q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
-    _skip_layernorm_kernel[(rows,)](
+    _skip_layernorm_kernel[(triton.cdiv(rows, rows_per_program),)](
         parts if parts is not None else like, b if b is not None else like, gamma,
         beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q,
         bias if bias is not None else gamma, n, eps, a3.shape[1], rows, a3.stride(0), a3.stride(1),
         b3.stride(0), b3.stride(1), HAS_SKIP=b is not None, HAS_BETA=beta is not None, WRITE_SUM=write_sum,
         QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_BIAS=bias is not None, BLOCK=block, ROWS=rows_per_program,
+        num_warps=num_warps or min(16, max(1, block * rows_per_program // 256)),
     )
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 
