@@ -21,19 +21,20 @@ def test_skip_layernorm_matches_reference(rows, cols, with_beta):
     torch.testing.assert_close(s, rs)
 
 
-@pytest.mark.parametrize("rows_per_program, num_warps", [(2, 1), (4, 2), (8, None)])
-def test_several_rows_per_program_including_a_last_partial_one(rows_per_program, num_warps):
+@pytest.mark.parametrize("launch", layernorm.LAUNCHES + (layernorm.Launch(4, 128), layernorm.Launch(8, 4096)),
+                         ids=lambda launch: launch.name)
+def test_every_launch_including_a_last_partial_program(launch):
     """Rows read through two leading strides (a transposed view), 10 rows: the last program's block runs past the
     end, which must be neither read nor written. The 8-bit copy matches quantizing the stored rows."""
     from kiln.kernels.gemm import QTYPES
 
-    g = torch.Generator().manual_seed(rows_per_program)
+    g = torch.Generator().manual_seed(launch.rows)
     a = torch.randn(5, 2, 40, generator=g).to(DEV).transpose(0, 1)  # [2, 5, 40], rows not contiguous
     b = torch.randn(2, 5, 40, generator=g).to(DEV)
     gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
     q_scale = torch.tensor([0.02], device=DEV)
     y, s, q = poisoned(lambda: layernorm.skip_layernorm(a, b, gamma, beta, 1e-5, q_scale=q_scale, qtype="int8",
-                                                        rows_per_program=rows_per_program, num_warps=num_warps))
+                                                        launch=launch))
     ry, rs = layernorm.reference(a, b, gamma, beta, 1e-5)
     torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s, rs)

@@ -14,15 +14,15 @@ def _skip_ln_ok(node, args) -> bool:
     return a.is_cuda and layernorm.supports(a, b, gamma)
 
 
-@tactic("SkipLayerNorm", "triton_fused_add_layernorm", _skip_ln_ok, level=3)
-def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None):
+def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, launch=None):
     from ..kernels import layernorm
     from ..ops.fused import writes_fp32
 
     return layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
                                     node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]),
                                     q_scale=q_scale, qtype=node.attr("qtype", "int8"),
-                                    y_dtype=torch.float32 if writes_fp32(node) else None)
+                                    y_dtype=torch.float32 if writes_fp32(node) else None,
+                                    launch=launch or layernorm.LAUNCHES[0])
 
 
 def gemm_ln_ok(node, args) -> bool:
@@ -35,12 +35,11 @@ def gemm_ln_ok(node, args) -> bool:
             and layernorm.supports(skip, skip, gamma))
 
 
-@tactic("GemmSkipLayerNorm", "cublaslt_then_triton_layernorm", gemm_ln_ok, level=3)
-def cublaslt_then_triton_layernorm(node, x, w, bias, skip, gamma, beta=None):
+def cublaslt_then_triton_layernorm(node, x, w, bias, skip, gamma, beta=None, launch=None):
     """The two layers as they were before joining: cuBLASLt GEMM + bias, then the fused add + norm kernel."""
     from .library import gemm_without_activation
 
-    return triton_skip_layernorm(node, gemm_without_activation(node, x, w, bias), skip, gamma, beta)
+    return triton_skip_layernorm(node, gemm_without_activation(node, x, w, bias), skip, gamma, beta, launch=launch)
 
 
 def _layernorm_ok(node, args) -> bool:
@@ -52,12 +51,35 @@ def _layernorm_ok(node, args) -> bool:
             and layernorm.supports(x, x, gamma))
 
 
-@tactic("LayerNormalization", "triton_layernorm", _layernorm_ok, domain="", level=3)
-def triton_layernorm(node, x, gamma, beta=None):
+def triton_layernorm(node, x, gamma, beta=None, launch=None):
     from ..kernels import layernorm
 
     return layernorm.layernorm(x, gamma.to(x.dtype), beta.to(x.dtype) if beta is not None else None,
-                               node.attr("epsilon", 1e-5))
+                               node.attr("epsilon", 1e-5), launch=launch or layernorm.LAUNCHES[0])
+
+
+def _norm_tactics():
+    """The three norm tactics once per launch shape of the kernel (kernels/layernorm.py LAUNCHES): which is fastest
+    depends on the rows' count and width and on the outputs written. The first keeps the plain name."""
+    from ..kernels.layernorm import LAUNCHES
+
+    for i, launch in enumerate(LAUNCHES):
+        suffix = f"_{launch.name}" if i else ""
+        for op, name, applies, run, domain in [
+                ("SkipLayerNorm", "triton_fused_add_layernorm", _skip_ln_ok, triton_skip_layernorm, "kiln"),
+                ("GemmSkipLayerNorm", "cublaslt_then_triton_layernorm", gemm_ln_ok, cublaslt_then_triton_layernorm,
+                 "kiln"),
+                ("LayerNormalization", "triton_layernorm", _layernorm_ok, triton_layernorm, "")]:
+            tactic(op, name + suffix, applies, domain=domain, level=3)(
+                (lambda run, launch: lambda *args: run(*args, launch=launch))(run, launch))
+
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # no Triton here: these tactics are not offered
+    pass
+else:
+    _norm_tactics()
 
 
 def _rms_norm_ok(node, args) -> bool:
