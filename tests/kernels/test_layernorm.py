@@ -166,3 +166,16 @@ def test_norm_sums_split_k_partials_with_bias_and_skip(parts, rows, cols):
     ry, rs = layernorm.reference(p.sum(0) + bias, b, gamma, beta, 1e-5)
     torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s, rs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_norm_without_the_add_writes_an_8_bit_copy():
+    # a LayerNormalization given an 8-bit copy (engine/quantized_io.py): the kernel without the skip, with the copy
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, generator=g).to(DEV)
+    gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
+    q_scale = torch.tensor([0.03], device=DEV)
+    y, s, q = poisoned(lambda: layernorm.skip_layernorm(x, None, gamma, beta, 1e-5, write_sum=False, q_scale=q_scale,
+                                                        qtype="int8"))
+    assert s is None
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (40,), gamma, beta, 1e-5), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q.float(), (y / q_scale).round().clamp(-128, 127), atol=1, rtol=0)

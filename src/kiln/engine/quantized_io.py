@@ -13,7 +13,9 @@ An output read both as float and by quantized layers is written twice instead, f
 8-bit copy for the quantized readers (input q_scale, one more output): a residual add + LayerNorm
 (kiln::SkipLayerNorm; attribute qtype), whose rows BERT's QKV and FFN1 GEMMs read and the next
 residual adds, and a QConv, whose output (a ResNet block's) the next block's first convolution
-reads and its last one adds as the residual. Those readers then need no quantize pass.
+reads and its last one adds as the residual. Those readers then need no quantize pass. A plain
+LayerNormalization that quantized layers read (BERT's embedding norm, before the first QKV GEMM)
+becomes a SkipLayerNorm without the skip to get the copy.
 
 A QConv adding such a block output as its residual reads the copy too, scaled back in its epilogue (input
 z_scale), and a block output that no layer reads as float any more is written once, as 8-bit values. The
@@ -94,7 +96,7 @@ def link(graph: Graph, float_precision: str) -> None:
         for r in users:
             r.attrs["x_quantized"] = 1
     for n in graph.nodes:
-        if n.domain == "kiln" and n.op_type in COPY_AT and n.placement == "device" and n.outputs:
+        if (n.domain == "kiln" and n.op_type in COPY_AT and n.placement == "device" and n.outputs) or _plain_norm(n):
             _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
     _quantized_residuals(graph)
     _quantized_attention(graph, readers, outputs)
@@ -178,6 +180,22 @@ def _biases_in(graph: Graph, float_type: str, readers: dict) -> None:
             graph.initializers[bias] = t.to(dtype)
 
 
+def _plain_norm(n: Node) -> bool:
+    """An ONNX LayerNormalization on the device over the last axis, in FP32 statistics, writing only its result:
+    what a SkipLayerNorm without the skip computes."""
+    return (n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx") and n.placement == "device"
+            and n.attr("axis", -1) == -1 and n.attr("stash_type", 1) == 1 and not any(n.outputs[1:]))
+
+
+def _as_skip_layer_norm(n: Node) -> None:
+    """Rewrite a _plain_norm in place as kiln::SkipLayerNorm(x, no skip, gamma, beta), which can write an 8-bit
+    copy of its rows."""
+    n.op_type, n.domain = "SkipLayerNorm", "kiln"
+    n.inputs = [n.inputs[0], ""] + n.inputs[1:3]
+    n.outputs = [n.outputs[0]]
+    n.attrs = {"epsilon": n.attr("epsilon", 1e-5)}
+
+
 def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> None:
     """Give n an 8-bit copy of its output when quantized layers read it with one scale (others as float)."""
     out = n.outputs[0]
@@ -189,6 +207,8 @@ def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> Non
     at_y = Y_SCALE_INPUT.get(n.op_type)
     if at_y is not None and (n.attr("qtype", "int8") != qtype or (len(n.inputs) > at_y and n.inputs[at_y])):
         return  # a copy in another 8-bit type than the layer's, or an output that is 8-bit already
+    if _plain_norm(n):
+        _as_skip_layer_norm(n)
     at_in, at_out = COPY_AT[n.op_type]
     copy = f"{out}.{qtype}"
     n.inputs = n.inputs + [""] * (at_in + 1 - len(n.inputs))

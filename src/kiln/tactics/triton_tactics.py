@@ -11,7 +11,7 @@ def _skip_ln_ok(node, args) -> bool:
     from ..kernels import layernorm
 
     a, b, gamma = args[0], args[1], args[2]
-    return a.is_cuda and layernorm.supports(a, b, gamma)
+    return a.is_cuda and layernorm.supports(a, a if b is None else b, gamma)
 
 
 def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, launch=None):
