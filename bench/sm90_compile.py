@@ -1,5 +1,5 @@
-"""Compile Kiln's TMA kernels (and flash attention's 8-bit output) for Hopper (sm_90) on any machine, no GPU
-needed (Triton bundles ptxas), and say
+"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy) for Hopper (sm_90) on
+any machine, no GPU needed (Triton bundles ptxas), and say
 what the compiler made of them: whether each loop's wgmma is pipelined (`warp_group_dot_wait {pendings = 1}`:
 the next MMA issues while one is in flight; `pendings = 0` after every dot: each waits for the last), whether the
 convolution's left tile reaches the MMA from shared memory or through registers, and the shared memory used.
@@ -86,6 +86,30 @@ def flash_compiles() -> int:
     return failed
 
 
+def norm_compiles() -> int:
+    """Compile the add + LayerNorm kernel with its FP8 copy, with and without the add, at one and two rows a
+    program; the number that failed."""
+    from kiln.kernels import layernorm
+
+    sig = {**{p: "*fp16" for p in ("a_ptr", "b_ptr", "g_ptr", "beta_ptr", "y_ptr", "s_ptr", "bias_ptr")},
+           "qs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "n_cols": "i32", "eps": "fp32",
+           **{p: "i32" for p in ("rows1", "n_rows", "sa0", "sa1", "sb0", "sb1")}}
+    failed = 0
+    for skip, rows in ((True, 1), (False, 1), (True, 2)):
+        name = f"layernorm, fp8 copy, {'with' if skip else 'without'} the add, {rows} row(s) a program"
+        cx = dict(HAS_SKIP=skip, HAS_BETA=True, WRITE_SUM=False, QUANT="fp8", RMS=False, PARTS=0, HAS_BIAS=False,
+                  BLOCK=1024, ROWS=rows)
+        try:
+            triton.compile(ASTSource(fn=layernorm._skip_layernorm_kernel,
+                                     signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
+            print(f"{name}: compiles")
+        except Exception as e:
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
+    return failed
+
+
 def main() -> int:
     cases = {}
     for quant in ("int8", "fp8"):
@@ -95,7 +119,7 @@ def main() -> int:
                 conv_source(stride, quant, True), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
-    failed = flash_compiles()
+    failed = flash_compiles() + norm_compiles()
     for name, (src, warps, stages) in cases.items():
         try:
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,
