@@ -137,6 +137,21 @@ def test_a_layernorm_read_as_float_and_by_a_quantized_gemm_writes_both(tmp_path,
     np.testing.assert_array_equal(again.create_execution_context().run(x)["out"], got)
 
 
+def test_only_a_last_axis_norm_with_fp32_statistics_and_one_output_becomes_a_skip_layer_norm():
+    """What kiln::SkipLayerNorm computes without its skip: LayerNormalization over the last axis, statistics in FP32,
+    no Mean/InvStdDev outputs read."""
+    from kiln.engine.quantized_io import _plain_norm
+    from kiln.ir.graph import Node
+
+    def norm(outputs=("y",), **attrs):
+        return Node("LayerNormalization", ["x", "gamma", "beta"], list(outputs), attrs)
+
+    assert _plain_norm(norm()) and _plain_norm(norm(axis=-1, stash_type=1)) and _plain_norm(norm(("y", "", "")))
+    assert not _plain_norm(norm(axis=1))  # over more than the last axis (or a rank we would have to know)
+    assert not _plain_norm(norm(stash_type=0))  # statistics in the input's type
+    assert not _plain_norm(norm(("y", "mean")))  # Mean read by another layer
+
+
 def _resnet_block():
     """o = Relu(Conv_a(x)); out = Relu(Conv_c(Relu(Conv_b(o))) + o): o is read by Conv_b and as the residual."""
     rng = np.random.default_rng(0)
