@@ -70,20 +70,23 @@ def flash_source(quant: str, fp8_inputs: bool = False):
                      constexprs=cx)
 
 
+def _compiles(name: str, src, options: dict) -> int:
+    """Compile src for sm_90 and say whether it did; 1 if it failed, else 0."""
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:
+        print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
+        return 1
+    print(f"{name}: compiles")
+    return 0
+
+
 def flash_compiles() -> int:
     """Compile the flash kernel's 8-bit outputs; the number that failed. The interpreter ran one that the
     compiler refused (a variable of the key loop read after it) and only the H200 found it (2026-11-30)."""
-    failed = 0
-    for quant, fp8_inputs in (("int8", False), ("fp8", False), ("fp8", True)):
-        name = f"flash attention, {quant} output" + (", fp8 q/k/v" if fp8_inputs else "")
-        try:
-            triton.compile(flash_source(quant, fp8_inputs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "num_stages": 3})
-            print(f"{name}: compiles")
-        except Exception as e:
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
-    return failed
+    return sum(_compiles(f"flash attention, {quant} output" + (", fp8 q/k/v" if fp8_inputs else ""),
+                         flash_source(quant, fp8_inputs), {"num_warps": 4, "num_stages": 3})
+               for quant, fp8_inputs in (("int8", False), ("fp8", False), ("fp8", True)))
 
 
 def norm_compiles() -> int:
@@ -96,17 +99,12 @@ def norm_compiles() -> int:
            **{p: "i32" for p in ("rows1", "n_rows", "sa0", "sa1", "sb0", "sb1")}}
     failed = 0
     for skip, rows in ((True, 1), (False, 1), (True, 2)):
-        name = f"layernorm, fp8 copy, {'with' if skip else 'without'} the add, {rows} row(s) a program"
         cx = dict(HAS_SKIP=skip, HAS_BETA=True, WRITE_SUM=False, QUANT="fp8", RMS=False, PARTS=0, HAS_BIAS=False,
                   BLOCK=1024, ROWS=rows)
-        try:
-            triton.compile(ASTSource(fn=layernorm._skip_layernorm_kernel,
-                                     signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
-            print(f"{name}: compiles")
-        except Exception as e:
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
+        failed += _compiles(f"layernorm, fp8 copy, {'with' if skip else 'without'} the add, {rows} row(s) a program",
+                            ASTSource(fn=layernorm._skip_layernorm_kernel,
+                                      signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx),
+                            {"num_warps": 2})
     return failed
 
 
