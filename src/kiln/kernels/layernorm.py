@@ -53,7 +53,8 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]: ROWS rows per program
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)[None, :]
-    mask = (cols < n_cols) & (row < n_rows)
+    col_ok = cols < n_cols
+    mask = col_ok & (row < n_rows)
     off = row * n_cols + cols
     if PARTS > 0:  # a split-K GEMM's FP32 partial products, contiguous [PARTS, n_rows, n_cols]
         s = tl.load(a_ptr + off, mask=mask, other=0.0)
@@ -62,7 +63,7 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
     else:
         s = tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        s += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        s += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_SKIP:
         s += tl.load(b_ptr + r0 * sb0 + r1 * sb1 + cols, mask=mask, other=0.0).to(tl.float32)
     if WRITE_SUM:
@@ -72,9 +73,9 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
     else:
         d = tl.where(mask, s - (tl.sum(s, axis=1) / n_cols)[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / n_cols + eps)
-    y = d * rstd[:, None] * tl.load(g_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    y = d * rstd[:, None] * tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BETA:
-        y += tl.load(beta_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        y += tl.load(beta_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + off, y, mask=mask)
     if QUANT != "":  # quantized from the stored (rounded) values, as a reader quantizing y itself would
