@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import itertools
 import os
 import sys
 import threading
@@ -39,6 +40,10 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
 _PREF_MAX_WORKSPACE = 1
+_CAP_CTA_SWIZZLING, _CAP_TILE_IDS, _CAP_CUSTOM_OPTION_MAX, _CAP_STAGES_IDS = 2, 6, 7, 13
+_CONFIG_TILE_ID, _CONFIG_CTA_SWIZZLING, _CONFIG_CUSTOM_OPTION, _CONFIG_STAGES_ID = 1, 4, 5, 6
+_CONFIG_CLUSTER_SHAPE_ID = 8
+CLUSTERS = (0, 2, 3, 4, 5, 6, 8)  # auto, 1x1, 2x1, 4x1, 1x2, 2x2, 1x4 (cublasLtClusterShape_t)
 ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
 # Offered with 32 MiB of scratch and with none: allowed scratch, the heuristic mostly picks kernels that clear a
 # buffer with a cudaMemsetAsync before every call, after which the next kernel of a CUDA graph started 3-4 us
@@ -92,7 +97,12 @@ def _lib():
                        ("cublasLtMatmulPreferenceSetAttribute", [p, i, p, sz]),
                        ("cublasLtMatmulAlgoGetHeuristic", [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic),
                                                            ctypes.POINTER(i)]),
-                       ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p])]:
+                       ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p]),
+                       ("cublasLtMatmulAlgoGetIds", [p, i, i, i, i, i, i, i, p, ctypes.POINTER(i)]),
+                       ("cublasLtMatmulAlgoInit", [p, i, i, i, i, i, i, i, p]),
+                       ("cublasLtMatmulAlgoCapGetAttribute", [p, i, p, sz, ctypes.POINTER(sz)]),
+                       ("cublasLtMatmulAlgoConfigSetAttribute", [p, i, p, sz]),
+                       ("cublasLtMatmulAlgoCheck", [p, p, p, p, p, p, p, ctypes.POINTER(_Heuristic)])]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     lib.cublasLtGetStatusName.argtypes, lib.cublasLtGetStatusName.restype = [i], ctypes.c_char_p
@@ -149,20 +159,17 @@ class _Plan:
     workspace: int
 
 
-@functools.lru_cache(maxsize=512)
-def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
-    """cuBLASLt's heuristic choices (best first, up to `count`, each needing at most `max_workspace` bytes) for
-    the spec in column-major terms: y^T = w^T x^T, w^T read transposed from K-major weights (cuBLASLt's FP8
-    GEMM takes only that "TN" form) or as it is from row-major ones. Empty when cuBLASLt has no kernel for it."""
-    lib = _lib()
+def _describe(spec: Spec) -> tuple[ctypes.c_void_p, tuple]:
+    """The spec's operation descriptor and matrix layouts (A weights, B activations, C, D) in column-major terms:
+    y^T = w^T x^T, w^T read transposed from K-major weights (cuBLASLt's FP8 GEMM takes only that "TN" form) or as
+    it is from row-major ones."""
     desc = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
+    _check(_lib().cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
     _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T if spec.k_major else _OP_N))
     _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
     _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
     if spec.fp8:
         _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
-    c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
     if spec.bias is not None:
         _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
@@ -173,8 +180,21 @@ def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX
             (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
         _set(desc, attr, aligned)
     m, n, k, a_type = spec.m, spec.n, spec.k, _TYPES[spec.inputs]
-    layouts = (_layout(a_type, k, n, k) if spec.k_major else _layout(a_type, n, k, n), _layout(a_type, k, m, k),
-               _layout(c_type, n, m, n), _layout(_TYPES[spec.out], n, m, n))
+    return desc, (_layout(a_type, k, n, k) if spec.k_major else _layout(a_type, n, k, n), _layout(a_type, k, m, k),
+                  _layout(_c_type(spec), n, m, n), _layout(_TYPES[spec.out], n, m, n))
+
+
+def _c_type(spec: Spec) -> int:
+    """C's type (unread, beta 0): the bias's, else the output's float type."""
+    return _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
+
+
+@functools.lru_cache(maxsize=512)
+def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
+    """cuBLASLt's heuristic choices for the spec, best first, up to `count`, each needing at most `max_workspace`
+    bytes. Empty when cuBLASLt has no kernel for it."""
+    lib = _lib()
+    desc, layouts = _describe(spec)
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
     cap = ctypes.c_uint64(max_workspace)
@@ -186,6 +206,76 @@ def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX
     if status != 0:
         return ()
     return tuple(_Plan(desc, layouts, r, r.workspace) for r in results[:found.value] if r.state == 0)
+
+
+def _cap(algo: _Heuristic, attr: int) -> list[int]:
+    """An algorithm capability: an int, or an array of uint32 (tile and stages ids)."""
+    lib, size = _lib(), ctypes.c_size_t(0)
+    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo.algo), attr, None, 0, ctypes.byref(size))
+    values = (ctypes.c_int32 * max(1, size.value // 4))()
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo.algo), attr, values, ctypes.sizeof(values),
+                                             ctypes.byref(size)) != 0:
+        return []
+    return list(values[:size.value // 4])
+
+
+def _configure(algo: _Heuristic, attr: int, value: int, ctype=ctypes.c_uint32) -> None:
+    v = ctype(value)
+    _check(_lib().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo.algo), attr, ctypes.byref(v),
+                                                       ctypes.sizeof(v)),
+           f"cublasLtMatmulAlgoConfigSetAttribute({attr})")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One cuBLASLt algorithm configuration, as `search` found it."""
+    algo_id: int
+    tile: int
+    stages: int
+    cluster: int
+    swizzle: int
+    custom: int
+
+    @property
+    def name(self) -> str:
+        return f"a{self.algo_id}_t{self.tile}_s{self.stages}_c{self.cluster}_w{self.swizzle}_o{self.custom}"
+
+
+def search(spec: Spec, device: torch.device, max_workspace: int = 0) -> list[tuple[Config, _Plan]]:
+    """Every configuration of every cuBLASLt algorithm for the spec that cublasLtMatmulAlgoCheck accepts with at
+    most `max_workspace` bytes of scratch (no split-K: it needs scratch or a cleared output), beyond the at most
+    eight the heuristic returns: tiles x stages x cluster shapes x CTA swizzles x custom options."""
+    lib, dev = _lib(), device.index or 0
+    desc, layouts = _describe(spec)
+    types = (_COMPUTE_32F, _R_32F, _TYPES[spec.inputs], _TYPES[spec.inputs], _c_type(spec), _TYPES[spec.out])
+    ids, count = (ctypes.c_int * 128)(), ctypes.c_int(0)
+    _check(lib.cublasLtMatmulAlgoGetIds(_handle(dev), *types, 128, ids, ctypes.byref(count)),
+           "cublasLtMatmulAlgoGetIds")
+    found = []
+    for algo_id in ids[:count.value]:
+        base = _Heuristic()
+        if lib.cublasLtMatmulAlgoInit(_handle(dev), *types, algo_id, ctypes.byref(base.algo)) != 0:
+            continue
+        tiles = _cap(base, _CAP_TILE_IDS) or [0]
+        stages = _cap(base, _CAP_STAGES_IDS) or [0]
+        swizzles = range((_cap(base, _CAP_CTA_SWIZZLING) or [0])[0] + 1)
+        customs = range((_cap(base, _CAP_CUSTOM_OPTION_MAX) or [0])[0] + 1)
+        for tile, stage, cluster, swizzle, custom in itertools.product(tiles, stages, CLUSTERS, swizzles, customs):
+            algo = _Heuristic()
+            ctypes.memmove(ctypes.byref(algo.algo), ctypes.byref(base.algo), ctypes.sizeof(algo.algo))
+            _configure(algo, _CONFIG_TILE_ID, tile)
+            _configure(algo, _CONFIG_STAGES_ID, stage)
+            _configure(algo, _CONFIG_CLUSTER_SHAPE_ID, cluster, ctypes.c_uint16)
+            _configure(algo, _CONFIG_CTA_SWIZZLING, swizzle)
+            _configure(algo, _CONFIG_CUSTOM_OPTION, custom)
+            result = _Heuristic()
+            if lib.cublasLtMatmulAlgoCheck(_handle(dev), desc, *layouts, ctypes.byref(algo.algo),
+                                           ctypes.byref(result)) != 0 or result.workspace > max_workspace:
+                continue
+            result.algo = algo.algo
+            found.append((Config(algo_id, tile, stage, cluster, swizzle, custom), _Plan(desc, layouts, result,
+                                                                                        result.workspace)))
+    return found
 
 
 def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> bool:
