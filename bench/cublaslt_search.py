@@ -27,7 +27,7 @@ from bench.run import kernel_events  # noqa: E402
 from kiln.kernels import cublaslt  # noqa: E402
 from kiln.tactics.timer import L2Reset, median_ms  # noqa: E402
 
-DEFAULT = "qkv, fp8 out,attn_out,ffn1,ffn2,fp16 qkv,fp16 attn_out,fp16 ffn1,fp16 ffn2"
+DEFAULT = "qkv, fp8 out;attn_out;ffn1;ffn2;fp16 qkv;fp16 attn_out;fp16 ffn1;fp16 ffn2"
 
 
 def kernel_name(fn) -> str:
@@ -38,7 +38,7 @@ def kernel_name(fn) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out")
-    ap.add_argument("--gemms", default=DEFAULT, help="comma-separated names from bench/cublaslt_choices.py")
+    ap.add_argument("--gemms", default=DEFAULT, help="names from bench/cublaslt_choices.py, separated by ;")
     ap.add_argument("--budget", type=float, default=25.0, help="seconds of timing per GEMM")
     ap.add_argument("--top", type=int, default=6)
     a = ap.parse_args()
@@ -51,7 +51,7 @@ def main() -> int:
             "us per call: CUDA-graph replay of 10 calls; after L2 reset: weights from memory, as in an engine. "
             "heuristic: the best of its first eight no-scratch choices. max diff: against the heuristic's "
             "first choice's output.", ""]
-    for name in a.gemms.split(","):
+    for name in a.gemms.split(";"):
         (_, M, K, N, act, out, inputs), = [g for g in GEMMS if g[0] == name]
         x, w, s, bias = operands(M, K, N, inputs)
         spec = cublaslt.spec_of(x, w, True, act, out == FP8, FP16)

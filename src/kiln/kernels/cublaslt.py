@@ -349,7 +349,7 @@ _LAUNCH = threading.Lock()  # engines may run in several threads; each call sets
 def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", y_scale: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.float16, algo: int = 0, workspace_cap: int = MAX_WORKSPACE,
-             plan: _Plan | None = None) -> torch.Tensor:
+             plan: _Plan | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """act(x8 @ w8 * x_scale * w_scale + bias) as out_dtype, or as FP8 E4M3 quantized with y_scale.
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
@@ -367,11 +367,11 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
         pointers.append((_DESC_BIAS_POINTER, _constant(bias, out_dtype)))
-    return _matmul(spec, plan or _plan(x8.device, spec, algo, workspace_cap), x8, w8, pointers)
+    return _matmul(spec, plan or _plan(x8.device, spec, algo, workspace_cap), x8, w8, pointers, residual)
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "", algo: int = 0,
-         workspace_cap: int = 0, plan: _Plan | None = None) -> torch.Tensor:
+         workspace_cap: int = 0, plan: _Plan | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """act(x @ w + bias) for FP16/BF16 x [M, K] (row-major) and w [K, N] (row-major or K-major), in x's type, with
     cuBLASLt's choice `algo` among the kernels needing at most workspace_cap bytes of scratch (none by default:
     torch's addmm covers the others), or `plan`. Raises CublasLtError where `supported` is False for choice 0."""
@@ -379,7 +379,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act
     if not aligned(x, w):
         raise CublasLtError("gemm takes a row-major x and row-major or K-major weights, both 256-byte aligned")
     pointers = [] if bias is None else [(_DESC_BIAS_POINTER, _constant(bias, x.dtype))]
-    return _matmul(spec, plan or _plan(x.device, spec, algo, workspace_cap), x, w, pointers)
+    return _matmul(spec, plan or _plan(x.device, spec, algo, workspace_cap), x, w, pointers, residual)
 
 
 def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -389,16 +389,22 @@ def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.data_ptr() % 256 == 0)
 
 
-def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers: list) -> torch.Tensor:
-    """One cublasLtMatmul of a plan for `spec`, with its per-call pointers (scales, bias) set first."""
+def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers: list,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """One cublasLtMatmul of a plan for `spec`, with its per-call pointers (scales, bias) set first; a residual
+    [M, N] of C's type is added in the epilogue (cuBLASLt's C with beta 1), before the activation."""
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x.device)
+    if residual is not None and not (residual.is_contiguous() and residual.shape == y.shape
+                                     and _TYPES.get(residual.dtype) == _c_type(spec)):
+        raise CublasLtError(f"the residual must be a contiguous [{spec.m}, {spec.n}] tensor of the bias's type")
     ws, dev = scratch(x.device, plan.workspace), x.device.index or 0
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    one, beta = ctypes.c_float(1.0), ctypes.c_float(0.0 if residual is None else 1.0)
     with _LAUNCH:  # the pointers live in the plan's shared descriptor until cublasLtMatmul has read them
         for attr, t in pointers:
             _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
         _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w.data_ptr(), plan.layouts[0],
-                                     x.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
+                                     x.data_ptr(), plan.layouts[1], ctypes.byref(beta),
+                                     None if residual is None else residual.data_ptr(), plan.layouts[2],
                                      y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
                                      plan.workspace, torch.cuda.current_stream(x.device).cuda_stream),
                "cublasLtMatmul")
