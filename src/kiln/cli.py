@@ -40,6 +40,9 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layerPrecisions", default="", metavar="SPEC",
                    help="pin layers (ONNX node names) to a float precision: conv1:fp32,fc:fp16 "
                         "(pinned layers are not quantized)")
+    p.add_argument("--precisionConstraints", default="none", choices=["none", "obey"],
+                   help="none (default): with --int8/--fp8 on a GPU, a layer whose float tactics time faster than its "
+                        "8-bit ones stays in float; obey: quantize every layer that can be")
     p.add_argument("--minShapes", action="append", default=[], metavar="SPEC",
                    help="x:1x3x224x224,... ; repeat --minShapes/--optShapes/--maxShapes to add profiles")
     p.add_argument("--optShapes", action="append", default=[], metavar="SPEC")
@@ -97,7 +100,7 @@ def _config_from_args(a):
         calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
-        timing_cache=a.timingCacheFile,
+        timing_cache=a.timingCacheFile, precision_constraints=a.precisionConstraints,
         exclude_tactics=tuple(p.strip() for p in a.excludeTactics.split(",") if p.strip()),
     )
 

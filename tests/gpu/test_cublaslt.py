@@ -95,7 +95,7 @@ def test_an_fp8_build_times_the_epilogue_tactic_and_matches_onnxruntime():
     rng = np.random.default_rng(0)
     calib = [{name: rng.standard_normal((64, 128)).astype(np.float32)} for _ in range(16)]
     eng = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False, fp16=True, fp8=True, calib=calib,
-                                             optimization_level=4))
+                                             optimization_level=4, precision_constraints="obey"))
     layers = [t for t in eng.tactics if t["op"] == "QGemm"]
     assert len(layers) == 2
     # up: GELU and an FP8 output for down; down: FP16 out. Without scratch cuBLASLt may have no kernel for so small
@@ -134,7 +134,8 @@ def test_an_fp8_build_times_the_epilogue_tactic_for_a_1x1_convolution_and_matche
     model = _pointwise_convs()
     rng = np.random.default_rng(1)
     calib = [{"x": rng.standard_normal((8, 32, 16, 16)).astype(np.float32)} for _ in range(8)]
-    eng = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False, fp16=True, fp8=True, calib=calib))
+    eng = kiln.build(model, kiln.BuildConfig(device="cuda", progress=False, fp16=True, fp8=True, calib=calib,
+                                             precision_constraints="obey"))
     conv_b = next(t for t in eng.tactics if "conv_b" in t["layer"] and t["op"] == "QConv")
     assert "cublaslt_fp8_epilogue" in conv_b["timings"], (sorted(conv_b["timings"]), conv_b["excluded"])
     x = rng.standard_normal((8, 32, 16, 16)).astype(np.float32)

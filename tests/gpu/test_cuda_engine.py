@@ -21,7 +21,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(**kw):
-    return kiln.BuildConfig(device="cuda", progress=False, **kw)
+    # "obey": these tests check the quantized layers themselves, which a faster float tactic would replace
+    return kiln.BuildConfig(device="cuda", progress=False, precision_constraints="obey", **kw)
 
 
 def test_cuda_graph_replay_matches_cpu_engine_at_every_shape():
@@ -181,6 +182,30 @@ def test_int8_layer_runs_on_the_gpu_like_the_cpu_reference():
     x = torch.randn(32, 8)
     torch.testing.assert_close(gpu.create_execution_context().run({"x": x.cuda()})["y"].cpu(),
                                cpu.create_execution_context().run({"x": x})["y"], rtol=1e-3, atol=1e-3)
+
+
+def test_a_default_int8_build_keeps_only_the_layers_float_does_not_beat_and_says_which():
+    """precision constraints "none" (the default): the INT8 and FP16 builds are both timed, each quantized group
+    that timed slower than its float layers is rebuilt in FP16, and the engine still matches the CPU reference."""
+    model = residual_blocks(3, channels=64, in_channels=16)
+    rng = np.random.default_rng(7)
+    calib = [{"x": rng.standard_normal((8, 16, 16, 16)).astype(np.float32)} for _ in range(32)]
+    prof = [kiln.Profile({"x": ((8, 16, 16, 16),) * 3})]
+    eng = kiln.build(model, _cfg(profiles=prof, int8=True, fp16=True, calib=calib, precision_constraints="none"))
+    report = next(f for f in eng.findings if f.get("kind") == "precision-by-speed")
+    assert report["engines_built"] in (2, 3) and report["quantized_total_us"] > 0
+    for kept in report["kept_in_float"]:
+        assert kept["float_us"] < kept["quantized_us"] * (1 - report["margin"])
+    kept = {a for k in report["kept_in_float"] for a in k["layers"]}
+    for n in eng.graph.nodes:  # the layers the report kept in float are float, and say why; no other moved
+        if kept & set(n.sources or [n.name]):
+            assert n.precision == "float16" and n.note.startswith("kept in float16"), (n.name, n.note)
+        elif n.op_type == "Conv" or n.op_type == "FusedConv":
+            assert not n.note.startswith("kept in"), (n.name, n.note)
+    x = rng.standard_normal((8, 16, 16, 16)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["o3"].float().cpu().numpy()
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max(), report
 
 
 def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():

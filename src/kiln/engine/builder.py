@@ -182,8 +182,20 @@ def build(model, config: BuildConfig | None = None) -> Engine:
                                 config.budget_data, build)
         engine.findings.append(report)
         return engine
+    if config.precision_constraints not in ("none", "obey"):
+        raise ConfigError(f"--precisionConstraints must be 'none' or 'obey', not '{config.precision_constraints}'.")
     start = time.perf_counter()
     target = resolve(config.device)
+    if (config.quantized and config.precision_constraints == "none" and target.kind == "cuda"
+            and config.optimization_level > 0 and not isinstance(model, Graph)):
+        from ..quant.speed import keep_faster_float
+
+        engine, report = keep_faster_float(model, config, build)
+        engine.findings.append(report)
+        if config.validate:
+            validate(engine)
+        engine.build_seconds = time.perf_counter() - start
+        return engine
     with (build_progress() if config.progress else nullcontext()) as bar:
         step = (lambda msg: bar.step(msg)) if bar else (lambda msg: None)
         step("loading model")

@@ -37,6 +37,9 @@ class BuildConfig:
     calib_cache: str | None = None  # read if it exists, else written after calibrating
     calib_method: str = "entropy"  # "entropy" (TensorRT's EntropyCalibration2), "minmax", "percentile"
     layer_precisions: dict[str, str] = field(default_factory=dict)  # ONNX node name -> fp32/fp16/bf16/tf32
+    # trtexec's --precisionConstraints: "none" (default) lets a GPU build keep a quantizable layer in float where
+    # its timed float tactics beat the 8-bit ones (quant/speed.py); "obey" quantizes every one it can.
+    precision_constraints: str = "none"
     # Precision search (quant/search.py): {"top1": 0.5} = at most 0.5 points below FP32 on budget_data.
     accuracy_budget: dict[str, float] = field(default_factory=dict)
     budget_data: object = None
@@ -84,6 +87,7 @@ class BuildConfig:
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
             "max_aux_streams": min(1, max(0, self.max_aux_streams)),
             "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
+            "precision_constraints": self.precision_constraints,
             "exclude_tactics": list(self.exclude_tactics),
         }
 

@@ -61,7 +61,8 @@ def search(model, config, budgets: dict[str, float], data, build):
     onnx_names = {n.name: n.op_type for n in proto.graph.node}
     float_prec = config.precision if config.precision != "tf32" else "float32"
     cache = config.calib_cache or str(Path(tempfile.mkdtemp(prefix="kiln-calib-")) / "calibration.json")
-    base = dataclasses.replace(config, calib_cache=cache, validate=False)
+    # Every candidate quantizes all it may: the search, not the timings, decides what stays in float.
+    base = dataclasses.replace(config, calib_cache=cache, validate=False, precision_constraints="obey")
 
     full = build(proto, base)
     ok, drops = _metric_drop(full, proto, data, budgets)

@@ -1,0 +1,118 @@
+"""Layers that gain nothing from INT8/FP8 stay in float: the builder's timings decide, as TensorRT's do.
+
+Quantizing a layer is a permission, not an order (TensorRT's --precisionConstraints=none, Kiln's default): a
+quantized GEMM whose 8-bit tactics are slower than the float ones (BERT-base's FFN1 in INT8 on the H200: 41 us
+on Triton's INT8 tile against 34 us on cuBLASLt in FP16) should run in float. So, on a GPU build:
+
+1. Build the quantized engine, every quantizable layer quantized (precision constraints "obey"), and the same
+   model in the build's float precision, both timing their tactics into one timing cache.
+2. Group the two engines' layers by the ONNX nodes they cover: the FP8 engine's GEMM and its separate
+   add + LayerNorm against the float engine's fused GEMM + LayerNorm are one group.
+3. A group whose quantized layers take longer, in the tactic times the builder measured, than its float layers
+   (by more than MARGIN) has its GEMMs and convolutions pinned to float; the quantized engine is built again
+   with those pins (its other layers' timings come from the cache).
+4. The rebuilt engine is kept only if its layers' measured times add up to less than the fully quantized
+   one's: a float layer between quantized ones makes its neighbours quantize their inputs themselves, which
+   the per-group comparison does not see.
+
+The engine's findings record each group kept in float with both times; the inspector shows those layers'
+precision and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import onnx
+
+MARGIN = 0.03  # a group moves to float only when float is this much faster: timings of one build vary ~1-2%
+REASON = "kept in {prec}: faster than {q} ({f_us:.1f} us against {q_us:.1f})"
+_GEMMS = ("Conv", "MatMul", "Gemm")
+
+
+def _layer_times(engine) -> dict[str, float]:
+    """Each timed layer's chosen tactic time (ms, summed over profiles)."""
+    return {r["layer"]: r["timings"].get(r["chosen"], 0.0) for r in engine.tactics}
+
+
+def _groups(q, f) -> list[tuple[set[str], list, list]]:
+    """Layers of the quantized engine `q` and the float engine `f` grouped by shared ONNX source nodes:
+    [(sources, q layers, f layers)]."""
+    parent: dict[str, str] = {}
+
+    def find(a):
+        while parent.setdefault(a, a) != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    layers = [(e, n) for e in (q, f) for n in e.graph.nodes if n.placement == "device"]
+    for _, n in layers:
+        srcs = n.sources or [n.name]
+        for s in srcs[1:]:
+            parent[find(s)] = find(srcs[0])
+    groups: dict[str, tuple[set, list, list]] = {}
+    for e, n in layers:
+        srcs = n.sources or [n.name]
+        g = groups.setdefault(find(srcs[0]), (set(), [], []))
+        g[0].update(srcs)
+        (g[1] if e is q else g[2]).append(n)
+    return list(groups.values())
+
+
+def keep_faster_float(model, config, build):
+    """Returns (engine, finding). `build` is kiln.build; `config` an INT8/FP8 BuildConfig on a GPU."""
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+    onnx_ops = {n.name: n.op_type for n in proto.graph.node}
+    scratch = Path(tempfile.mkdtemp(prefix="kiln-precision-"))
+    base = dataclasses.replace(config, precision_constraints="obey", validate=False,
+                               timing_cache=config.timing_cache or str(scratch / "timing.json"),
+                               calib_cache=config.calib_cache or str(scratch / "calibration.json"))
+    quantized = build(proto, base)
+    report = {"kind": "precision-by-speed", "margin": MARGIN, "kept_in_float": [], "engines_built": 1}
+    if not quantized.tactics:  # no timing (a CPU target, optimization level 0): nothing to compare
+        return quantized, report
+    floating = build(proto, dataclasses.replace(base, int8=False, fp8=False, calib=None, calib_cache=None))
+    report["engines_built"] += 1
+    qt, ft = _layer_times(quantized), _layer_times(floating)
+    float_prec = config.precision
+    pins: dict[str, str] = {}
+    for sources, q_layers, f_layers in _groups(quantized, floating):
+        if not any(n.precision in ("int8", "fp8") for n in q_layers) or not f_layers:
+            continue
+        q_ms, f_ms = sum(qt.get(n.name, 0.0) for n in q_layers), sum(ft.get(n.name, 0.0) for n in f_layers)
+        if f_ms < q_ms * (1 - MARGIN):
+            anchors = sorted(s for s in sources if onnx_ops.get(s) in _GEMMS)
+            pins.update({a: float_prec for a in anchors})
+            report["kept_in_float"].append({"layers": anchors, "quantized_us": round(q_ms * 1e3, 2),
+                                            "float_us": round(f_ms * 1e3, 2)})
+    report["quantized_total_us"] = round(sum(qt.values()) * 1e3, 1)
+    if not pins:
+        return quantized, report
+    mixed = build(proto, dataclasses.replace(base, layer_precisions={**pins, **config.layer_precisions}))
+    report["engines_built"] += 1
+    report["mixed_total_us"] = round(sum(_layer_times(mixed).values()) * 1e3, 1)
+    if report["mixed_total_us"] >= report["quantized_total_us"]:
+        report["kept_in_float"], report["result"] = [], "fully quantized: the mixed engine was not faster"
+        return quantized, report
+    _explain(mixed, report, {a for a in pins if a not in config.layer_precisions}, config.quantized, float_prec)
+    report["result"] = f"{len(report['kept_in_float'])} group(s) kept in {float_prec}"
+    return mixed, report
+
+
+def _explain(engine, report, pinned: set[str], qtype: str, prec: str) -> None:
+    """Say why each speed-pinned layer is in float (a plain pin says "pinned by --layerPrecisions")."""
+    why = {}
+    for kept in report["kept_in_float"]:
+        text = REASON.format(prec=prec, q=qtype.upper(), f_us=kept["float_us"], q_us=kept["quantized_us"])
+        why.update({a: text for a in kept["layers"] if a in pinned})
+    for n in engine.graph.nodes:
+        reason = next((why[s] for s in (n.sources or [n.name]) if s in why), None)
+        if reason:
+            n.note = reason
+    for f in engine.findings:
+        node = next((n for n in engine.graph.nodes if n.name == f.get("layer")), None)
+        if f.get("kind") == "precision" and node is not None and node.note.startswith("kept in"):
+            f["reason"] = node.note

@@ -1,0 +1,85 @@
+"""Precision by speed (kiln/quant/speed.py) on real CPU builds of the trained digits CNN. CPU builds time no
+tactics, so each test gives the per-layer times a GPU build would have measured; the grouping, the pins, the
+rebuild and the findings are the real ones. The GPU test (tests/gpu/test_cuda_engine.py) runs it with timings."""
+
+import dataclasses
+
+import pytest
+
+import kiln
+from kiln.examples import digits
+from kiln.quant import speed
+
+QUANTIZED = ("QConv", "QGemm")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    digits.main([str(out), "--exporter", "onnx"])
+    return out
+
+
+def _config(trained, **kw):
+    prof = [kiln.Profile({"image": ((1, 1, 8, 8), (64, 1, 8, 8), (64, 1, 8, 8))})]
+    return kiln.BuildConfig(device="cpu", progress=False, profiles=prof, int8=True,
+                            calib=str(trained / "digits_calib.npz"), **kw)
+
+
+def _timed(ms):
+    """kiln.build, then every device layer's tactic time in ms as `ms(node, config)` says (a GPU build's timings)."""
+    def build(model, cfg):
+        eng = kiln.build(model, cfg)
+        eng.tactics = [{"layer": n.name, "op": n.op_type, "chosen": "t", "timings": {"t": ms(n, cfg)}}
+                       for n in eng.graph.nodes if n.placement == "device"]
+        return eng
+    return build
+
+
+def test_each_quantized_layer_is_grouped_with_the_float_layers_of_the_same_onnx_nodes(trained):
+    model = str(trained / "digits.onnx")
+    q = kiln.build(model, _config(trained))
+    f = kiln.build(model, dataclasses.replace(_config(trained), int8=False, calib=None))
+    groups = speed._groups(q, f)
+    quantized = [n for n in q.graph.nodes if n.op_type in QUANTIZED]
+    assert len(quantized) >= 2
+    for n in quantized:
+        sources, q_layers, f_layers = next(g for g in groups if n in g[1])
+        assert f_layers and not any(x.op_type in QUANTIZED for x in f_layers)
+        assert set(n.sources) <= sources  # the float layers cover the same ONNX nodes
+        assert all(set(x.sources or [x.name]) <= sources for x in f_layers)
+
+
+def test_a_layer_slower_quantized_stays_in_float_and_the_engine_says_why(trained):
+    def ms(n, cfg):  # the classifier GEMM three times slower in INT8; every other layer alike
+        return 0.003 if n.op_type == "QGemm" else 0.001
+
+    engine, report = speed.keep_faster_float(str(trained / "digits.onnx"), _config(trained), _timed(ms))
+    assert report["engines_built"] == 3 and len(report["kept_in_float"]) == 1
+    kept = report["kept_in_float"][0]
+    assert kept["quantized_us"] > kept["float_us"] and report["mixed_total_us"] < report["quantized_total_us"]
+    assert not [n for n in engine.graph.nodes if n.op_type == "QGemm"]  # the GEMM runs in float now
+    assert {n.precision for n in engine.graph.nodes if n.op_type == "QConv"} == {"int8"}  # the rest stays INT8
+    note = "kept in float32: faster than INT8"
+    assert any(n.note.startswith(note) for n in engine.graph.nodes)
+    assert any(f.get("kind") == "precision" and f["reason"].startswith(note) for f in engine.findings)
+
+
+def test_no_layer_moves_when_8_bit_is_faster_or_the_mix_is_not(trained):
+    model, cfg = str(trained / "digits.onnx"), _config(trained)
+    engine, report = speed.keep_faster_float(model, cfg, _timed(lambda n, c: 0.001))  # 8-bit no slower
+    assert report["engines_built"] == 2 and not report["kept_in_float"]
+    assert [n for n in engine.graph.nodes if n.op_type == "QGemm"]
+
+    def ms(n, c):  # slower quantized alone, but in the mixed engine its neighbours would pay more than it saves
+        mixed = bool(c.layer_precisions)
+        return 0.003 if n.op_type == "QGemm" else 0.01 if mixed and n.op_type == "QConv" else 0.001
+
+    engine, report = speed.keep_faster_float(model, cfg, _timed(ms))
+    assert report["engines_built"] == 3 and report["result"].startswith("fully quantized")
+    assert not report["kept_in_float"] and [n for n in engine.graph.nodes if n.op_type == "QGemm"]
+
+
+def test_precision_constraints_must_be_none_or_obey(trained):
+    with pytest.raises(kiln.errors.ConfigError, match="precisionConstraints"):
+        kiln.build(str(trained / "digits.onnx"), _config(trained, precision_constraints="prefer"))
