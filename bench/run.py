@@ -223,6 +223,9 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
             t0 = time.perf_counter()
             kiln.build(onnx_path, cfg)  # again, with the timing cache the first build wrote
             builds[key] = {"cold_s": engines[key][1], "warm_cache_s": time.perf_counter() - t0}
+            speed = next((f for f in engines[key][0].findings if f.get("kind") == "precision-by-speed"), None)
+            if speed is not None:  # which quantized layers the build kept in FP16 because they timed faster there
+                builds[key]["precision_by_speed"] = speed
             print(f"[{name} b{b}] built kiln {key}: {builds[key]}", flush=True)
         return engines, builds
 
@@ -359,6 +362,16 @@ def to_markdown(env: dict, results: list) -> str:
         lines += ["", "| Kiln build | cold build s | rebuild with warm timing cache s |", "|---|---|---|"]
         for k, bl in row.get("builds", {}).items():
             lines.append(f"| {k} | {bl['cold_s']:.1f} | {bl['warm_cache_s']:.1f} |")
+        for k, bl in row.get("builds", {}).items():
+            speed = bl.get("precision_by_speed")
+            if speed:
+                kept = "; ".join(f"{', '.join(x['layers'])} ({x['float_us']:.1f} us FP16 against "
+                                 f"{x['quantized_us']:.1f})" for x in speed["kept_in_float"])
+                lines += ["", f"kiln_{k} precision by speed ({speed['engines_built']} builds"
+                          + (f"; end to end {speed['quantized_latency_us']:.0f} us all quantized, "
+                             f"{speed['mixed_latency_us']:.0f} us mixed" if "mixed_latency_us" in speed else "")
+                          + f"): {speed.get('result', 'every group timed faster quantized')}"
+                          + (f"; kept in FP16: {kept}" if kept else "")]
         lines += ["", "| engine vs onnxruntime (CPU FP32) | max abs err | max abs ref | err / range | rel L2 | tol | "
                       "result |",
                   "|---|---|---|---|---|---|---|"]
