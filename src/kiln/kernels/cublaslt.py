@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
-import itertools
 import os
 import sys
 import threading
@@ -40,10 +39,6 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
 _PREF_MAX_WORKSPACE = 1
-_CAP_CTA_SWIZZLING, _CAP_TILE_IDS, _CAP_CUSTOM_OPTION_MAX, _CAP_STAGES_IDS = 2, 6, 7, 13
-_CONFIG_TILE_ID, _CONFIG_CTA_SWIZZLING, _CONFIG_CUSTOM_OPTION, _CONFIG_STAGES_ID = 1, 4, 5, 6
-_CONFIG_CLUSTER_SHAPE_ID = 8
-CLUSTERS = (0, 2, 3, 4, 5, 6, 8)  # auto, 1x1, 2x1, 4x1, 1x2, 2x2, 1x4 (cublasLtClusterShape_t)
 ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
 # Offered with 32 MiB of scratch and with none: allowed scratch, the heuristic mostly picks kernels that clear a
 # buffer with a cudaMemsetAsync before every call, after which the next kernel of a CUDA graph started 3-4 us
@@ -97,12 +92,7 @@ def _lib():
                        ("cublasLtMatmulPreferenceSetAttribute", [p, i, p, sz]),
                        ("cublasLtMatmulAlgoGetHeuristic", [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic),
                                                            ctypes.POINTER(i)]),
-                       ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p]),
-                       ("cublasLtMatmulAlgoGetIds", [p, i, i, i, i, i, i, i, p, ctypes.POINTER(i)]),
-                       ("cublasLtMatmulAlgoInit", [p, i, i, i, i, i, i, i, p]),
-                       ("cublasLtMatmulAlgoCapGetAttribute", [p, i, p, sz, ctypes.POINTER(sz)]),
-                       ("cublasLtMatmulAlgoConfigSetAttribute", [p, i, p, sz]),
-                       ("cublasLtMatmulAlgoCheck", [p, p, p, p, p, p, p, ctypes.POINTER(_Heuristic)])]:
+                       ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p])]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     lib.cublasLtGetStatusName.argtypes, lib.cublasLtGetStatusName.restype = [i], ctypes.c_char_p
@@ -159,17 +149,20 @@ class _Plan:
     workspace: int
 
 
-def _describe(spec: Spec) -> tuple[ctypes.c_void_p, tuple]:
-    """The spec's operation descriptor and matrix layouts (A weights, B activations, C, D) in column-major terms:
-    y^T = w^T x^T, w^T read transposed from K-major weights (cuBLASLt's FP8 GEMM takes only that "TN" form) or as
-    it is from row-major ones."""
+@functools.lru_cache(maxsize=512)
+def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
+    """cuBLASLt's heuristic choices (best first, up to `count`, each needing at most `max_workspace` bytes) for
+    the spec in column-major terms: y^T = w^T x^T, w^T read transposed from K-major weights (cuBLASLt's FP8
+    GEMM takes only that "TN" form) or as it is from row-major ones. Empty when cuBLASLt has no kernel for it."""
+    lib = _lib()
     desc = ctypes.c_void_p()
-    _check(_lib().cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
+    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
     _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T if spec.k_major else _OP_N))
     _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
     _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
     if spec.fp8:
         _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
+    c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
     if spec.bias is not None:
         _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
@@ -180,21 +173,8 @@ def _describe(spec: Spec) -> tuple[ctypes.c_void_p, tuple]:
             (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
         _set(desc, attr, aligned)
     m, n, k, a_type = spec.m, spec.n, spec.k, _TYPES[spec.inputs]
-    return desc, (_layout(a_type, k, n, k) if spec.k_major else _layout(a_type, n, k, n), _layout(a_type, k, m, k),
-                  _layout(_c_type(spec), n, m, n), _layout(_TYPES[spec.out], n, m, n))
-
-
-def _c_type(spec: Spec) -> int:
-    """C's type (unread, beta 0): the bias's, else the output's float type."""
-    return _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
-
-
-@functools.lru_cache(maxsize=512)
-def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
-    """cuBLASLt's heuristic choices for the spec, best first, up to `count`, each needing at most `max_workspace`
-    bytes. Empty when cuBLASLt has no kernel for it."""
-    lib = _lib()
-    desc, layouts = _describe(spec)
+    layouts = (_layout(a_type, k, n, k) if spec.k_major else _layout(a_type, n, k, n), _layout(a_type, k, m, k),
+               _layout(c_type, n, m, n), _layout(_TYPES[spec.out], n, m, n))
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
     cap = ctypes.c_uint64(max_workspace)
@@ -206,76 +186,6 @@ def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX
     if status != 0:
         return ()
     return tuple(_Plan(desc, layouts, r, r.workspace) for r in results[:found.value] if r.state == 0)
-
-
-def _cap(algo: _Heuristic, attr: int) -> list[int]:
-    """An algorithm capability: an int, or an array of uint32 (tile and stages ids)."""
-    lib, size = _lib(), ctypes.c_size_t(0)
-    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo.algo), attr, None, 0, ctypes.byref(size))
-    values = (ctypes.c_int32 * max(1, size.value // 4))()
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo.algo), attr, values, ctypes.sizeof(values),
-                                             ctypes.byref(size)) != 0:
-        return []
-    return list(values[:size.value // 4])
-
-
-def _configure(algo: _Heuristic, attr: int, value: int, ctype=ctypes.c_uint32) -> None:
-    v = ctype(value)
-    _check(_lib().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo.algo), attr, ctypes.byref(v),
-                                                       ctypes.sizeof(v)),
-           f"cublasLtMatmulAlgoConfigSetAttribute({attr})")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One cuBLASLt algorithm configuration, as `search` found it."""
-    algo_id: int
-    tile: int
-    stages: int
-    cluster: int
-    swizzle: int
-    custom: int
-
-    @property
-    def name(self) -> str:
-        return f"a{self.algo_id}_t{self.tile}_s{self.stages}_c{self.cluster}_w{self.swizzle}_o{self.custom}"
-
-
-def search(spec: Spec, device: torch.device, max_workspace: int = 0) -> list[tuple[Config, _Plan]]:
-    """Every configuration of every cuBLASLt algorithm for the spec that cublasLtMatmulAlgoCheck accepts with at
-    most `max_workspace` bytes of scratch (no split-K: it needs scratch or a cleared output), beyond the at most
-    eight the heuristic returns: tiles x stages x cluster shapes x CTA swizzles x custom options."""
-    lib, dev = _lib(), device.index or 0
-    desc, layouts = _describe(spec)
-    types = (_COMPUTE_32F, _R_32F, _TYPES[spec.inputs], _TYPES[spec.inputs], _c_type(spec), _TYPES[spec.out])
-    ids, count = (ctypes.c_int * 128)(), ctypes.c_int(0)
-    _check(lib.cublasLtMatmulAlgoGetIds(_handle(dev), *types, 128, ids, ctypes.byref(count)),
-           "cublasLtMatmulAlgoGetIds")
-    found = []
-    for algo_id in ids[:count.value]:
-        base = _Heuristic()
-        if lib.cublasLtMatmulAlgoInit(_handle(dev), *types, algo_id, ctypes.byref(base.algo)) != 0:
-            continue
-        tiles = _cap(base, _CAP_TILE_IDS) or [0]
-        stages = _cap(base, _CAP_STAGES_IDS) or [0]
-        swizzles = range((_cap(base, _CAP_CTA_SWIZZLING) or [0])[0] + 1)
-        customs = range((_cap(base, _CAP_CUSTOM_OPTION_MAX) or [0])[0] + 1)
-        for tile, stage, cluster, swizzle, custom in itertools.product(tiles, stages, CLUSTERS, swizzles, customs):
-            algo = _Heuristic()
-            ctypes.memmove(ctypes.byref(algo.algo), ctypes.byref(base.algo), ctypes.sizeof(algo.algo))
-            _configure(algo, _CONFIG_TILE_ID, tile)
-            _configure(algo, _CONFIG_STAGES_ID, stage)
-            _configure(algo, _CONFIG_CLUSTER_SHAPE_ID, cluster, ctypes.c_uint16)
-            _configure(algo, _CONFIG_CTA_SWIZZLING, swizzle)
-            _configure(algo, _CONFIG_CUSTOM_OPTION, custom)
-            result = _Heuristic()
-            if lib.cublasLtMatmulAlgoCheck(_handle(dev), desc, *layouts, ctypes.byref(algo.algo),
-                                           ctypes.byref(result)) != 0 or result.workspace > max_workspace:
-                continue
-            result.algo = algo.algo
-            found.append((Config(algo_id, tile, stage, cluster, swizzle, custom), _Plan(desc, layouts, result,
-                                                                                        result.workspace)))
-    return found
 
 
 def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> bool:
@@ -349,7 +259,7 @@ _LAUNCH = threading.Lock()  # engines may run in several threads; each call sets
 def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", y_scale: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.float16, algo: int = 0, workspace_cap: int = MAX_WORKSPACE,
-             plan: _Plan | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+             plan: _Plan | None = None) -> torch.Tensor:
     """act(x8 @ w8 * x_scale * w_scale + bias) as out_dtype, or as FP8 E4M3 quantized with y_scale.
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
@@ -367,11 +277,11 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
         pointers.append((_DESC_D_SCALE, _constant(y_scale, torch.float32, reciprocal=True)))
     if bias is not None:
         pointers.append((_DESC_BIAS_POINTER, _constant(bias, out_dtype)))
-    return _matmul(spec, plan or _plan(x8.device, spec, algo, workspace_cap), x8, w8, pointers, residual)
+    return _matmul(spec, plan or _plan(x8.device, spec, algo, workspace_cap), x8, w8, pointers)
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "", algo: int = 0,
-         workspace_cap: int = 0, plan: _Plan | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+         workspace_cap: int = 0, plan: _Plan | None = None) -> torch.Tensor:
     """act(x @ w + bias) for FP16/BF16 x [M, K] (row-major) and w [K, N] (row-major or K-major), in x's type, with
     cuBLASLt's choice `algo` among the kernels needing at most workspace_cap bytes of scratch (none by default:
     torch's addmm covers the others), or `plan`. Raises CublasLtError where `supported` is False for choice 0."""
@@ -379,7 +289,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act
     if not aligned(x, w):
         raise CublasLtError("gemm takes a row-major x and row-major or K-major weights, both 256-byte aligned")
     pointers = [] if bias is None else [(_DESC_BIAS_POINTER, _constant(bias, x.dtype))]
-    return _matmul(spec, plan or _plan(x.device, spec, algo, workspace_cap), x, w, pointers, residual)
+    return _matmul(spec, plan or _plan(x.device, spec, algo, workspace_cap), x, w, pointers)
 
 
 def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -389,22 +299,16 @@ def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.data_ptr() % 256 == 0)
 
 
-def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers: list,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """One cublasLtMatmul of a plan for `spec`, with its per-call pointers (scales, bias) set first; a residual
-    [M, N] of C's type is added in the epilogue (cuBLASLt's C with beta 1), before the activation."""
+def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers: list) -> torch.Tensor:
+    """One cublasLtMatmul of a plan for `spec`, with its per-call pointers (scales, bias) set first."""
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x.device)
-    if residual is not None and not (residual.is_contiguous() and residual.shape == y.shape
-                                     and _TYPES.get(residual.dtype) == _c_type(spec)):
-        raise CublasLtError(f"the residual must be a contiguous [{spec.m}, {spec.n}] tensor of the bias's type")
     ws, dev = scratch(x.device, plan.workspace), x.device.index or 0
-    one, beta = ctypes.c_float(1.0), ctypes.c_float(0.0 if residual is None else 1.0)
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     with _LAUNCH:  # the pointers live in the plan's shared descriptor until cublasLtMatmul has read them
         for attr, t in pointers:
             _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
         _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w.data_ptr(), plan.layouts[0],
-                                     x.data_ptr(), plan.layouts[1], ctypes.byref(beta),
-                                     None if residual is None else residual.data_ptr(), plan.layouts[2],
+                                     x.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
                                      y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
                                      plan.workspace, torch.cuda.current_stream(x.device).cuda_stream),
                "cublasLtMatmul")
