@@ -195,6 +195,10 @@ def _print_build_summary(engine, source: str) -> None:
             kept = ", ".join(f"{k['layer']} (alone: {k['drop_when_only_it_is_quantized']})" for k in f["kept_in_float"])
             out.print(f"  precision search ({f['budget']}): {f['quantized_layers']} quantized layers; "
                       f"kept in float: {escape(kept) or 'none'}; {f['engines_built']} engines built")
+        if f.get("kind") == "precision-by-speed":
+            from .tools.inspect import describe_finding
+
+            out.print(f"  {escape(describe_finding(f))}")
 
 
 # --- kiln run -----------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import kiln
 from kiln.examples import digits
 from kiln.quant import speed
+from kiln.tools.inspect import describe_finding
 
 QUANTIZED = ("QConv", "QGemm")
 
@@ -68,6 +69,8 @@ def test_a_layer_slower_quantized_stays_in_float_and_the_engine_says_why(trained
     note = "kept in float32: faster than INT8"
     assert any(n.note.startswith(note) for n in engine.graph.nodes)
     assert any(f.get("kind") == "precision" and f["reason"].startswith(note) for f in engine.findings)
+    text = describe_finding(report)  # what `kiln inspect` and the build summary print
+    assert "3 builds" in text and "1 group(s) kept in float32" in text and "us in float against" in text
 
 
 def test_no_layer_moves_when_8_bit_is_faster_or_the_mix_is_not(trained):
