@@ -205,9 +205,14 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
         engines, builds = {}, {}
         levels = [int(v) for v in str(args.level).split(",")]
         auxes = [int(v) for v in str(args.max_aux_streams).split(",")]
-        for prec, level, aux in [(p, lv, ax) for ax in auxes for lv in levels for p in args.precisions]:
+        constraints = args.precision_constraints.split(",")
+        for prec, level, aux, pc in [(p, lv, ax, c) for c in constraints for ax in auxes for lv in levels
+                                     for p in args.precisions]:
+            if pc != constraints[0] and prec not in ("int8", "fp8"):
+                continue  # precision constraints only change quantized builds
             key = prec if level == levels[0] else f"{prec}_level{level}"  # a second level is a second engine
             key += "" if aux == auxes[0] else f"_aux{aux}"  # and so is a second auxiliary-stream setting
+            key += "" if pc == constraints[0] else f"_{pc}"  # and a second precision-constraints value
             cache = str(onnx_dir / f"{name}-{key}.timing.json")
             if os.path.exists(cache):
                 os.remove(cache)
@@ -217,7 +222,8 @@ def bench_model(name: str, batches: list[int], args, results: list, onnx_dir: Pa
                 quant = {prec: True, "calib": calib}
             cfg = kiln.BuildConfig(profiles=[profile], device="cuda", progress=False, timing_cache=cache,
                                    fp16=prec in ("fp16", "int8", "fp8"), bf16=prec == "bf16", tf32=prec == "tf32",
-                                   optimization_level=level, max_aux_streams=aux, **quant)
+                                   optimization_level=level, max_aux_streams=aux, precision_constraints=pc,
+                                   **quant)
             t0 = time.perf_counter()
             engines[key] = (kiln.build(onnx_path, cfg), time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -399,6 +405,9 @@ def main(argv=None):
                    "per value, the later ones named kiln_<precision>_aux<N>")
     p.add_argument("--level", default="3", help="Kiln's builderOptimizationLevel (tactic search breadth); "
                    "a list (3,4) builds one engine per level, the later ones named kiln_<precision>_level<N>")
+    p.add_argument("--precision-constraints", default="none", help="Kiln's --precisionConstraints for INT8/FP8 "
+                   "engines; a list (none,obey) builds one engine per value, the later ones named "
+                   "kiln_<precision>_<value>")
     args = p.parse_args(argv)
     args.precisions = args.precisions.split(",")
     out = Path(args.out)
