@@ -69,6 +69,7 @@ def test_a_layer_slower_quantized_stays_in_float_and_the_engine_says_why(trained
     note = "kept in float32: faster than INT8"
     assert any(n.note.startswith(note) for n in engine.graph.nodes)
     assert any(f.get("kind") == "precision" and f["reason"].startswith(note) for f in engine.findings)
+    assert engine.build_config["precision_constraints"] == "none" and engine.build_config["layer_precisions"] == {}
     text = describe_finding(report)  # what `kiln inspect` and the build summary print
     assert "3 builds" in text and "1 group(s) kept in float32" in text and "us in float against" in text
 

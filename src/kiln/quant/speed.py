@@ -77,11 +77,22 @@ def keep_faster_float(model, config, build, latency=latency_us):
     """Returns (engine, finding). `build` is kiln.build; `config` an INT8/FP8 BuildConfig on a GPU; `latency`
     times an engine end to end (us)."""
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+    with tempfile.TemporaryDirectory(prefix="kiln-precision-") as scratch:  # caches the builds share, unless given
+        base = dataclasses.replace(config, precision_constraints="obey", validate=False,
+                                   timing_cache=config.timing_cache or str(Path(scratch) / "timing.json"),
+                                   calib_cache=config.calib_cache or str(Path(scratch) / "calibration.json"))
+        engine, report = _choose(proto, config, base, build, latency)
+    # The engine records the build the user asked for, not the inner builds' settings and scratch files.
+    engine.build_config.update(config.to_json())
+    if "calibration" in engine.build_config:
+        engine.build_config["calibration"]["cache"] = config.calib_cache
+    if "timing_cache" in engine.build_config:
+        engine.build_config["timing_cache"]["path"] = config.timing_cache
+    return engine, report
+
+
+def _choose(proto, config, base, build, latency):
     onnx_ops = {n.name: n.op_type for n in proto.graph.node}
-    scratch = Path(tempfile.mkdtemp(prefix="kiln-precision-"))
-    base = dataclasses.replace(config, precision_constraints="obey", validate=False,
-                               timing_cache=config.timing_cache or str(scratch / "timing.json"),
-                               calib_cache=config.calib_cache or str(scratch / "calibration.json"))
     quantized = build(proto, base)
     report = {"kind": "precision-by-speed", "margin": MARGIN, "kept_in_float": [], "engines_built": 1}
     if not quantized.tactics:  # no timing (a CPU target, optimization level 0): nothing to compare
