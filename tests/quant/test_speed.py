@@ -93,3 +93,28 @@ def test_no_layer_moves_when_8_bit_is_faster_or_the_mix_is_not(trained):
 def test_precision_constraints_must_be_none_or_obey(trained):
     with pytest.raises(kiln.errors.ConfigError, match="precisionConstraints"):
         kiln.build(str(trained / "digits.onnx"), _config(trained, precision_constraints="prefer"))
+
+
+def test_like_groups_are_tried_as_a_class_and_only_a_faster_class_is_kept(trained):
+    """Two candidate classes: the classifier GEMM and the first convolution both time faster in float, but in the
+    engine a float convolution costs its neighbours more than it saves; the GEMM's class is kept, the
+    convolution's tried and left quantized."""
+    model, cfg = str(trained / "digits.onnx"), _config(trained)
+    q = kiln.build(model, cfg)
+    first_conv = next(n for n in q.graph.nodes if n.op_type == "QConv")
+
+    def ms(n, c):
+        return 0.003 if n.op_type == "QGemm" or n.name == first_conv.name else 0.001
+
+    def latency(engine):
+        convs = sum(n.op_type == "QConv" for n in engine.graph.nodes)
+        penalty = 10.0 if convs < sum(n.op_type == "QConv" for n in q.graph.nodes) else 0.0
+        return _latency(engine) + penalty
+
+    engine, report = speed.keep_faster_float(model, cfg, _timed(ms), latency)
+    assert report["engines_built"] == 4 and [t["kept"] for t in report["trials"]].count(True) == 1
+    kept = {a for g in report["kept_in_float"] for a in g["layers"]}
+    tried = {a for g in report["tried_in_float"] for a in g["layers"]}
+    assert kept and tried and not kept & tried
+    assert not [n for n in engine.graph.nodes if n.op_type == "QGemm"]
+    assert sum(n.op_type == "QConv" for n in engine.graph.nodes) == sum(n.op_type == "QConv" for n in q.graph.nodes)

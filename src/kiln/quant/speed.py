@@ -7,18 +7,18 @@ on Triton's INT8 tile against 34 us on cuBLASLt in FP16) should run in float. So
 1. Build the quantized engine, every quantizable layer quantized (precision constraints "obey"), and the same
    model in the build's float precision, both timing their tactics into one timing cache.
 2. Group the two engines' layers by the ONNX nodes they cover: the FP8 engine's GEMM and its separate
-   add + LayerNorm against the float engine's fused GEMM + LayerNorm are one group.
-3. A group whose quantized layers take longer, in the tactic times the builder measured, than its float layers
-   (by more than MARGIN) has its GEMMs and convolutions pinned to float; the quantized engine is built again
-   with those pins (its other layers' timings come from the cache).
-4. The rebuilt engine is kept only if it runs faster end to end (CUDA-graph latency at the opt shape, the two
-   engines timed in turn) than the fully quantized one: a float layer between quantized ones makes its
-   neighbours quantize their inputs themselves, which the per-group comparison does not see. (On BERT-base
-   INT8 the per-layer sums favoured moving FFN1 to FP16; the engine then ran 1.527 ms against 1.492, as its
-   FFN2 read FP16 rows and quantized them itself.)
+   add + LayerNorm against the float engine's fused GEMM + LayerNorm are one group. A group whose float layers
+   timed faster (by more than MARGIN) is a candidate; like candidates (same ops and weight shapes: BERT's twelve
+   FFN1 GEMMs) form a class.
+3. Try the classes one at a time, the largest timed saving first (at most CLASSES): rebuild with the class's
+   GEMMs and convolutions pinned to float, on top of the classes kept so far (the timing cache makes the
+   rebuild cheap), and keep it only if the engine runs faster end to end (CUDA-graph latency at the opt shape,
+   the two engines timed in turn). A float layer between quantized ones makes its neighbours quantize their
+   inputs themselves, which the per-group times do not see: on BERT-base INT8 the times favoured FFN1 in FP16,
+   and the engine then ran 1.527 ms against 1.492, as FFN2 read FP16 rows and quantized them itself.
 
-The engine's findings record each group kept in float with both times; the inspector shows those layers'
-precision and why.
+The engine's findings record each group kept in (or tried in) float with both times and every trial's latency;
+the inspector shows the layers kept in float and why.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import onnx
 
 MARGIN = 0.03  # a group moves to float only when float is this much faster: timings of one build vary ~1-2%
 GAIN = 0.01  # and the mixed engine is kept only when it is this much faster end to end
+CLASSES = 3  # classes of like groups tried, one rebuild each (the timing cache makes a rebuild cheap)
 REASON = "kept in {prec}: faster than {q} ({f_us:.1f} us against {q_us:.1f})"
 _GEMMS = ("Conv", "MatMul", "Gemm")
 
@@ -91,39 +92,57 @@ def keep_faster_float(model, config, build, latency=latency_us):
     return engine, report
 
 
-def _choose(proto, config, base, build, latency):
-    onnx_ops = {n.name: n.op_type for n in proto.graph.node}
-    quantized = build(proto, base)
-    report = {"kind": "precision-by-speed", "margin": MARGIN, "kept_in_float": [], "engines_built": 1}
-    if not quantized.tactics:  # no timing (a CPU target, optimization level 0): nothing to compare
-        return quantized, report
-    floating = build(proto, dataclasses.replace(base, int8=False, fp8=False, calib=None, calib_cache=None))
-    report["engines_built"] += 1
+def _signature(engine, layers) -> tuple:
+    """What a group's quantized layers are (op and weight shape): BERT's twelve FFN1 groups share one."""
+    inits = engine.graph.initializers
+    return tuple(sorted((n.op_type, tuple(inits[n.inputs[1]].shape) if n.inputs[1] in inits else ())
+                        for n in layers if n.precision in ("int8", "fp8")))
+
+
+def _candidates(quantized, floating, onnx_ops) -> list[list[dict]]:
+    """The groups whose float layers timed faster, in classes of like groups, the largest saving first."""
     qt, ft = _layer_times(quantized), _layer_times(floating)
-    float_prec = config.precision
-    pins: dict[str, str] = {}
+    classes: dict[tuple, list[dict]] = {}
     for sources, q_layers, f_layers in _groups(quantized, floating):
         if not any(n.precision in ("int8", "fp8") for n in q_layers) or not f_layers:
             continue
         q_ms, f_ms = sum(qt.get(n.name, 0.0) for n in q_layers), sum(ft.get(n.name, 0.0) for n in f_layers)
         if f_ms < q_ms * (1 - MARGIN):
-            anchors = sorted(s for s in sources if onnx_ops.get(s) in _GEMMS)
-            pins.update({a: float_prec for a in anchors})
-            report["kept_in_float"].append({"layers": anchors, "quantized_us": round(q_ms * 1e3, 2),
-                                            "float_us": round(f_ms * 1e3, 2)})
-    if not pins:
+            classes.setdefault(_signature(quantized, q_layers), []).append(
+                {"layers": sorted(s for s in sources if onnx_ops.get(s) in _GEMMS),
+                 "quantized_us": round(q_ms * 1e3, 2), "float_us": round(f_ms * 1e3, 2)})
+    return sorted(classes.values(), key=lambda c: -sum(g["quantized_us"] - g["float_us"] for g in c))
+
+
+def _choose(proto, config, base, build, latency):
+    quantized = build(proto, base)
+    report = {"kind": "precision-by-speed", "margin": MARGIN, "kept_in_float": [], "tried_in_float": [],
+              "engines_built": 1}
+    if not quantized.tactics:  # no timing (a CPU target, optimization level 0): nothing to compare
         return quantized, report
-    mixed = build(proto, dataclasses.replace(base, layer_precisions={**pins, **config.layer_precisions}))
+    floating = build(proto, dataclasses.replace(base, int8=False, fp8=False, calib=None, calib_cache=None))
     report["engines_built"] += 1
-    q_us, m_us = (min(lat) for lat in zip(*[(latency(quantized), latency(mixed)) for _ in range(2)]))
-    report["quantized_latency_us"], report["mixed_latency_us"] = round(q_us, 1), round(m_us, 1)
-    if m_us >= q_us * (1 - GAIN):
-        report["tried_in_float"], report["kept_in_float"] = report["kept_in_float"], []
-        report["result"] = "fully quantized: the mixed engine was not faster end to end"
+    classes = _candidates(quantized, floating, {n.name: n.op_type for n in proto.graph.node})
+    best, pins, float_prec = quantized, {}, config.precision
+    for groups in classes[:CLASSES]:  # each class of like groups tried in float on top of those kept so far
+        trial_pins = {**pins, **{a: float_prec for g in groups for a in g["layers"]}}
+        trial = build(proto, dataclasses.replace(base, layer_precisions={**trial_pins, **config.layer_precisions}))
+        report["engines_built"] += 1
+        best_us, trial_us = (min(lat) for lat in zip(*[(latency(best), latency(trial)) for _ in range(2)]))
+        report.setdefault("quantized_latency_us", round(best_us, 1))
+        faster = trial_us < best_us * (1 - GAIN)
+        report["kept_in_float" if faster else "tried_in_float"] += groups
+        report.setdefault("trials", []).append({"groups": len(groups), "latency_us": round(trial_us, 1),
+                                                "against_us": round(best_us, 1), "kept": faster})
+        if faster:
+            best, pins, report["mixed_latency_us"] = trial, trial_pins, round(trial_us, 1)
+    if best is quantized:
+        if classes:
+            report["result"] = "fully quantized: no mix was faster end to end"
         return quantized, report
-    _explain(mixed, report, {a for a in pins if a not in config.layer_precisions}, config.quantized, float_prec)
+    _explain(best, report, {a for a in pins if a not in config.layer_precisions}, config.quantized, float_prec)
     report["result"] = f"{len(report['kept_in_float'])} group(s) kept in {float_prec}"
-    return mixed, report
+    return best, report
 
 
 def _explain(engine, report, pinned: set[str], qtype: str, prec: str) -> None:

@@ -343,8 +343,8 @@ def describe_finding(f: dict) -> str:
         tried = f.get("kept_in_float") or f.get("tried_in_float") or []
         groups = "; ".join(f"{', '.join(k['layers'])} ({k['float_us']} us in float against {k['quantized_us']})"
                            for k in tried)
-        latency = (f"; end to end {f['mixed_latency_us']} us mixed against {f['quantized_latency_us']} all quantized"
-                   if "mixed_latency_us" in f else "")
+        latency = (f"; end to end {f['quantized_latency_us']} us all quantized" if "quantized_latency_us" in f else "")
+        latency += f", {f['mixed_latency_us']} us as kept" if "mixed_latency_us" in f else ""
         return (f"precision by speed ({f.get('engines_built')} builds{latency}): "
                 f"{f.get('result', 'every quantized group timed faster than float')}"
                 + (f"; groups faster in float: {groups}" if groups else ""))
