@@ -1,5 +1,5 @@
-"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy) for Hopper (sm_90) on
-any machine, no GPU needed (Triton bundles ptxas), and say
+"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy, the pool's 8-bit output)
+for Hopper (sm_90) on any machine, no GPU needed (Triton bundles ptxas), and say
 what the compiler made of them: whether each loop's wgmma is pipelined (`warp_group_dot_wait {pendings = 1}`:
 the next MMA issues while one is in flight; `pendings = 0` after every dot: each waits for the last), whether the
 convolution's left tile reaches the MMA from shared memory or through registers, and the shared memory used.
@@ -108,6 +108,23 @@ def norm_compiles() -> int:
     return failed
 
 
+def pool_compiles() -> int:
+    """Compile the max pool writing its quantized readers' int8 / FP8 input; the number that failed."""
+    from kiln.kernels import pool
+
+    sig = {"x_ptr": "*fp16", "ys_ptr": "*fp32",
+           **{p: "i32" for p in ("C", "H", "W", "OH", "OW", "P", "sxn", "sxc", "sxh", "sxw", "stride_h", "stride_w",
+                                 "pad_h", "pad_w", "dil_h", "dil_w")}}
+    failed = 0
+    for quant in ("int8", "fp8"):
+        cx = dict(KH=3, KW=3, QUANT=quant, BLOCK_P=32, BLOCK_C=64)
+        failed += _compiles(f"max pool, {quant} output",
+                            ASTSource(fn=pool._max_pool_kernel, signature={**sig, "y_ptr": f"*{DTYPES[quant]}",
+                                                                            **{k: "constexpr" for k in cx}},
+                                      constexprs=cx), {"num_warps": 4})
+    return failed
+
+
 def main() -> int:
     cases = {}
     for quant in ("int8", "fp8"):
@@ -117,7 +134,7 @@ def main() -> int:
                 conv_source(stride, quant, True), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
-    failed = flash_compiles() + norm_compiles()
+    failed = flash_compiles() + norm_compiles() + pool_compiles()
     for name, (src, warps, stages) in cases.items():
         try:
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,

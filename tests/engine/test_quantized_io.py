@@ -181,6 +181,62 @@ def _int8_build(model, seed, method, batch=2):
     return engine, x, ref
 
 
+def _stem_pool():
+    """ResNet's stem: a float convolution over 3 channels, ReLU, a 3x3 stride-2 max pool, read by a block's first
+    convolution and by its downsampling one; out = Relu(Conv_b(p) + Conv_d(p))."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) / 9).astype(np.float32), "ws"),
+             numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 8).astype(np.float32), "wb"),
+             numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 8).astype(np.float32), "wd")]
+    nodes = [helper.make_node("Conv", ["x", "ws"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["p", "wb"], ["b"]), helper.make_node("Conv", ["p", "wd"], ["d"]),
+             helper.make_node("Add", ["b", "d"], ["s"]), helper.make_node("Relu", ["s"], ["out"])]
+    g = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 8, 4, 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_a_max_pool_read_only_by_quantized_convolutions_writes_their_8_bit_input(qtype):
+    model = _stem_pool()
+    rng = np.random.default_rng(4)
+    calib = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(32)]
+    prof = kiln.Profile({"x": ((2, 3, 8, 8),) * 3})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], calib=calib,
+                                                calib_method="minmax", **{qtype: True}))
+    pool = next(n for n in engine.graph.nodes if n.op_type == "MaxPool")
+    readers = [n for n in engine.graph.nodes if n.op_type == "QConv" and n.inputs[0] == "p"]
+    assert len(readers) == 2 and all(r.attrs["x_quantized"] == 1 for r in readers)
+    assert pool.inputs[1] == readers[0].inputs[2] and pool.attrs["qtype"] == qtype  # their scale, their type
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    seen = {}
+
+    def observe(node, outs):
+        if outs is not None:
+            seen[node.outputs[0]] = outs[0]
+
+    engine.create_execution_context().run_layerwise({"x": x}, observe)
+    assert seen["p"].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[qtype]
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = engine.create_execution_context().run({"x": x})["out"]
+    assert np.abs(got - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
+    result = compare(model, engine, [{"x": x}], layerwise=True)  # the pool's 8-bit values are scaled back
+    assert result.outputs[0].passed and all(layer.passed for layer in result.layers), result.layers
+
+
+def test_a_max_pool_also_read_as_float_stays_float():
+    model = _stem_pool()
+    model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 8, 4, 4]))
+    rng = np.random.default_rng(4)
+    calib = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(32)]
+    prof = kiln.Profile({"x": ((2, 3, 8, 8),) * 3})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], calib=calib,
+                                                int8=True))
+    pool = next(n for n in engine.graph.nodes if n.op_type == "MaxPool")
+    assert pool.inputs == ["r"] and "qtype" not in pool.attrs
+
+
 def test_a_block_output_read_as_residual_and_by_the_next_conv_is_written_once_in_8_bits():
     """MinMax calibration: the next convolution's input scale covers every value of o, so the residual is that
     8-bit copy too and o is written once."""

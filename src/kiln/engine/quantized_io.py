@@ -15,7 +15,8 @@ An output read both as float and by quantized layers is written twice instead, f
 residual adds, and a QConv, whose output (a ResNet block's) the next block's first convolution
 reads and its last one adds as the residual. Those readers then need no quantize pass. A plain
 LayerNormalization that quantized layers read (BERT's embedding norm, before the first QKV GEMM)
-becomes a SkipLayerNorm without the skip to get the copy.
+becomes a SkipLayerNorm without the skip to get the copy. A max pool read only by quantized layers (ResNet's
+stem pool) writes their 8-bit input instead of its float output.
 
 A QConv adding such a block output as its residual reads the copy too, scaled back in its epilogue (input
 z_scale), and a block output that no layer reads as float any more is written once, as 8-bit values. The
@@ -49,6 +50,20 @@ QGEMM_Y_SCALE = Y_SCALE_INPUT["QGemm"]
 # Ops that only view their input (the head merge between attention and its output projection): 8-bit values
 # pass through them unchanged.
 VIEWS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def output_scale(n: Node) -> str:
+    """The scale input of a layer that writes its output as 8-bit values for the quantized layers after it, else ""
+    (a QGemm's or QConv's y_scale, an attention's, a max pool's)."""
+    if n.domain == "kiln" and n.op_type in Y_SCALE_INPUT:
+        at = Y_SCALE_INPUT[n.op_type]
+    elif n.domain == "kiln" and n.op_type == "Attention":
+        at = ATTENTION_Y_SCALE
+    elif n.op_type == "MaxPool" and n.domain in ("", "ai.onnx"):
+        at = 1
+    else:
+        return ""
+    return n.inputs[at] if len(n.inputs) > at else ""
 
 
 def _is_view(n: Node) -> bool:
@@ -95,12 +110,33 @@ def link(graph: Graph, float_precision: str) -> None:
         n.inputs[at] = users[0].inputs[2]
         for r in users:
             r.attrs["x_quantized"] = 1
+    _quantized_pools(graph, readers, outputs)
     for n in graph.nodes:
         if (n.domain == "kiln" and n.op_type in COPY_AT and n.placement == "device" and n.outputs) or _plain_norm(n):
             _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
     _quantized_residuals(graph)
     _quantized_attention(graph, readers, outputs)
     _fp8_attention_inputs(graph, readers, outputs, float_type)
+
+
+def _quantized_pools(graph: Graph, readers: dict, outputs: set) -> None:
+    """A max pool read only by quantized layers that quantize it with one scale (ResNet's stem pool, read by the
+    first block's two convolutions) writes their 8-bit input itself (input y_scale): the max of rounded values is
+    the rounded max, and each reader's quantize pass over the pool's float output goes."""
+    for n in graph.nodes:
+        if not (n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and n.placement == "device" and n.outputs
+                and len(n.inputs) == 1 and not any(n.outputs[1:]) and n.outputs[0] not in outputs):
+            continue  # values only (no Indices output), not a graph output
+        users = readers.get(n.outputs[0], [])
+        if not users or not all(_reads_as_x(r, n.outputs[0]) and not r.attr("x_quantized", 0) for r in users):
+            continue
+        kinds = {(r.attr("qtype", "int8"), _x_scale(graph, r)) for r in users}
+        if len(kinds) != 1 or None in next(iter(kinds)):
+            continue
+        n.inputs = [n.inputs[0], users[0].inputs[2]]
+        n.attrs["qtype"] = next(iter(kinds))[0]
+        for r in users:
+            r.attrs["x_quantized"] = 1
 
 
 def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:

@@ -5,7 +5,9 @@ torch's channels-last max-pool kernel runs ResNet-50's stem pool (3x3, stride 2,
 program owns a block of output pixels and a block of channels; a channels-last input makes
 each pixel's channel slice one contiguous load. Padding reads as -inf; NaN propagates
 (as torch's does). Any input strides; the output is [N, OH, OW, C] in memory, returned as an
-NCHW-shaped view like the convolution kernels' output.
+NCHW-shaped view like the convolution kernels' output. With a scale and a qtype it writes the maxima as
+int8 / FP8 values, the input of the quantized convolutions after it (ResNet's stem pool feeds two), so they
+need no quantize pass: the max of the rounded values is the rounded max, so it is the same result.
 
 Reference: kiln.ops.nn.max_pool.
 """
@@ -16,11 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import QTYPES, quantize
+
 
 @triton.jit
-def _max_pool_kernel(x_ptr, y_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sxw,
+def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sxw,
                      KH: tl.constexpr, KW: tl.constexpr, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                     QUANT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixel (n, oh, ow) flattened
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p_ok, c_ok = rp < P, rc < C
@@ -37,6 +41,8 @@ def _max_pool_kernel(x_ptr, y_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sxw,
             v = tl.load((base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc,
                         mask=ok[:, None] & c_ok[None, :], other=float("-inf"))
             acc = tl.maximum(acc, v.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+    if QUANT != "":  # from the input type's value, as the reference quantizes the pool's output
+        acc = quantize(acc.to(x_ptr.dtype.element_ty), ys_ptr, QUANT)
     tl.store(y_ptr + rp[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
 
 
@@ -47,17 +53,20 @@ def supports(node, x: torch.Tensor) -> bool:
             and x.numel() < 2**31)
 
 
-def max_pool2d(node, x: torch.Tensor, block_p: int = 32, block_c: int = 64) -> torch.Tensor:
+def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype: str = "", block_p: int = 32,
+               block_c: int = 64) -> torch.Tensor:
+    """y_scale and qtype ("int8" / "fp8"): the output quantized with that per-tensor scale."""
     from ..ops.nn import _pool_geometry
 
     kernel, strides, dilations, pads, (OH, OW) = _pool_geometry(node, x)
     N, C, H, W = x.shape
-    y = torch.empty((N, OH, OW, C), dtype=x.dtype, device=x.device)
+    quant = qtype if y_scale is not None else ""
+    y = torch.empty((N, OH, OW, C), dtype=QTYPES[quant] if quant else x.dtype, device=x.device)
     P = N * OH * OW
     block_c = min(block_c, triton.next_power_of_2(C))
     grid = (triton.cdiv(P, block_p), triton.cdiv(C, block_c))
-    _max_pool_kernel[grid](x, y, C, H, W, OH, OW, P, *x.stride(), KH=kernel[0], KW=kernel[1],
-                           stride_h=strides[0], stride_w=strides[1], pad_h=pads[0], pad_w=pads[1],
-                           dil_h=dilations[0], dil_w=dilations[1], BLOCK_P=block_p, BLOCK_C=block_c)
+    _max_pool_kernel[grid](x, y, y_scale if quant else x, C, H, W, OH, OW, P, *x.stride(), KH=kernel[0],
+                           KW=kernel[1], stride_h=strides[0], stride_w=strides[1], pad_h=pads[0], pad_w=pads[1],
+                           dil_h=dilations[0], dil_w=dilations[1], QUANT=quant, BLOCK_P=block_p, BLOCK_C=block_c)
     return y.permute(0, 3, 1, 2)
 

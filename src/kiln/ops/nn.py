@@ -280,8 +280,14 @@ def _flat_indices(idx, in_spatial, pad_begin, padded_spatial, storage_order):
     return flat + base * plane
 
 
-@register("MaxPool", check=_check_pool)
-def max_pool(node, x):
+# y_scale (Kiln's, not ONNX's): quantized readers' scale; the output is then their 8-bit input (attribute qtype),
+# as kiln/engine/quantized_io.py links a pool whose every reader quantizes it.
+@register("MaxPool", check=_check_pool, uncast_inputs=(1,))
+def max_pool(node, x, y_scale=None):
+    if y_scale is not None:
+        from .fused import quantize
+
+        return quantize(node, max_pool(node, x), y_scale)
     kernel, strides, dilations, pads, out = _pool_geometry(node, x)
     n = len(kernel)
     want_indices = len(node.outputs) > 1 and bool(node.outputs[1])

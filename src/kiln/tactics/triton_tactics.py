@@ -130,10 +130,10 @@ def _max_pool_ok(node, args) -> bool:
 
 
 @tactic("MaxPool", "triton_max_pool_nhwc", _max_pool_ok, domain="", level=3)
-def triton_max_pool(node, x):
+def triton_max_pool(node, x, y_scale=None):
     from ..kernels import pool
 
-    return pool.max_pool2d(node, x)
+    return pool.max_pool2d(node, x, y_scale, node.attr("qtype", "int8"))
 
 
 def _int4_ok(node, args) -> bool:

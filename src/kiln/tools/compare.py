@@ -378,12 +378,10 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
 
 def _y_scale(engine, node) -> torch.Tensor | None:
     """The scale of a layer that writes 8-bit values for the quantized layer after it, or None."""
-    from ..engine.quantized_io import Y_SCALE_INPUT
+    from ..engine.quantized_io import output_scale
 
-    at = Y_SCALE_INPUT.get(node.op_type) if node.domain == "kiln" else None
-    if at is None or len(node.inputs) <= at or not node.inputs[at]:
-        return None
-    return engine.graph.initializers[node.inputs[at]].float().cpu()
+    name = output_scale(node)
+    return engine.graph.initializers[name].float().cpu() if name else None
 
 
 def _on_the_8bit_grid(node, scale, ref) -> torch.Tensor:
