@@ -225,6 +225,29 @@ def test_a_max_pool_read_only_by_quantized_convolutions_writes_their_8_bit_input
     assert result.outputs[0].passed and all(layer.passed for layer in result.layers), result.layers
 
 
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_a_shortcut_read_only_as_a_residual_is_written_in_8_bits_at_its_calibrated_maximum(qtype):
+    """In the stem-pool model one 1x1 convolution adds the other's output as its residual (a ResNet stage's
+    downsampling shortcut): that output travels as 8-bit values at the scale of its calibrated maximum."""
+    model = _stem_pool()
+    rng = np.random.default_rng(5)
+    calib = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(32)]
+    prof = kiln.Profile({"x": ((2, 3, 8, 8),) * 3})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], calib=calib,
+                                                **{qtype: True}))
+    adder = next(n for n in engine.graph.nodes if n.op_type == "QConv" and len(n.inputs) > 5 and n.inputs[5])
+    shortcut = next(n for n in engine.graph.nodes if n.op_type == "QConv" and n.outputs[0] == adder.inputs[5])
+    scale = shortcut.inputs[6]
+    assert scale.endswith(".shortcut_scale") and adder.inputs[8] == scale  # written and read back at one scale
+    seen_max = engine.graph.quant_absmax[adder.inputs[5]]
+    qmax = 127.0 if qtype == "int8" else 448.0
+    assert float(engine.graph.initializers[scale]) == pytest.approx(seen_max / qmax, rel=1e-6)  # no clipping
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = engine.create_execution_context().run({"x": x})["out"]
+    assert np.abs(got - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
+
+
 def test_a_max_pool_also_read_as_float_stays_float():
     model = _stem_pool()
     model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 8, 4, 4]))

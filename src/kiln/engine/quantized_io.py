@@ -115,8 +115,40 @@ def link(graph: Graph, float_precision: str) -> None:
         if (n.domain == "kiln" and n.op_type in COPY_AT and n.placement == "device" and n.outputs) or _plain_norm(n):
             _copy_for_quantized_readers(graph, n, readers.get(n.outputs[0], []))
     _quantized_residuals(graph)
+    _quantized_shortcuts(graph)
     _quantized_attention(graph, readers, outputs)
     _fp8_attention_inputs(graph, readers, outputs, float_type)
+
+
+def _quantized_shortcuts(graph: Graph) -> None:
+    """A QConv read only as other QConvs' residual (the downsampling shortcut that starts each ResNet stage) writes
+    it as 8-bit values at the scale of its calibrated maximum (no clipping, as for the block outputs above), which
+    they scale back in their epilogues: half the bytes written and read. Without calibration statistics it stays
+    float."""
+    absmax = graph.quant_absmax or {}
+    readers = graph.consumers()
+    outputs = {v.name for v in graph.outputs}
+    at_y = Y_SCALE_INPUT["QConv"]
+    for p in [n for n in graph.nodes if _quantized(n) and n.op_type == "QConv"]:
+        out, qtype = p.outputs[0], p.attr("qtype", "int8")
+        if any(p.outputs[1:]) or out in outputs or (len(p.inputs) > at_y and p.inputs[at_y]):
+            continue
+        users = readers.get(out, [])
+        if not users or not all(
+                _quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5 and c.inputs[5] == out
+                and out not in c.inputs[:5] and c.attr("qtype", "int8") == qtype
+                and not (len(c.inputs) > Z_SCALE_INPUT and c.inputs[Z_SCALE_INPUT]) for c in users):
+            continue
+        seen = absmax.get(out)
+        if seen is None or not seen > 0:
+            continue
+        scale = f"{out}.shortcut_scale"
+        graph.initializers[scale] = torch.tensor(seen / (FP8_MAX if qtype == "fp8" else 127.0), dtype=torch.float32)
+        p.inputs = p.inputs + [""] * (at_y + 1 - len(p.inputs))
+        p.inputs[at_y] = scale
+        for c in users:
+            c.inputs = c.inputs + [""] * (Z_SCALE_INPUT + 1 - len(c.inputs))
+            c.inputs[Z_SCALE_INPUT] = scale
 
 
 def _quantized_pools(graph: Graph, readers: dict, outputs: set) -> None:
