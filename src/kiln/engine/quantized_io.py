@@ -16,7 +16,8 @@ residual adds, and a QConv, whose output (a ResNet block's) the next block's fir
 reads and its last one adds as the residual. Those readers then need no quantize pass. A plain
 LayerNormalization that quantized layers read (BERT's embedding norm, before the first QKV GEMM)
 becomes a SkipLayerNorm without the skip to get the copy. A max pool read only by quantized layers (ResNet's
-stem pool) writes their 8-bit input instead of its float output.
+stem pool) writes their 8-bit input instead of its float output, and a QConv read only as other QConvs'
+residual (a ResNet stage's downsampling shortcut) writes it in 8 bits.
 
 A QConv adding such a block output as its residual reads the copy too, scaled back in its epilogue (input
 z_scale), and a block output that no layer reads as float any more is written once, as 8-bit values. The

@@ -6,8 +6,8 @@ program owns a block of output pixels and a block of channels; a channels-last i
 each pixel's channel slice one contiguous load. Padding reads as -inf; NaN propagates
 (as torch's does). Any input strides; the output is [N, OH, OW, C] in memory, returned as an
 NCHW-shaped view like the convolution kernels' output. With a scale and a qtype it writes the maxima as
-int8 / FP8 values, the input of the quantized convolutions after it (ResNet's stem pool feeds two), so they
-need no quantize pass: the max of the rounded values is the rounded max, so it is the same result.
+int8 / FP8 values, the input of the quantized convolutions after it (ResNet's stem pool feeds two), which then
+need no quantize pass. The result is theirs: the max of rounded values is the rounded max.
 
 Reference: kiln.ops.nn.max_pool.
 """
