@@ -123,6 +123,7 @@ def _choose(proto, config, base, build, latency):
     floating = build(proto, dataclasses.replace(base, int8=False, fp8=False, calib=None, calib_cache=None))
     report["engines_built"] += 1
     classes = _candidates(quantized, floating, {n.name: n.op_type for n in proto.graph.node})
+    del floating  # its device weights are not needed for the trials
     best, pins, float_prec = quantized, {}, config.precision
     for groups in classes[:CLASSES]:  # each class of like groups tried in float on top of those kept so far
         trial_pins = {**pins, **{a: float_prec for g in groups for a in g["layers"]}}
