@@ -181,19 +181,20 @@ def _int8_build(model, seed, method, batch=2):
     return engine, x, ref
 
 
-def _stem_pool():
+def _stem_pool(c: int = 8, size: int = 8):
     """ResNet's stem: a float convolution over 3 channels, ReLU, a 3x3 stride-2 max pool, read by a block's first
-    convolution and by its downsampling one; out = Relu(Conv_b(p) + Conv_d(p))."""
+    convolution and by its downsampling one; out = Relu(Conv_b(p) + Conv_d(p)); x [N, 3, size, size]."""
     rng = np.random.default_rng(3)
-    inits = [numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) / 9).astype(np.float32), "ws"),
-             numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 8).astype(np.float32), "wb"),
-             numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 8).astype(np.float32), "wd")]
+    inits = [numpy_helper.from_array((rng.standard_normal((c, 3, 3, 3)) / 9).astype(np.float32), "ws"),
+             numpy_helper.from_array((rng.standard_normal((c, c, 1, 1)) / c).astype(np.float32), "wb"),
+             numpy_helper.from_array((rng.standard_normal((c, c, 1, 1)) / c).astype(np.float32), "wd")]
     nodes = [helper.make_node("Conv", ["x", "ws"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["p", "wb"], ["b"]), helper.make_node("Conv", ["p", "wd"], ["d"]),
              helper.make_node("Add", ["b", "d"], ["s"]), helper.make_node("Relu", ["s"], ["out"])]
-    g = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 8, 4, 4])], inits)
+    g = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, size, size])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", c, size // 2, size // 2])],
+                          inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 

@@ -11,7 +11,7 @@ import kiln
 from kiln.errors import EngineFileError, InputError, ShapeError
 from kiln.models import DEFAULT_PROFILE, tiny_cnn
 
-from ..engine.test_quantized_io import _SelfAttention
+from ..engine.test_quantized_io import _SelfAttention, _stem_pool
 from ..engine.test_streams import _Stage
 from ..engine.util import rewrite_manifest
 from ..models import mlp, mlp_reference, reshape_by_shape, residual_blocks
@@ -206,6 +206,27 @@ def test_a_default_int8_build_keeps_only_the_layers_float_does_not_beat_and_says
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["o3"].float().cpu().numpy()
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max(), report
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_the_stem_pool_and_the_shortcut_run_in_8_bits_on_the_gpu_and_match_onnxruntime(qtype):
+    """ResNet's stem pool writes the first block's 8-bit input (the pool kernel's quantized store) and the
+    downsampling shortcut travels in 8 bits at its calibrated maximum, on the GPU's kernels."""
+    if qtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs Ada or Hopper")
+    model = _stem_pool(c=64, size=32)
+    rng = np.random.default_rng(8)
+    calib = [{"x": rng.standard_normal((8, 3, 32, 32)).astype(np.float32)} for _ in range(16)]
+    prof = [kiln.Profile({"x": ((8, 3, 32, 32),) * 3})]
+    eng = kiln.build(model, _cfg(profiles=prof, fp16=True, calib=calib, **{qtype: True}))
+    pool = next(n for n in eng.graph.nodes if n.op_type == "MaxPool")
+    assert len(pool.inputs) == 2 and pool.attrs["qtype"] == qtype  # (tests/kernels/test_pool.py: the kernel alone)
+    assert any(n.op_type == "QConv" and len(n.inputs) > 6 and n.inputs[6].endswith(".shortcut_scale")
+               for n in eng.graph.nodes)
+    x = rng.standard_normal((8, 3, 32, 32)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["out"].float().cpu().numpy()
+    assert np.abs(got - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
 
 
 def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
