@@ -1,5 +1,5 @@
-"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy, the pool's 8-bit output)
-for Hopper (sm_90) on any machine, no GPU needed (Triton bundles ptxas), and say
+"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy, the pool's 8-bit output,
+the row gather) for Hopper (sm_90) on any machine, no GPU needed (Triton bundles ptxas), and say
 what the compiler made of them: whether each loop's wgmma is pipelined (`warp_group_dot_wait {pendings = 1}`:
 the next MMA issues while one is in flight; `pendings = 0` after every dot: each waits for the last), whether the
 convolution's left tile reaches the MMA from shared memory or through registers, and the shared memory used.
@@ -125,6 +125,17 @@ def pool_compiles() -> int:
     return failed
 
 
+def gather_compiles() -> int:
+    """Compile the row gather (an embedding lookup) for FP16 tables and int64 indices; 1 if it failed."""
+    from kiln.kernels import gather_rows
+
+    sig = {"t_ptr": "*fp16", "i_ptr": "*i64", "y_ptr": "*fp16", "n_idx": "i32", "n_rows": "i32", "n_cols": "i32",
+           "stride_t": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+    return _compiles("row gather, fp16 table", ASTSource(fn=gather_rows._gather_rows_kernel, signature=sig,
+                                                         constexprs={"BLOCK_R": 16, "BLOCK_C": 256}),
+                     {"num_warps": 4})
+
+
 def main() -> int:
     cases = {}
     for quant in ("int8", "fp8"):
@@ -134,7 +145,7 @@ def main() -> int:
                 conv_source(stride, quant, True), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
-    failed = flash_compiles() + norm_compiles() + pool_compiles()
+    failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles()
     for name, (src, warps, stages) in cases.items():
         try:
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,

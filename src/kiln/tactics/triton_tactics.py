@@ -136,6 +136,21 @@ def triton_max_pool(node, x, y_scale=None):
     return pool.max_pool2d(node, x, y_scale, node.attr("qtype", "int8"))
 
 
+def _gather_rows_ok(node, args) -> bool:
+    from ..kernels import gather_rows
+
+    table, indices = args[0], args[1]
+    return (table.is_cuda and node.attr("axis", 0) in (0, -table.dim())
+            and gather_rows.supports(table, indices))
+
+
+@tactic("Gather", "triton_gather_rows", _gather_rows_ok, domain="", level=3)
+def triton_gather_rows(node, table, indices):
+    from ..kernels import gather_rows
+
+    return gather_rows.gather_rows(table, indices)
+
+
 def _int4_ok(node, args) -> bool:
     x = args[0]
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
