@@ -179,3 +179,38 @@ def test_a_norm_without_the_add_writes_an_8_bit_copy():
     assert s is None
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (40,), gamma, beta, 1e-5), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(q.float(), (y / q_scale).round().clamp(-128, 127), atol=1, rtol=0)
+
+
+@pytest.mark.parametrize("launch", layernorm.LAUNCHES[::3], ids=lambda launch: launch.name)
+def test_a_third_addend_broadcast_over_the_batch_is_read_where_it_lies(launch):
+    """LayerNorm((a + b) + c) with c [1, S, H] expanded over the batch (stride 0: BERT's position embeddings), the
+    sum written too."""
+    g = torch.Generator().manual_seed(7)
+    a, b = (torch.randn(3, 5, 40, generator=g).to(DEV) for _ in range(2))
+    c = torch.randn(1, 5, 40, generator=g).to(DEV)
+    gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
+    y, s = poisoned(lambda: layernorm.skip_layernorm(a, b, gamma, beta, 1e-5, launch=launch, c=c.expand(a.shape)))
+    ry, rs = layernorm.reference(a + b, c.expand(a.shape), gamma, beta, 1e-5)
+    torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, rs)
+
+
+def test_skip_layernorm_tactics_with_a_third_addend_match_the_op_reference():
+    """kiln::SkipLayerNorm's input 5 (a broadcast third addend) through the Triton tactic and the library one."""
+    from kiln.ir.graph import Node
+    from kiln.ops.fused import skip_layer_norm
+    from kiln.tactics import _TACTICS, library, triton_tactics  # noqa: F401  (registers)
+
+    triton = next(t for t in _TACTICS[("kiln", "SkipLayerNorm")] if t.name == "triton_fused_add_layernorm")
+    g = torch.Generator().manual_seed(3)
+    a, b, c = torch.randn(2, 3, 24, generator=g).to(DEV), torch.randn(2, 3, 24, generator=g).to(DEV), \
+        torch.randn(1, 3, 24, generator=g).to(DEV)
+    gamma, beta = torch.randn(24, generator=g).to(DEV), torch.randn(24, generator=g).to(DEV)
+    node = Node("SkipLayerNorm", ["a", "b", "g", "beta", "", "c"], ["y", "s"], {"epsilon": 1e-5}, domain="kiln")
+    args = [a, b, gamma, beta, None, c]
+    assert triton.applies(node, args) == a.is_cuda
+    assert not triton.applies(node, [a, b, gamma, beta, None, torch.randn(4, 3, 24).to(DEV)])  # does not broadcast
+    ry, rs = skip_layer_norm(node, *args)
+    for y, s in (triton.fn(node, *args)[:2], library.add_then_layer_norm(node, *args)[:2]):
+        torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(s, rs)

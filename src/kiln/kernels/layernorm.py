@@ -46,10 +46,10 @@ LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024))
 
 
 @triton.jit
-def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
-                           rows1, n_rows, sa0, sa1, sb0, sb1, HAS_SKIP: tl.constexpr, HAS_BETA: tl.constexpr,
-                           WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr, PARTS: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _skip_layernorm_kernel(a_ptr, b_ptr, c_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
+                           rows1, n_rows, sa0, sa1, sb0, sb1, sc0, sc1, HAS_SKIP: tl.constexpr, HAS_SKIP2: tl.constexpr,
+                           HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr,
+                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]: ROWS rows per program
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)[None, :]
@@ -66,6 +66,8 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, 
         s += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_SKIP:
         s += tl.load(b_ptr + r0 * sb0 + r1 * sb1 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SKIP2:  # a third addend (BERT's embeddings: word + token type + position), read through its strides
+        s += tl.load(c_ptr + r0 * sc0 + r1 * sc1 + cols, mask=mask, other=0.0).to(tl.float32)
     if WRITE_SUM:
         tl.store(s_ptr + off, s.to(s_ptr.dtype.element_ty), mask=mask)
     if RMS:  # RMSNorm: no centring
@@ -101,11 +103,13 @@ def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
 
 def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
                    q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False,
-                   y_dtype: torch.dtype | None = None, launch: Launch = LAUNCHES[0]):
+                   y_dtype: torch.dtype | None = None, launch: Launch = LAUNCHES[0], c=None):
     """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype]).
-    b=None: LayerNorm(a). rms: RMSNorm instead of LayerNorm. y_dtype: the normalized rows' type (default a's;
-    FP32 for a model's FP32 output)."""
-    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms, y_dtype=y_dtype, launch=launch)
+    b=None: LayerNorm(a). c: a third addend, a + b + c (shaped like a; a broadcast view reads where it lies).
+    rms: RMSNorm instead of LayerNorm. y_dtype: the normalized rows' type (default a's; FP32 for a model's FP32
+    output)."""
+    return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms, y_dtype=y_dtype, launch=launch,
+                   c=c)
 
 
 def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
@@ -117,21 +121,23 @@ def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: floa
 
 
 def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None, y_dtype=None,
-            launch: Launch = LAUNCHES[0]):
+            launch: Launch = LAUNCHES[0], c=None):
     """The kernel over the rows of `like` (its shape and dtype are the outputs'); a3: the first input as a
     3-D row view, or the skip's when the first input is `parts`."""
     n = like.shape[-1]
     rows = like.numel() // n
     b3 = _rows(b) if b is not None else a3
+    c3 = _rows(c) if c is not None else a3
     y = torch.empty(like.shape, dtype=y_dtype or like.dtype, device=like.device)
     s = torch.empty(like.shape, dtype=like.dtype, device=like.device) if write_sum else y
     q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
     _skip_layernorm_kernel[(triton.cdiv(rows, launch.rows),)](
-        parts if parts is not None else like, b if b is not None else like, gamma,
+        parts if parts is not None else like, b if b is not None else like, c if c is not None else like, gamma,
         beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q,
         bias if bias is not None else gamma, n, eps, a3.shape[1], rows, a3.stride(0), a3.stride(1),
-        b3.stride(0), b3.stride(1), HAS_SKIP=b is not None, HAS_BETA=beta is not None, WRITE_SUM=write_sum,
+        b3.stride(0), b3.stride(1), c3.stride(0), c3.stride(1), HAS_SKIP=b is not None, HAS_SKIP2=c is not None,
+        HAS_BETA=beta is not None, WRITE_SUM=write_sum,
         QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
         HAS_BIAS=bias is not None, BLOCK=block, ROWS=launch.rows, num_warps=launch.warps(block),
     )

@@ -102,12 +102,14 @@ def attention(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
 
 
 @register("SkipLayerNorm", domain=KILN, uncast_inputs=(4,))
-def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
+def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None):
     """LayerNorm(a + b) over the last axis; second output is the sum (residual stream). b omitted: LayerNorm(a)
     (a LayerNormalization given an 8-bit copy). With q_scale (input 4, attribute qtype), a third output: the
     normalized rows as 8-bit values for the quantized layers that read them (kiln/engine/quantized_io.py).
-    output_type "float32": the normalized rows in FP32 (a model's output)."""
+    c (input 5): a third addend, broadcast to the sum, added last: LayerNorm((a + b) + c), as BERT's embeddings
+    (word + token type, then + position). output_type "float32": the normalized rows in FP32 (a model's output)."""
     s = a if b is None else a + b
+    s = s if c is None else s + c
     y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
     q = () if q_scale is None else (quantize(node, y, q_scale),)
     return (y.float() if writes_fp32(node) else y, s) + q

@@ -12,8 +12,8 @@ from .rewrite import View, fused_name, replace
 def run(graph: Graph) -> None:
     view = View(graph)
     for ln in [n for n in graph.nodes if n.op_type == "SkipLayerNorm" and n.domain == "kiln"]:
-        if len(ln.inputs) > 4 and ln.inputs[4]:
-            continue  # writes 8-bit rows for quantized readers
+        if any(ln.inputs[4:]):
+            continue  # writes 8-bit rows for quantized readers, or adds a third input
         for pos in (0, 1):
             gemm = view.producer.get(ln.inputs[pos])
             if (gemm is not None and gemm.op_type == "FusedGemm" and gemm.domain == "kiln"

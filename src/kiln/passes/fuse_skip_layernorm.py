@@ -1,4 +1,7 @@
-"""Add + LayerNormalization -> kiln::SkipLayerNorm: the residual add and the norm in one pass."""
+"""Add + LayerNormalization -> kiln::SkipLayerNorm: the residual add and the norm in one pass.
+
+A sum of three, (x + y) + z with the inner sum read by nothing else, joins too (z as input 5): BERT's embeddings
+(word + token type, then + position, whose table slice is a constant) were a generated add kernel and a norm."""
 
 from __future__ import annotations
 
@@ -12,14 +15,29 @@ def run(graph: Graph) -> None:
         if ln.attr("axis", -1) != -1 or len([o for o in ln.outputs if o]) != 1:
             continue
         add = view.producer.get(ln.inputs[0])
-        if add is None or add.op_type != "Add" or add.domain:
+        if not _plain_add(add):
             continue
-        if any(view.const(i) is not None for i in add.inputs):
+        inner = next((p for p in map(view.producer.get, add.inputs) if _plain_add(p) and add.inputs[0] != add.inputs[1]
+                      and view.sole_reader(p.outputs[0]) is add and not _has_const(view, p)), None)
+        if inner is not None:  # (x + y) + z
+            addends, third, nodes = list(inner.inputs), add.inputs[1 - add.inputs.index(inner.outputs[0])], [inner]
+        elif _has_const(view, add):
             continue  # a bias add, not a residual
+        else:
+            addends, third, nodes = list(add.inputs), "", []
         gamma = ln.inputs[1]
         beta = ln.inputs[2] if len(ln.inputs) > 2 else ""
         extra = add.outputs[0] if view.readers(add.outputs[0]) > 1 else ""
-        fused = Node("SkipLayerNorm", [add.inputs[0], add.inputs[1], gamma, beta], [ln.outputs[0], extra],
-                     {"epsilon": ln.attr("epsilon", 1e-5)}, name=fused_name([add, ln]), domain="kiln")
-        replace(graph, [add, ln], fused)
+        nodes += [add, ln]
+        fused = Node("SkipLayerNorm", addends + [gamma, beta] + (["", third] if third else []), [ln.outputs[0], extra],
+                     {"epsilon": ln.attr("epsilon", 1e-5)}, name=fused_name(nodes), domain="kiln")
+        replace(graph, nodes, fused)
         view.refresh()
+
+
+def _plain_add(n) -> bool:
+    return n is not None and n.op_type == "Add" and not n.domain and len(n.inputs) == 2
+
+
+def _has_const(view: View, n) -> bool:
+    return any(view.const(i) is not None for i in n.inputs)

@@ -259,10 +259,11 @@ tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspa
 
 # --- SkipLayerNorm ------------------------------------------------------------
 @tactic("SkipLayerNorm", "add_then_layer_norm", lambda n, a: a[0].is_cuda)
-def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None):
+def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None):
     from ..kernels.rescale import to_8bit
 
     s = a if b is None else a + b
+    s = s if c is None else s + c
     y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
     q = () if q_scale is None else (to_8bit(y, q_scale, node.attr("qtype", "int8")),)
     return (y.float() if writes_fp32(node) else y, s) + q

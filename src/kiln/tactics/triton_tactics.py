@@ -11,10 +11,17 @@ def _skip_ln_ok(node, args) -> bool:
     from ..kernels import layernorm
 
     a, b, gamma = args[0], args[1], args[2]
-    return a.is_cuda and layernorm.supports(a, a if b is None else b, gamma)
+    c = args[5] if len(args) > 5 else None
+    if c is not None:  # a third addend: broadcast to a's shape, read where it lies
+        try:
+            c = c.expand(a.shape)
+        except RuntimeError:
+            return False
+    return a.is_cuda and layernorm.supports(a, a if b is None else b, gamma) and (
+        c is None or layernorm.supports(a, c, gamma))
 
 
-def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, launch=None):
+def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, c=None, launch=None):
     from ..kernels import layernorm
     from ..ops.fused import writes_fp32
 
@@ -22,7 +29,8 @@ def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, launch=Non
                                     node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]),
                                     q_scale=q_scale, qtype=node.attr("qtype", "int8"),
                                     y_dtype=torch.float32 if writes_fp32(node) else None,
-                                    launch=launch or layernorm.LAUNCHES[0])
+                                    launch=launch or layernorm.LAUNCHES[0],
+                                    c=None if c is None else c.expand(a.shape))
 
 
 def gemm_ln_ok(node, args) -> bool:
