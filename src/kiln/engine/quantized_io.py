@@ -67,6 +67,18 @@ def output_scale(n: Node) -> str:
     return n.inputs[at] if len(n.inputs) > at else ""
 
 
+def _set_input(n: Node, at: int, name: str) -> None:
+    """Input `at` of n set to `name`, the optional inputs before it left empty."""
+    n.inputs = n.inputs + [""] * (at + 1 - len(n.inputs))
+    n.inputs[at] = name
+
+
+def _adds_residual(c: Node, value: str, qtype: str) -> bool:
+    """c is a quantized convolution of `qtype` adding `value` as its residual (input 5) and reading it nowhere else."""
+    return (_quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5 and c.inputs[5] == value
+            and value not in c.inputs[:5] and c.attr("qtype", "int8") == qtype)
+
+
 def _is_view(n: Node) -> bool:
     return n.op_type in VIEWS and n.domain in ("", "ai.onnx")
 
@@ -107,8 +119,7 @@ def link(graph: Graph, float_precision: str) -> None:
         if len(scales) != 1 or None in scales:
             continue
         at = Y_SCALE_INPUT[n.op_type]
-        n.inputs = n.inputs + [""] * (at + 1 - len(n.inputs))
-        n.inputs[at] = users[0].inputs[2]
+        _set_input(n, at, users[0].inputs[2])
         for r in users:
             r.attrs["x_quantized"] = 1
     _quantized_pools(graph, readers, outputs)
@@ -135,21 +146,17 @@ def _quantized_shortcuts(graph: Graph) -> None:
         if any(p.outputs[1:]) or out in outputs or (len(p.inputs) > at_y and p.inputs[at_y]):
             continue
         users = readers.get(out, [])
-        if not users or not all(
-                _quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5 and c.inputs[5] == out
-                and out not in c.inputs[:5] and c.attr("qtype", "int8") == qtype
-                and not (len(c.inputs) > Z_SCALE_INPUT and c.inputs[Z_SCALE_INPUT]) for c in users):
+        if not users or not all(_adds_residual(c, out, qtype) and not (len(c.inputs) > Z_SCALE_INPUT
+                                                                       and c.inputs[Z_SCALE_INPUT]) for c in users):
             continue
         seen = absmax.get(out)
         if seen is None or not seen > 0:
             continue
         scale = f"{out}.shortcut_scale"
         graph.initializers[scale] = torch.tensor(seen / (FP8_MAX if qtype == "fp8" else 127.0), dtype=torch.float32)
-        p.inputs = p.inputs + [""] * (at_y + 1 - len(p.inputs))
-        p.inputs[at_y] = scale
+        _set_input(p, at_y, scale)
         for c in users:
-            c.inputs = c.inputs + [""] * (Z_SCALE_INPUT + 1 - len(c.inputs))
-            c.inputs[Z_SCALE_INPUT] = scale
+            _set_input(c, Z_SCALE_INPUT, scale)
 
 
 def _quantized_pools(graph: Graph, readers: dict, outputs: set) -> None:
@@ -186,8 +193,7 @@ def _quantized_attention(graph: Graph, readers: dict, outputs: set) -> None:
                 value = r.outputs[0]
                 continue
             if _reads_as_x(r, value) and not r.attr("x_quantized", 0) and _x_scale(graph, r) is not None:
-                n.inputs = n.inputs + [""] * (ATTENTION_Y_SCALE + 1 - len(n.inputs))
-                n.inputs[ATTENTION_Y_SCALE] = r.inputs[2]
+                _set_input(n, ATTENTION_Y_SCALE, r.inputs[2])
                 n.attrs["qtype"] = r.attr("qtype", "int8")
                 r.attrs["x_quantized"] = 1
             break
@@ -218,10 +224,8 @@ def _fp8_attention_inputs(graph: Graph, readers: dict, outputs: set, float_type:
             continue
         scale = f"{wide}.fp8_scale"
         graph.initializers[scale] = torch.tensor(seen / FP8_MAX, dtype=torch.float32)
-        gemm.inputs = gemm.inputs + [""] * (QGEMM_Y_SCALE + 1 - len(gemm.inputs))
-        gemm.inputs[QGEMM_Y_SCALE] = scale
-        n.inputs = n.inputs + [""] * (QKV_SCALE_INPUT + 1 - len(n.inputs))
-        n.inputs[QKV_SCALE_INPUT] = scale
+        _set_input(gemm, QGEMM_Y_SCALE, scale)
+        _set_input(n, QKV_SCALE_INPUT, scale)
         n.attrs["float_type"] = float_type
 
 
@@ -280,8 +284,7 @@ def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> Non
         _as_skip_layer_norm(n)
     at_in, at_out = COPY_AT[n.op_type]
     copy = f"{out}.{qtype}"
-    n.inputs = n.inputs + [""] * (at_in + 1 - len(n.inputs))
-    n.inputs[at_in] = quantized[0].inputs[2]
+    _set_input(n, at_in, quantized[0].inputs[2])
     n.outputs = n.outputs + [""] * (at_out - len(n.outputs)) + [copy]
     n.attrs["qtype"] = qtype
     for r in quantized:
@@ -300,8 +303,7 @@ def _quantized_residuals(graph: Graph) -> None:
     for p in [n for n in graph.nodes if _quantized(n) and n.op_type == "QConv" and len(n.outputs) > 1 and n.outputs[1]]:
         out, copy, qtype = p.outputs[0], p.outputs[1], p.attr("qtype", "int8")
         users = readers.get(out, [])
-        adders = [c for c in users if _quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5
-                  and c.inputs[5] == out and out not in c.inputs[:5] and c.attr("qtype", "int8") == qtype]
+        adders = [c for c in users if _adds_residual(c, out, qtype)]
         seen, copy_scale = absmax.get(out), graph.initializers.get(p.inputs[at_copy])
         if not adders or seen is None or copy_scale is None:
             continue
@@ -317,8 +319,8 @@ def _quantized_residuals(graph: Graph) -> None:
                 f"8-bit output scale widened from {narrow:.3g} to {seen / qmax:.3g}: the calibrated maximum "
                 "of a block output that is also a residual")
         for c in adders:
-            c.inputs = c.inputs + [""] * (Z_SCALE_INPUT + 1 - len(c.inputs))
-            c.inputs[5], c.inputs[Z_SCALE_INPUT] = copy, p.inputs[at_copy]
+            _set_input(c, Z_SCALE_INPUT, p.inputs[at_copy])
+            c.inputs[5] = copy
         if len(adders) == len(users) and out not in outputs:
             # only the copy is read: written as the output itself; p's own z_scale (a block between two others)
             # stays

@@ -156,7 +156,8 @@ def _explain(engine, report, pinned: set[str], qtype: str, prec: str) -> None:
         reason = next((why[s] for s in (n.sources or [n.name]) if s in why), None)
         if reason:
             n.note = reason
+    by_name = {n.name: n for n in engine.graph.nodes}
     for f in engine.findings:
-        node = next((n for n in engine.graph.nodes if n.name == f.get("layer")), None)
+        node = by_name.get(f.get("layer"))
         if f.get("kind") == "precision" and node is not None and node.note.startswith("kept in"):
             f["reason"] = node.note

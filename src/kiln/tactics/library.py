@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cublaslt
-from ..ops.fused import activation, attention, float_type, fused_conv, writes_fp32
+from ..ops.fused import activation, attention, float_type, fused_conv, skip_layer_norm, writes_fp32
 from . import layer_gemm, tactic
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -260,13 +260,11 @@ tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspa
 # --- SkipLayerNorm ------------------------------------------------------------
 @tactic("SkipLayerNorm", "add_then_layer_norm", lambda n, a: a[0].is_cuda)
 def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None):
+    """The op's reference on torch's kernels, the 8-bit copy quantized by one kernel (kernels/rescale.py)."""
     from ..kernels.rescale import to_8bit
 
-    s = a if b is None else a + b
-    s = s if c is None else s + c
-    y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))
-    q = () if q_scale is None else (to_8bit(y, q_scale, node.attr("qtype", "int8")),)
-    return (y.float() if writes_fp32(node) else y, s) + q
+    y, s = skip_layer_norm(node, a, b, gamma, beta, None, c)
+    return (y, s) + (() if q_scale is None else (to_8bit(y, q_scale, node.attr("qtype", "int8")),))
 
 
 def gemm_without_activation(node, x, w, bias):
