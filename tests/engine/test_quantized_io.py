@@ -448,3 +448,42 @@ def test_an_fp8_attention_keeps_float_q_k_v_when_a_projection_is_also_read_elsew
     got = engine.create_execution_context().run({name: feeds["x"]})
     for out, ref in zip(engine.outputs, refs):
         assert got[out.name].dtype == np.float32 and np.abs(got[out.name] - ref).max() <= 0.1 * np.abs(ref).max()
+
+
+class _EncoderLayer(torch.nn.Module):
+    """BERT's encoder layer: attention, projection, add + LayerNorm, GELU feed-forward, add + LayerNorm."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.attention = _SelfAttention(width)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        h = self.norm1(x + self.attention(x))
+        return self.norm2(h + self.down(torch.nn.functional.gelu(self.up(h))))
+
+
+def test_an_fp8_projection_read_only_by_an_add_and_norm_writes_fp8_codes_the_norm_reads(tmp_path):
+    """The attention-output and FFN2 GEMMs write FP8 codes at their calibrated maximum (the norm's a_scale):
+    half the bytes written and read, and within FP8's error of onnxruntime."""
+    torch.manual_seed(0)
+    model, _ = kiln.from_torch(_EncoderLayer().eval(), (torch.randn(2, 8, 32),), opset=18)
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, calib=calib, fp8=True))
+    norms = [n for n in engine.graph.nodes if n.op_type == "SkipLayerNorm" and n.inputs[1]]
+    made_by = engine.graph.producers()
+    assert len(norms) == 2
+    seen = _layer_values(engine, {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)})
+    for ln in norms:
+        gemm = made_by[ln.inputs[0]]
+        assert gemm.op_type == "QGemm" and gemm.inputs[5] == ln.inputs[6] == f"{gemm.outputs[0]}.fp8_scale"
+        scale = float(engine.graph.initializers[ln.inputs[6]])
+        assert scale * 448 == pytest.approx(engine.graph.quant_absmax[gemm.outputs[0]], rel=1e-6)
+        assert seen[gemm.outputs[0]].dtype == torch.float8_e4m3fn and seen[ln.outputs[0]].dtype == torch.float32
+    _matches_onnxruntime_and_its_file(tmp_path, model, engine, {"x": rng.standard_normal((2, 8, 32)).astype(
+        np.float32)}, 0.1)
+    name = model.graph.input[0].name
+    assert compare(model, engine, [{name: rng.standard_normal((2, 8, 32)).astype(np.float32)}],
+                   layerwise=True).outputs[0].passed
