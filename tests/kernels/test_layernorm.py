@@ -214,34 +214,3 @@ def test_skip_layernorm_tactics_with_a_third_addend_match_the_op_reference():
     for y, s in (triton.fn(node, *args)[:2], library.add_then_layer_norm(node, *args)[:2]):
         torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s, rs)
-
-
-@pytest.mark.parametrize("qtype", ["int8", "fp8"])
-def test_8bit_codes_as_the_first_addend_are_scaled_back_and_added_in_the_rows_type(qtype):
-    """An FP8 engine's attention-output and FFN2 GEMMs hand the norm 8-bit codes and their scale (input a_scale),
-    through the kernel and both SkipLayerNorm tactics, against the op reference."""
-    from kiln.ir.graph import Node
-    from kiln.ops.fused import skip_layer_norm
-    from kiln.tactics import _TACTICS, library, triton_tactics  # noqa: F401  (registers)
-
-    g = torch.Generator().manual_seed(11)
-    dtype = torch.int8 if qtype == "int8" else torch.float8_e4m3fn
-    codes = (torch.randn(2, 5, 40, generator=g) * 30).clamp(-127, 127).to(dtype).to(DEV)
-    b = torch.randn(2, 5, 40, generator=g).to(torch.float16).to(DEV)
-    gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
-    scale = torch.tensor(0.03125, device=DEV)
-    node = Node("SkipLayerNorm", ["a", "b", "g", "beta", "", "", "s"], ["y", "sum"], {"epsilon": 1e-5}, domain="kiln")
-    ry, rs = skip_layer_norm(node, codes, b, gamma, beta, None, None, scale)
-    assert ry.dtype == rs.dtype == torch.float16
-    y, s = poisoned(lambda: layernorm.skip_layernorm(codes, b, gamma.half(), beta.half(), 1e-5, a_scale=scale))
-    assert y.dtype == s.dtype == torch.float16
-    torch.testing.assert_close(s, rs)  # exact: the codes times a power of two, in FP16, plus b
-    torch.testing.assert_close(y, ry, atol=2e-3, rtol=2e-3)
-    triton = next(t for t in _TACTICS[("kiln", "SkipLayerNorm")] if t.name == "triton_fused_add_layernorm")
-    args = [codes, b, gamma, beta, None, None, scale]
-    assert triton.applies(node, args) == codes.is_cuda
-    assert not triton.applies(node, [codes, None, gamma, beta, None, None, scale])  # codes alone: no float rows
-    runs = [library.add_then_layer_norm(node, *args)[:2]] + ([triton.fn(node, *args)[:2]] if codes.is_cuda else [])
-    for y, s in runs:
-        torch.testing.assert_close(y, ry, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(s, rs)

@@ -17,8 +17,7 @@ reads and its last one adds as the residual. Those readers then need no quantize
 LayerNormalization that quantized layers read (BERT's embedding norm, before the first QKV GEMM)
 becomes a SkipLayerNorm without the skip to get the copy. A max pool read only by quantized layers (ResNet's
 stem pool) writes their 8-bit input instead of its float output, and a QConv read only as other QConvs'
-residual (a ResNet stage's downsampling shortcut) writes it in 8 bits. In an FP8 engine a QGemm read only by a
-residual add + LayerNorm (BERT's attention-output and FFN2 projections) writes FP8 codes that the norm reads.
+residual (a ResNet stage's downsampling shortcut) writes it in 8 bits.
 
 A QConv adding such a block output as its residual reads the copy too, scaled back in its epilogue (input
 z_scale), and a block output that no layer reads as float any more is written once, as 8-bit values. The
@@ -49,7 +48,6 @@ Z_SCALE_INPUT = 8  # a QConv's residual scale, after (x, w_q, x_scale, w_scale, 
 ATTENTION_Y_SCALE = 4  # after (q, k, v, mask)
 QKV_SCALE_INPUT = 5  # an Attention's FP8 q/k/v scale, after (q, k, v, mask, y_scale)
 QGEMM_Y_SCALE = Y_SCALE_INPUT["QGemm"]
-NORM_A_SCALE = 6  # a SkipLayerNorm's scale of 8-bit codes as its first addend, after (a, b, gamma, beta, q_scale, c)
 # Ops that only view their input (the head merge between attention and its output projection): 8-bit values
 # pass through them unchanged.
 VIEWS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
@@ -132,7 +130,6 @@ def link(graph: Graph, float_precision: str) -> None:
     _quantized_shortcuts(graph)
     _quantized_attention(graph, readers, outputs)
     _fp8_attention_inputs(graph, readers, outputs, float_type)
-    _fp8_norm_inputs(graph)
 
 
 def _quantized_shortcuts(graph: Graph) -> None:
@@ -230,36 +227,6 @@ def _fp8_attention_inputs(graph: Graph, readers: dict, outputs: set, float_type:
         _set_input(gemm, QGEMM_Y_SCALE, scale)
         _set_input(n, QKV_SCALE_INPUT, scale)
         n.attrs["float_type"] = float_type
-
-
-def _fp8_norm_inputs(graph: Graph) -> None:
-    """An FP8 GEMM read only as an addend of a residual add + LayerNorm (BERT's attention-output and FFN2
-    projections) writes FP8 codes at the scale of its calibrated maximum, and the norm reads them with that scale
-    (input a_scale, the codes as its first addend): the GEMM writes, and the norm reads, one byte per element
-    instead of two. The maximum, not a clipping range: the sum carries every value down the network (as ResNet's
-    8-bit residuals above). FP8 only: its relative precision keeps the small values a maximum-wide int8 step would
-    flatten."""
-    absmax = graph.quant_absmax or {}
-    readers = graph.consumers()
-    outputs = {v.name for v in graph.outputs}
-    for g in [n for n in graph.nodes if _quantized(n) and n.op_type == "QGemm" and n.attr("qtype", "int8") == "fp8"]:
-        out = g.outputs[0]
-        users = readers.get(out, [])
-        if out in outputs or len(users) != 1 or (len(g.inputs) > QGEMM_Y_SCALE and g.inputs[QGEMM_Y_SCALE]):
-            continue
-        ln, seen = users[0], absmax.get(out)
-        if not (ln.domain == "kiln" and ln.op_type == "SkipLayerNorm" and ln.placement == "device"
-                and len(ln.inputs) > 1 and ln.inputs[1] and ln.inputs[:2].count(out) == 1
-                and out not in ln.inputs[2:] and not (len(ln.inputs) > NORM_A_SCALE and ln.inputs[NORM_A_SCALE])):
-            continue
-        if seen is None or not seen > 0:
-            continue
-        if ln.inputs[1] == out:  # the codes go first; the sum is the same
-            ln.inputs[0], ln.inputs[1] = ln.inputs[1], ln.inputs[0]
-        scale = f"{out}.fp8_scale"
-        graph.initializers[scale] = torch.tensor(seen / FP8_MAX, dtype=torch.float32)
-        _set_input(g, QGEMM_Y_SCALE, scale)
-        _set_input(ln, NORM_A_SCALE, scale)
 
 
 def _before_views(value: str, made_by: dict, readers: dict, outputs: set) -> str:

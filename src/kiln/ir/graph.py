@@ -76,9 +76,6 @@ class Graph:
     # ... and the largest |value| calibration saw per activation (engine/quantized_io.py: residual scales)
     quant_absmax: dict[str, float] | None = None
     quant_type: str = "int8"  # or "fp8" (E4M3)
-    # A calibration build: fusions that would hide a tensor quantized builds scale (a GEMM's output inside
-    # GemmSkipLayerNorm) stay apart, so calibration sees it.
-    observed: bool = False
 
     def producers(self) -> dict[str, Node]:
         return {o: n for n in self.nodes for o in n.outputs if o}

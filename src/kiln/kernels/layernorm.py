@@ -7,8 +7,6 @@ Rows are read through two leading strides, so a transposed view (ViT's sequence-
 attention output, say) is read where it lies instead of being copied first; outputs are
 contiguous. With a scale and a qtype it also writes the normalized rows as int8 / FP8 values,
 the input of the quantized GEMMs after it (BERT's QKV and FFN1), so they need no quantize pass.
-The first input may be 8-bit codes with a scale (an FP8 engine's attention-output and FFN2 GEMMs write
-them), read at one byte per element instead of two.
 With `parts`, the first input is a split-K GEMM's FP32 partial products [S, rows, n]
 (kernels/splitk_gemm.py) plus a bias: the GEMM's reduction happens here, in the same pass.
 
@@ -48,11 +46,10 @@ LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024))
 
 
 @triton.jit
-def _skip_layernorm_kernel(a_ptr, b_ptr, c_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, as_ptr,
-                           n_cols, eps, rows1, n_rows, sa0, sa1, sb0, sb1, sc0, sc1, HAS_SKIP: tl.constexpr,
-                           HAS_SKIP2: tl.constexpr, HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr,
-                           QUANT: tl.constexpr, RMS: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           A_SCALED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _skip_layernorm_kernel(a_ptr, b_ptr, c_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
+                           rows1, n_rows, sa0, sa1, sb0, sb1, sc0, sc1, HAS_SKIP: tl.constexpr, HAS_SKIP2: tl.constexpr,
+                           HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr,
+                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]: ROWS rows per program
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)[None, :]
@@ -65,8 +62,6 @@ def _skip_layernorm_kernel(a_ptr, b_ptr, c_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, q
             s += tl.load(a_ptr + i * n_rows * n_cols + off, mask=mask, other=0.0)
     else:
         s = tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=mask, other=0.0).to(tl.float32)
-    if A_SCALED:  # a as 8-bit codes (an FP8 GEMM's output), rounded to the sum's type as the reference adds it
-        s = (s * tl.load(as_ptr)).to(b_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:
         s += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_SKIP:
@@ -100,26 +95,21 @@ def _rows(t: torch.Tensor):
         return None
 
 
-def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, a_scaled: bool = False) -> bool:
-    """Same-shape inputs with rows of unit stride, a row that fits one block (BERT/ViT/Llama hidden sizes do);
-    a_scaled: a is 8-bit codes, b float."""
-    codes = a.dtype in (torch.int8, torch.float8_e4m3fn) and b.is_floating_point()
-    types_ok = codes if a_scaled else a.dtype == b.dtype
-    return (a.shape == b.shape and types_ok and _rows(a) is not None and _rows(b) is not None
+def supports(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> bool:
+    """Same-shape inputs with rows of unit stride, a row that fits one block (BERT/ViT/Llama hidden sizes do)."""
+    return (a.shape == b.shape and a.dtype == b.dtype and _rows(a) is not None and _rows(b) is not None
             and gamma.numel() == a.shape[-1] and a.shape[-1] <= 16384 and a.numel() > 0)
 
 
 def skip_layernorm(a, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
                    q_scale: torch.Tensor | None = None, qtype: str = "", rms: bool = False,
-                   y_dtype: torch.dtype | None = None, launch: Launch = LAUNCHES[0], c=None,
-                   a_scale: torch.Tensor | None = None):
+                   y_dtype: torch.dtype | None = None, launch: Launch = LAUNCHES[0], c=None):
     """(LayerNorm(a + b), a + b or None[, the normalized rows quantized with q_scale as qtype]).
     b=None: LayerNorm(a). c: a third addend, a + b + c (shaped like a; a broadcast view reads where it lies).
-    a_scale: a is 8-bit codes of that scale, the outputs typed like b.
     rms: RMSNorm instead of LayerNorm. y_dtype: the normalized rows' type (default a's; FP32 for a model's FP32
     output)."""
     return _launch(a, _rows(a), b, gamma, beta, eps, write_sum, q_scale, qtype, rms, y_dtype=y_dtype, launch=launch,
-                   c=c, a_scale=a_scale)
+                   c=c)
 
 
 def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: float = 1e-5, write_sum: bool = True,
@@ -131,27 +121,25 @@ def partials_layernorm(parts: torch.Tensor, bias, b, gamma, beta=None, eps: floa
 
 
 def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts=None, bias=None, y_dtype=None,
-            launch: Launch = LAUNCHES[0], c=None, a_scale=None):
-    """The kernel over the rows of `like` (its shape and dtype are the outputs', b's dtype when `like` is 8-bit
-    codes of a_scale); a3: the first input as a 3-D row view, or the skip's when the first input is `parts`."""
+            launch: Launch = LAUNCHES[0], c=None):
+    """The kernel over the rows of `like` (its shape and dtype are the outputs'); a3: the first input as a
+    3-D row view, or the skip's when the first input is `parts`."""
     n = like.shape[-1]
     rows = like.numel() // n
     b3 = _rows(b) if b is not None else a3
     c3 = _rows(c) if c is not None else a3
-    dtype = b.dtype if a_scale is not None else like.dtype
-    y = torch.empty(like.shape, dtype=y_dtype or dtype, device=like.device)
-    s = torch.empty(like.shape, dtype=dtype, device=like.device) if write_sum else y
+    y = torch.empty(like.shape, dtype=y_dtype or like.dtype, device=like.device)
+    s = torch.empty(like.shape, dtype=like.dtype, device=like.device) if write_sum else y
     q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
     _skip_layernorm_kernel[(triton.cdiv(rows, launch.rows),)](
         parts if parts is not None else like, b if b is not None else like, c if c is not None else like, gamma,
         beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q,
-        bias if bias is not None else gamma, a_scale if a_scale is not None else gamma, n, eps, a3.shape[1], rows,
-        a3.stride(0), a3.stride(1), b3.stride(0), b3.stride(1), c3.stride(0), c3.stride(1),
-        HAS_SKIP=b is not None, HAS_SKIP2=c is not None, HAS_BETA=beta is not None, WRITE_SUM=write_sum,
+        bias if bias is not None else gamma, n, eps, a3.shape[1], rows, a3.stride(0), a3.stride(1),
+        b3.stride(0), b3.stride(1), c3.stride(0), c3.stride(1), HAS_SKIP=b is not None, HAS_SKIP2=c is not None,
+        HAS_BETA=beta is not None, WRITE_SUM=write_sum,
         QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
-        HAS_BIAS=bias is not None, A_SCALED=a_scale is not None, BLOCK=block, ROWS=launch.rows,
-        num_warps=launch.warps(block),
+        HAS_BIAS=bias is not None, BLOCK=block, ROWS=launch.rows, num_warps=launch.warps(block),
     )
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 

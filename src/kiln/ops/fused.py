@@ -101,16 +101,13 @@ def attention(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
     return quantized_output(node, torch.matmul(probs.to(v.dtype), v), y_scale)
 
 
-@register("SkipLayerNorm", domain=KILN, uncast_inputs=(4, 6))
-def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None, a_scale=None):
+@register("SkipLayerNorm", domain=KILN, uncast_inputs=(4,))
+def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None):
     """LayerNorm(a + b) over the last axis; second output is the sum (residual stream). b omitted: LayerNorm(a)
     (a LayerNormalization given an 8-bit copy). With q_scale (input 4, attribute qtype), a third output: the
     normalized rows as 8-bit values for the quantized layers that read them (kiln/engine/quantized_io.py).
     c (input 5): a third addend, broadcast to the sum, added last: LayerNorm((a + b) + c), as BERT's embeddings
-    (word + token type, then + position). a_scale (input 6): a is 8-bit codes of that scale (an FP8 GEMM before
-    the norm wrote them), added in b's type. output_type "float32": the normalized rows in FP32 (a model's output)."""
-    if a_scale is not None:
-        a = (a.float() * a_scale.float()).to(b.dtype)
+    (word + token type, then + position). output_type "float32": the normalized rows in FP32 (a model's output)."""
     s = a if b is None else a + b
     s = s if c is None else s + c
     y = F.layer_norm(s, s.shape[-1:], gamma, beta, node.attr("epsilon", 1e-5))

@@ -475,7 +475,6 @@ def fp32_engine(model, samples: list[dict], device: str = "auto", build_config=N
                               "for the same target) or an FP32 engine.")
         return model
     graph, inputs = model_inputs(model)
-    graph.observed = True
     if build_config is not None:
         cfg = BuildConfig(**{k: getattr(build_config, k) for k in build_config.__dataclass_fields__})
         cfg.fp16 = cfg.bf16 = cfg.tf32 = False

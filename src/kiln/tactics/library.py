@@ -259,11 +259,11 @@ tactic("Attention", "unfused_matmul_softmax", lambda n, a: a[0].is_cuda, workspa
 
 # --- SkipLayerNorm ------------------------------------------------------------
 @tactic("SkipLayerNorm", "add_then_layer_norm", lambda n, a: a[0].is_cuda)
-def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None, a_scale=None):
+def add_then_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None):
     """The op's reference on torch's kernels, the 8-bit copy quantized by one kernel (kernels/rescale.py)."""
     from ..kernels.rescale import to_8bit
 
-    y, s = skip_layer_norm(node, a, b, gamma, beta, None, c, a_scale)
+    y, s = skip_layer_norm(node, a, b, gamma, beta, None, c)
     return (y, s) + (() if q_scale is None else (to_8bit(y, q_scale, node.attr("qtype", "int8")),))
 
 

@@ -12,30 +12,25 @@ def _skip_ln_ok(node, args) -> bool:
 
     a, b, gamma = args[0], args[1], args[2]
     c = args[5] if len(args) > 5 else None
-    scaled = len(args) > 6 and args[6] is not None  # a as 8-bit codes, b float
     if c is not None:  # a third addend: broadcast to a's shape, read where it lies
         try:
             c = c.expand(a.shape)
         except RuntimeError:
             return False
-    if scaled and b is None:
-        return False
-    rows = a if b is None else b  # the float rows: the outputs' shape and type
-    return a.is_cuda and layernorm.supports(a, rows, gamma, a_scaled=scaled) and (
-        c is None or layernorm.supports(rows, c, gamma))
+    return a.is_cuda and layernorm.supports(a, a if b is None else b, gamma) and (
+        c is None or layernorm.supports(a, c, gamma))
 
 
-def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, c=None, a_scale=None, launch=None):
+def triton_skip_layernorm(node, a, b, gamma, beta=None, q_scale=None, c=None, launch=None):
     from ..kernels import layernorm
     from ..ops.fused import writes_fp32
 
-    ft = b.dtype if a_scale is not None else a.dtype
-    return layernorm.skip_layernorm(a, b, gamma.to(ft), beta.to(ft) if beta is not None else None,
+    return layernorm.skip_layernorm(a, b, gamma.to(a.dtype), beta.to(a.dtype) if beta is not None else None,
                                     node.attr("epsilon", 1e-5), write_sum=bool(node.outputs[1:] and node.outputs[1]),
                                     q_scale=q_scale, qtype=node.attr("qtype", "int8"),
                                     y_dtype=torch.float32 if writes_fp32(node) else None,
                                     launch=launch or layernorm.LAUNCHES[0],
-                                    c=None if c is None else c.expand(a.shape), a_scale=a_scale)
+                                    c=None if c is None else c.expand(a.shape))
 
 
 def gemm_ln_ok(node, args) -> bool:
