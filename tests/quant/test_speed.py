@@ -23,8 +23,8 @@ def trained(tmp_path_factory):
 
 def _config(trained, **kw):
     prof = [kiln.Profile({"image": ((1, 1, 8, 8), (64, 1, 8, 8), (64, 1, 8, 8))})]
-    return kiln.BuildConfig(device="cpu", progress=False, profiles=prof, int8=True,
-                            calib=str(trained / "digits_calib.npz"), **kw)
+    return kiln.BuildConfig(**{"device": "cpu", "progress": False, "profiles": prof, "int8": True,
+                               "calib": str(trained / "digits_calib.npz"), **kw})
 
 
 def _timed(ms):
@@ -144,3 +144,15 @@ def test_a_slow_retiming_of_the_engine_to_beat_does_not_let_a_slower_mix_in(trai
     assert [t["kept"] for t in report["trials"]] == [False, False], report["trials"]
     assert report["trials"][1]["against_us"] == 865.0 and report["result"].startswith("fully quantized")
     assert [n for n in engine.graph.nodes if n.op_type == "QGemm"]
+
+
+def test_each_build_is_announced_when_progress_is_shown(trained, capsys):
+    """Two to five builds run one after the other, each with its own progress: a line says what each is for."""
+    def ms(n, c):
+        return 0.003 if n.op_type == "QGemm" else 0.001
+
+    speed.keep_faster_float(str(trained / "digits.onnx"), _config(trained, progress=True), _timed(ms), _latency)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "precision by speed:" in ln]
+    assert len(lines) == 3, lines
+    assert "the INT8 engine" in lines[0] and "the float32 engine" in lines[1]
+    assert lines[2].split("precision by speed: ")[1].startswith("trial 1 of 1, 1 group(s) timed faster in float32: ")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -129,18 +130,34 @@ def _in_turn(latency, best, trial) -> list[tuple[float, float]]:
     return rounds
 
 
+def _say(config, message: str) -> None:
+    """One line before each of the builds (two to 2 + CLASSES), which show their own progress."""
+    if config.progress:
+        from rich.console import Console
+        from rich.markup import escape
+
+        Console(file=sys.stderr, highlight=False).print(f"[bold]kiln build[/] precision by speed: {escape(message)}",
+                                                        soft_wrap=True)
+
+
 def _choose(proto, config, base, build, latency):
+    qname, float_prec = config.quantized.upper(), config.precision
+    _say(config, f"the {qname} engine, every quantizable layer in {qname}")
     quantized = build(proto, base)
     report = {"kind": "precision-by-speed", "margin": MARGIN, "kept_in_float": [], "tried_in_float": [],
               "engines_built": 1}
     if not quantized.tactics:  # no timing (a CPU target, optimization level 0): nothing to compare
         return quantized, report
+    _say(config, f"the {float_prec} engine, to compare each layer's time")
     floating = build(proto, dataclasses.replace(base, int8=False, fp8=False, calib=None, calib_cache=None))
     report["engines_built"] += 1
     classes = _candidates(quantized, floating, {n.name: n.op_type for n in proto.graph.node})
     del floating  # its device weights are not needed for the trials
-    best, best_us, pins, float_prec = quantized, float("inf"), {}, config.precision
-    for groups in classes[:CLASSES]:  # each class of like groups tried in float on top of those kept so far
+    best, best_us, pins = quantized, float("inf"), {}
+    for k, groups in enumerate(classes[:CLASSES]):  # each class of like groups tried in float on top of those kept
+        layers = [a for g in groups for a in g["layers"]]
+        _say(config, f"trial {k + 1} of {min(len(classes), CLASSES)}, {len(groups)} group(s) timed faster in "
+             f"{float_prec}: {', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}")
         trial_pins = {**pins, **{a: float_prec for g in groups for a in g["layers"]}}
         trial = build(proto, dataclasses.replace(base, layer_precisions={**trial_pins, **config.layer_precisions}))
         report["engines_built"] += 1
