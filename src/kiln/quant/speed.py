@@ -158,7 +158,7 @@ def _choose(proto, config, base, build, latency):
         layers = [a for g in groups for a in g["layers"]]
         _say(config, f"trial {k + 1} of {min(len(classes), CLASSES)}, {len(groups)} group(s) timed faster in "
              f"{float_prec}: {', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}")
-        trial_pins = {**pins, **{a: float_prec for g in groups for a in g["layers"]}}
+        trial_pins = {**pins, **{a: float_prec for a in layers}}
         trial = build(proto, dataclasses.replace(base, layer_precisions={**trial_pins, **config.layer_precisions}))
         report["engines_built"] += 1
         rounds = _in_turn(latency, best, trial)
