@@ -72,6 +72,8 @@ def test_a_layer_slower_quantized_stays_in_float_and_the_engine_says_why(trained
     assert engine.build_config["precision_constraints"] == "none" and engine.build_config["layer_precisions"] == {}
     text = describe_finding(report)  # what `kiln inspect` and the build summary print
     assert "3 builds" in text and "1 group(s) kept in float32" in text and "us in float against" in text
+    trial = report["trials"][0]
+    assert f"trials end to end: 1 group(s) {trial['latency_us']} us against {trial['against_us']} (kept)" in text
 
 
 def test_no_layer_moves_when_8_bit_is_faster_or_the_mix_is_not(trained):

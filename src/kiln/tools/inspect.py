@@ -345,9 +345,12 @@ def describe_finding(f: dict) -> str:
                            for k in tried)
         latency = (f"; end to end {f['quantized_latency_us']} us all quantized" if "quantized_latency_us" in f else "")
         latency += f", {f['mixed_latency_us']} us as kept" if "mixed_latency_us" in f else ""
+        trials = ", ".join(f"{t['groups']} group(s) {t['latency_us']} us against {t['against_us']}"
+                           f" ({'kept' if t['kept'] else 'not kept'})" for t in f.get("trials", []))
         return (f"precision by speed ({f.get('engines_built')} builds{latency}): "
                 f"{f.get('result', 'every quantized group timed faster than float')}"
-                + (f"; groups faster in float: {groups}" if groups else ""))
+                + (f"; groups faster in float: {groups}" if groups else "")
+                + (f"; trials end to end: {trials}" if trials else ""))
     rest = ", ".join(f"{k}={v}" for k, v in f.items() if k != "kind")
     return f"{kind}: {rest}"
 
