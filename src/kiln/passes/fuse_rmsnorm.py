@@ -12,7 +12,7 @@ from ..ir.graph import Graph, Node
 from .rewrite import View, fused_name, replace
 
 
-def _is_square_of(view: View, node, x_hint=None):
+def _is_square_of(view: View, node):
     """Pow(x, 2) or Mul(x, x): returns x."""
     if node is None or node.domain:
         return None

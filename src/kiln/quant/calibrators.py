@@ -106,7 +106,9 @@ def entropy_search(hist, hist_max: float, num_quant_bins: int = 128, start_bin: 
 
 
 def _kl_all(bins: np.ndarray, candidates: np.ndarray, nq: int) -> np.ndarray:
-    """KL(P || Q) of `_kl_for_threshold` for every candidate threshold at once, from prefix sums."""
+    """KL(P || Q) for every candidate threshold at once, from prefix sums: P is bins[:i] with the outliers clipped
+    into its last bin, Q the same bins merged into nq levels and spread back over their non-empty bins (TensorRT's
+    EntropyCalibration2; tests/quant/test_calibrators.py checks it against a literal port of NVIDIA's loop)."""
     n = bins.size
     b = bins
     C = np.concatenate([[0.0], np.cumsum(b)])
@@ -138,29 +140,6 @@ def _kl_all(bins: np.ndarray, candidates: np.ndarray, nq: int) -> np.ndarray:
     kl = np.where((p_last > 0) & (q_last == 0), np.inf, kl)
     kl = np.where(Q > 0, kl, np.inf)
     return np.maximum(kl, 0.0)
-
-
-def _kl_for_threshold(bins: np.ndarray, i: int, nq: int) -> float:
-    ref = bins[:i].copy()
-    ref[-1] += bins[i:].sum()  # outliers are clipped into the last kept bin
-    # Quantize bins[:i] into nq levels: bin x belongs to level floor(x * nq / i).
-    level = (np.arange(i) * nq) // i
-    src = bins[:i]
-    nonzero = src != 0
-    mass = np.bincount(level, weights=src, minlength=nq)
-    count = np.bincount(level, weights=nonzero.astype(np.float64), minlength=nq)
-    per_bin = np.divide(mass, count, out=np.zeros(nq), where=count > 0)
-    q = np.where(nonzero, per_bin[level], 0.0)
-    p_sum, q_sum = ref.sum(), q.sum()
-    if p_sum == 0:
-        return 0.0
-    if q_sum == 0:
-        return float("inf")
-    p, q = ref / p_sum, q / q_sum
-    m = p > 0
-    if (q[m] == 0).any():
-        return float("inf")
-    return float(np.sum(p[m] * np.log(p[m] / q[m])))
 
 
 # --- calibrators ------------------------------------------------------------------------------------
