@@ -10,7 +10,10 @@ on Triton's INT8 tile against 34 us on cuBLASLt in FP16) should run in float. So
    add + LayerNorm against the float engine's fused GEMM + LayerNorm are one group. A group whose float layers
    timed faster (by more than MARGIN) is a candidate; like candidates (same ops and weight shapes: BERT's twelve
    FFN1 GEMMs) form a class.
-3. Try the classes one at a time, the largest timed saving first (at most CLASSES): rebuild with the class's
+3. Time the quantized engine end to end. A class whose timed saving is under GAIN of that time is not tried: a
+   float layer between 8-bit ones usually costs its neighbours time (they quantize for it), so such a class would
+   not pass the bar below.
+4. Try the other classes one at a time, the largest timed saving first (at most CLASSES): rebuild with the class's
    GEMMs and convolutions pinned to float, on top of the classes kept so far (the timing cache makes the
    rebuild cheap), and keep it only if the engine runs faster end to end (CUDA-graph latency at the opt shape,
    the two engines timed in turn, against the fastest timing the engine to beat ever had). A float layer
@@ -102,6 +105,11 @@ def _signature(engine, layers) -> tuple:
                         for n in layers if n.precision in ("int8", "fp8")))
 
 
+def _saving(groups: list[dict]) -> float:
+    """The time a class of groups saved in float, by the builder's timings (us)."""
+    return sum(g["quantized_us"] - g["float_us"] for g in groups)
+
+
 def _candidates(quantized, floating, onnx_ops) -> list[list[dict]]:
     """The groups whose float layers timed faster, in classes of like groups, the largest saving first."""
     qt, ft = _layer_times(quantized), _layer_times(floating)
@@ -114,7 +122,7 @@ def _candidates(quantized, floating, onnx_ops) -> list[list[dict]]:
             classes.setdefault(_signature(quantized, q_layers), []).append(
                 {"layers": sorted(s for s in sources if onnx_ops.get(s) in _GEMMS),
                  "quantized_us": round(q_ms * 1e3, 2), "float_us": round(f_ms * 1e3, 2)})
-    return sorted(classes.values(), key=lambda c: -sum(g["quantized_us"] - g["float_us"] for g in c))
+    return sorted(classes.values(), key=lambda c: -_saving(c))
 
 
 def _in_turn(latency, best, trial) -> list[tuple[float, float]]:
@@ -154,10 +162,18 @@ def _choose(proto, config, base, build, latency):
     classes = _candidates(quantized, floating, {n.name: n.op_type for n in proto.graph.node})
     del floating  # its device weights are not needed for the trials
     best, best_us, pins = quantized, float("inf"), {}
+    if classes:
+        # A float layer between 8-bit ones usually costs more than its timed saving (its neighbours quantize for it): a
+        # class saving less than GAIN of the engine's time would not pass the end-to-end bar, and is not worth a build.
+        best_us = min(latency(quantized) for _ in range(ROUNDS))
+        report["quantized_latency_us"], report["min_saving_us"] = round(best_us, 1), round(GAIN * best_us, 1)
+        report["not_tried"] = [g for c in classes if _saving(c) < GAIN * best_us for g in c]
+        classes = [c for c in classes if _saving(c) >= GAIN * best_us]
     for k, groups in enumerate(classes[:CLASSES]):  # each class of like groups tried in float on top of those kept
         layers = [a for g in groups for a in g["layers"]]
-        _say(config, f"trial {k + 1} of {min(len(classes), CLASSES)}, {len(groups)} group(s) timed faster in "
-             f"{float_prec}: {', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}")
+        _say(config, f"trial {k + 1} of {min(len(classes), CLASSES)}, {len(groups)} group(s) timed "
+             f"{_saving(groups):.1f} us faster in {float_prec}: {', '.join(layers[:3])}"
+             f"{', ...' if len(layers) > 3 else ''}")
         trial_pins = {**pins, **{a: float_prec for a in layers}}
         trial = build(proto, dataclasses.replace(base, layer_precisions={**trial_pins, **config.layer_precisions}))
         report["engines_built"] += 1
@@ -166,7 +182,6 @@ def _choose(proto, config, base, build, latency):
         # a slow re-timing must not let a slower mix in (ResNet-50 FP8, 04:35: 865 us, then 917 for the same engine).
         best_us = min([best_us] + [b for b, _ in rounds])
         trial_us = min(t for _, t in rounds)
-        report.setdefault("quantized_latency_us", round(best_us, 1))
         faster = trial_us < best_us * (1 - GAIN)
         report["kept_in_float" if faster else "tried_in_float"] += groups
         report.setdefault("trials", []).append({"groups": len(groups), "latency_us": round(trial_us, 1),
@@ -174,8 +189,11 @@ def _choose(proto, config, base, build, latency):
         if faster:
             best, best_us, pins, report["mixed_latency_us"] = trial, trial_us, trial_pins, round(trial_us, 1)
     if best is quantized:
-        if classes:
+        if report.get("trials"):
             report["result"] = "fully quantized: no mix was faster end to end"
+        elif report.get("not_tried"):
+            report["result"] = (f"fully quantized: no class of layers timed {GAIN:.0%} of the engine's "
+                                f"{best_us:.0f} us faster in {float_prec}")
         return quantized, report
     _explain(best, report, {a for a in pins if a not in config.layer_precisions}, config.quantized, float_prec)
     report["result"] = f"{len(report['kept_in_float'])} group(s) kept in {float_prec}"

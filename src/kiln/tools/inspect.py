@@ -350,7 +350,9 @@ def describe_finding(f: dict) -> str:
         return (f"precision by speed ({f.get('engines_built')} builds{latency}): "
                 f"{f.get('result', 'every quantized group timed faster than float')}"
                 + (f"; groups faster in float: {groups}" if groups else "")
-                + (f"; trials end to end: {trials}" if trials else ""))
+                + (f"; trials end to end: {trials}" if trials else "")
+                + (f"; {len(f['not_tried'])} group(s) faster in float not tried (their class saved under "
+                   f"{f.get('min_saving_us')} us)" if f.get("not_tried") else ""))
     rest = ", ".join(f"{k}={v}" for k, v in f.items() if k != "kind")
     return f"{kind}: {rest}"
 
