@@ -163,7 +163,7 @@ def test_each_build_is_announced_when_progress_is_shown(trained, capsys):
 
 def test_a_class_saving_less_than_1_percent_of_the_engine_is_not_worth_a_build(trained):
     """The classifier GEMM times 2 us faster in float, under 1% of an engine that runs 865 us: a float layer between
-    8-bit ones only adds to that, so no trial is built (ResNet-50 INT8 at 04:27 built three such, none kept)."""
+    8-bit ones only adds to that, so no trial is built (ResNet-50 INT8 at 04:27 built two such, neither kept)."""
     def ms(n, c):
         return 0.003 if n.op_type == "QGemm" else 0.001
 
