@@ -127,7 +127,8 @@ def _candidates(quantized, floating, onnx_ops) -> list[list[dict]]:
 
 def _in_turn(latency, best, trial) -> list[tuple[float, float]]:
     """(best's, trial's) latency for each of ROUNDS rounds, each engine timed first in every other round: the one
-    timed right after a build (the GPU idle, its clocks down) would otherwise always be the same."""
+    timed right after a build (the GPU idle through it, its clocks perhaps down) would otherwise always be the
+    same."""
     rounds = []
     for i in range(ROUNDS):
         if i % 2:
