@@ -171,3 +171,31 @@ def test_a_quantized_layer_is_timed_with_its_weights_out_of_l2_and_its_other_inp
     assert "QGemm" in select._TIMED_COLD and "FusedGemm" not in select._TIMED_COLD
     engine.target.device = "cpu"
     assert sel._l2_reset(node, [x, w, None, scale]) is None
+
+
+def test_an_l2_resets_own_time_is_measured_once_per_layer_and_taken_off_every_candidate(monkeypatch):
+    """timer.median_ms with an L2Reset: the reset alone is timed once per layer (its `keeping` copy), so every
+    candidate of the layer has the same time taken off and their ranking rests on their own timings. The GPU
+    measurements are stood in for here (tests/gpu/test_tactic_timer.py times real ones); a reset that times 30
+    ms at first and 40 afterwards shows which was subtracted."""
+    from kiln.tactics import timer
+
+    base = timer.L2Reset.__new__(timer.L2Reset)  # L2Reset() needs a GPU for its buffer
+    base.keep, base.own_ms = [], None
+    reset = base.keeping([])
+    seen = []
+
+    def measured(fn, warmup, runs, may_sync):
+        seen.append(fn)
+        if fn is reset:
+            return 30.0 if seen.count(reset) == 1 else 40.0
+        return 47.0  # the reset and a candidate
+
+    monkeypatch.setattr(timer, "_median_ms", measured)
+    assert timer.median_ms(lambda: None, before=reset) == timer.median_ms(lambda: None, before=reset) == 17.0
+    assert seen.count(reset) == 1 and reset.own_ms == 30.0 and base.own_ms is None
+    assert reset.keeping([]).own_ms is None  # another layer's reset reads other bytes: timed again
+    plain = lambda: None  # noqa: E731  any other `before` is timed with each candidate
+    timer.median_ms(lambda: None, before=plain)
+    timer.median_ms(lambda: None, before=plain)
+    assert seen.count(plain) == 2
