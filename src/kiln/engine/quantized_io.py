@@ -67,6 +67,11 @@ def output_scale(n: Node) -> str:
     return n.inputs[at] if len(n.inputs) > at else ""
 
 
+def _qmax(qtype: str) -> float:
+    """The largest 8-bit value of qtype: a scale of absmax / _qmax(qtype) clips nothing."""
+    return FP8_MAX if qtype == "fp8" else 127.0
+
+
 def _set_input(n: Node, at: int, name: str) -> None:
     """Input `at` of n set to `name`, the optional inputs before it left empty."""
     n.inputs = n.inputs + [""] * (at + 1 - len(n.inputs))
@@ -153,7 +158,7 @@ def _quantized_shortcuts(graph: Graph) -> None:
         if seen is None or not seen > 0:
             continue
         scale = f"{out}.shortcut_scale"
-        graph.initializers[scale] = torch.tensor(seen / (FP8_MAX if qtype == "fp8" else 127.0), dtype=torch.float32)
+        graph.initializers[scale] = torch.tensor(seen / _qmax(qtype), dtype=torch.float32)
         _set_input(p, at_y, scale)
         for c in users:
             _set_input(c, Z_SCALE_INPUT, scale)
@@ -307,7 +312,7 @@ def _quantized_residuals(graph: Graph) -> None:
         seen, copy_scale = absmax.get(out), graph.initializers.get(p.inputs[at_copy])
         if not adders or seen is None or copy_scale is None:
             continue
-        qmax = FP8_MAX if qtype == "fp8" else 127.0
+        qmax = _qmax(qtype)
         narrow = float(copy_scale.reshape(-1)[0])
         if narrow * qmax < seen * (1 - 1e-5):  # (1 - 1e-5): FP32 rounding of the scale
             wide = f"{out}.block_scale"

@@ -82,11 +82,10 @@ def _own_ms(before, warmup: int, runs: int) -> float:
     """before's own time, measured once per L2Reset (one layer's): each candidate of the layer then has the same
     amount taken off, and their ranking rests on their own timings. Measured per candidate, the reset's noise
     (its read of twice L2 takes longer than BERT's QKV GEMM) came on top of each candidate's."""
-    if getattr(before, "own_ms", None) is None:
-        ms = _median_ms(before, warmup, runs, False)
-        if not isinstance(before, L2Reset):
-            return ms
-        before.own_ms = ms
+    if not isinstance(before, L2Reset):
+        return _median_ms(before, warmup, runs, False)
+    if before.own_ms is None:
+        before.own_ms = _median_ms(before, warmup, runs, False)
     return before.own_ms
 
 
