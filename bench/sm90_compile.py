@@ -40,18 +40,18 @@ def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128
            **POINTERS, **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "pad_h", "pad_w", "stride_ws")},
            "p0": "fp32", "p1": "fp32"}
     cx = dict(KH=3, KW=3, STRIDE=stride, HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8,
-              COPY=out8, Z_SCALED=bool(quant), BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132, PDL=False)
+              COPY=out8, Z_SCALED=bool(quant), BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132)
     return ASTSource(fn=tma_conv._tma_conv_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
-def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, pdl=False):
+def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128):
     x = DTYPES[quant]
     sig = {"x_desc": f"tensordesc<{x}[{bm},{bk}]>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
            "y_desc": f"tensordesc<{x if out8 else 'fp16'}[{bm},{bn}]>", "z_desc": f"tensordesc<{x}[{bm},{bn}]>",
            "q_desc": f"tensordesc<{x}[{bm},{bn}]>",
            **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
     cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8, Z_SCALED=bool(quant),
-              W_KMAJOR=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132, PDL=pdl)
+              W_KMAJOR=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132)
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -65,8 +65,7 @@ def flash_source(quant: str, fp8_inputs: bool = False):
            "qk_scale": "fp32", **{p: "i32" for p in strides}}
     cx = dict(HAS_MASK=True, MASK_ROW=True, EVEN_M=True, EVEN_N=True, EVEN_D=True, NAN_GUARD=False, PREC="tf32",
               QUANT=quant, QKV_SCALED=fp8_inputs, CDT=tl.float16,
-              QK_DT=tl.float8e4nv if fp8_inputs else tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64,
-              PDL=False)
+              QK_DT=tl.float8e4nv if fp8_inputs else tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64)
     return ASTSource(fn=attention._flash_fwd_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
                      constexprs=cx)
 
@@ -101,7 +100,7 @@ def norm_compiles() -> int:
     failed = 0
     for skip, rows, third in ((True, 1, False), (False, 1, False), (True, 2, False), (True, 1, True)):
         cx = dict(HAS_SKIP=skip, HAS_SKIP2=third, HAS_BETA=True, WRITE_SUM=False, QUANT="fp8", RMS=False, PARTS=0,
-                  HAS_BIAS=False, BLOCK=1024, ROWS=rows, PDL=False)
+                  HAS_BIAS=False, BLOCK=1024, ROWS=rows)
         add = "a third addend" if third else "the add" if skip else "no add"
         failed += _compiles(f"layernorm, fp8 copy, {add}, {rows} row(s) a program",
                             ASTSource(fn=layernorm._skip_layernorm_kernel,
@@ -119,7 +118,7 @@ def pool_compiles() -> int:
                                  "pad_h", "pad_w", "dil_h", "dil_w")}}
     failed = 0
     for quant in ("int8", "fp8"):
-        cx = dict(KH=3, KW=3, QUANT=quant, BLOCK_P=32, BLOCK_C=64, PDL=False)
+        cx = dict(KH=3, KW=3, QUANT=quant, BLOCK_P=32, BLOCK_C=64)
         failed += _compiles(f"max pool, {quant} output",
                             ASTSource(fn=pool._max_pool_kernel, signature={**sig, "y_ptr": f"*{DTYPES[quant]}",
                                                                             **{k: "constexpr" for k in cx}},
@@ -132,43 +131,10 @@ def gather_compiles() -> int:
     from kiln.kernels import gather_rows
 
     sig = {"t_ptr": "*fp16", "i_ptr": "*i64", "y_ptr": "*fp16", "n_idx": "i32", "n_rows": "i32", "n_cols": "i32",
-           "stride_t": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "PDL": "constexpr"}
+           "stride_t": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
     return _compiles("row gather, fp16 table", ASTSource(fn=gather_rows._gather_rows_kernel, signature=sig,
-                                                         constexprs={"BLOCK_R": 16, "BLOCK_C": 256, "PDL": False}),
+                                                         constexprs={"BLOCK_R": 16, "BLOCK_C": 256}),
                      {"num_warps": 4})
-
-
-def pdl_compiles() -> int:
-    """Compile the norm and the FP8 TMA GEMM with programmatic dependent launch (kernels/pdl.py) and check the PTX
-    waits for the previous kernel and lets the next one launch; the number that failed."""
-    from kiln.kernels import layernorm, pdl
-
-    if not pdl.ENABLED:
-        print("programmatic dependent launch: not in this Triton")
-        return 0
-    sig = {**{p: "*fp16" for p in ("a_ptr", "b_ptr", "c_ptr", "g_ptr", "beta_ptr", "y_ptr", "s_ptr", "bias_ptr")},
-           "qs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "n_cols": "i32", "eps": "fp32",
-           **{p: "i32" for p in ("rows1", "n_rows", "sa0", "sa1", "sb0", "sb1", "sc0", "sc1")}}
-    cx = dict(HAS_SKIP=True, HAS_SKIP2=False, HAS_BETA=True, WRITE_SUM=True, QUANT="fp8", RMS=False, PARTS=0,
-              HAS_BIAS=False, BLOCK=1024, ROWS=1, PDL=True)
-    norm = ASTSource(fn=layernorm._skip_layernorm_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
-                     constexprs=cx)
-    gemm = gemm_source("fp8", True, pdl=True)
-    failed = 0
-    for name, src, warps, stages in (("layernorm", norm, 4, 1), ("TMA GEMM fp8", gemm, 4, 4)):
-        try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps, "num_stages": stages, "launch_pdl": True})
-        except Exception as e:
-            failed += 1
-            print(f"pdl, {name}: FAILED {type(e).__name__}: {str(e)[:400]}")
-            continue
-        ptx = k.asm["ptx"]
-        ok = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and k.metadata.launch_pdl
-        failed += not ok
-        print(f"pdl, {name}: " + ("waits for the previous kernel, launches the next" if ok else "FAILED: no grid "
-                                  "dependency control in the PTX or no launch_pdl"))
-    return failed
 
 
 def main() -> int:
@@ -180,7 +146,7 @@ def main() -> int:
                 conv_source(stride, quant, True), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
-    failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles() + pdl_compiles()
+    failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles()
     for name, (src, warps, stages) in cases.items():
         try:
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,

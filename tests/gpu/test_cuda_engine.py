@@ -391,39 +391,6 @@ def test_a_branch_on_the_auxiliary_stream_gives_the_same_results():
     assert all(c.uses_cuda_graphs and not c.capture_failures for c in ctxs)
 
 
-@pytest.mark.parametrize("graph", ["int8 residual blocks", "auxiliary stream"])
-def test_programmatic_dependent_launch_gives_the_same_results(graph, monkeypatch):
-    """Kiln's Triton kernels launched with PDL (kernels/pdl.py) start before the kernel ahead of them ends and
-    wait for it inside: a chain of 8-bit TMA kernels, and a branch captured on the auxiliary stream, give the
-    same bits as with ordinary launches, replay after replay with new inputs."""
-    from kiln.kernels import pdl
-
-    if not pdl.on(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs sm_90 and a Triton that has it")
-    if graph == "int8 residual blocks":
-        rng = np.random.default_rng(3)
-        calib = [{"x": rng.standard_normal((8, 16, 16, 16)).astype(np.float32)} for _ in range(8)]
-        eng = kiln.build(residual_blocks(3, channels=64, in_channels=16),
-                         _cfg(profiles=[kiln.Profile({"x": ((8, 16, 16, 16),) * 3})], int8=True, fp16=True,
-                              calib=calib))
-        name, shape = "x", (8, 16, 16, 16)
-    else:
-        torch.manual_seed(0)
-        proto, _ = kiln.from_torch(_Stage().eval(), (torch.randn(4, 8, 16, 16),), opset=18)
-        name, shape = proto.graph.input[0].name, (4, 8, 16, 16)
-        eng = kiln.build(proto, _cfg(fp16=True, profiles=[kiln.Profile({name: (shape,) * 3})], max_aux_streams=1))
-    ctxs = []
-    for enabled in (False, True):  # each context captures its graph on its first run, with this setting
-        monkeypatch.setattr(pdl, "ENABLED", enabled)
-        ctxs.append(eng.create_execution_context())
-        ctxs[-1].run({name: torch.zeros(shape, device="cuda")})
-    for _ in range(3):
-        x = torch.randn(shape, device="cuda")
-        ordinary, launched_early = (next(iter(c.run({name: x}).values())) for c in ctxs)
-        assert torch.equal(ordinary, launched_early)
-    assert all(c.uses_cuda_graphs and not c.capture_failures for c in ctxs)
-
-
 def test_repeat_calls_skip_the_checks_but_new_inputs_are_still_checked():
     """The replay's fast path: a device-tensor signature seen before skips the input checks; any other shape
     or dtype goes through them and is refused as before."""

@@ -42,7 +42,6 @@ from .gemm import (
     residual_ok,
     store_output,
 )
-from .pdl import launch_options, wait_for_previous
 
 _INT32_MAX = 2**31 - 1
 FLAT_BELOW_C = 32  # input channels below which K is walked flat
@@ -104,9 +103,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
                  QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                  FLAT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(OC, BLOCK_N)
@@ -278,7 +275,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
         FLAT=flat,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.permute(0, 3, 1, 2) if q_scale is None else (y.permute(0, 3, 1, 2), q.permute(0, 3, 1, 2))
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from ..ops.fused import parse_program
-from .pdl import launch_options
 
 _EXPR = {
     "Relu": "tl.maximum({0}, 0.0)", "Sigmoid": "tl.sigmoid({0})", "Tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
@@ -42,10 +41,9 @@ def source(program: list[str], n_inputs: int, repeats: tuple[bool, ...] = ()) ->
         body.append(f"    {dst} = {_EXPR[op].format(*vals)}")
         last = dst
     return "\n".join([
-        "import triton", "import triton.language as tl", "", "from kiln.kernels.pdl import wait_for_previous", "", "",
+        "import triton", "import triton.language as tl", "", "",
         "@triton.jit",
-        f"def kernel({ins}, out, n{sizes}, BLOCK: tl.constexpr, PDL: tl.constexpr = False):",
-        "    wait_for_previous(PDL)",
+        f"def kernel({ins}, out, n{sizes}, BLOCK: tl.constexpr):",
         "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
         "    m = offs < n",
         *body,
@@ -99,8 +97,7 @@ def run(program: list[str], inputs: list[torch.Tensor], block: int = 1024, out: 
     n = out.numel()
     repeats = tuple(x.shape != shape for x in inputs)
     sizes = [x.numel() for x, r in zip(inputs, repeats) if r]
-    kernel_for(program, len(inputs), repeats)[(triton_cdiv(n, block),)](*inputs, out, n, *sizes, BLOCK=block,
-                                                                         **launch_options(out.device))
+    kernel_for(program, len(inputs), repeats)[(triton_cdiv(n, block),)](*inputs, out, n, *sizes, BLOCK=block)
     return out
 
 

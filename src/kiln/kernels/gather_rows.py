@@ -16,13 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_for_previous
-
 
 @triton.jit
 def _gather_rows_kernel(t_ptr, i_ptr, y_ptr, n_idx, n_rows, n_cols, stride_t,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok, c_ok = r < n_idx, c < n_cols
@@ -48,5 +45,5 @@ def gather_rows(table: torch.Tensor, indices: torch.Tensor, block_r: int = 16, b
     block_c = min(block_c, triton.next_power_of_2(cols))
     grid = (triton.cdiv(idx.numel(), block_r), triton.cdiv(cols, block_c))
     _gather_rows_kernel[grid](table, idx.contiguous(), y, idx.numel(), rows, cols, table.stride(0),
-                              BLOCK_R=block_r, BLOCK_C=block_c, **launch_options(y.device))
+                              BLOCK_R=block_r, BLOCK_C=block_c)
     return y.reshape(*indices.shape, cols)

@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_for_previous
-
 # Activations the epilogue computes; names as kiln.ops.fused.activation spells them.
 ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Silu", "HardSwish", "GeluErf", "GeluTanh", "Tanh")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -134,9 +132,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
                  p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr,
                  QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -309,7 +305,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         EVEN_K=K % config.block_k == 0, QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None,
         Z_SCALED=z_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_options(x2.device),
     )
     return y2.view(*lead, N) if q_scale is None else (y2.view(*lead, N), q.view(*lead, N))
 

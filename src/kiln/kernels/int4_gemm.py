@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_for_previous
-
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -33,9 +31,7 @@ def _int4_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K,
                       stride_xm, stride_xk, stride_pk, stride_pn, stride_sg, stride_sn,
                       stride_zg, stride_zn, stride_ym, stride_yn,
                       GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_XS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                      PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,7 +128,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
         GROUP=group_size, HAS_ZP=zeros is not None, HAS_XS=xs is not None, HAS_BIAS=b is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_KP=config.block_kp,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y2.view(*lead, N)
 

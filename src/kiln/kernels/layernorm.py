@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from .gemm import QTYPES, quantize
-from .pdl import launch_options, wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,7 @@ LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024))
 def _skip_layernorm_kernel(a_ptr, b_ptr, c_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
                            rows1, n_rows, sa0, sa1, sb0, sb1, sc0, sc1, HAS_SKIP: tl.constexpr, HAS_SKIP2: tl.constexpr,
                            HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr,
-                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]: ROWS rows per program
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)[None, :]
@@ -143,7 +140,6 @@ def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts
         HAS_BETA=beta is not None, WRITE_SUM=write_sum,
         QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
         HAS_BIAS=bias is not None, BLOCK=block, ROWS=launch.rows, num_warps=launch.warps(block),
-        **launch_options(y.device),
     )
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 

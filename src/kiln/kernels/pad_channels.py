@@ -15,13 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_for_previous
-
 
 @triton.jit
 def _pad_channels_kernel(x_ptr, y_ptr, P, C, W, HW, sxn, sxc, sxh, sxw,
-                         C_OUT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                         C_OUT: tl.constexpr, BLOCK: tl.constexpr):
     rp = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # pixels n*H*W + h*W + w
     rc = tl.arange(0, C_OUT)
     n, hw = rp // HW, rp % HW
@@ -41,8 +38,7 @@ def pad_channels(x: torch.Tensor, channels: int, dtype: torch.dtype, block: int 
                                                 memory_format=torch.channels_last)
     p = n * h * w
     if p:
-        _pad_channels_kernel[(triton.cdiv(p, block),)](x, y, p, c, w, h * w, *x.stride(), C_OUT=channels, BLOCK=block,
-                                                       **launch_options(x.device))
+        _pad_channels_kernel[(triton.cdiv(p, block),)](x, y, p, c, w, h * w, *x.stride(), C_OUT=channels, BLOCK=block)
     return y
 
 

@@ -19,14 +19,12 @@ import triton
 import triton.language as tl
 
 from .gemm import QTYPES, quantize
-from .pdl import launch_options, wait_for_previous
 
 
 @triton.jit
 def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sxw,
                      KH: tl.constexpr, KW: tl.constexpr, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     QUANT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                     QUANT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixel (n, oh, ow) flattened
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p_ok, c_ok = rp < P, rc < C
@@ -69,7 +67,6 @@ def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype
     grid = (triton.cdiv(P, block_p), triton.cdiv(C, block_c))
     _max_pool_kernel[grid](x, y, y_scale if quant else x, C, H, W, OH, OW, P, *x.stride(), KH=kernel[0],
                            KW=kernel[1], stride_h=strides[0], stride_w=strides[1], pad_h=pads[0], pad_w=pads[1],
-                           dil_h=dilations[0], dil_w=dilations[1], QUANT=quant, BLOCK_P=block_p, BLOCK_C=block_c,
-                           **launch_options(x.device))
+                           dil_h=dilations[0], dil_w=dilations[1], QUANT=quant, BLOCK_P=block_p, BLOCK_C=block_c)
     return y.permute(0, 3, 1, 2)
 

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .gemm import ACTIVATIONS, _params, epilogue
-from .pdl import launch_options, wait_for_previous
 from .workspace import zeroed_workspace
 
 _BLOCK_P = 64  # pixels per load; the loop covers any H*W
@@ -32,8 +31,7 @@ _BLOCK_P = 64  # pixels per load; the loop covers any H*W
 @triton.jit
 def _pooled_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, count_ptr, C, HW, W, NOUT, sxn, sxc, sxh, sxw,
                         swk, swn, syn, syo, inv_hw, p0, p1, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                        BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < NOUT
@@ -102,7 +100,6 @@ def pooled_gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         x, w, b if b is not None else y, y, total, counters, c, h * wd, wd, nout, *x.stride(), *w.stride(),
         *y.stride(), 1.0 / (h * wd), p0, p1, HAS_BIAS=b is not None, ACT=act,
         BLOCK_P=_BLOCK_P, BLOCK_K=config.block_k, BLOCK_N=config.block_n, num_warps=config.num_warps,
-        **launch_options(x.device),
     )
     return y
 

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from .gemm import ACTIVATIONS, QTYPES, _params, epilogue, quantize
-from .pdl import launch_options, wait_for_previous
 
 BLOCK = 1024
 
@@ -29,8 +28,7 @@ BLOCK = 1024
 @triton.jit
 def _rescale_kernel(a_ptr, xs_ptr, ws_ptr, b_ptr, ys_ptr, y_ptr, numel, N, stride_ws, p0, p1,
                     SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     v = tl.load(a_ptr + offs, mask=ok, other=0).to(tl.float32)
@@ -46,8 +44,7 @@ def _rescale_kernel(a_ptr, xs_ptr, ws_ptr, b_ptr, ys_ptr, y_ptr, numel, N, strid
 
 
 @triton.jit
-def _quantize_linear_kernel(x_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+def _quantize_linear_kernel(x_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     zp = tl.load(zp_ptr).to(tl.float32)
@@ -66,8 +63,7 @@ def quantize_linear(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
 
 
 @triton.jit
-def _dequantize_linear_kernel(q_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+def _dequantize_linear_kernel(q_ptr, s_ptr, zp_ptr, y_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     v = tl.load(q_ptr + offs, mask=ok, other=0).to(tl.float32) - tl.load(zp_ptr).to(tl.float32)  # exact
@@ -85,7 +81,7 @@ def _one_pass(kernel, x: torch.Tensor, dtype: torch.dtype, *args) -> torch.Tenso
     y = torch.empty_like(x, dtype=dtype) if _dense(x) else torch.empty(x.shape, dtype=dtype, device=x.device)
     x = x if _dense(x) else x.contiguous()
     if x.numel():
-        kernel[(triton.cdiv(x.numel(), BLOCK),)](x, *args, y, x.numel(), BLOCK=BLOCK, **launch_options(x.device))
+        kernel[(triton.cdiv(x.numel(), BLOCK),)](x, *args, y, x.numel(), BLOCK=BLOCK)
     return y
 
 
@@ -112,7 +108,7 @@ def rescale(a: torch.Tensor, x_scale: torch.Tensor | None = None, w_scale: torch
         a, x_scale if x_scale is not None else a, ws, bias.reshape(-1) if bias is not None else a,
         y_scale if y_scale is not None else a, y, a.numel(), n, 1 if ws.numel() == n and w_scale is not None else 0,
         p0, p1, SCALED=x_scale is not None, HAS_BIAS=bias is not None, ACT=act,
-        QUANT=qtype if y_scale is not None else "", BLOCK=BLOCK, **launch_options(a.device))
+        QUANT=qtype if y_scale is not None else "", BLOCK=BLOCK)
     return y
 
 

@@ -13,12 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_for_previous
-
 
 @triton.jit
-def _softmax_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+def _softmax_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,8 +34,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     y = torch.empty_like(x)
     block = triton.next_power_of_2(n)
-    _softmax_kernel[(x.numel() // n,)](x, y, n, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-                                       **launch_options(x.device))
+    _softmax_kernel[(x.numel() // n,)](x, y, n, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return y
 
 

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from . import conv
 from .gemm import dot_precision, epilogue
-from .pdl import launch_options, wait_for_previous
 from .splitk_gemm import SplitKConfig
 from .workspace import zeroed_workspace
 
@@ -39,9 +38,7 @@ def _splitk_conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, sum_ptr, count_ptr, C
                         iters, per_slice, S, sxn, sxc, sxh, sxw, swo, swc, swh, sww, szn, szc, szh, szw,
                         stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                         HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                        FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                        FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm, rn, oc, n, oh, ow, ih0, iw0 = conv.conv_tile(pid_m, pid_n, M, OC, OH, OW, stride_h, stride_w, pad_h, pad_w,
                                                      BLOCK_M, BLOCK_N)
@@ -127,6 +124,6 @@ def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
         *x.stride(), *w.stride(), *zs, strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision), FLAT=flat,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.permute(0, 3, 1, 2)

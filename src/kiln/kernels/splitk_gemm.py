@@ -18,13 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_for_previous
-
 
 @triton.jit
 def _partials_kernel(x_ptr, w_ptr, p_ptr, M, N, K, k_slice, sxm, sxk, swk, swn,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -71,7 +68,7 @@ def partial_products(x: torch.Tensor, w: torch.Tensor, cfg: SplitKConfig) -> tor
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.slices)
     _partials_kernel[grid](x, w, p, m, n, k, k_slice, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps,
-                           num_stages=cfg.num_stages, **launch_options(x.device))
+                           num_stages=cfg.num_stages)
     return p
 
 

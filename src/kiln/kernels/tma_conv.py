@@ -32,7 +32,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, residual, residual_ok
-from .pdl import launch_options, wait_for_previous
 from .tma_gemm import programs, resident_programs
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
@@ -72,8 +71,7 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
                      COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                     PROGRAMS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
     tiles_w = tl.cdiv(OW, BLOCK_W)
     tiles_hw = tl.cdiv(OH, BLOCK_H) * tiles_w
@@ -240,6 +238,6 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         KH=KH, KW=KW, STRIDE=S, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
         BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
-        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(y.device))
+        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     y = y.permute(0, 3, 1, 2)
     return y if q_scale is None else (y, q.permute(0, 3, 1, 2))

@@ -37,7 +37,6 @@ from .gemm import (
     residual,
     residual_ok,
 )
-from .pdl import launch_options, wait_for_previous
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 
@@ -48,8 +47,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                      W_KMAJOR: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)
+                     PROGRAMS: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -221,5 +219,5 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
         COPY=q_scale is not None, Z_SCALED=z_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=config.group_m,
-        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(y.device))
+        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))

@@ -15,10 +15,6 @@ than the builder's timing of them, H200 2026-11-30). So the selector times quant
 each after `before`, an `L2Reset`: a read of twice L2's size, then of the layer's activation inputs. The
 time of `before` alone, measured the same way once per layer, is subtracted from each candidate's. (select.py
 says why float layers are not.)
-
-Candidates are timed with ordinary launches (no programmatic dependent launch, kernels/pdl.py): back to back,
-a Triton candidate's calls would overlap one another's launch while a library kernel's would not, and in an
-engine that overlap depends on the layer before, not on the candidate.
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ import copy
 import statistics
 
 import torch
-
-from ..kernels.pdl import ordinary_launches
 
 CALLS_PER_GRAPH = 10
 
@@ -123,11 +117,6 @@ class L2Reset:
 
 
 def _median_ms(fn, warmup: int, runs: int, may_sync: bool) -> float:
-    with ordinary_launches():
-        return _timed(fn, warmup, runs, may_sync)
-
-
-def _timed(fn, warmup: int, runs: int, may_sync: bool) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
