@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cublaslt
+from ..kernels import cublaslt, cudnn_conv
 from ..ops.fused import activation, attention, float_type, fused_conv, skip_layer_norm, writes_fp32
 from . import layer_gemm, tactic
 
@@ -381,6 +381,30 @@ for _algo in range(cublaslt.ALGOS):
         for _op in ("QGemm", "QConv"):
             tactic(_op, "cublaslt_fp8_epilogue" + (f"_algo{_algo}" if _algo else "") + _suffix, _applies,
                    workspace=_workspace, level=1 if _algo == 0 else 3)(_run)
+
+
+def _cudnn_qconv(plan: int):
+    """A QConv on cuDNN's graph API with its epilogue fused (kernels/cudnn_conv.py): cuDNN's heuristic choice
+    `plan`. Needs the optional cudnn-frontend package."""
+
+    def applies(node, args):
+        x, w, b, z, _, q_scale, _ = layer_gemm.operands(node, args)
+        return cudnn_conv.supports(node, x, w, b, z, q_scale, layer_gemm.qtype(node), args[3])
+
+    def run(node, *args):
+        x, w, b, _, y_scale, _, _ = layer_gemm.operands(node, args)
+        return cudnn_conv.conv2d(node, x, w, b, args[2], args[3], y_scale, float_type(node, x), plan)
+
+    def workspace(node, args):
+        x, w, b, _, y_scale, _, _ = layer_gemm.operands(node, args)
+        return cudnn_conv.workspace_bytes(node, x, w, b, args[2], args[3], y_scale, float_type(node, x), plan)
+
+    return applies, run, workspace
+
+
+for _plan in range(cudnn_conv.PLANS):
+    _applies, _run, _workspace = _cudnn_qconv(_plan)
+    tactic("QConv", f"cudnn_graph_plan{_plan}", _applies, workspace=_workspace)(_run)
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------
