@@ -403,7 +403,8 @@ def _cudnn_qconv(plan: int):
 
 
 # Level 4: in ResNet-50's batch-32 INT8 engine (H200) the builder took them for 21 layers, whose kernels then
-# summed 44 us less, but the replay idled 33 us more between kernels: 11 us (1.2%) for about 50 s more build.
+# summed 44 us less, but the replay idled 33 us more between kernels: 11 us (1.2%), against graphs that cuDNN
+# compiles while the engine builds.
 for _plan in range(cudnn_conv.PLANS):
     _applies, _run, _workspace = _cudnn_qconv(_plan)
     tactic("QConv", f"cudnn_graph_plan{_plan}", _applies, workspace=_workspace, level=4)(_run)
