@@ -108,6 +108,17 @@ def test_engine_from_another_format_version_is_refused(engine, tmp_path):
         kiln.load(path)
 
 
+def test_engine_whose_tactic_this_installation_lacks_is_refused(engine, tmp_path):
+    """A layer built to run a tactic from an optional package (cuDNN's graph API, say) that is not installed
+    here must not fall back to the reference kernel without a word."""
+    path = tmp_path / "mlp.kiln"
+    engine.save(path)
+    rewrite_manifest(path, lambda m: m["layers"][0].update(tactic="cudnn_graph_plan7"))
+    with pytest.raises(EngineFileError, match=r"layer '.+' \(.+\) was built to run tactic 'cudnn_graph_plan7'.*"
+                                              r"pip install 'kiln\[cudnn\]'"):
+        kiln.load(path)
+
+
 def test_save_into_missing_folder_is_a_clear_error(engine, tmp_path):
     with pytest.raises(EngineFileError, match="does not exist"):
         engine.save(tmp_path / "nope" / "mlp.kiln")
@@ -115,7 +126,7 @@ def test_save_into_missing_folder_is_a_clear_error(engine, tmp_path):
 
 def test_a_loaded_engine_finds_its_tactics_in_a_fresh_process(tmp_path):
     """Tactics register lazily: a process that only loads an engine must still find the chosen ones
-    (not fall back to reference kernels without a word)."""
+    (not fall back to reference kernels without a word). Loading registers them, to check every layer's."""
     import subprocess
     import sys
 
@@ -123,8 +134,8 @@ def test_a_loaded_engine_finds_its_tactics_in_a_fresh_process(tmp_path):
     eng.graph.nodes[0].tactic = "cublaslt_bias"  # a GPU tactic name, as a GPU build would record
     eng.save(tmp_path / "t.kiln")
     code = ("import kiln, torch; from kiln import tactics; e = kiln.load(%r); n = e.graph.nodes[0]; "
-            "before = len(tactics._BY_NAME); "
+            "loaded = len(tactics._BY_NAME) > 0; "
             "tactics.implementation(n, [torch.zeros(2, 8), torch.zeros(8, 16), torch.zeros(16)]); "
-            "print(n.tactic, before, (n.domain, n.op_type, n.tactic) in tactics._BY_NAME)") % str(tmp_path / "t.kiln")
+            "print(n.tactic, loaded, (n.domain, n.op_type, n.tactic) in tactics._BY_NAME)") % str(tmp_path / "t.kiln")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.stdout.split() == ["cublaslt_bias", "0", "True"], p.stderr[-2000:]
+    assert p.stdout.split() == ["cublaslt_bias", "True", "True"], p.stderr[-2000:]

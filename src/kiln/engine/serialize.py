@@ -185,6 +185,7 @@ def load(path, device: str = "auto") -> Engine:
             if f in info:  # engines saved before per-profile tactics have no profile_tactics
                 setattr(node, f, info[f])
         precision.set_body(node, node.precision)  # control-flow bodies run in their layer's precision
+    _check_tactics(path, graph)
     return Engine(
         graph=graph, profiles=[Profile.from_json(p) for p in m["profiles"]], target=target,
         build_config=m["build_config"], capturable=m["capturable"], arena_bytes=m.get("arena_bytes", []),
@@ -192,6 +193,21 @@ def load(path, device: str = "auto") -> Engine:
         tactics=m.get("tactics", []), channels_last=m.get("channels_last", []),
         padded_channels=m.get("padded_channels", []), column_major=m.get("column_major", []),
     )
+
+
+def _check_tactics(path, graph) -> None:
+    """Refuse an engine whose layers run tactics this installation lacks (one from an optional package):
+    those layers would fall back to the slow reference without a word."""
+    from ..tactics import offered
+
+    for node in graph.nodes:
+        for name in {node.tactic, *node.profile_tactics}:
+            if not offered(node, name):
+                raise EngineFileError(
+                    f"'{path}': layer '{node.name}' ({node.op_type}) was built to run tactic '{name}', which this "
+                    "installation of Kiln does not offer (cudnn_graph_* tactics need the optional cudnn-frontend "
+                    "package: pip install 'kiln[cudnn]'; triton_tma_* ones a Triton with TMA descriptors). Install "
+                    "what the building machine had, or rebuild the engine here.")
 
 
 def read_manifest(path) -> dict:

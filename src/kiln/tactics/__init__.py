@@ -37,6 +37,12 @@ def tactic(op_type: str, name: str, applies: Callable, domain: str = "kiln", wor
     return deco
 
 
+def offered(node: Node, name: str) -> bool:
+    """Whether this installation has tactic `name` for the node's op ("reference" always)."""
+    load_all()
+    return name == "reference" or (node.domain, node.op_type, name) in _BY_NAME
+
+
 def candidates(node: Node) -> list[Tactic]:
     return _TACTICS.get((node.domain, node.op_type), [])
 
