@@ -6,6 +6,10 @@ tactic and one per --without group (BuildConfig.exclude_tactics, trtexec-style -
 then times them in interleaved rounds in one process, and reports each round.
 
     python bench/ab_tactics.py --model resnet50 --batch 1 --without 'triton_conv_splitk_*' --without 'triton_tma_*'
+    python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --level 4 --without 'cudnn_graph_*'
+
+8-bit engines are calibrated on the benchmark input itself (speed only) and built with precision constraints
+`obey`, so that every variant quantizes the same layers.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--without", action="append", default=[], metavar="PATTERNS",
                    help="a variant without these tactics (comma-separated names or patterns); repeatable")
+    p.add_argument("--precision", default="fp16", choices=["fp16", "int8", "fp8"])
+    p.add_argument("--level", type=int, default=3, help="the builder's optimization level")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iterations", type=int, default=100)
     args = p.parse_args(argv)
@@ -48,9 +54,14 @@ def main(argv=None) -> int:
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
     variants = {"all tactics": ()} | {f"without {w}": tuple(x.strip() for x in w.split(",")) for w in args.without}
     contexts, chosen = {}, {}
+    quant = {}
+    if args.precision != "fp16":
+        quant = {args.precision: True, "calib": [{k: v.numpy() for k, v in feeds.items()}],
+                 "precision_constraints": "obey"}
     for label, exclude in variants.items():
         cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
-                               progress=False, fp16=True, exclude_tactics=exclude)
+                               progress=False, fp16=True, exclude_tactics=exclude,
+                               optimization_level=args.level, **quant)
         engine = kiln.build(str(path), cfg)
         contexts[label] = engine.create_execution_context()
         chosen[label] = [t["chosen"] for t in engine.tactics]
@@ -61,7 +72,8 @@ def main(argv=None) -> int:
             run = lambda f, ctx=ctx: ctx.run(f, copy_outputs=False)  # noqa: E731
             rounds[label].append(1000 * time_fn(run, [dev], args.iterations)["median_ms"])
 
-    print(f"# {args.model} batch {args.batch} FP16, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print(f"# {args.model} batch {args.batch} {args.precision.upper()} level {args.level}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| variant | median of rounds us | rounds us | layers using the excluded tactics in 'all tactics' |")
     print("|---|---|---|---|")
     for label, exclude in variants.items():
