@@ -66,7 +66,7 @@ _DT = {torch.float32: "FLOAT", torch.float16: "HALF", torch.bfloat16: "BFLOAT16"
 
 
 def _graph(key: tuple, handle):
-    """The built graph for a layer signature `key` and its tensors by role."""
+    """(the built graph for a layer signature `key`, its tensors by role, its workspace bytes, the plan built)."""
     (n, c, h, w_, k, kh, kw, strides, pads, qtype, x_scale_n, w_scale_n, bias_dtype, act, out_dtype, plan) = key
     dt = cudnn.data_type
     g = cudnn.pygraph(io_data_type=dt.HALF, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
@@ -92,10 +92,9 @@ def _graph(key: tuple, handle):
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
-    if plan >= g.get_execution_plan_count():
-        raise ValueError(f"cuDNN offers {g.get_execution_plan_count()} plans, not {plan + 1}")
+    plan = min(plan, g.get_execution_plan_count() - 1)  # a shape with fewer plans runs its last
     g.build_plan_at_index(plan)
-    return g, t, g.get_workspace_size_plan_at_index(plan)
+    return g, t, g.get_workspace_size_plan_at_index(plan), plan
 
 
 def _handle(device: torch.device):
@@ -132,7 +131,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b, x_scale: torch.Tensor, w_s
 
     qtype = node.attr("qtype", "int8")
     ydt = _QTYPES[qtype] if y_scale is not None else out_dtype
-    g, t, ws_bytes = _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)
+    g, t, ws_bytes, plan = _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)
     x8 = to_8bit(x, x_scale, qtype)
     if not x8.permute(0, 2, 3, 1).is_contiguous():  # quantized here from a layout the graph does not read
         x8 = x8.contiguous(memory_format=torch.channels_last)
@@ -147,6 +146,17 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b, x_scale: torch.Tensor, w_s
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(x.device).cuda_stream)
     g.execute_plan_at_index(pack, scratch(x.device, ws_bytes), plan, handle=handle)
     return y.permute(0, 3, 1, 2)
+
+
+def buildable(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0) -> bool:
+    """Whether cuDNN builds this layer's graph (it is then kept): checked where a tactic's applicability is, so
+    that a runtime shape cuDNN refuses runs the reference instead of failing."""
+    ydt = _QTYPES[node.attr("qtype", "int8")] if y_scale is not None else out_dtype
+    try:
+        _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)
+    except Exception:  # cudnnGraphNotSupportedError and the like: no kernel for this shape
+        return False
+    return True
 
 
 def workspace_bytes(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0) -> int:

@@ -388,8 +388,9 @@ def _cudnn_qconv(plan: int):
     `plan`. Needs the optional cudnn-frontend package."""
 
     def applies(node, args):
-        x, w, b, z, _, q_scale, _ = layer_gemm.operands(node, args)
-        return cudnn_conv.supports(node, x, w, b, z, q_scale, layer_gemm.qtype(node), args[3])
+        x, w, b, z, y_scale, q_scale, _ = layer_gemm.operands(node, args)
+        return (cudnn_conv.supports(node, x, w, b, z, q_scale, layer_gemm.qtype(node), args[3])
+                and cudnn_conv.buildable(node, x, w, b, args[2], args[3], y_scale, float_type(node, x), plan))
 
     def run(node, *args):
         x, w, b, _, y_scale, _, _ = layer_gemm.operands(node, args)
