@@ -8,6 +8,7 @@ graph.findings with the reason, for the inspector.
 """
 
 from . import (
+    attention_mask_rows,
     dead_code,
     fold_batchnorm,
     fold_constants,
@@ -46,6 +47,7 @@ PIPELINE = [
     fuse_pooled_gemm,  # global average pool + flatten + classifier GEMM -> one layer (a CNN's head)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
+    attention_mask_rows,  # a mask And-ed with all-True only to widen it over the queries keeps its row shape
     merge_heads_as_view,  # sequence-first head merge after attention, batch-major: no copy
     fuse_skip_layernorm,  # residual Add + LayerNorm
     fuse_gemm_skip_layernorm,  # a GEMM feeding only that norm joins it (split-K with the norm summing the parts)
