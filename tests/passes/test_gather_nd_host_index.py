@@ -44,3 +44,15 @@ def test_an_out_of_range_index_names_the_node():
     env = dict(graph.initializers, x=torch.as_tensor(rand(3, 4, 5)))
     with pytest.raises(KilnError, match="'mask_gather.offsets'.*index 4 is out of range for data axis 1 of size 4"):
         execute(graph.nodes, env)
+
+
+def test_index_tuples_in_row_order_only_reshape_the_data():
+    """HF BERT's padding mask gathers (b, k) for every b and k in order: the result is a view of the data."""
+    idx = np.stack(np.meshgrid(np.arange(3), np.arange(4), indexing="ij"), -1).reshape(3, 1, 4, 2).astype(np.int64)
+    m = model([helper.make_node("GatherND", ["x", "idx"], ["y"])], [("x", [3, 4, 5])], [("y", [3, 1, 4, 5])],
+              {"idx": idx})
+    _, after = check_pass(gather_nd_host_index, m, {"x": rand(3, 4, 5)})
+    x = torch.as_tensor(rand(3, 4, 5))
+    env = dict(after.initializers, x=x)
+    execute(after.nodes, env)
+    assert env["y"].shape == (3, 1, 4, 5) and env["y"].data_ptr() == x.data_ptr()  # no copy

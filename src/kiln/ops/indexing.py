@@ -102,10 +102,23 @@ def gather_nd_offsets(node, indices, data_shape):
 
 @register("GatherNDRows", domain="kiln", host_inputs=(2,))
 def gather_nd_rows(node, x, offsets, indices):
-    """GatherND (batch_dims 0) by precomputed offsets; `indices` (read on the host) gives only the number of
-    leading data axes the tuples address."""
-    rest = x.shape[indices.shape[-1]:]
+    """GatherND (batch_dims 0) by precomputed offsets; `indices` (read on the host) gives the number of leading
+    data axes the tuples address. Tuples that walk those axes in order (HF BERT's padding mask: (b, k) for every
+    b and k) only reshape the data: a view, no gather kernel."""
+    k = indices.shape[-1]
+    rest = x.shape[k:]
+    if _in_order(indices, x.shape[:k]):
+        return x.reshape(*indices.shape[:-1], *rest)
     return x.reshape(-1, *rest).index_select(0, offsets.reshape(-1)).reshape(*offsets.shape, *rest)
+
+
+def _in_order(indices: torch.Tensor, dims) -> bool:
+    """Whether host index tuples address every row of `dims` once, in row-major order."""
+    n = math.prod(int(d) for d in dims)
+    if indices.device.type != "cpu" or indices[..., 0].numel() != n:
+        return False
+    flat = _flat_positions([int(d) for d in dims], indices.reshape(-1, indices.shape[-1]))
+    return bool(torch.equal(flat, torch.arange(n, dtype=flat.dtype)))
 
 
 # --- scatters --------------------------------------------------------------------
