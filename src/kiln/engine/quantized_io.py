@@ -64,12 +64,17 @@ def output_scale(n: Node) -> str:
         at = 1
     else:
         return ""
-    return n.inputs[at] if len(n.inputs) > at else ""
+    return _input(n, at)
 
 
 def _qmax(qtype: str) -> float:
     """The largest 8-bit value of qtype: a scale of absmax / _qmax(qtype) clips nothing."""
     return FP8_MAX if qtype == "fp8" else 127.0
+
+
+def _input(n: Node, at: int) -> str:
+    """The name of n's input `at`, "" where it is left out."""
+    return n.inputs[at] if len(n.inputs) > at else ""
 
 
 def _set_input(n: Node, at: int, name: str) -> None:
@@ -80,8 +85,8 @@ def _set_input(n: Node, at: int, name: str) -> None:
 
 def _adds_residual(c: Node, value: str, qtype: str) -> bool:
     """c is a quantized convolution of `qtype` adding `value` as its residual (input 5) and reading it nowhere else."""
-    return (_quantized(c) and c.op_type == "QConv" and len(c.inputs) > 5 and c.inputs[5] == value
-            and value not in c.inputs[:5] and c.attr("qtype", "int8") == qtype)
+    return (_quantized(c) and c.op_type == "QConv" and _input(c, 5) == value and value not in c.inputs[:5]
+            and c.attr("qtype", "int8") == qtype)
 
 
 def _is_view(n: Node) -> bool:
@@ -148,11 +153,10 @@ def _quantized_shortcuts(graph: Graph) -> None:
     at_y = Y_SCALE_INPUT["QConv"]
     for p in [n for n in graph.nodes if _quantized(n) and n.op_type == "QConv"]:
         out, qtype = p.outputs[0], p.attr("qtype", "int8")
-        if any(p.outputs[1:]) or out in outputs or (len(p.inputs) > at_y and p.inputs[at_y]):
+        if any(p.outputs[1:]) or out in outputs or _input(p, at_y):
             continue
         users = readers.get(out, [])
-        if not users or not all(_adds_residual(c, out, qtype) and not (len(c.inputs) > Z_SCALE_INPUT
-                                                                       and c.inputs[Z_SCALE_INPUT]) for c in users):
+        if not users or not all(_adds_residual(c, out, qtype) and not _input(c, Z_SCALE_INPUT) for c in users):
             continue
         seen = absmax.get(out)
         if seen is None or not seen > 0:
@@ -222,7 +226,7 @@ def _fp8_attention_inputs(graph: Graph, readers: dict, outputs: set, float_type:
         gemm, wide = made_by.get(split.inputs[0]), split.inputs[0]
         if (gemm is None or not _quantized(gemm) or gemm.op_type != "QGemm" or gemm.attr("qtype", "int8") != "fp8"
                 or len(readers.get(wide, [])) != 1 or wide in outputs
-                or (len(gemm.inputs) > QGEMM_Y_SCALE and gemm.inputs[QGEMM_Y_SCALE])):
+                or _input(gemm, QGEMM_Y_SCALE)):
             continue
         seen = absmax.get(wide)
         if seen is None or not seen > 0:
@@ -252,7 +256,7 @@ def _biases_in(graph: Graph, float_type: str, readers: dict) -> None:
 
     dtype = from_name(float_type)
     for n in graph.nodes:
-        bias = n.inputs[4] if _quantized(n) and len(n.inputs) > 4 else ""
+        bias = _input(n, 4) if _quantized(n) else ""
         t = graph.initializers.get(bias)
         if t is not None and t.dtype != dtype and all(_quantized(r) for r in readers.get(bias, [])):
             graph.initializers[bias] = t.to(dtype)
@@ -283,7 +287,7 @@ def _copy_for_quantized_readers(graph: Graph, n: Node, users: list[Node]) -> Non
         return
     qtype = next(iter(kinds))[0]
     at_y = Y_SCALE_INPUT.get(n.op_type)
-    if at_y is not None and (n.attr("qtype", "int8") != qtype or (len(n.inputs) > at_y and n.inputs[at_y])):
+    if at_y is not None and (n.attr("qtype", "int8") != qtype or _input(n, at_y)):
         return  # a copy in another 8-bit type than the layer's, or an output that is 8-bit already
     if _plain_norm(n):
         _as_skip_layer_norm(n)
