@@ -105,6 +105,11 @@ def _handle(device: torch.device):
     return _handles[index]
 
 
+def _y_dtype(node, y_scale, out_dtype) -> torch.dtype:
+    """The layer's output type: its 8-bit type where it writes 8-bit values (a y_scale), else out_dtype."""
+    return _QTYPES[node.attr("qtype", "int8")] if y_scale is not None else out_dtype
+
+
 def _key(node, x, w, b, x_scale, w_scale, out_dtype, plan: int) -> tuple:
     """The layer's signature as _graph reads it."""
     from .conv import geometry
@@ -129,10 +134,9 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b, x_scale: torch.Tensor, w_s
     from .rescale import to_8bit
     from .workspace import scratch
 
-    qtype = node.attr("qtype", "int8")
-    ydt = _QTYPES[qtype] if y_scale is not None else out_dtype
+    ydt = _y_dtype(node, y_scale, out_dtype)
     g, t, ws_bytes, plan = _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)
-    x8 = to_8bit(x, x_scale, qtype)
+    x8 = to_8bit(x, x_scale, node.attr("qtype", "int8"))
     if not x8.permute(0, 2, 3, 1).is_contiguous():  # quantized here from a layout the graph does not read
         x8 = x8.contiguous(memory_format=torch.channels_last)
     oh, ow = geometry(node, x, w)[3]
@@ -151,9 +155,8 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b, x_scale: torch.Tensor, w_s
 def buildable(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0) -> bool:
     """Whether cuDNN builds this layer's graph (it is then kept): checked where a tactic's applicability is, so
     that a runtime shape cuDNN refuses runs the reference instead of failing."""
-    ydt = _QTYPES[node.attr("qtype", "int8")] if y_scale is not None else out_dtype
     try:
-        _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)
+        _built(_key(node, x, w, b, x_scale, w_scale, _y_dtype(node, y_scale, out_dtype), plan), x.device)
     except Exception:  # cudnnGraphNotSupportedError and the like: no kernel for this shape
         return False
     return True
@@ -161,5 +164,4 @@ def buildable(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0
 
 def workspace_bytes(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0) -> int:
     """The scratch the plan needs (builds and keeps its graph)."""
-    ydt = _QTYPES[node.attr("qtype", "int8")] if y_scale is not None else out_dtype
-    return _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)[2]
+    return _built(_key(node, x, w, b, x_scale, w_scale, _y_dtype(node, y_scale, out_dtype), plan), x.device)[2]
