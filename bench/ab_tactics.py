@@ -7,6 +7,10 @@ then times them in interleaved rounds in one process, and reports each round.
 
     python bench/ab_tactics.py --model resnet50 --batch 1 --without 'triton_conv_splitk_*' --without 'triton_tma_*'
     python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --level 4 --without 'cudnn_graph_*'
+    python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --off kiln.kernels.tma_gemm.ONE_K_LOOP
+
+--off adds a variant built, and captured as a CUDA graph, with a kernel module's boolean switch turned off: a
+kernel change's worth to the engine, the builder free to choose other tiles either way.
 
 8-bit engines are calibrated on the benchmark input itself (speed only) and built with precision constraints
 `obey`, so that every variant quantizes the same layers.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib
 import statistics
 import sys
 import tempfile
@@ -44,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--without", action="append", default=[], metavar="PATTERNS",
                    help="a variant without these tactics (comma-separated names or patterns); repeatable")
+    p.add_argument("--off", action="append", default=[], metavar="MODULE.SWITCH",
+                   help="a variant with this module-level boolean False while it is built and captured; repeatable")
     p.add_argument("--precision", default="fp16", choices=["fp16", "int8", "fp8"])
     p.add_argument("--level", type=int, default=3, help="the builder's optimization level")
     p.add_argument("--rounds", type=int, default=5)
@@ -53,19 +60,27 @@ def main(argv=None) -> int:
     path, feeds = export(args.model, args.batch)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
     variants = {"all tactics": ()} | {f"without {w}": tuple(x.strip() for x in w.split(",")) for w in args.without}
+    variants |= {f"{switch} off": () for switch in args.off}
+    switches = {f"{switch} off": switch.rpartition(".") for switch in args.off}
     contexts, chosen = {}, {}
     quant = {}
     if args.precision != "fp16":
         quant = {args.precision: True, "calib": [{k: v.numpy() for k, v in feeds.items()}],
                  "precision_constraints": "obey"}
+    dev = {k: v.cuda() for k, v in feeds.items()}
     for label, exclude in variants.items():
+        module, _, name = switches.get(label, ("", "", ""))
+        if module:
+            setattr(importlib.import_module(module), name, False)
         cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
                                progress=False, fp16=True, exclude_tactics=exclude,
                                optimization_level=args.level, **quant)
         engine = kiln.build(str(path), cfg)
         contexts[label] = engine.create_execution_context()
+        contexts[label].run(dev, copy_outputs=False)  # the CUDA graph is captured here, with the switch as built
         chosen[label] = [t["chosen"] for t in engine.tactics]
-    dev = {k: v.cuda() for k, v in feeds.items()}
+        if module:
+            setattr(importlib.import_module(module), name, True)
     rounds = {label: [] for label in contexts}
     for _ in range(args.rounds):  # interleaved, so drift in clocks or load hits every variant alike
         for label, ctx in contexts.items():

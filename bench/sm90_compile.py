@@ -44,14 +44,15 @@ def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128
     return ASTSource(fn=tma_conv._tma_conv_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
-def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128):
+def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, stages=4):
     x = DTYPES[quant]
     sig = {"x_desc": f"tensordesc<{x}[{bm},{bk}]>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
            "y_desc": f"tensordesc<{x if out8 else 'fp16'}[{bm},{bn}]>", "z_desc": f"tensordesc<{x}[{bm},{bn}]>",
            "q_desc": f"tensordesc<{x}[{bm},{bn}]>",
            **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
     cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8, Z_SCALED=bool(quant),
-              W_KMAJOR=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132)
+              W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132,
+              NUM_STAGES=stages)
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -70,14 +71,15 @@ def flash_source(quant: str, fp8_inputs: bool = False):
                      constexprs=cx)
 
 
-def _compiles(name: str, src, options: dict) -> int:
-    """Compile src for sm_90 and say whether it did; 1 if it failed, else 0."""
+def _compiles(name: str, src, options: dict, quiet: bool = False) -> int:
+    """Compile src for sm_90 and say whether it did (quiet: only if it did not); 1 if it failed, else 0."""
     try:
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:
         print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
         return 1
-    print(f"{name}: compiles")
+    if not quiet:
+        print(f"{name}: compiles")
     return 0
 
 
@@ -137,16 +139,34 @@ def gather_compiles() -> int:
                      {"num_warps": 4})
 
 
+def gemm_tiles_compile() -> int:
+    """Compile the TMA GEMM at every tile the builder offers (CONFIGS in FP16, QUANT_CONFIGS in INT8 and FP8), in
+    both of its loops, with a residual; the number that failed. Only square tiles were compiled here until a
+    two-return helper broke every other shape on the H200 (2026-12-01; the interpreter and square tiles ran)."""
+    tiles = [("", c) for c, _ in tma_gemm.CONFIGS]
+    tiles += [(q, c) for q in ("int8", "fp8") for c, _ in tma_gemm.QUANT_CONFIGS]
+    failed = 0
+    for quant, c in tiles:
+        for one_k in (False, True):
+            src = gemm_source(quant, bool(quant), c.block_m, c.block_n, c.block_k, one_k, c.num_stages)
+            failed += _compiles(f"TMA GEMM tile {quant or 'fp16'} {c.name}{' K in one tile' if one_k else ''}",
+                                src, {"num_warps": c.num_warps, "num_stages": c.num_stages}, quiet=True)
+    print(f"TMA GEMM tiles: {2 * len(tiles) - failed} of {2 * len(tiles)} compile")
+    return failed
+
+
 def main() -> int:
     cases = {}
     for quant in ("int8", "fp8"):
         cases[f"TMA GEMM {quant}, 8-bit output and copy"] = (gemm_source(quant, True), 4, 4)
+        cases[f"TMA GEMM {quant}, K in one tile, 8-bit output and copy"] = (
+            gemm_source(quant, True, one_k=True, stages=3), 4, 3)
         for stride in (1, 2):
             cases[f"TMA convolution {quant} stride {stride}, 8-bit output and copy"] = (
                 conv_source(stride, quant, True), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
-    failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles()
+    failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles() + gemm_tiles_compile()
     for name, (src, warps, stages) in cases.items():
         try:
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,
@@ -164,9 +184,11 @@ def main() -> int:
         pipelined = "pendings = 1" in ir
         # the convolution's box, read out of shared memory into registers to be reshaped into the left tile
         a_in_registers = bool(re.search(r"%a\w* = ttg\.local_load [^\n]*memdesc<1x", ir))
+        # the residual's TMA load waited for where it is issued, or issued tiles ahead by the pipeliner
+        z_waited = bool(re.search(r"async_tma_copy_global_to_local %z_desc[^\n]*\n\s*ttng\.wait_barrier", ir))
         print(f"{name}: TMA loads, wgmma {'pipelined' if pipelined else 'waits after every dot'}; left tile "
-              f"{'through registers' if a_in_registers else 'from shared memory'}; shared memory "
-              f"{k.metadata.shared} bytes")
+              f"{'through registers' if a_in_registers else 'from shared memory'}; residual "
+              f"{'waited for where loaded' if z_waited else 'prefetched'}; shared memory {k.metadata.shared} bytes")
     return failed
 
 

@@ -14,11 +14,17 @@ K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer
     python bench/tma_sweep.py --int8-engine [layer1 ...] > bench/results/H200-int8-1x1-sweep.log
     python bench/tma_sweep.py --latency [layer1 ...] > bench/results/H200-int8-1x1-latency.log
     python bench/tma_sweep.py --cold [bert ...] > bench/results/H200-int8-cold-l2.log
+    python bench/tma_sweep.py --one-k [layer1 ...] > bench/results/H200-int8-one-k.log
 
 `--latency` times the small-K 8-bit tiles of `--int8-engine` at one to four programs per SM: how much of these
 layers' distance from their floor is latency that more programs hide. Its log H200-int8-1x1-latency.log also
 has a residual loaded by pointer loads issued before the K loop ("z early", a tma_gemm.gemm option since removed:
 slower everywhere, 2-10x with 4-stage pipelines).
+
+`--one-k` times ResNet-50's 8-bit 1x1 layers whose K fits one tile (K = 64 and 128), each of the builder's 8-bit
+tiles with the kernel's nested loop (tiles, then K; the residual waited for tile by tile) and with its single loop
+over tiles (tma_gemm.ONE_K_LOOP: every load, the residual's too, issued tiles ahead), at two and three stages too,
+and checks the outputs are equal.
 
 `--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes three ways: with the
 same operands every call, so they stay in L2 ("warm", as the builder timed them until 2026-11-30 21:46); after
@@ -29,6 +35,7 @@ them, tactics/timer.py); and after a read of twice L2's size (every operand from
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -174,6 +181,36 @@ def sweep_latency(M, K, N, with_z, qtype="int8"):
     return rows
 
 
+# (name, M, K, N, 8-bit residual): the layers whose K fits one 8-bit tile (BLOCK_K 64 or 128)
+ONE_K_SHAPES = [("layer1 conv3 64->256", 100352, 64, 256, True), ("layer1 downsample 64->256", 100352, 64, 256, False),
+                ("layer2 conv3 128->512", 25088, 128, 512, True)]
+
+
+def sweep_one_k(M, K, N, with_z, qtype):
+    """Each of the builder's 8-bit tiles whose BLOCK_K holds K, nested loop against single loop, at the default
+    programs per SM (tma_gemm.resident_programs, which counts the single loop's prefetched residual tiles)."""
+    x8, w8, b, kw, moved = engine_operands(M, K, N, with_z, qtype, False)
+    rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
+    tiles = {t for t, _ in tma_gemm.QUANT_CONFIGS if t.block_k >= K}
+    tiles |= {replace(t, num_stages=s) for t in set(tiles) for s in (2, 3)}
+    for c in sorted(tiles, key=lambda t: t.name):
+        times, outs = {}, {}
+        for one_k in (False, True):
+            tma_gemm.ONE_K_LOOP = one_k
+            times[one_k] = us(lambda c=c: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw))
+            try:
+                outs[one_k] = tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)
+            except Exception:  # a configuration that does not compile or run here (its time says why)
+                outs[one_k] = None
+        tma_gemm.ONE_K_LOOP = True
+        same = outs[False] is not None and outs[True] is not None and torch.equal(outs[False], outs[True])
+        single = tma_gemm.one_loop(c, K, 1, 1 if with_z else 0)
+        rows.append(f"tma {c.name} nested {rate(times[False], moved)} | "
+                    f"{'one loop' if single else 'nested (prefetch does not fit)'} {rate(times[True], moved)}"
+                    f"{'' if same else ' DIFFERS'}")
+    return rows
+
+
 def sweep_cold(M, K, N, act):
     """Each 8-bit tile timed warm (the same operands every call, so they stay in L2), after an L2Reset keeping x
     (as the builder times 8-bit layers) and after a read of twice L2's size: time(read + GEMM) - time(read)."""
@@ -213,7 +250,7 @@ def chosen(shapes, flag: str | None = None) -> list:
 
 
 def main() -> int:
-    flag = next((f for f in ("--cold", "--latency", "--int8-engine") if f in sys.argv), None)
+    flag = next((f for f in ("--cold", "--latency", "--int8-engine", "--one-k") if f in sys.argv), None)
     if flag:
         print(torch.cuda.get_device_name(), torch.__version__)
     if flag == "--cold":
@@ -224,6 +261,11 @@ def main() -> int:
         for name, M, K, N, with_z in chosen(INT8_ENGINE_SHAPES, flag):
             print(f"\n## {name}: M {M}, K {K}, N {N}, int8{', 8-bit residual' if with_z else ''}", flush=True)
             print("\n".join(sweep_latency(M, K, N, with_z)), flush=True)
+    elif flag == "--one-k":
+        for name, M, K, N, with_z in chosen(ONE_K_SHAPES, flag):
+            for qtype in ("int8", "fp8"):
+                print(f"\n## {name}: M {M}, K {K}, N {N}, {qtype}{', 8-bit residual' if with_z else ''}", flush=True)
+                print("\n".join(sweep_one_k(M, K, N, with_z, qtype)), flush=True)
     elif flag == "--int8-engine":
         for name, M, K, N, with_z in chosen(INT8_ENGINE_SHAPES, flag):
             for qtype, copy in [("int8", False)] + [("int8", True), ("fp8", True)] * with_z:

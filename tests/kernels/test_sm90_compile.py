@@ -1,6 +1,6 @@
 """The TMA kernels and flash attention's 8-bit output compile for Hopper (sm_90) on a machine without a GPU (Triton
 bundles ptxas): the interpreter runs their arithmetic, this catches what only the compiler refuses (5-D boxes, two
-8-bit outputs, a loop's variable read after the loop). Run as
+8-bit outputs, a loop's variable read after the loop) and how it pipelines loads. Run as
 bench/sm90_compile.py in a fresh process: kernels defined under TRITON_INTERPRET cannot be compiled."""
 
 import os
@@ -18,8 +18,12 @@ def test_tma_and_flash_kernels_compile_for_hopper():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr  # the exit code counts the kernels that failed
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TMA ")]
-    assert len(lines) == 7 and all("TMA loads, wgmma" in ln for ln in lines), run.stdout
+    assert len(lines) == 9 and all("TMA loads, wgmma" in ln for ln in lines), run.stdout
+    # where K fits one tile the pipeliner issues the residual's load tiles ahead (it needs the loop's num_stages)
+    one_k = [ln for ln in lines if "K in one tile" in ln]
+    assert len(one_k) == 2 and all("residual prefetched" in ln for ln in one_k), run.stdout
     assert sum(ln.startswith("flash attention") and ln.endswith("compiles") for ln in run.stdout.splitlines()) == 3
     assert sum(ln.startswith("layernorm") and ln.endswith("compiles") for ln in run.stdout.splitlines()) == 4
     assert sum(ln.startswith("max pool") and ln.endswith("compiles") for ln in run.stdout.splitlines()) == 2
     assert "row gather, fp16 table: compiles" in run.stdout.splitlines()
+    assert any(ln.startswith("TMA GEMM tiles: ") for ln in run.stdout.splitlines())  # every tile, both loops

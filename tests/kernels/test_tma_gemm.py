@@ -15,9 +15,10 @@ SMALL = TileConfig(16, 16, 32, 4, 2)  # small tiles: the test shapes span severa
 
 @pytest.mark.parametrize("M", [1, 37])  # not a multiple of the tile
 @pytest.mark.parametrize("act, residual", [("", False), ("Relu", True), ("GeluErf", False)])
-def test_float_gemm_matches_the_reference(M, act, residual):
+@pytest.mark.parametrize("K", [80, 32, 16])  # several K tiles; K in one tile (the loop over tiles alone), part of one
+def test_float_gemm_matches_the_reference(M, act, residual, K):
     g = torch.Generator().manual_seed(M)
-    K, N = 80, 48
+    N = 48
     x = torch.randn(M, K, generator=g).half().to(DEV)
     w = (torch.randn(K, N, generator=g) / 8).half().to(DEV)
     b = torch.randn(N, generator=g).half().to(DEV)
@@ -40,9 +41,10 @@ def _int8_operands(M, K, N, seed=0):
 
 @pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
                                      "int8 and int8 copy"])
-def test_int8_gemm_matches_the_pointer_kernel(outputs):
+@pytest.mark.parametrize("K", [96, 32])  # three K tiles; one (ResNet-50's K = 64 and 128 layers)
+def test_int8_gemm_matches_the_pointer_kernel(outputs, K):
     # gemm.py's quantized GEMM is the tested reference for the epilogue: identical integer sums, same FP32 math
-    M, K, N = 37, 96, 48
+    M, N = 37, 48
     x, w, sx, sw, b = _int8_operands(M, K, N)
     z = torch.randn(M, N).half().to(DEV)
     if "residual" in outputs:  # a block output written once as int8, scaled back in the epilogue

@@ -39,46 +39,80 @@ from .gemm import (
 )
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
+_SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
+ONE_K_LOOP = True  # K in one tile runs the single loop over tiles (bench/tma_sweep.py --one-k turns it off to compare)
+
+
+@triton.jit
+def _tile_offsets(tile, grid_m, grid_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first row, first column) of output tile `tile`, in GROUP_M swizzle as in gemm.py: neighbouring tiles
+    share columns of w in L2."""
+    width = GROUP_M * grid_n
+    first_m = (tile // width) * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    return (first_m + (tile % width) % group_m) * BLOCK_M, ((tile % width) // group_m) * BLOCK_N
+
+
+@triton.jit
+def _w_tile(w_desc, off_n, off_k, W_KMAJOR: tl.constexpr):
+    # one return: Triton types every return of a function, so two would have to agree in shape, [BK, BN]
+    if W_KMAJOR:
+        w = w_desc.load([off_n, off_k]).T
+    else:
+        w = w_desc.load([off_k, off_n])
+    return w
+
+
+@triton.jit
+def _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N, stride_ws,
+                p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+                Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The epilogue: dequantize, bias, residual z, activation, one store (and the 8-bit copy)."""
+    cols = (off_n + tl.arange(0, BLOCK_N)) % N  # columns past N compute garbage the store drops
+    acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    if HAS_Z:  # a residual: a 1x1 convolution's shortcut
+        acc += residual(z, zs_ptr, Z_SCALED)
+    acc = epilogue(acc, ACT, p0, p1)
+    # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
+    out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
+    y_desc.store([off_m, off_n], out)
+    if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
+        q_desc.store([off_m, off_n], quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT).to(q_desc.dtype))
 
 
 @triton.jit
 def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, M, N, K,
                      stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
                      QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                     W_KMAJOR: tl.constexpr,
+                     W_KMAJOR: tl.constexpr, ONE_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PROGRAMS: tl.constexpr):
+                     PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    width = GROUP_M * grid_n
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
-        # GROUP_M swizzle as in gemm.py: neighbouring tiles share columns of w in L2.
-        group = tile // width
-        first_m = group * GROUP_M
-        group_m = tl.minimum(grid_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % width) % group_m) * BLOCK_M
-        off_n = ((tile % width) // group_m) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
-        for kb in range(k_tiles):
-            a = x_desc.load([off_m, kb * BLOCK_K])
-            if W_KMAJOR:
-                b = w_desc.load([off_n, kb * BLOCK_K]).T
-            else:
-                b = w_desc.load([kb * BLOCK_K, off_n])
-            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
-        cols = (off_n + tl.arange(0, BLOCK_N)) % N  # columns past N compute garbage the store drops
-        acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-        if HAS_Z:  # a residual: a 1x1 convolution's shortcut
-            acc += residual(z_desc.load([off_m, off_n]), zs_ptr, Z_SCALED)
-        acc = epilogue(acc, ACT, p0, p1)
-        # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
-        out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
-        y_desc.store([off_m, off_n], out)
-        if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
-            q_desc.store([off_m, off_n], quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT).to(q_desc.dtype))
+    acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
+    if ONE_K:
+        # K fits one tile (ResNet-50's 1x1 convolutions over 64 and 128 channels): one loop over tiles, whose
+        # loads, the residual's and the scales' too, the pipeliner issues tiles ahead (it does so for loads that
+        # feed no dot only when the loop names its stages); in the nested loop below the residual is waited for
+        # tile by tile.
+        for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, num_stages=NUM_STAGES):
+            off_m, off_n = _tile_offsets(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+            z = z_desc.load([off_m, off_n]) if HAS_Z else None
+            acc = tl.dot(x_desc.load([off_m, 0]), _w_tile(w_desc, off_n, 0, W_KMAJOR), out_dtype=acc_dtype)
+            _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
+                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, BLOCK_N)
+    else:
+        for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+            off_m, off_n = _tile_offsets(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+            for kb in range(tl.cdiv(K, BLOCK_K)):
+                acc = tl.dot(x_desc.load([off_m, kb * BLOCK_K]), _w_tile(w_desc, off_n, kb * BLOCK_K, W_KMAJOR),
+                             acc, out_dtype=acc_dtype)
+            z = z_desc.load([off_m, off_n]) if HAS_Z else None
+            _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
+                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, BLOCK_N)
 
 
 def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> int:
@@ -86,6 +120,20 @@ def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> in
     TMA moves in the epilogue."""
     return (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
             + epilogue_tiles * config.block_m * config.block_n * 2)
+
+
+def one_loop(config: TileConfig, K: int, itemsize: int, z_itemsize: int = 0) -> bool:
+    """Whether a GEMM runs the kernel's single loop over tiles: K fits one tile and, with a residual of z_itemsize
+    bytes a value, the num_stages - 1 residual tiles that loop prefetches fit in shared memory beside the rest."""
+    if not ONE_K_LOOP or K > config.block_k:
+        return False
+    return smem_bytes(config, itemsize) + residual_bytes(config, K, itemsize, z_itemsize, True) <= _SM_SMEM
+
+
+def residual_bytes(config: TileConfig, K: int, itemsize: int, z_itemsize: int, one: bool | None = None) -> int:
+    """Shared memory the residual takes: one tile, or in the single loop (`one_loop`) num_stages - 1."""
+    one = one_loop(config, K, itemsize, z_itemsize) if one is None else one
+    return (config.num_stages - 1 if one else 1) * config.block_m * config.block_n * z_itemsize
 
 
 # (config, lowest optimization level that tries it). K tiles of 128 bytes, the widest TMA swizzle: 64
@@ -158,9 +206,6 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str,
     return b is None or (b.numel() == N and b.dtype.is_floating_point)
 
 
-_SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
-
-
 def resident_programs(num_warps: int, pipeline_bytes: int, tile_elems: int, qtype: str) -> int:
     """Persistent programs per SM for an 8-bit 4-warp tile: as many as its shared memory (operand pipeline plus a
     16-bit allowance for the epilogue's tiles) and registers allow, at most four; one for 16-bit and 8-warp tiles.
@@ -208,8 +253,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     z_desc = desc(rows(z, N), [bm, bn]) if z is not None else None
     p0, p1 = _params(act, params)
     bias = b.reshape(-1).contiguous() if b is not None else None
-    per_sm = programs_per_sm or resident_programs(config.num_warps, config.smem_bytes(x2.element_size()), bm * bn,
-                                                  qtype)
+    z_itemsize = z.element_size() if z is not None else 0
+    one_k = one_loop(config, K, x2.element_size(), z_itemsize)
+    pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, K, 0, z_itemsize, True) if one_k else 0)
+    per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bm * bn, qtype)
     n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _tma_gemm_kernel[(n_programs,)](
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
@@ -217,7 +264,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
         q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
-        COPY=q_scale is not None, Z_SCALED=z_scale is not None, W_KMAJOR=k_major, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=config.group_m,
-        PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
+        COPY=q_scale is not None, Z_SCALED=z_scale is not None, W_KMAJOR=k_major, ONE_K=one_k,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))
