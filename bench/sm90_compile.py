@@ -151,7 +151,7 @@ def gemm_tiles_compile() -> int:
             src = gemm_source(quant, bool(quant), c.block_m, c.block_n, c.block_k, one_k, c.num_stages)
             failed += _compiles(f"TMA GEMM tile {quant or 'fp16'} {c.name}{' K in one tile' if one_k else ''}",
                                 src, {"num_warps": c.num_warps, "num_stages": c.num_stages}, quiet=True)
-    print(f"TMA GEMM tiles: {2 * len(tiles) - failed} of {2 * len(tiles)} compile")
+    print(f"every TMA GEMM tile, both loops: {2 * len(tiles) - failed} of {2 * len(tiles)} compile")
     return failed
 
 
