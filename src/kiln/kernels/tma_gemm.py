@@ -159,6 +159,11 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(64, 128, 64, 4, 2), 3),
     (TileConfig(64, 128, 128, 4, 2), 3),
     (TileConfig(64, 64, 128, 4, 2), 3),
+    # three stages: the single loop over tiles (K in one tile) at its best on ResNet-50's K = 64 layers, where four
+    # stages' prefetched residual tiles leave room for one program per SM (H200-int8-one-k.log: layer1's 64->256
+    # with residual, INT8 64x128x128 29.8 us, FP8 128x128x64 23.5, against 33.8 and 30.7 for the best tiles before)
+    (TileConfig(128, 128, 64, 4, 3), 3),
+    (TileConfig(64, 128, 128, 4, 3), 3),
 ]
 
 
