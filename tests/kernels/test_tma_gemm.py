@@ -109,3 +109,13 @@ def test_tactics_are_registered_and_refuse_cpu_tensors():
     t = next(t for t in _TACTICS[("kiln", "FusedGemm")] if t.name.startswith("triton_tma_gemm_"))
     node = Node("FusedGemm", ["x", "w", "b"], ["y"], {}, domain="kiln")
     assert not t.applies(node, [torch.randn(8, 64).half(), torch.randn(64, 32).half(), torch.randn(32).half()])
+
+
+def test_the_single_loop_runs_where_k_fits_one_tile_and_its_prefetched_residual_fits():
+    """K in one tile runs the loop over tiles alone, whose residual takes num_stages - 1 tiles of shared memory;
+    where those would not fit (16-bit residual, four stages of 128x128x64 16-bit tiles) the nested loop runs."""
+    int8_s4 = TileConfig(128, 128, 64, 4, 4)
+    assert tma_gemm.one_loop(int8_s4, 64, 1, 1) and not tma_gemm.one_loop(int8_s4, 128, 1, 1)  # K = 128: two tiles
+    assert tma_gemm.residual_bytes(int8_s4, 1, True) == 3 * 128 * 128
+    assert tma_gemm.residual_bytes(int8_s4, 1, False) == 128 * 128
+    assert tma_gemm.one_loop(int8_s4, 64, 2) and not tma_gemm.one_loop(int8_s4, 64, 2, 2)  # 128 KB + 96 KB

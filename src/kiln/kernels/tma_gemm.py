@@ -9,6 +9,12 @@ and cuBLAS on ResNet-50's K=64 1x1 convolutions at batch 32 (21 us against 34); 
 cuBLAS on BERT's FP16 GEMMs and to either with a GELU epilogue (erf in a 128x256 tile's epilogue
 spills registers). The builder times it against both, per layer.
 
+Where K fits one tile (ResNet-50's 1x1 convolutions over 64 and 128 channels) the kernel runs one loop over the
+output tiles instead of a loop over tiles and K, so that Triton's pipeliner issues every tile's loads, the
+residual's too, tiles ahead; in the nested loop the residual is loaded after the K loop and waited for at once
+(bench/sm90_compile.py shows both). On the H200 that took ResNet-50's INT8 and FP8 engines 3-5% faster
+(bench/results/H200-ab-one-k-*.log).
+
 x [M, K], y [M, N] and a residual z [M, N] row-major; w either [K, N] row-major or, for 8-bit weights, K-major
 ([N, K] row-major, passed as its [K, N] transpose view): Hopper's 8-bit Tensor Core instruction
 reads its right operand K-major only. TMA wants 16-byte-aligned base addresses and row strides
@@ -40,7 +46,7 @@ from .gemm import (
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 _SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
-ONE_K_LOOP = True  # K in one tile runs the single loop over tiles (bench/tma_sweep.py --one-k turns it off to compare)
+ONE_K_LOOP = True  # K in one tile: the single loop (off only to compare: tma_sweep --one-k, ab_tactics --off)
 
 
 @triton.jit
@@ -93,10 +99,8 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
     grid_n = tl.cdiv(N, BLOCK_N)
     acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
     if ONE_K:
-        # K fits one tile (ResNet-50's 1x1 convolutions over 64 and 128 channels): one loop over tiles, whose
-        # loads, the residual's and the scales' too, the pipeliner issues tiles ahead (it does so for loads that
-        # feed no dot only when the loop names its stages); in the nested loop below the residual is waited for
-        # tile by tile.
+        # the pipeliner issues loads that feed no dot (the residual, the scales) tiles ahead only when the loop
+        # names its stage count
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, num_stages=NUM_STAGES):
             off_m, off_n = _tile_offsets(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
             z = z_desc.load([off_m, off_n]) if HAS_Z else None
@@ -127,13 +131,12 @@ def one_loop(config: TileConfig, K: int, itemsize: int, z_itemsize: int = 0) -> 
     bytes a value, the num_stages - 1 residual tiles that loop prefetches fit in shared memory beside the rest."""
     if not ONE_K_LOOP or K > config.block_k:
         return False
-    return smem_bytes(config, itemsize) + residual_bytes(config, K, itemsize, z_itemsize, True) <= _SM_SMEM
+    return smem_bytes(config, itemsize) + residual_bytes(config, z_itemsize, True) <= _SM_SMEM
 
 
-def residual_bytes(config: TileConfig, K: int, itemsize: int, z_itemsize: int, one: bool | None = None) -> int:
+def residual_bytes(config: TileConfig, z_itemsize: int, single_loop: bool) -> int:
     """Shared memory the residual takes: one tile, or in the single loop (`one_loop`) num_stages - 1."""
-    one = one_loop(config, K, itemsize, z_itemsize) if one is None else one
-    return (config.num_stages - 1 if one else 1) * config.block_m * config.block_n * z_itemsize
+    return (config.num_stages - 1 if single_loop else 1) * config.block_m * config.block_n * z_itemsize
 
 
 # (config, lowest optimization level that tries it). K tiles of 128 bytes, the widest TMA swizzle: 64
@@ -260,7 +263,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     bias = b.reshape(-1).contiguous() if b is not None else None
     z_itemsize = z.element_size() if z is not None else 0
     one_k = one_loop(config, K, x2.element_size(), z_itemsize)
-    pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, K, 0, z_itemsize, True) if one_k else 0)
+    pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, z_itemsize, True) if one_k else 0)
     per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bm * bn, qtype)
     n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _tma_gemm_kernel[(n_programs,)](

@@ -53,9 +53,10 @@ def _applies(config):
         if mats is None or not tma_gemm.supports(*mats, b, node.attr("activation", ""), qtype,
                                                  conv.pixel_rows(z) if z is not None and x.dim() == 4 else z):
             return False
-        itemsize = 1 if qtype else x.element_size()
-        z_bytes = tma_gemm.residual_bytes(config, mats[1].shape[0], itemsize, z.element_size()) if z is not None else 0
-        return _device_ok(x, tma_gemm.smem_bytes(config, itemsize, 1 + (q_scale is not None)) + z_bytes)
+        itemsize, z_itemsize = 1 if qtype else x.element_size(), z.element_size() if z is not None else 0
+        single_loop = tma_gemm.one_loop(config, mats[1].shape[0], itemsize, z_itemsize)
+        return _device_ok(x, tma_gemm.smem_bytes(config, itemsize, 1 + (q_scale is not None))
+                          + tma_gemm.residual_bytes(config, z_itemsize, single_loop))
 
     return applies
 
