@@ -72,15 +72,17 @@ def main(argv=None) -> int:
         module, _, name = switches.get(label, ("", "", ""))
         if module:
             setattr(importlib.import_module(module), name, False)
-        cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
-                               progress=False, fp16=True, exclude_tactics=exclude,
-                               optimization_level=args.level, **quant)
-        engine = kiln.build(str(path), cfg)
-        contexts[label] = engine.create_execution_context()
-        contexts[label].run(dev, copy_outputs=False)  # the CUDA graph is captured here, with the switch as built
-        chosen[label] = [t["chosen"] for t in engine.tactics]
-        if module:
-            setattr(importlib.import_module(module), name, True)
+        try:
+            cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
+                                   progress=False, fp16=True, exclude_tactics=exclude,
+                                   optimization_level=args.level, **quant)
+            engine = kiln.build(str(path), cfg)
+            contexts[label] = engine.create_execution_context()
+            contexts[label].run(dev, copy_outputs=False)  # the CUDA graph is captured here, with the switch as built
+            chosen[label] = [t["chosen"] for t in engine.tactics]
+        finally:
+            if module:
+                setattr(importlib.import_module(module), name, True)
     rounds = {label: [] for label in contexts}
     for _ in range(args.rounds):  # interleaved, so drift in clocks or load hits every variant alike
         for label, ctx in contexts.items():
