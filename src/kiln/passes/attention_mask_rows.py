@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.graph import Graph
-from .rewrite import View
+from .rewrite import View, bypass
 
 _PASS_THROUGH = {("", "Not"): 0, ("", "Cast"): 0, ("", "Where"): 0}  # op -> the input the mask may be
 
@@ -52,8 +52,4 @@ def run(graph: Graph) -> None:
         ones = [i for i in (0, 1) if _all_true_over_queries(view.const(node.inputs[i]))]
         if not ones or not _reaches_only_masks(view, node.outputs[0]):
             continue
-        keep = node.inputs[1 - ones[0]]
-        for n in graph.walk():
-            n.inputs = [keep if i == node.outputs[0] else i for i in n.inputs]
-        graph.nodes.remove(node)
-        view.refresh()
+        bypass(graph, view, node, node.inputs[1 - ones[0]])  # not a graph output: _reaches_only_masks

@@ -3,19 +3,7 @@
 from __future__ import annotations
 
 from ..ir.graph import Graph
-from .rewrite import View
-
-
-def _bypass(graph: Graph, view: View, node, src: str) -> bool:
-    """Make readers of node's output read `src` instead; False when the output is a graph output."""
-    out = node.outputs[0]
-    if out in view.outputs:
-        return False
-    for n in graph.walk():
-        n.inputs = [src if i == out else i for i in n.inputs]
-    graph.nodes.remove(node)
-    view.refresh()
-    return True
+from .rewrite import View, bypass
 
 
 def _is_noop(view: View, node) -> bool:
@@ -36,13 +24,13 @@ def run(graph: Graph) -> None:
     view = View(graph)
     for node in list(graph.nodes):
         if _is_noop(view, node):
-            _bypass(graph, view, node, node.inputs[0])
+            bypass(graph, view, node, node.inputs[0])
         elif node.op_type == "Transpose" and node.domain == "":
             first = view.producer.get(node.inputs[0])
             if first is None or first.op_type != "Transpose" or first.domain or view.readers(first.outputs[0]) != 1:
                 continue
             p1, p2 = first.attr("perm"), node.attr("perm")
             if p1 and p2 and [p1[i] for i in p2] == list(range(len(p1))):
-                if _bypass(graph, view, node, first.inputs[0]):
+                if bypass(graph, view, node, first.inputs[0]):
                     graph.nodes.remove(first)
                     view.refresh()

@@ -75,6 +75,18 @@ def replace(graph: Graph, old: list[Node], new: Node) -> None:
     graph.nodes = nodes
 
 
+def bypass(graph: Graph, view: View, node: Node, src: str) -> bool:
+    """Make readers of node's output read `src` instead and drop node; False when the output is a graph output."""
+    out = node.outputs[0]
+    if out in view.outputs:
+        return False
+    for n in graph.walk():
+        n.inputs = [src if i == out else i for i in n.inputs]
+    graph.nodes.remove(node)
+    view.refresh()
+    return True
+
+
 def fused_name(nodes: list[Node]) -> str:
     return " + ".join(s for n in nodes for s in (n.sources or [n.name]))
 
