@@ -120,9 +120,11 @@ def _key(node, x, w, b, x_scale, w_scale, out_dtype, plan: int) -> tuple:
             out_dtype, plan)
 
 
-def _built(key: tuple, device: torch.device) -> tuple:
+def _built(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int) -> tuple:
+    """The layer's graph as _graph returns it, built on first use and kept."""
+    key = _key(node, x, w, b, x_scale, w_scale, _y_dtype(node, y_scale, out_dtype), plan)
     if key not in _graphs:
-        _graphs[key] = _graph(key, _handle(device))
+        _graphs[key] = _graph(key, _handle(x.device))
     return _graphs[key]
 
 
@@ -134,13 +136,12 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b, x_scale: torch.Tensor, w_s
     from .rescale import to_8bit
     from .workspace import scratch
 
-    ydt = _y_dtype(node, y_scale, out_dtype)
-    g, t, ws_bytes, plan = _built(_key(node, x, w, b, x_scale, w_scale, ydt, plan), x.device)
+    g, t, ws_bytes, plan = _built(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan)
     x8 = to_8bit(x, x_scale, node.attr("qtype", "int8"))
     if not x8.permute(0, 2, 3, 1).is_contiguous():  # quantized here from a layout the graph does not read
         x8 = x8.contiguous(memory_format=torch.channels_last)
     oh, ow = geometry(node, x, w)[3]
-    y = torch.empty((x.shape[0], oh, ow, w.shape[0]), dtype=ydt, device=x.device)
+    y = torch.empty((x.shape[0], oh, ow, w.shape[0]), dtype=_y_dtype(node, y_scale, out_dtype), device=x.device)
     pack = {t["x"]: x8, t["w"]: w, t["xs"]: x_scale.float(), t["ws"]: w_scale.float(), t["y"]: y}
     if b is not None:
         pack[t["b"]] = b
@@ -156,7 +157,7 @@ def buildable(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0
     """Whether cuDNN builds this layer's graph (it is then kept): checked where a tactic's applicability is, so
     that a runtime shape cuDNN refuses runs the reference instead of failing."""
     try:
-        _built(_key(node, x, w, b, x_scale, w_scale, _y_dtype(node, y_scale, out_dtype), plan), x.device)
+        _built(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan)
     except Exception:  # cudnnGraphNotSupportedError and the like: no kernel for this shape
         return False
     return True
@@ -164,4 +165,4 @@ def buildable(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0
 
 def workspace_bytes(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan: int = 0) -> int:
     """The scratch the plan needs (builds and keeps its graph)."""
-    return _built(_key(node, x, w, b, x_scale, w_scale, _y_dtype(node, y_scale, out_dtype), plan), x.device)[2]
+    return _built(node, x, w, b, x_scale, w_scale, y_scale, out_dtype, plan)[2]
