@@ -47,6 +47,7 @@ COPY_AT = {"SkipLayerNorm": (4, 2), "QConv": (7, 1)}
 Z_SCALE_INPUT = 8  # a QConv's residual scale, after (x, w_q, x_scale, w_scale, bias, z, y_scale, q_scale)
 ATTENTION_Y_SCALE = 4  # after (q, k, v, mask)
 QKV_SCALE_INPUT = 5  # an Attention's FP8 q/k/v scale, after (q, k, v, mask, y_scale)
+POOL_Y_SCALE = 1  # a MaxPool's (Kiln's input, after x): its quantized readers' scale
 QGEMM_Y_SCALE = Y_SCALE_INPUT["QGemm"]
 # Ops that only view their input (the head merge between attention and its output projection): 8-bit values
 # pass through them unchanged.
@@ -61,7 +62,7 @@ def output_scale(n: Node) -> str:
     elif n.domain == "kiln" and n.op_type == "Attention":
         at = ATTENTION_Y_SCALE
     elif n.op_type == "MaxPool" and n.domain in ("", "ai.onnx"):
-        at = 1
+        at = POOL_Y_SCALE
     else:
         return ""
     return _input(n, at)
@@ -182,7 +183,7 @@ def _quantized_pools(graph: Graph, readers: dict, outputs: set) -> None:
         kinds = {(r.attr("qtype", "int8"), _x_scale(graph, r)) for r in users}
         if len(kinds) != 1 or None in next(iter(kinds)):
             continue
-        n.inputs = [n.inputs[0], users[0].inputs[2]]
+        _set_input(n, POOL_Y_SCALE, users[0].inputs[2])
         n.attrs["qtype"] = next(iter(kinds))[0]
         for r in users:
             r.attrs["x_quantized"] = 1
