@@ -7,6 +7,7 @@ Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder's sel
 compared with conv.py's (the same integer sums and epilogue), FP16 ones with cuDNN's.
 
     python bench/conv_sweep.py [--batch 32] [--quantized-only] [LAYER...] > bench/results/H200-conv-sweep.log  (GPU)
+    python bench/conv_sweep.py --quantized-only --tiles 8x32x64x128_w4_s4,... layer1    (these 8-bit tiles instead)
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def node(k, stride, qtype=""):
     return Node("QConv" if qtype else "FusedConv", ["x", "w", "b"], ["y"], attrs, domain="kiln")
 
 
-def sweep(batch, hw, c, oc, k, stride, flops, float16=True):
+def parse_tile(name: str) -> PatchConfig:
+    """A PatchConfig from its name, e.g. 8x32x64x128_w4_s4."""
+    dims, warps, stages = name.split("_")
+    return PatchConfig(*(int(d) for d in dims.split("x")), int(warps[1:]), int(stages[1:]))
+
+
+def sweep(batch, hw, c, oc, k, stride, flops, float16=True, q8=Q8):
     def tops(t):
         try:
             return f"{float(t):8.1f} us {flops / float(t) / 1e6:6.0f} TOPS"
@@ -95,7 +102,7 @@ def sweep(batch, hw, c, oc, k, stride, flops, float16=True):
         for cfg in POINTER:
             t = us(lambda cfg=cfg: conv.conv2d(n8, x8, w8, b, config=cfg, **kw))
             rows.append(f"conv.py {qtype} {cfg.name}  {tops(t)}")
-        for cfg in Q8:
+        for cfg in q8:
             if not tma_conv.supports(n8, x8, w8, b, None, cfg, qtype):
                 rows.append(f"tma {qtype} {cfg.name} not supported")
                 continue
@@ -115,8 +122,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--quantized-only", action="store_true", help="skip the 16-bit TMA tiles")
+    p.add_argument("--tiles", default="", help="comma-separated 8-bit tiles to time instead of the usual ones")
     p.add_argument("layers", nargs="*", help="only the layers whose names start so, e.g. layer1")
     args = p.parse_args()
+    q8 = [parse_tile(t) for t in args.tiles.split(",")] if args.tiles else Q8
     print(torch.cuda.get_device_name(), torch.__version__)
     for name, hw, c, oc, k, stride in SHAPES:
         if args.layers and not any(name.startswith(o) for o in args.layers):
@@ -125,7 +134,7 @@ def main() -> int:
         flops = 2 * args.batch * out * out * c * oc * k * k
         print(f"\n## {name}: batch {args.batch}, {hw}x{hw}, {c} -> {oc} channels, {k}x{k} stride {stride}, "
               f"{flops / 1e9:.1f} GFLOP", flush=True)
-        print("\n".join(sweep(args.batch, hw, c, oc, k, stride, flops, not args.quantized_only)), flush=True)
+        print("\n".join(sweep(args.batch, hw, c, oc, k, stride, flops, not args.quantized_only, q8)), flush=True)
     return 0
 
 

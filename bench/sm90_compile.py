@@ -186,6 +186,19 @@ def gemm_tiles_compile() -> int:
     return failed
 
 
+def conv_tiles_compile() -> int:
+    """Compile the TMA convolution at every tile the builder offers (CONFIGS in FP16, QUANT_CONFIGS in INT8), stride
+    1, with a residual (and in INT8 an 8-bit output and copy); the number that failed."""
+    tiles = [("", c) for c, _ in tma_conv.CONFIGS] + [("int8", c) for c, _ in tma_conv.QUANT_CONFIGS]
+    failed = 0
+    for quant, c in tiles:
+        src = conv_source(1, quant, bool(quant), c.block_h, c.block_w, c.block_n, c.block_k)
+        failed += _compiles(f"TMA convolution tile {quant or 'fp16'} {c.name}", src,
+                            {"num_warps": c.num_warps, "num_stages": c.num_stages}, quiet=True)
+    print(f"every TMA convolution tile: {len(tiles) - failed} of {len(tiles)} compile")
+    return failed
+
+
 def main() -> int:
     cases = {}
     for quant in ("int8", "fp8"):
@@ -198,6 +211,7 @@ def main() -> int:
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
     failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles() + gemm_tiles_compile()
+    failed += conv_tiles_compile()
     for name, (src, warps, stages) in cases.items():
         try:
             k = _compiled(src, {"num_warps": warps, "num_stages": stages})

@@ -27,6 +27,9 @@ def test_tma_and_flash_kernels_compile_for_hopper():
     assert sum(ln.startswith("max pool") and ln.endswith("compiles") for ln in run.stdout.splitlines()) == 2
     assert "row gather, fp16 table: compiles" in run.stdout.splitlines()
     assert any(ln.startswith("every TMA GEMM tile, both loops: ") for ln in run.stdout.splitlines())
+    tiles = next(ln for ln in run.stdout.splitlines() if ln.startswith("every TMA convolution tile: "))
+    compiled, offered = tiles.split(": ")[1].split(" compile")[0].split(" of ")
+    assert compiled == offered, tiles
     # the single loop reads the residual after the dot: read before it, 128x128 INT8 tiles spilled
     spills = next(ln for ln in run.stdout.splitlines() if ln.startswith("tiles of the TMA GEMM that spill registers: "))
     assert not [t for t in spills.split(": ", 1)[1].split(", ") if "_w4_" in t and "K in one tile" in t], spills

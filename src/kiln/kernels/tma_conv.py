@@ -132,6 +132,10 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
     (PatchConfig(8, 8, 128, 128, 4, 4), 3),
     (PatchConfig(8, 16, 128, 128, 4, 4), 4),
     (PatchConfig(8, 16, 128, 128, 8, 3), 4),
+    # 256-pixel patches of 64 channels, two per SM: at layer1's 56x56 64 -> 64 INT8 18.8 us and FP8 19.9, against
+    # 23.6 and 27.5 for 8x16x64x128 w4 s4, which both engines had taken there (H200, 2026-12-01,
+    # bench/results/H200-conv-tiles-0724-l1.log); four stages 19.6 / 21.0, 8 warps 27.2 / 29.0.
+    (PatchConfig(8, 32, 64, 128, 4, 3), 3),
 ]
 # One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) ran
 # 1.7-6x slower than these at every ResNet-50 3x3 layer (H200, 2026-11-30, bench/results/H200-conv-sweep-1735.log),
