@@ -73,23 +73,26 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
 
 
 @triton.jit
-def quantize(a, xs_ptr, QUANT: tl.constexpr):
+def quantize(a, xs_ptr, QUANT: tl.constexpr, RELU: tl.constexpr = False):
     """A float tile quantized in registers with the per-tensor scale *xs_ptr (QUANT "int8" / "fp8", as
-    kiln.ops.fused.quantize does), or `a` as is (QUANT "")."""
+    kiln.ops.fused.quantize does), or `a` as is (QUANT ""). RELU: quantize relu(a), exactly, with the ReLU done
+    by the saturation's lower bound (0 instead of the type's minimum; scales are positive): one instruction less
+    per value (sm_90 SASS of the TMA GEMM's 128x128 INT8 tile with residual, 8-bit output and copy: 2785 -> 2657)."""
     if QUANT != "":
         # x * (1/sx) rather than x / sx: a division per element would dominate an ALU-bound pass. It can
         # differ from the reference's quotient by an ulp, moving a value within an ulp of a rounding tie by
         # one quantization step (never when sx is a power of two).
         v = a.to(tl.float32) * (1.0 / tl.load(xs_ptr).to(tl.float32))
         if QUANT == "int8":
-            v = tl.minimum(tl.maximum(v, -128.0), 127.0)  # saturate first: round(clamp(v)) == clamp(round(v))
+            # saturate first: round(clamp(v)) == clamp(round(v))
+            v = tl.minimum(tl.maximum(v, 0.0 if RELU else -128.0), 127.0)
             # Round half to even like torch.round: adding 1.5 * 2**23 makes the FP32 adder round v to an integer
             # (to nearest even) and leaves it in the low mantissa bits, read out as int8 without a float->int
             # conversion. libdevice.rint would do on the GPU but does not run in Triton's interpreter.
             a = (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
         else:
             # Saturate to E4M3's largest finite value, then round to nearest even (cvt.rn.satfinite on sm_89+).
-            a = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+            a = tl.minimum(tl.maximum(v, 0.0 if RELU else -448.0), 448.0).to(tl.float8e4nv)
     return a
 
 

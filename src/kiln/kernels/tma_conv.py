@@ -105,12 +105,14 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         if HAS_Z:  # a residual of the output's shape, channels-last
             acc += residual(z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N), zs_ptr, Z_SCALED)
-        acc = epilogue(acc, ACT, p0, p1)
+        RELU: tl.constexpr = ACT == "Relu" and Y_QUANTIZED  # done by the quantization's clamp
+        if not RELU:
+            acc = epilogue(acc, ACT, p0, p1)
         # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
-        out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
+        out = quantize(acc, ys_ptr, QUANT, RELU).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
         y_desc.store([img, oh0, ow0, off_n], out.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
         if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
-            q = quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT).to(q_desc.dtype)
+            q = quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT, RELU).to(q_desc.dtype)
             q_desc.store([img, oh0, ow0, off_n], q.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
 
 

@@ -80,12 +80,14 @@ def _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     if HAS_Z:  # a residual: a 1x1 convolution's shortcut
         acc += residual(z, zs_ptr, Z_SCALED)
-    acc = epilogue(acc, ACT, p0, p1)
+    RELU: tl.constexpr = ACT == "Relu" and Y_QUANTIZED  # done by the quantization's clamp
+    if not RELU:
+        acc = epilogue(acc, ACT, p0, p1)
     # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
-    out = quantize(acc, ys_ptr, QUANT).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
+    out = quantize(acc, ys_ptr, QUANT, RELU).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
     y_desc.store([off_m, off_n], out)
     if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
-        q_desc.store([off_m, off_n], quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT).to(q_desc.dtype))
+        q_desc.store([off_m, off_n], quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT, RELU).to(q_desc.dtype))
 
 
 @triton.jit
