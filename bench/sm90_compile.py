@@ -40,7 +40,7 @@ def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128
            **POINTERS, **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "pad_h", "pad_w", "stride_ws")},
            "p0": "fp32", "p1": "fp32"}
     cx = dict(KH=3, KW=3, STRIDE=stride, HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8,
-              COPY=out8, Z_SCALED=bool(quant), BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132)
+              COPY=out8, Z_SCALED=bool(quant), RELU=out8, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132)
     return ASTSource(fn=tma_conv._tma_conv_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -51,7 +51,7 @@ def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, sta
            "q_desc": f"tensordesc<{x}[{bm},{bn}]>",
            **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
     cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8, Z_SCALED=bool(quant),
-              W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132,
+              RELU=out8, W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132,
               NUM_STAGES=stages)
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 

@@ -119,3 +119,22 @@ def test_the_single_loop_runs_where_k_fits_one_tile_and_its_prefetched_residual_
     assert tma_gemm.residual_bytes(int8_s4, 1, True) == 3 * 128 * 128
     assert tma_gemm.residual_bytes(int8_s4, 1, False) == 128 * 128
     assert tma_gemm.one_loop(int8_s4, 64, 2) and not tma_gemm.one_loop(int8_s4, 64, 2, 2)  # 128 KB + 96 KB
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_a_relu_left_to_the_quantization_gives_the_same_codes(qtype, monkeypatch):
+    """A ReLU before an 8-bit output is the quantization's lower clamp (gemm.relu_in_quantize, one instruction less
+    per value): the same codes as the ReLU and then the quantization."""
+    assert gemm.relu_in_quantize("Relu", True) and not gemm.relu_in_quantize("Relu", False)
+    assert not gemm.relu_in_quantize("GeluErf", True)
+    M, K, N = 37, 32, 48
+    x, w, sx, sw, b = _int8_operands(M, K, N)
+    if qtype == "fp8":
+        x, w, sw = x.float().to(torch.float8_e4m3fn), w.float().to(torch.float8_e4m3fn), sw[:1]
+    kw = dict(qtype=qtype, x_scale=sx, w_scale=sw, out_dtype=torch.float16, y_scale=torch.tensor(0.03, device=DEV),
+              q_scale=torch.tensor(0.02, device=DEV))
+    folded = tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw)
+    monkeypatch.setattr(gemm, "RELU_IN_QUANTIZE", False)
+    separate = tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw)
+    for f, s in zip(folded, separate):
+        assert f.dtype == s.dtype and torch.equal(f.float(), s.float()) and (s.float() == 0).any()

@@ -72,6 +72,14 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
     return y
 
 
+RELU_IN_QUANTIZE = True  # the TMA kernels' ReLU before an 8-bit output done by quantize (off only to compare)
+
+
+def relu_in_quantize(act: str, y_quantized: bool) -> bool:
+    """Whether a kernel leaves its ReLU to `quantize(..., RELU=True)`: a ReLU before an 8-bit output."""
+    return RELU_IN_QUANTIZE and act == "Relu" and y_quantized
+
+
 @triton.jit
 def quantize(a, xs_ptr, QUANT: tl.constexpr, RELU: tl.constexpr = False):
     """A float tile quantized in registers with the per-tensor scale *xs_ptr (QUANT "int8" / "fp8", as

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, residual, residual_ok
+from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, relu_in_quantize, residual, residual_ok
 from .tma_gemm import programs, resident_programs
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
@@ -69,7 +69,7 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1,
                      KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
-                     COPY: tl.constexpr, Z_SCALED: tl.constexpr,
+                     COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
@@ -105,8 +105,7 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         if HAS_Z:  # a residual of the output's shape, channels-last
             acc += residual(z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N), zs_ptr, Z_SCALED)
-        RELU: tl.constexpr = ACT == "Relu" and Y_QUANTIZED  # done by the quantization's clamp
-        if not RELU:
+        if not RELU:  # else the quantization's clamp does the ReLU (gemm.relu_in_quantize)
             acc = epilogue(acc, ACT, p0, p1)
         # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
         out = quantize(acc, ys_ptr, QUANT, RELU).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
@@ -243,6 +242,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1,
         KH=KH, KW=KW, STRIDE=S, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
+        RELU=relu_in_quantize(act, y_scale is not None),
         BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     y = y.permute(0, 3, 1, 2)
