@@ -405,7 +405,8 @@ def _cudnn_qconv(plan: int):
 
 # Level 4: in ResNet-50's batch-32 INT8 engine (H200) the builder took them for 21 layers, whose kernels then
 # summed 44 us less, but the replay idled 33 us more between kernels: 11 us (1.2%), against graphs that cuDNN
-# compiles while the engine builds.
+# compiles while the engine builds. A later level-4 run had no such gaps and ran 7% faster than level 3
+# (kernels/cudnn_conv.py); their own share is not yet measured.
 # Registered only with cudnn-frontend installed, so that loading an engine that needs them elsewhere is refused.
 for _plan in range(cudnn_conv.PLANS if cudnn_conv.cudnn is not None else 0):
     _applies, _run, _workspace = _cudnn_qconv(_plan)
