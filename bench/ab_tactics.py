@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     for label, exclude in variants.items():
         module, _, name = switches.get(label, ("", "", ""))
         if module:
+            was = getattr(importlib.import_module(module), name)
             setattr(importlib.import_module(module), name, False)
         try:
             cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
             chosen[label] = [t["chosen"] for t in engine.tactics]
         finally:
             if module:
-                setattr(importlib.import_module(module), name, True)
+                setattr(importlib.import_module(module), name, was)
     rounds = {label: [] for label in contexts}
     for _ in range(args.rounds):  # interleaved, so drift in clocks or load hits every variant alike
         for label, ctx in contexts.items():
