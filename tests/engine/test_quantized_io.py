@@ -181,21 +181,55 @@ def _int8_build(model, seed, method, batch=2):
     return engine, x, ref
 
 
-def _stem_pool(c: int = 8, size: int = 8):
-    """ResNet's stem: a float convolution over 3 channels, ReLU, a 3x3 stride-2 max pool, read by a block's first
-    convolution and by its downsampling one; out = Relu(Conv_b(p) + Conv_d(p)); x [N, 3, size, size]."""
+def _stem_pool(c: int = 8, size: int = 8, stride: int = 1):
+    """ResNet's stem: a convolution over 3 channels (3x3, or with stride 2 7x7 as ResNet's), ReLU, a 3x3 stride-2 max
+    pool, read by a block's first convolution and by its downsampling one; out = Relu(Conv_b(p) + Conv_d(p));
+    x [N, 3, size, size]."""
     rng = np.random.default_rng(3)
-    inits = [numpy_helper.from_array((rng.standard_normal((c, 3, 3, 3)) / 9).astype(np.float32), "ws"),
+    k = 3 if stride == 1 else 7
+    inits = [numpy_helper.from_array((rng.standard_normal((c, 3, k, k)) / (3 * k)).astype(np.float32), "ws"),
              numpy_helper.from_array((rng.standard_normal((c, c, 1, 1)) / c).astype(np.float32), "wb"),
              numpy_helper.from_array((rng.standard_normal((c, c, 1, 1)) / c).astype(np.float32), "wd")]
-    nodes = [helper.make_node("Conv", ["x", "ws"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+    nodes = [helper.make_node("Conv", ["x", "ws"], ["c"], name="stem", pads=[k // 2] * 4, strides=[stride] * 2),
+             helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["p", "wb"], ["b"]), helper.make_node("Conv", ["p", "wd"], ["d"]),
              helper.make_node("Add", ["b", "d"], ["s"]), helper.make_node("Relu", ["s"], ["out"])]
+    out = size // (2 * stride)
     g = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, size, size])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", c, size // 2, size // 2])],
-                          inits)
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", c, out, out])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_a_stride_2_rgb_stem_runs_as_an_8_bit_convolution_over_8_bit_patches(qtype):
+    """passes/stem_patches.py: the 7x7 stride-2 stem reads its image as 8-bit patches, which the patches quantize
+    themselves, and writes its output as 8-bit values for the max pool after it, at the pool's output scale."""
+    model = _stem_pool(size=16, stride=2)
+    rng = np.random.default_rng(6)
+    calib = [{"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float32)} for _ in range(32)]
+    prof = kiln.Profile({"x": ((2, 3, 16, 16),) * 3})
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], calib=calib,
+                                                **{qtype: True}))
+    patches = next(n for n in engine.graph.nodes if n.op_type == "StemPatches")
+    stem = next(n for n in engine.graph.nodes if n.op_type == "QConv" and n.inputs[0] == patches.outputs[0])
+    assert stem.attrs["x_quantized"] == 1 and stem.precision == qtype and not stem.note
+    assert patches.inputs[1] == stem.inputs[2] and patches.attrs["qtype"] == qtype  # its scale, its type
+    pool = next(n for n in engine.graph.nodes if n.op_type == "MaxPool")
+    assert pool.inputs[0] == stem.outputs[0] and pool.attrs["x_quantized"] == 1 and stem.inputs[6] == pool.inputs[1]
+    x = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+    seen = {}
+
+    def observe(node, outs):
+        if outs is not None:
+            seen[node.outputs[0]] = outs[0]
+
+    engine.create_execution_context().run_layerwise({"x": x}, observe)
+    assert seen[patches.outputs[0]].dtype == seen[stem.outputs[0]].dtype == {"int8": torch.int8,
+                                                                            "fp8": torch.float8_e4m3fn}[qtype]
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = engine.create_execution_context().run({"x": x})["out"]
+    assert np.abs(got - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("qtype", ["int8", "fp8"])

@@ -233,6 +233,27 @@ def test_the_stem_pool_and_the_shortcut_run_in_8_bits_on_the_gpu_and_match_onnxr
     assert np.abs(got - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_the_8_bit_stem_over_patches_runs_on_the_gpu_and_matches_onnxruntime(qtype):
+    """passes/stem_patches.py on the GPU's kernels: the patches kernel quantizes the image, the 7x7 stride-2 stem
+    runs as an 8-bit 4x1 convolution and writes 8-bit values for the pool, which reads them as they are."""
+    if qtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs Ada or Hopper")
+    model = _stem_pool(c=64, size=64, stride=2)
+    rng = np.random.default_rng(9)
+    calib = [{"x": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)} for _ in range(16)]
+    prof = [kiln.Profile({"x": ((8, 3, 64, 64),) * 3})]
+    eng = kiln.build(model, _cfg(profiles=prof, fp16=True, calib=calib, **{qtype: True}))
+    patches = next(n for n in eng.graph.nodes if n.op_type == "StemPatches")
+    pool = next(n for n in eng.graph.nodes if n.op_type == "MaxPool")
+    assert patches.tactic == "triton_stem_patches" and patches.attrs["qtype"] == qtype
+    assert pool.attrs.get("x_quantized") == 1 and pool.tactic == "triton_max_pool_nhwc"
+    x = rng.standard_normal((8, 3, 64, 64)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = eng.create_execution_context().run({"x": torch.from_numpy(x).cuda()})["out"].float().cpu().numpy()
+    assert np.abs(got - ref).max() <= (0.05 if qtype == "int8" else 0.1) * np.abs(ref).max()
+
+
 def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
     """Three ResNet blocks of 64 channels: the middle block reads its residual and writes its output in 8 bits
     (engine/quantized_io.py; entropy calibration, so at a scale widened to the calibrated maximum), on the GPU's

@@ -52,3 +52,20 @@ def test_max_pool_writes_the_quantized_readers_8_bit_input(qtype):
     diff = (got.float() - want.float()).abs()
     step = 1.0 if qtype == "int8" else want.float().abs() / 8  # E4M3: 3 mantissa bits
     assert (diff <= step + 1e-6).all() and (diff == 0).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
+def test_max_pool_reads_8_bit_values_and_writes_their_max(qtype):
+    """x_quantized: the input holds 8-bit values at the output's scale (an 8-bit stem wrote them); the output is
+    their max, exactly, padding included."""
+    node = Node("MaxPool", ["x", "s"], ["y"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                              "qtype": qtype, "x_quantized": 1})
+    dt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[qtype]
+    x = (torch.randn(2, 16, 9, 7, generator=torch.Generator().manual_seed(2)) * 40).clamp(-128, 127).round().to(dt)
+    x = x.to(DEV).contiguous(memory_format=torch.channels_last)
+    scale = torch.tensor(0.02, device=DEV)
+    assert pool.supports(node, x)
+    want = max_pool(node, x, scale)
+    got = pool.max_pool2d(node, x, scale, qtype)
+    assert got.dtype == want.dtype == dt and (want.float() < 0).any()  # negative maxima: no zero padding
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0)

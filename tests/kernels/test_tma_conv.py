@@ -95,6 +95,21 @@ def test_strided_int8_conv_matches_the_pointer_kernel():
     assert torch.equal(got, conv.conv2d(node, x, w, config=conv.TileConfig(16, 16, 32, 4, 2), **kw))
 
 
+def test_the_int8_stem_over_patches_matches_the_pointer_kernel():
+    """passes/stem_patches.py's stem: 4x1 taps, pads 2 above and 1 below, 64 channels of 8-bit patches."""
+    node = _node(4, (2, 0, 1, 0), "Relu", qtype="int8")
+    node.attrs["kernel_shape"] = [4, 1]
+    g = torch.Generator().manual_seed(5)
+    x = _cl((torch.randn(2, 64, 8, 9, generator=g) * 30).round().clamp(-128, 127).to(torch.int8))
+    w = _cl((torch.randn(48, 64, 4, 1, generator=g) * 30).round().clamp(-127, 127).to(torch.int8))
+    kw = dict(x_scale=torch.tensor(0.05, device=DEV), w_scale=(torch.rand(48, generator=g) * 0.01 + 0.001).to(DEV),
+              y_scale=torch.tensor(0.03, device=DEV))
+    assert tma_conv.supports(node, x, w, None, None, SMALL8, "int8")
+    got = poisoned(lambda: tma_conv.conv2d(node, x, w, config=SMALL8, **kw))
+    assert got.shape == (2, 48, 8, 9)
+    assert torch.equal(got, conv.conv2d(node, x, w, config=conv.TileConfig(16, 16, 32, 4, 2), **kw))
+
+
 def test_fp8_conv_and_float_input_quantized_first():
     node = _node(3, (1, 1, 1, 1), qtype="fp8")
     _, w, sx, sw, b = _int8_layer(2, "fp8")

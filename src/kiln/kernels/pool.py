@@ -7,7 +7,8 @@ each pixel's channel slice one contiguous load. Padding reads as -inf; NaN propa
 (as torch's does). Any input strides; the output is [N, OH, OW, C] in memory, returned as an
 NCHW-shaped view like the convolution kernels' output. With a scale and a qtype it writes the maxima as
 int8 / FP8 values, the input of the quantized convolutions after it (ResNet's stem pool feeds two), which then
-need no quantize pass. The result is theirs: the max of rounded values is the rounded max.
+need no quantize pass. The result is theirs: the max of rounded values is the rounded max. For the same reason it
+also reads 8-bit values at that scale (ResNet's 8-bit stem writes them) and writes their max as it is.
 
 Reference: kiln.ops.nn.max_pool.
 """
@@ -38,29 +39,34 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
         for kw in tl.static_range(KW):
             iw = ow * stride_w - pad_w + kw * dil_w
             ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            v = tl.load((base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc,
-                        mask=ok[:, None] & c_ok[None, :], other=float("-inf"))
-            acc = tl.maximum(acc, v.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+            m = ok[:, None] & c_ok[None, :]
+            v = tl.load((base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc, mask=m)
+            v = tl.where(m, v.to(tl.float32), float("-inf"))  # no 8-bit value to load -inf as
+            acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
     if QUANT != "":  # from the input type's value, as the reference quantizes the pool's output
         acc = quantize(acc.to(x_ptr.dtype.element_ty), ys_ptr, QUANT)
     tl.store(y_ptr + rp[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
 
 
 def supports(node, x: torch.Tensor) -> bool:
-    """2-D pooling of a float tensor, values only (no Indices output)."""
-    return (x.dim() == 4 and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel() > 0
+    """2-D pooling of a float tensor, or of the 8-bit values of its qtype (attribute x_quantized), values only (no
+    Indices output)."""
+    dtypes = (QTYPES[node.attr("qtype", "int8")],) if node.attr("x_quantized", 0) else (
+        torch.float16, torch.bfloat16, torch.float32)
+    return (x.dim() == 4 and x.dtype in dtypes and x.numel() > 0
             and len(node.attr("kernel_shape") or []) == 2 and not (len(node.outputs) > 1 and node.outputs[1])
             and x.numel() < 2**31)
 
 
 def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype: str = "", block_p: int = 32,
                block_c: int = 64) -> torch.Tensor:
-    """y_scale and qtype ("int8" / "fp8"): the output quantized with that per-tensor scale."""
+    """y_scale and qtype ("int8" / "fp8"): the output quantized with that per-tensor scale, unless x holds such
+    values already (attribute x_quantized; the output is then their max, in their type)."""
     from ..ops.nn import _pool_geometry
 
     kernel, strides, dilations, pads, (OH, OW) = _pool_geometry(node, x)
     N, C, H, W = x.shape
-    quant = qtype if y_scale is not None else ""
+    quant = qtype if y_scale is not None and not node.attr("x_quantized", 0) else ""
     y = torch.empty((N, OH, OW, C), dtype=QTYPES[quant] if quant else x.dtype, device=x.device)
     P = N * OH * OW
     block_c = min(block_c, triton.next_power_of_2(C))

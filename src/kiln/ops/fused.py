@@ -236,6 +236,30 @@ def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=
     return out if q_scale is None else (out, quantize(node, y, q_scale))
 
 
+def stem_patches_reference(x: torch.Tensor, channels: int, first: int, columns: int, width: int) -> torch.Tensor:
+    """x [N, C, H, W] (H, W even) as [N, columns * 4 * channels, H/2, width], channels-last: at (i, j), entry
+    ((t * 2 + pr) * 2 + pc) * channels + c is x[c, 2i + pr, 2(j + first + t) + pc], zero outside the image and
+    for c >= C. Each row holds the 2x2 cells (space-to-depth) of `columns` neighbouring cell columns."""
+    n, c, h, w = x.shape
+    left = max(0, -first)  # zero cells before column 0 and after the last
+    right = max(0, width + first + columns - 1 - (w // 2 - 1))
+    xp = F.pad(x, (2 * left, 2 * right, 0, 0, 0, channels - c))
+    cells = xp.reshape(n, channels, h // 2, 2, xp.shape[3] // 2, 2).permute(0, 2, 4, 3, 5, 1)  # [n, i, q, pr, pc, c]
+    start = left + first
+    y = torch.stack([cells[:, :, start + t:start + t + width] for t in range(columns)], dim=3)
+    return y.reshape(n, h // 2, width, -1).permute(0, 3, 1, 2)
+
+
+# y_scale (input 1): the quantized convolution's input scale; the output is then its 8-bit input (attribute qtype),
+# as kiln/engine/quantized_io.py links patches that only quantized layers read.
+@register("StemPatches", domain=KILN, keeps_input_types=True, uncast_inputs=(1,))
+def stem_patches(node, x, y_scale=None):
+    """A stride-2 convolution's input over few channels (an RGB stem) rearranged for the stride-1 convolution over
+    many channels that passes/stem_patches.py turns it into (stem_patches_reference says where each value goes)."""
+    y = stem_patches_reference(x, node.attr("channels"), node.attr("first"), node.attr("columns"), node.attr("width"))
+    return quantize(node, y, y_scale) if y_scale is not None else y
+
+
 @register("Int4Gemm", domain=KILN, keeps_input_types=True)
 def int4_gemm(node, x, packed, scales, b=None):
     """x @ dequant(packed int4 [K/2, N], group scales [K/g, N]) + b, in x's float type."""

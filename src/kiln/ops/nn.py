@@ -281,10 +281,11 @@ def _flat_indices(idx, in_spatial, pad_begin, padded_spatial, storage_order):
 
 
 # y_scale (Kiln's, not ONNX's): quantized readers' scale; the output is then their 8-bit input (attribute qtype),
-# as kiln/engine/quantized_io.py links a pool whose every reader quantizes it.
+# as kiln/engine/quantized_io.py links a pool whose every reader quantizes it. With attribute x_quantized, x holds
+# 8-bit values at that scale already (a QConv wrote them), and their max is the output as it is.
 @register("MaxPool", check=_check_pool, uncast_inputs=(1,))
 def max_pool(node, x, y_scale=None):
-    if y_scale is not None:
+    if y_scale is not None and not node.attr("x_quantized", 0):
         from .fused import quantize
 
         return quantize(node, max_pool(node, x), y_scale)
@@ -294,7 +295,7 @@ def max_pool(node, x, y_scale=None):
     pool = _MAX_POOL[n]
     eff = [(kernel[i] - 1) * dilations[i] + 1 for i in range(n)]
     dtype = x.dtype
-    if not dtype.is_floating_point:  # CUDA has no integer pooling; int8/uint8 (ONNX's) are exact in FP32
+    if not dtype.is_floating_point or dtype.itemsize == 1:  # no integer or FP8 pooling; 8-bit values are exact in FP32
         x = x.to(torch.float32 if x.element_size() <= 2 else torch.float64)
     native = _native_pool(x, kernel, strides, dilations, pads, out, lambda i: eff[i] // 2)
     if native is not None:

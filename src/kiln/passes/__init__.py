@@ -29,6 +29,7 @@ from . import (
     merge_parallel_gemms,
     remove_noops,
     split_heads_as_view,
+    stem_patches,
 )
 
 PIPELINE = [
@@ -39,6 +40,7 @@ PIPELINE = [
     gather_nd_host_index,  # GatherND on shape-arithmetic indices: offsets once per shape on the host
     split_heads_as_view,  # sequence-first head split (merge batch*heads, split again) -> a view
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
+    stem_patches,  # INT8/FP8 builds: a stride-2 RGB stem -> patches + a stride-1 convolution over 64 channels
     insert_qdq,  # INT8 builds: calibrated Q/DQ around GEMMs and convolutions (post-training quantization)
     fuse_int4_weights,  # MatMul on INT4 weights (group scales) -> weight-only INT4 GEMM
     fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8/FP8 layers (explicit quantization)

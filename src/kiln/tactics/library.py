@@ -403,14 +403,13 @@ def _cudnn_qconv(plan: int):
     return applies, run, workspace
 
 
-# Level 4: in ResNet-50's batch-32 INT8 engine (H200) the builder took them for 21 layers, whose kernels then
-# summed 44 us less, but the replay idled 33 us more between kernels: 11 us (1.2%), against graphs that cuDNN
-# compiles while the engine builds. A later level-4 run had no such gaps and ran 7% faster than level 3
-# (kernels/cudnn_conv.py); their own share is not yet measured.
+# Level 3 (the default): in ResNet-50's batch-32 INT8 engine (H200) the builder takes them for 21 layers (stages
+# 2-4's 3x3 among them), and the same-process A/B without them ran 7.1% slower (724.9 against 776.3 us,
+# bench/results/H200-ab-level4-cudnn-int8-0821.log). They cost build time: cuDNN compiles each graph it times.
 # Registered only with cudnn-frontend installed, so that loading an engine that needs them elsewhere is refused.
 for _plan in range(cudnn_conv.PLANS if cudnn_conv.cudnn is not None else 0):
     _applies, _run, _workspace = _cudnn_qconv(_plan)
-    tactic("QConv", f"cudnn_graph_plan{_plan}", _applies, workspace=_workspace, level=4)(_run)
+    tactic("QConv", f"cudnn_graph_plan{_plan}", _applies, workspace=_workspace, level=3)(_run)
 
 
 # --- QGemm / QConv computed in float (any shape) ---------------------------------------------------

@@ -144,6 +144,19 @@ def triton_max_pool(node, x, y_scale=None):
     return pool.max_pool2d(node, x, y_scale, node.attr("qtype", "int8"))
 
 
+def _stem_patches_ok(node, args) -> bool:
+    from ..kernels import stem_patches
+
+    return args[0].is_cuda and stem_patches.supports(node, args[0])
+
+
+@tactic("StemPatches", "triton_stem_patches", _stem_patches_ok, level=3)
+def triton_stem_patches(node, x, y_scale=None):
+    from ..kernels import stem_patches
+
+    return stem_patches.stem_patches(node, x, y_scale, node.attr("qtype", "int8"))
+
+
 def _gather_rows_ok(node, args) -> bool:
     from ..kernels import gather_rows
 
