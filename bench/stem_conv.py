@@ -4,7 +4,8 @@ candidate, alone: which way of running a 3-channel convolution a tactic should o
 At batch 1 cuDNN's heuristic picks a 13.8 us kernel for it (16 TFLOP/s; bench/results/H200-trace-resnet50-b1.md),
 the largest kernel of the engine. Candidates: cuDNN as is; cuDNN with the channels zero-padded to 4 or 8 (the
 input cast could write the padding for free); im2col (one gather copy) then cuBLASLt with its bias+ReLU epilogue,
-K = 147 or padded to 160; Kiln's Triton implicit-GEMM convolution (flat K walk) at several tiles.
+K = 147 or padded to 160; Kiln's Triton implicit-GEMM convolution (flat K walk) at several tiles; the 8-bit
+stem of passes/stem_patches.py (the patches from the FP32 image, then the 4x1 8-bit TMA convolution per tile).
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder times tactics), us.
 
     python bench/stem_conv.py > bench/results/H200-stem-conv.log        (GPU)
@@ -86,6 +87,50 @@ def main() -> None:
             row(f"im2col K={k_pad} + addmm relu", lambda k_pad=k_pad: im2col_gemm(x, w, b, k_pad))
         for cfg in TRITON:
             row(f"triton flat {cfg.name}", lambda cfg=cfg: conv.conv2d(node, x, w, b, config=cfg))
+        patches_rows(x, w, b, ref)
+
+
+def patches_rows(x, w, b, ref) -> None:
+    """passes/stem_patches.py's form: the FP32 NCHW image (as engines get it) -> stem patches -> a stride-1 4x1
+    convolution over 64 channels; the patches alone, the convolution alone per tactic, and the two together."""
+    from kiln.kernels import stem_patches, tma_conv
+    from kiln.passes.insert_qdq import quantize_weight, quantize_weight_fp8
+    from kiln.passes.stem_patches import _geometry, patch_weights
+
+    image = x.float().contiguous()  # FP32 NCHW
+    conv_node = Node("Conv", ["x", "w"], ["y"], {"strides": [2, 2], "pads": [3, 3, 3, 3]})
+    geo = _geometry(conv_node, tuple(image.shape), w)
+    pn = Node("StemPatches", ["x"], ["p"], {"channels": 4, "first": geo["first"], "columns": geo["columns"],
+                                           "width": geo["width"]}, domain="kiln")
+    wp = patch_weights(w.float().cpu(), geo).to(x.device)
+    amax = image.abs().max()
+    p16 = stem_patches.stem_patches(pn, image.half())
+    w16 = wp.half().contiguous(memory_format=torch.channels_last)
+    print(f"stem patches FP16: {us(lambda: stem_patches.stem_patches(pn, image.half()))}")
+    # symmetric padding 2: one output row more than the stem's (cuDNN takes no asymmetric padding)
+    print(f"FP16 4x1 over patches, cuDNN: "
+          f"{us(lambda: torch.cudnn_convolution_relu(p16, w16, b, [1, 1], [2, 0], [1, 1], 1))}", flush=True)
+    for qtype, qmax in (("int8", 127.0), ("fp8", 448.0)):
+        xs = (amax / qmax).reshape(())
+        wq, ws = quantize_weight(wp, 0) if qtype == "int8" else quantize_weight_fp8(wp)
+        wq = wq.contiguous(memory_format=torch.channels_last)
+        ws = ws.to(x.device).float().reshape(-1).expand(64).contiguous()
+        ys = (ref.abs().max() / qmax).reshape(())
+        qn = Node("QConv", ["p", "w"], ["y"], {"kernel_shape": [geo["rows"], 1], "strides": [1, 1], "pads": geo["pads"],
+                                              "dilations": [1, 1], "group": 1, "activation": "Relu",
+                                              "activation_params": [], "qtype": qtype}, domain="kiln")
+        p = stem_patches.stem_patches(pn, image, xs, qtype)
+        print(f"stem patches {qtype}: {us(lambda p=p: stem_patches.stem_patches(pn, image, xs, qtype))}")
+        for cfg, level in tma_conv.QUANT_CONFIGS:
+            if not tma_conv.supports(qn, p, wq, b, None, cfg, qtype):
+                continue
+
+            def run(cfg=cfg, p=p):
+                return tma_conv.conv2d(qn, p, wq, b, config=cfg, x_scale=xs, w_scale=ws, y_scale=ys,
+                                       out_dtype=torch.float16)
+            err = (run().float() * ys - ref).abs().max().item()
+            print(f"{qtype} 4x1 over patches, TMA {cfg.name} (level {level}): {us(run)} (err {err:.1e} of "
+                  f"{ref.abs().max().item():.1f})", flush=True)
 
 
 if __name__ == "__main__":

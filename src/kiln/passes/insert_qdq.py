@@ -13,7 +13,8 @@ float: an 8-bit Tensor Core step sums 32 channels, so 3 channels waste most of i
 here takes it (it ran as a float fallback). On the H200 (2026-11-30) ResNet-50's INT8 stem at batch 32
 came with 13 per-call kernels, about 60 us, quantizing the image, dequantizing the weights and padding
 channels, before the same 60 us cuDNN convolution an FP16 stem runs; the FP16 stem needs one 9 us pad
-kernel (engine/layout.py).
+kernel (engine/layout.py). A stride-2 stem over an image no longer reaches this pass as such: stem_patches ran
+first and made it a convolution over 64 channels.
 """
 
 from __future__ import annotations

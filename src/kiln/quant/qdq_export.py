@@ -4,6 +4,9 @@ The model goes through Kiln's passes up to Q/DQ insertion (constant folding,
 BatchNorm folding, insert_qdq), so the exported file is exactly the quantized
 graph Kiln's INT8 engine is built from: comparing onnxruntime on it with the
 engine checks Kiln's INT8 kernels, and the file can be shipped to other runtimes.
+One difference: a stride-2 RGB stem stays a float convolution here, where the
+engine runs it in 8 bits over stem patches (passes/stem_patches.py), a Kiln op
+that onnxruntime does not have.
 """
 
 from __future__ import annotations
