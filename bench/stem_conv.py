@@ -8,7 +8,7 @@ K = 147 or padded to 160; Kiln's Triton implicit-GEMM convolution (flat K walk) 
 stem of passes/stem_patches.py (the patches from the FP32 image, then the 4x1 8-bit TMA convolution per tile).
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as the builder times tactics), us.
 
-    python bench/stem_conv.py > bench/results/H200-stem-conv.log        (GPU)
+    python bench/stem_conv.py [--patches-only] > bench/results/H200-stem-conv.log        (GPU)
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from kiln.ir.graph import Node  # noqa: E402
 from kiln.kernels import conv  # noqa: E402
 from kiln.kernels.gemm import TileConfig  # noqa: E402
+from kiln.kernels.tma_conv import PatchConfig  # noqa: E402
 from kiln.tactics.timer import median_ms  # noqa: E402
 
+# Tiles for the 8-bit stem's 4x1 convolution over 64 channels (K = 4 x 64, N = 64): short K loops, one N tile
+STEM_TILES = [PatchConfig(8, 32, 64, 64, 4, 2), PatchConfig(8, 32, 64, 64, 4, 4), PatchConfig(16, 16, 64, 64, 4, 3),
+              PatchConfig(16, 32, 64, 64, 8, 3), PatchConfig(4, 64, 64, 64, 4, 3), PatchConfig(8, 64, 64, 64, 8, 3),
+              PatchConfig(8, 16, 64, 64, 4, 4)]
 TRITON = [TileConfig(128, 64, 64, 4, 3), TileConfig(128, 64, 32, 4, 4), TileConfig(64, 64, 64, 4, 4),
           TileConfig(64, 64, 32, 4, 4), TileConfig(256, 64, 32, 8, 3), TileConfig(128, 64, 16, 4, 4),
           TileConfig(64, 64, 16, 4, 4), TileConfig(32, 64, 64, 4, 4)]
@@ -57,12 +62,13 @@ def im2col_gemm(x, w, b, k_pad: int):
 
 
 def main() -> None:
+    patches_only = "--patches-only" in sys.argv[1:]  # batch 32's 8-bit stem rows alone
     dev = "cuda"
     print(f"# ResNet-50 stem convolution candidates, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     node = Node("FusedConv", ["x", "w", "b"], ["y"], {"strides": [2, 2], "pads": [3, 3, 3, 3],
                                                      "activation": "Relu"}, domain="kiln")
     g = torch.Generator(device=dev).manual_seed(0)
-    for batch in (1, 32):
+    for batch in (32,) if patches_only else (1, 32):
         x = torch.randn(batch, 3, 224, 224, device=dev, generator=g).half().contiguous(
             memory_format=torch.channels_last)
         w = (torch.randn(64, 3, 7, 7, device=dev, generator=g) / 12).half().contiguous(
@@ -77,6 +83,9 @@ def main() -> None:
             err = (y.float() - ref).abs().max().item()
             print(f"{name}: {us(fn)} (err {err:.1e})", flush=True)
 
+        if patches_only:
+            patches_rows(x, w, b, ref)
+            continue
         row("cudnn C=3", lambda: torch.cudnn_convolution_relu(x, w, b, [2, 2], [3, 3], [1, 1], 1))
         for c in (4, 8):
             xc = F.pad(x.permute(0, 2, 3, 1), (0, c - 3)).permute(0, 3, 1, 2)  # channels-last, zero channels
@@ -87,12 +96,14 @@ def main() -> None:
             row(f"im2col K={k_pad} + addmm relu", lambda k_pad=k_pad: im2col_gemm(x, w, b, k_pad))
         for cfg in TRITON:
             row(f"triton flat {cfg.name}", lambda cfg=cfg: conv.conv2d(node, x, w, b, config=cfg))
-        patches_rows(x, w, b, ref)
+        if batch > 1:
+            patches_rows(x, w, b, ref)
 
 
 def patches_rows(x, w, b, ref) -> None:
     """passes/stem_patches.py's form: the FP32 NCHW image (as engines get it) -> stem patches -> a stride-1 4x1
     convolution over 64 channels; the patches alone, the convolution alone per tactic, and the two together."""
+    from kiln.kernels import pool as pool_kernel
     from kiln.kernels import stem_patches, tma_conv
     from kiln.passes.insert_qdq import quantize_weight, quantize_weight_fp8
     from kiln.passes.stem_patches import _geometry, patch_weights
@@ -121,16 +132,28 @@ def patches_rows(x, w, b, ref) -> None:
                                               "activation_params": [], "qtype": qtype}, domain="kiln")
         p = stem_patches.stem_patches(pn, image, xs, qtype)
         print(f"stem patches {qtype}: {us(lambda p=p: stem_patches.stem_patches(pn, image, xs, qtype))}")
-        for cfg, level in tma_conv.QUANT_CONFIGS:
+        offered = [(cfg, f"level {level}", None) for cfg, level in tma_conv.QUANT_CONFIGS]
+        for cfg, per_sm in [(c, n) for c in STEM_TILES for n in (1, 2, 3)]:
+            offered.append((cfg, f"{per_sm} per SM, not offered", per_sm))
+        for cfg, what, per_sm in offered:
             if not tma_conv.supports(qn, p, wq, b, None, cfg, qtype):
                 continue
 
-            def run(cfg=cfg, p=p):
+            def run(cfg=cfg, p=p, per_sm=per_sm):
                 return tma_conv.conv2d(qn, p, wq, b, config=cfg, x_scale=xs, w_scale=ws, y_scale=ys,
-                                       out_dtype=torch.float16)
+                                       out_dtype=torch.float16, programs_per_sm=per_sm)
             err = (run().float() * ys - ref).abs().max().item()
-            print(f"{qtype} 4x1 over patches, TMA {cfg.name} (level {level}): {us(run)} (err {err:.1e} of "
+            print(f"{qtype} 4x1 over patches, TMA {cfg.name} ({what}): {us(run)} (err {err:.1e} of "
                   f"{ref.abs().max().item():.1f})", flush=True)
+        for block_p in (16, 32, 64, 128, 256):
+            print(f"stem patches {qtype}, {block_p} pixels a program: "
+                  f"{us(lambda bp=block_p: stem_patches.stem_patches(pn, image, xs, qtype, block_p=bp))}")
+        pool = Node("MaxPool", ["y", "s"], ["p"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                                  "qtype": qtype, "x_quantized": 1})
+        y8 = run()
+        for block_p, block_c in ((32, 64), (64, 64), (128, 64), (256, 64), (64, 32)):
+            print(f"max pool over the 8-bit stem output, {block_p}x{block_c}: "
+                  f"{us(lambda bp=block_p, bc=block_c: pool_kernel.max_pool2d(pool, y8, ys, qtype, bp, bc))}")
 
 
 if __name__ == "__main__":
