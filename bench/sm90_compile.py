@@ -1,5 +1,5 @@
-"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy, the pool's 8-bit output,
-the row gather) for Hopper (sm_90) on any machine, no GPU needed (Triton bundles ptxas), and say
+"""Compile Kiln's TMA kernels (and flash attention's 8-bit output, the norm's FP8 copy, the pool's 8-bit I/O,
+the stem patches, the row gather) for Hopper (sm_90) on any machine, no GPU needed (Triton bundles ptxas), and say
 what the compiler made of them: whether each loop's wgmma is pipelined (`warp_group_dot_wait {pendings = 1}`:
 the next MMA issues while one is in flight; `pendings = 0` after every dot: each waits for the last), whether the
 convolution's left tile reaches the MMA from shared memory or through registers, and the shared memory used.
@@ -133,19 +133,40 @@ def norm_compiles() -> int:
 
 
 def pool_compiles() -> int:
-    """Compile the max pool writing its quantized readers' int8 / FP8 input; the number that failed."""
+    """Compile the max pool writing its quantized readers' int8 / FP8 input, from FP16 values or from 8-bit ones
+    (an 8-bit stem's); the number that failed."""
     from kiln.kernels import pool
 
-    sig = {"x_ptr": "*fp16", "ys_ptr": "*fp32",
+    sig = {"ys_ptr": "*fp32",
            **{p: "i32" for p in ("C", "H", "W", "OH", "OW", "P", "sxn", "sxc", "sxh", "sxw", "stride_h", "stride_w",
                                  "pad_h", "pad_w", "dil_h", "dil_w")}}
     failed = 0
     for quant in ("int8", "fp8"):
-        cx = dict(KH=3, KW=3, QUANT=quant, BLOCK_P=32, BLOCK_C=64)
-        failed += _compiles(f"max pool, {quant} output",
-                            ASTSource(fn=pool._max_pool_kernel, signature={**sig, "y_ptr": f"*{DTYPES[quant]}",
-                                                                            **{k: "constexpr" for k in cx}},
-                                      constexprs=cx), {"num_warps": 4})
+        for source in ("", quant):  # "": FP16
+            eight_bit_in = source == quant
+            cx = dict(KH=3, KW=3, QUANT="" if eight_bit_in else quant, INT8_IN=source == "int8", BLOCK_P=32,
+                      BLOCK_C=64)
+            signature = {**sig, "x_ptr": f"*{DTYPES[source]}", "y_ptr": f"*{DTYPES[quant]}",
+                         **{k: "constexpr" for k in cx}}
+            failed += _compiles(f"max pool, {quant} output from {source or 'fp16'} values",
+                                ASTSource(fn=pool._max_pool_kernel, signature=signature, constexprs=cx),
+                                {"num_warps": 4})
+    return failed
+
+
+def stem_patches_compiles() -> int:
+    """Compile the stem patches kernel writing int8 / FP8 patches of an FP32 image; the number that failed."""
+    from kiln.kernels import stem_patches
+
+    failed = 0
+    for quant in ("int8", "fp8"):
+        cx = dict(K=64, CELL_C=4, QUANT=quant, BLOCK_P=128, BLOCK_K=64)
+        signature = {"x_ptr": "*fp32", "y_ptr": f"*{DTYPES[quant]}", "ys_ptr": "*fp32",
+                     **{p: "i32" for p in ("P", "C", "H", "W", "HC", "OW", "FIRST", "sxn", "sxc", "sxh", "sxw")},
+                     **{k: "constexpr" for k in cx}}
+        failed += _compiles(f"stem patches, {quant}",
+                            ASTSource(fn=stem_patches._stem_patches_kernel, signature=signature, constexprs=cx),
+                            {"num_warps": 4})
     return failed
 
 
@@ -210,7 +231,8 @@ def main() -> int:
                 conv_source(stride, quant, True), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")
-    failed = flash_compiles() + norm_compiles() + pool_compiles() + gather_compiles() + gemm_tiles_compile()
+    failed = (flash_compiles() + norm_compiles() + pool_compiles() + stem_patches_compiles() + gather_compiles()
+              + gemm_tiles_compile())
     failed += conv_tiles_compile()
     for name, (src, warps, stages) in cases.items():
         try:

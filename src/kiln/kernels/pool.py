@@ -25,7 +25,7 @@ from .gemm import QTYPES, quantize
 @triton.jit
 def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sxw,
                      KH: tl.constexpr, KW: tl.constexpr, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     QUANT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                     QUANT: tl.constexpr, INT8_IN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixel (n, oh, ow) flattened
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p_ok, c_ok = rp < P, rc < C
@@ -33,16 +33,22 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
     oh = (rp // OW) % OH
     n = rp // (OW * OH)
     base = x_ptr + n * sxn
-    acc = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
+    if INT8_IN:  # int8 maxima as integers: converting each value to float held the pool at 19 us (H200)
+        acc = tl.full((BLOCK_P, BLOCK_C), -128, tl.int8)
+    else:
+        acc = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
     for kh in tl.static_range(KH):
         ih = oh * stride_h - pad_h + kh * dil_h
         for kw in tl.static_range(KW):
             iw = ow * stride_w - pad_w + kw * dil_w
             ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             m = ok[:, None] & c_ok[None, :]
-            v = tl.load((base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc, mask=m)
-            v = tl.where(m, v.to(tl.float32), float("-inf"))  # no 8-bit value to load -inf as
-            acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
+            src = (base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc
+            if INT8_IN:
+                acc = tl.maximum(acc, tl.load(src, mask=m, other=-128))
+            else:
+                v = tl.where(m, tl.load(src, mask=m).to(tl.float32), float("-inf"))  # FP8 has no -inf to load
+                acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
     if QUANT != "":  # from the input type's value, as the reference quantizes the pool's output
         acc = quantize(acc.to(x_ptr.dtype.element_ty), ys_ptr, QUANT)
     tl.store(y_ptr + rp[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
@@ -73,6 +79,7 @@ def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype
     grid = (triton.cdiv(P, block_p), triton.cdiv(C, block_c))
     _max_pool_kernel[grid](x, y, y_scale if quant else x, C, H, W, OH, OW, P, *x.stride(), KH=kernel[0],
                            KW=kernel[1], stride_h=strides[0], stride_w=strides[1], pad_h=pads[0], pad_w=pads[1],
-                           dil_h=dilations[0], dil_w=dilations[1], QUANT=quant, BLOCK_P=block_p, BLOCK_C=block_c)
+                           dil_h=dilations[0], dil_w=dilations[1], QUANT=quant, INT8_IN=x.dtype == torch.int8,
+                           BLOCK_P=block_p, BLOCK_C=block_c)
     return y.permute(0, 3, 1, 2)
 

@@ -137,6 +137,10 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
     # 23.6 and 27.5 for 8x16x64x128 w4 s4, which both engines had taken there (H200, 2026-12-01,
     # bench/results/H200-conv-tiles-0724-l1.log); four stages 19.6 / 21.0, 8 warps 27.2 / 29.0.
     (PatchConfig(8, 32, 64, 128, 4, 3), 3),
+    # 16x16 patches walking K 64 channels at a time: the 8-bit stem's 4x1 convolution over 64 channels of stem
+    # patches (passes/stem_patches.py; K = 4 taps x 64) INT8 32.2 us and FP8 33.7 at batch 32, against 35.9 and
+    # 38.4 for 8x32x64x128 (H200, 2026-12-01, bench/results/H200-stem-patches-0833.log).
+    (PatchConfig(16, 16, 64, 64, 4, 3), 3),
 ]
 # One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) ran
 # 1.7-6x slower than these at every ResNet-50 3x3 layer (H200, 2026-11-30, bench/results/H200-conv-sweep-1735.log),
