@@ -33,8 +33,8 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
     oh = (rp // OW) % OH
     n = rp // (OW * OH)
     base = x_ptr + n * sxn
-    if INT8_IN:  # int8 maxima as integers: converting each value to float held the pool at 19 us (H200)
-        acc = tl.full((BLOCK_P, BLOCK_C), -128, tl.int8)
+    if INT8_IN:  # int8 maxima as int32: converting each value to float held the pool at 19 us (H200); an int8
+        acc = tl.full((BLOCK_P, BLOCK_C), -128, tl.int32)  # accumulator gave wrong maxima on the H200 (Triton 3.6)
     else:
         acc = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
     for kh in tl.static_range(KH):
@@ -45,7 +45,7 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
             m = ok[:, None] & c_ok[None, :]
             src = (base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc
             if INT8_IN:
-                acc = tl.maximum(acc, tl.load(src, mask=m, other=-128))
+                acc = tl.maximum(acc, tl.load(src, mask=m, other=-128).to(tl.int32))
             else:
                 v = tl.where(m, tl.load(src, mask=m).to(tl.float32), float("-inf"))  # FP8 has no -inf to load
                 acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
