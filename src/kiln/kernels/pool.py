@@ -33,8 +33,8 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
     oh = (rp // OW) % OH
     n = rp // (OW * OH)
     base = x_ptr + n * sxn
-    if INT8_IN:  # int8 maxima as int32: converting each value to float held the pool at 19 us (H200); an int8
-        acc = tl.full((BLOCK_P, BLOCK_C), -128, tl.int32)  # accumulator gave wrong maxima on the H200 (Triton 3.6)
+    if INT8_IN:  # int8 maxima as integers: converting each value to float held the pool at 19 us (H200)
+        acc = tl.full((BLOCK_P, BLOCK_C), -128, tl.int32)
     else:
         acc = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
     for kh in tl.static_range(KH):
@@ -44,11 +44,13 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
             ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             m = ok[:, None] & c_ok[None, :]
             src = (base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc
+            # The window's padding chosen after the load: on the H200 (Triton 3.6) an int8 load's `other` left
+            # values of the row above the image in 3 of 640 maxima (bench/results/H200-gpu-tests-0846-pool-int32.log)
+            v = tl.load(src, mask=m)
             if INT8_IN:
-                acc = tl.maximum(acc, tl.load(src, mask=m, other=-128).to(tl.int32))
+                acc = tl.maximum(acc, tl.where(m, v.to(tl.int32), -128))
             else:
-                v = tl.where(m, tl.load(src, mask=m).to(tl.float32), float("-inf"))  # FP8 has no -inf to load
-                acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
+                acc = tl.maximum(acc, tl.where(m, v.to(tl.float32), float("-inf")), propagate_nan=tl.PropagateNan.ALL)
     if QUANT != "":  # from the input type's value, as the reference quantizes the pool's output
         acc = quantize(acc.to(x_ptr.dtype.element_ty), ys_ptr, QUANT)
     tl.store(y_ptr + rp[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
