@@ -44,8 +44,8 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
             ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             m = ok[:, None] & c_ok[None, :]
             src = (base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc
-            # The window's padding chosen after the load: on the H200 (Triton 3.6) an int8 load's `other` left
-            # values of the row above the image in 3 of 640 maxima (bench/results/H200-gpu-tests-0846-pool-int32.log)
+            # The window's padding chosen after the load: with an int8 load's `other` instead, 3 of 640 maxima at
+            # the image's top row were wrong on the H200 (Triton 3.6; bench/results/H200-gpu-tests-0846-pool-int32.log)
             v = tl.load(src, mask=m)
             if INT8_IN:
                 acc = tl.maximum(acc, tl.where(m, v.to(tl.int32), -128))
