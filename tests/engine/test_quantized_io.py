@@ -12,6 +12,18 @@ from kiln.tools.compare import compare
 from ..models import residual_blocks
 
 
+def _layer_values(engine, feeds) -> dict:
+    """Every layer output of one layer-by-layer run of the engine on feeds, by name."""
+    seen = {}
+
+    def observe(node, outs):  # called before each layer (outs None) and after it
+        if outs is not None:
+            seen.update(zip(node.outputs, outs))
+
+    engine.create_execution_context().run_layerwise(feeds, observe)
+    return seen
+
+
 def _qdq_conv_chain():
     """x -> Q/DQ(s1) -> Conv -> Relu -> Q/DQ(s2) -> Conv -> Relu -> y, as onnxruntime's quantizer writes it;
     the middle activation also feeds a float Add when `shared` (then it must stay float)."""
@@ -43,13 +55,7 @@ def test_quantized_layers_pass_int8_activations_and_still_match_onnxruntime():
     assert first.inputs[6] == second.inputs[2]  # the first quantizes its output with the second's input scale
     assert second.attrs["x_quantized"] == 1 and "x_quantized" not in first.attrs
     x = np.random.default_rng(1).standard_normal((3, 3, 6, 6)).astype(np.float32)
-    seen = {}
-
-    def observe(node, outs):  # called before each layer (outs None) and after it
-        if outs is not None:
-            seen[node.outputs[0]] = outs[0]
-
-    engine.create_execution_context().run_layerwise({"x": x}, observe)
+    seen = _layer_values(engine, {"x": x})
     assert str(seen["r1"].dtype) == "torch.int8"  # one byte per element between the two layers
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = engine.create_execution_context().run({"x": x})["r2"]
@@ -65,18 +71,12 @@ def test_a_quantized_layer_reading_the_fp32_input_writes_the_engines_float_type(
     other layer's, not FP32 that the next FP16 layer would cast back."""
     model = _qdq_conv_chain()
     at = next(i for i, n in enumerate(model.graph.node) if n.output == ["r1"])
-    del model.graph.node[at]  # r1 now comes from a float MaxPool, so the first conv writes float
-    model.graph.node.insert(at, helper.make_node("MaxPool", ["c1"], ["r1"], kernel_shape=[1, 1]))
+    del model.graph.node[at]  # r1 now comes from a float AveragePool, so the first conv writes float
+    model.graph.node.insert(at, helper.make_node("AveragePool", ["c1"], ["r1"], kernel_shape=[1, 1]))
     prof = kiln.Profile({"x": ((1, 3, 6, 6), (2, 3, 6, 6), (4, 3, 6, 6))})
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=[prof], fp16=True))
     first = next(n for n in engine.graph.nodes if n.op_type == "QConv")
-    seen = {}
-
-    def observe(node, outs):
-        if outs is not None:
-            seen[node.outputs[0]] = outs[0]
-
-    engine.create_execution_context().run_layerwise({"x": np.ones((2, 3, 6, 6), np.float32)}, observe)
+    seen = _layer_values(engine, {"x": np.ones((2, 3, 6, 6), np.float32)})
     assert seen[first.outputs[0]].dtype == torch.float16
 
 
@@ -117,13 +117,7 @@ def test_a_layernorm_read_as_float_and_by_a_quantized_gemm_writes_both(tmp_path,
     assert (ln.inputs[1] == "") != skip
     assert gemm.attrs["x_quantized"] == 1 and ln.attrs["qtype"] == "int8"
     x = feeds(3)
-    seen = {}
-
-    def observe(node, outs):
-        if outs is not None:
-            seen.update(zip(node.outputs, outs))
-
-    engine.create_execution_context().run_layerwise(x, observe)
+    seen = _layer_values(engine, x)
     assert seen["y.int8"].dtype == torch.int8 and seen["y"].dtype == torch.float32  # both copies
     scale = engine.graph.initializers[ln.inputs[4]]
     assert torch.equal(seen["y.int8"], torch.clamp(torch.round(seen["y"] / scale), -128, 127).to(torch.int8))
@@ -218,13 +212,7 @@ def test_a_stride_2_rgb_stem_runs_as_an_8_bit_convolution_over_8_bit_patches(qty
     pool = next(n for n in engine.graph.nodes if n.op_type == "MaxPool")
     assert pool.inputs[0] == stem.outputs[0] and pool.attrs["x_quantized"] == 1 and stem.inputs[6] == pool.inputs[1]
     x = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
-    seen = {}
-
-    def observe(node, outs):
-        if outs is not None:
-            seen[node.outputs[0]] = outs[0]
-
-    engine.create_execution_context().run_layerwise({"x": x}, observe)
+    seen = _layer_values(engine, {"x": x})
     assert seen[patches.outputs[0]].dtype == seen[stem.outputs[0]].dtype == {"int8": torch.int8,
                                                                             "fp8": torch.float8_e4m3fn}[qtype]
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
@@ -245,13 +233,7 @@ def test_a_max_pool_read_only_by_quantized_convolutions_writes_their_8_bit_input
     assert len(readers) == 2 and all(r.attrs["x_quantized"] == 1 for r in readers)
     assert pool.inputs[1] == readers[0].inputs[2] and pool.attrs["qtype"] == qtype  # their scale, their type
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
-    seen = {}
-
-    def observe(node, outs):
-        if outs is not None:
-            seen[node.outputs[0]] = outs[0]
-
-    engine.create_execution_context().run_layerwise({"x": x}, observe)
+    seen = _layer_values(engine, {"x": x})
     assert seen["p"].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[qtype]
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = engine.create_execution_context().run({"x": x})["out"]
@@ -407,17 +389,6 @@ def _attention_engine(qtype: str):
     calib = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(50)]
     engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, calib=calib, **{qtype: True}))
     return model, engine, {"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
-
-
-def _layer_values(engine, feeds) -> dict:
-    seen = {}
-
-    def observe(node, outs):
-        if outs is not None:
-            seen.update(zip(node.outputs, outs))
-
-    engine.create_execution_context().run_layerwise(feeds, observe)
-    return seen
 
 
 def _matches_onnxruntime_and_its_file(tmp_path, model, engine, feeds, tol: float) -> None:

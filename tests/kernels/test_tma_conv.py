@@ -83,30 +83,21 @@ def test_int8_conv_matches_the_pointer_kernel(outputs):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
 
 
-def test_strided_int8_conv_matches_the_pointer_kernel():
-    node = _node(3, (1, 1, 1, 1), "Relu", qtype="int8", stride=2)
+@pytest.mark.parametrize("kernel, pads, stride, hw", [
+    ((3, 3), (1, 1, 1, 1), 2, (8, 10)),  # ResNet's strided 3x3
+    ((4, 1), (2, 0, 1, 0), 1, (8, 9)),  # passes/stem_patches.py's stem: 4x1 taps over 64 channels of 8-bit patches
+])
+def test_strided_and_stem_int8_convs_match_the_pointer_kernel(kernel, pads, stride, hw):
+    node = _node(kernel[0], pads, "Relu", qtype="int8", stride=stride)
+    node.attrs["kernel_shape"] = list(kernel)
     g = torch.Generator().manual_seed(4)
-    x = _cl((torch.randn(2, 64, 8, 10, generator=g) * 30).round().clamp(-128, 127).to(torch.int8))
-    w = _cl((torch.randn(48, 64, 3, 3, generator=g) * 30).round().clamp(-127, 127).to(torch.int8))
+    x = _cl((torch.randn(2, 64, *hw, generator=g) * 30).round().clamp(-128, 127).to(torch.int8))
+    w = _cl((torch.randn(48, 64, *kernel, generator=g) * 30).round().clamp(-127, 127).to(torch.int8))
     kw = dict(x_scale=torch.tensor(0.05, device=DEV), w_scale=(torch.rand(48, generator=g) * 0.01 + 0.001).to(DEV),
               y_scale=torch.tensor(0.03, device=DEV))
     assert tma_conv.supports(node, x, w, None, None, SMALL8, "int8")
     got = poisoned(lambda: tma_conv.conv2d(node, x, w, config=SMALL8, **kw))
-    assert torch.equal(got, conv.conv2d(node, x, w, config=conv.TileConfig(16, 16, 32, 4, 2), **kw))
-
-
-def test_the_int8_stem_over_patches_matches_the_pointer_kernel():
-    """passes/stem_patches.py's stem: 4x1 taps, pads 2 above and 1 below, 64 channels of 8-bit patches."""
-    node = _node(4, (2, 0, 1, 0), "Relu", qtype="int8")
-    node.attrs["kernel_shape"] = [4, 1]
-    g = torch.Generator().manual_seed(5)
-    x = _cl((torch.randn(2, 64, 8, 9, generator=g) * 30).round().clamp(-128, 127).to(torch.int8))
-    w = _cl((torch.randn(48, 64, 4, 1, generator=g) * 30).round().clamp(-127, 127).to(torch.int8))
-    kw = dict(x_scale=torch.tensor(0.05, device=DEV), w_scale=(torch.rand(48, generator=g) * 0.01 + 0.001).to(DEV),
-              y_scale=torch.tensor(0.03, device=DEV))
-    assert tma_conv.supports(node, x, w, None, None, SMALL8, "int8")
-    got = poisoned(lambda: tma_conv.conv2d(node, x, w, config=SMALL8, **kw))
-    assert got.shape == (2, 48, 8, 9)
+    assert got.shape == (2, 48, *conv.geometry(node, x, w)[3])
     assert torch.equal(got, conv.conv2d(node, x, w, config=conv.TileConfig(16, 16, 32, 4, 2), **kw))
 
 
