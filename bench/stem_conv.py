@@ -102,15 +102,16 @@ def main() -> None:
 
 def patches_rows(x, w, b, ref) -> None:
     """passes/stem_patches.py's form: the FP32 NCHW image (as engines get it) -> stem patches -> a stride-1 4x1
-    convolution over 64 channels; the patches alone, the convolution alone per tactic, and the two together."""
+    convolution over 64 channels: the patches (FP16, INT8, FP8, and per block of pixels), the 4x1 convolution per
+    tile (cuDNN for FP16), and the 8-bit max pool after it per launch shape."""
     from kiln.kernels import pool as pool_kernel
     from kiln.kernels import stem_patches, tma_conv
     from kiln.passes.insert_qdq import quantize_weight, quantize_weight_fp8
-    from kiln.passes.stem_patches import _geometry, patch_weights
+    from kiln.passes.stem_patches import geometry, patch_weights
 
     image = x.float().contiguous()  # FP32 NCHW
     conv_node = Node("Conv", ["x", "w"], ["y"], {"strides": [2, 2], "pads": [3, 3, 3, 3]})
-    geo = _geometry(conv_node, tuple(image.shape), w)
+    geo = geometry(conv_node, tuple(image.shape), w)
     pn = Node("StemPatches", ["x"], ["p"], {"channels": 4, "first": geo["first"], "columns": geo["columns"],
                                            "width": geo["width"]}, domain="kiln")
     wp = patch_weights(w.float().cpu(), geo).to(x.device)

@@ -28,7 +28,7 @@ from .insert_qdq import MIN_CHANNELS
 CELL_CHANNELS = 4  # channels per cell phase: the image's, zero-padded (3 -> 4)
 
 
-def _geometry(n: Node, shape, w: torch.Tensor) -> dict | None:
+def geometry(n: Node, shape, w: torch.Tensor) -> dict | None:
     """The rewrite's numbers for a stride-2 2-D stem over a [N, C, H, W] input, or None where it does not apply."""
     if (len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]) or w.dim() != 4
             or not w.dtype.is_floating_point or shape[1] != w.shape[1] or w.shape[1] >= MIN_CHANNELS):
@@ -74,7 +74,7 @@ def run(graph: Graph) -> None:
     for n in [n for n in graph.nodes if n.op_type == "Conv" and not n.domain and n.inputs[0] in inputs]:
         x = n.inputs[0]
         w = graph.initializers.get(n.inputs[1])
-        g = _geometry(n, inputs[x].shape or (), w) if w is not None else None
+        g = geometry(n, inputs[x].shape or (), w) if w is not None else None
         if g is None or n.note.startswith("pinned") or not amax.get(x, 0) > 0:
             continue
         patches = f"{n.name}.patches"
