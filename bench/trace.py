@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kiln  # noqa: E402
 from bench.models import MODELS, export_onnx  # noqa: E402
-from bench.run import kernel_events, time_fn  # noqa: E402
+from bench.run import device_ms, kernel_events, time_fn  # noqa: E402
 
 
 def timeline(fn, feeds: dict, runs: int = 5) -> list[dict]:
@@ -95,14 +95,6 @@ def layer_table(engine, layers: list[dict], stopped: str) -> list[str]:
     rows.sort(key=lambda r: -r[0]["us"])
     lines += [f"| {x['layer'][:60]} | {t} | {b:.1f} | {x['us']:.1f} | {x['us'] / b:.2f} |" for x, t, b in rows]
     return lines
-
-
-def device_ms(fn, feeds: dict, iterations: int = 100) -> float:
-    """Median time of one call with the host's part hidden: a sleep kernel (about 1 ms at H200 clocks, far
-    more than the host needs) keeps the GPU busy while the host enqueues the call, so the events bracket
-    device work only. bench/run.py's per-call timing minus this is the host time the device waits for
-    (input checks, copies, graph launch)."""
-    return time_fn(fn, [feeds], iterations, before=lambda: torch.cuda._sleep(2_000_000))["median_ms"]
 
 
 def host_us(fn, feeds: dict, iterations: int = 100) -> float:
