@@ -212,7 +212,8 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             _check_quantized_target(config.quantized, target)
             step(f"{config.quantized.upper()} calibration")
             calibration = _calibration(model, config, profiles)
-            graph.quant_amax, graph.quant_type = calibration.amax, config.quantized
+            # A copy: passes/stem_patches.py adds the patches' range, which is not the calibration's
+            graph.quant_amax, graph.quant_type = dict(calibration.amax), config.quantized
             graph.quant_absmax = {k: t.absmax for k, t in calibration.tensors.items() if t.absmax is not None}
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
