@@ -170,11 +170,14 @@ def _quantized_shortcuts(graph: Graph) -> None:
             _set_input(c, Z_SCALE_INPUT, scale)
 
 
+def _max_pool(n: Node) -> bool:
+    return n.op_type == "MaxPool" and n.domain in ("", "ai.onnx")
+
+
 def _rearranges(n: Node) -> bool:
     """A max pool or stem patches: layers whose output values are input values, so quantizing the output is
     quantizing the input they took."""
-    return (n.op_type == "MaxPool" and n.domain in ("", "ai.onnx")) or (n.op_type == "StemPatches" and
-                                                                        n.domain == "kiln")
+    return _max_pool(n) or (n.op_type == "StemPatches" and n.domain == "kiln")
 
 
 def _quantized_rearrangements(graph: Graph, readers: dict, outputs: set) -> None:
@@ -206,7 +209,7 @@ def _pools_of_8_bit_values(graph: Graph, readers: dict, outputs: set) -> None:
     producers = graph.producers()
     at_y = Y_SCALE_INPUT["QConv"]
     for n in graph.nodes:
-        if not (n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and _input(n, POOL_Y_SCALE)):
+        if not (_max_pool(n) and _input(n, POOL_Y_SCALE)):
             continue
         p = producers.get(n.inputs[0])
         if (p is None or not _quantized(p) or p.op_type != "QConv" or p.attr("qtype", "int8") != n.attr("qtype")
