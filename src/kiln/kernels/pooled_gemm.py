@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .gemm import ACTIVATIONS, _params, epilogue
-from .workspace import zeroed_workspace
+from .workspace import add_part, zeroed_workspace
 
 _BLOCK_P = 64  # pixels per load; the loop covers any H*W
 
@@ -49,18 +49,14 @@ def _pooled_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, count_ptr, C, HW, W
     part = tl.sum(sums[:, None] * wt.to(tl.float32), 0)
 
     tile = m * tl.num_programs(0) + pid_n
-    at = sum_ptr + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.atomic_add(at, part, mask=n_ok, sem="relaxed")
-    tl.debug_barrier()  # every thread's share is added before the program's arrival is counted
-    if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the last channel block in
-        tl.debug_barrier()
-        acc = tl.load(at, mask=n_ok, other=0.0, cache_modifier=".cg") * inv_hw
-        tl.store(at, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_ok)  # for the next call
+    acc, last = add_part(part, sum_ptr + tile * BLOCK_N + tl.arange(0, BLOCK_N), n_ok, count_ptr + tile,
+                         tl.num_programs(1))
+    if last:  # the last channel block in
+        acc *= inv_hw
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         acc = epilogue(acc, ACT, p0, p1)
         tl.store(y_ptr + m * syn + rn * syo, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import triton.language as tl
 from . import conv
 from .gemm import dot_precision, epilogue
 from .splitk_gemm import SplitKConfig
-from .workspace import zeroed_workspace
+from .workspace import add_part, slicing, zeroed_workspace
 
 _INT32_MAX = 2**31 - 1
 
@@ -56,20 +56,14 @@ def _splitk_conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, sum_ptr, count_ptr, C
 
     offs = rm[:, None] * OC + rn[None, :]  # the sum's and y's (channels-last) offset of each tile element
     inside = (rm[:, None] < M) & (rn[None, :] < OC)
-    tl.atomic_add(sum_ptr + offs, acc, mask=inside, sem="relaxed")  # spread over L2: no one program sums S tiles
-    tl.debug_barrier()  # every thread's share is added before the program's arrival is counted
-    tile = count_ptr + pid_m * tl.num_programs(1) + pid_n
-    if tl.atomic_add(tile, 1, sem="acq_rel") == S - 1:  # the last slice in: the sum is complete
-        tl.debug_barrier()
-        acc = tl.load(sum_ptr + offs, mask=inside, other=0.0, cache_modifier=".cg")
-        tl.store(sum_ptr + offs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=inside)  # for the next call
+    acc, last = add_part(acc, sum_ptr + offs, inside, count_ptr + pid_m * tl.num_programs(1) + pid_n, S)
+    if last:  # the last slice in: the sum is complete
         if HAS_BIAS:
             acc += tl.load(b_ptr + oc).to(tl.float32)[None, :]
         if HAS_Z:
             acc += tl.load(z_ptr + (n * szn + oh * szh + ow * szw)[:, None] + (oc * szc)[None, :]).to(tl.float32)
         acc = epilogue(acc, ACT, p0, p1)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
-        tl.atomic_xchg(tile, 0)
 
 
 # ResNet-50 at batch 1, 64x64 tiles: layer4's 3x3 (M = 49, OC = 512, 72 K iterations of 64 channels) has
@@ -94,13 +88,6 @@ def k_iterations(config: SplitKConfig, w: torch.Tensor) -> int:
     _, c, kh, kw = w.shape
     block_k, flat = conv.block_k_for(config, c)
     return triton.cdiv(kh * kw * c, block_k) if flat else kh * kw * triton.cdiv(c, block_k)
-
-
-def slicing(iters: int, slices: int) -> tuple[int, int]:
-    """(iterations per slice, slice count): cdiv(iters, slices) iterations each, and only as many slices as
-    that takes, so none is empty (10 iterations over 8 slices: 5 slices of 2)."""
-    per_slice = triton.cdiv(iters, slices)
-    return per_slice, triton.cdiv(iters, per_slice)
 
 
 def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

@@ -5,12 +5,35 @@ A reducing kernel (splitk_conv.py, pooled_gemm.py) adds its programs' partial re
 the last program of each output tile to arrive (an atomic counter per tile) applies the epilogue and
 zeroes the tile's sum and counter again. So the buffers are zero between calls and one pair serves
 every such layer on a stream: no memset kernel per call, and a CUDA graph replays the layers as they
-were captured. Per stream because kernels on two streams may run at the same time.
+were captured. Per stream because kernels on two streams may run at the same time. `add_part` is that
+protocol, for the kernels to share. An INT8 kernel sums its int32 products in the same buffer viewed as
+int32 (zero is zero bits in both): integer atomics sum exactly, in any order.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_part(part, sums, mask, count, parts):
+    """Adds a program's part of an output tile into its sums (pointers; mask: those inside the output) and counts
+    its arrival at `count` (the tile's counter). Returns (the complete sum, True) to the last of the tile's `parts`
+    programs to arrive, which zeroes the sums and the counter again for the next call; (part, False) to the others."""
+    tl.atomic_add(sums, part, mask=mask, sem="relaxed")  # spread over L2: no one program reads every part
+    tl.debug_barrier()  # every thread's share is added before the program's arrival is counted
+    last = tl.atomic_add(count, 1, sem="acq_rel") == parts - 1
+    if last:
+        tl.debug_barrier()
+        if mask is None:  # sums of the tile's own, not shaped as the output
+            part = tl.load(sums, cache_modifier=".cg")
+        else:
+            part = tl.load(sums, mask=mask, other=0, cache_modifier=".cg")
+        tl.store(sums, tl.zeros_like(part), mask=mask)
+        tl.atomic_xchg(count, 0)
+    return part, last
 
 _BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured earlier still point at them
@@ -18,6 +41,13 @@ _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured ear
 
 def _stream_key(device: torch.device) -> tuple:
     return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+
+
+def slicing(iters: int, slices: int) -> tuple[int, int]:
+    """(iterations per slice, slice count): cdiv(iters, slices) iterations each, and only as many slices as
+    that takes, so none is empty (10 iterations over 8 slices: 5 slices of 2)."""
+    per_slice = triton.cdiv(iters, slices)
+    return per_slice, triton.cdiv(iters, per_slice)
 
 
 def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
