@@ -57,10 +57,9 @@ def node(k, stride, qtype=""):
 
 
 def parse_tile(name: str) -> PatchConfig:
-    """A PatchConfig from its name, e.g. 8x32x64x128_w4_s4, or 8x8x128x128_w4_s4_k2 (K over two programs a tile)."""
-    dims, warps, stages, *split = name.split("_")
-    return PatchConfig(*(int(d) for d in dims.split("x")), int(warps[1:]), int(stages[1:]),
-                       int(split[0][1:]) if split else 1)
+    """A PatchConfig from its name, e.g. 8x32x64x128_w4_s4."""
+    dims, warps, stages = name.split("_")
+    return PatchConfig(*(int(d) for d in dims.split("x")), int(warps[1:]), int(stages[1:]))
 
 
 def sweep(batch, hw, c, oc, k, stride, flops, float16=True, q8=Q8):

@@ -31,35 +31,28 @@ DTYPES = {"int8": "i8", "fp8": "fp8e4nv", "": "fp16"}
 POINTERS = {"b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_ptr", "qs_ptr", "zs_ptr")}}
 
 
-def _sums(quant: str) -> dict:
-    """The split-K workspace's pointers (kernels/workspace.py): int32 sums for INT8, FP32 ones else; counters."""
-    return {"sum_ptr": "*i32" if quant == "int8" else "*fp32", "count_ptr": "*i32"}
-
-
-def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128, split=1):
+def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128):
     x = DTYPES[quant]
     xbox = f"[1,{bh},{bw},{bk}]" if stride == 1 else f"[1,{bh},1,{bw},{bk}]"
     sig = {"x_desc": f"tensordesc<{x}{xbox}>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
            "y_desc": f"tensordesc<{x if out8 else 'fp16'}[1,{bh},{bw},{bn}]>",
            "z_desc": f"tensordesc<{x}[1,{bh},{bw},{bn}]>", "q_desc": f"tensordesc<{x}[1,{bh},{bw},{bn}]>",
-           **POINTERS, **_sums(quant),
-           **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "pad_h", "pad_w", "stride_ws")},
-           "p0": "fp32", "p1": "fp32", "per_slice": "i32"}
+           **POINTERS, **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "pad_h", "pad_w", "stride_ws")},
+           "p0": "fp32", "p1": "fp32"}
     cx = dict(KH=3, KW=3, STRIDE=stride, HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8,
-              COPY=out8, Z_SCALED=bool(quant), RELU=out8, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
-              SPLIT=split, PROGRAMS=132)
+              COPY=out8, Z_SCALED=bool(quant), RELU=out8, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132)
     return ASTSource(fn=tma_conv._tma_conv_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
-def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, stages=4, split=1):
+def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, stages=4):
     x = DTYPES[quant]
     sig = {"x_desc": f"tensordesc<{x}[{bm},{bk}]>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
            "y_desc": f"tensordesc<{x if out8 else 'fp16'}[{bm},{bn}]>", "z_desc": f"tensordesc<{x}[{bm},{bn}]>",
-           "q_desc": f"tensordesc<{x}[{bm},{bn}]>", **POINTERS, **_sums(quant),
-           **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32", "per_slice": "i32"}
+           "q_desc": f"tensordesc<{x}[{bm},{bn}]>",
+           **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
     cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8, Z_SCALED=bool(quant),
-              RELU=out8, W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT=split,
-              PROGRAMS=132, NUM_STAGES=stages)
+              RELU=out8, W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132,
+              NUM_STAGES=stages)
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -195,12 +188,11 @@ def gemm_tiles_compile() -> int:
     interpreter and square tiles ran)."""
     tiles = [("", c) for c, _ in tma_gemm.CONFIGS]
     tiles += [(q, c) for q in ("int8", "fp8") for c, _ in tma_gemm.QUANT_CONFIGS]
-    failed, spills, tried = 0, [], 0
+    failed, spills = 0, []
     for quant, c in tiles:
-        for one_k in (False, True) if c.split_k == 1 else (False,):  # K in one tile is never split
+        for one_k in (False, True):
             name = f"{quant or 'fp16'} {c.name}{' K in one tile' if one_k else ''}"
-            tried += 1
-            src = gemm_source(quant, bool(quant), c.block_m, c.block_n, c.block_k, one_k, c.num_stages, c.split_k)
+            src = gemm_source(quant, bool(quant), c.block_m, c.block_n, c.block_k, one_k, c.num_stages)
             try:
                 spilled = spilled_bytes(_compiled(src, {"num_warps": c.num_warps, "num_stages": c.num_stages}))
             except Exception as e:
@@ -209,7 +201,7 @@ def gemm_tiles_compile() -> int:
                 continue
             if spilled:
                 spills.append(f"{name} ({spilled} bytes)")
-    print(f"every TMA GEMM tile, both loops: {tried - failed} of {tried} compile")
+    print(f"every TMA GEMM tile, both loops: {2 * len(tiles) - failed} of {2 * len(tiles)} compile")
     # with a residual, an 8-bit output and its copy: the widest epilogue
     print(f"tiles of the TMA GEMM that spill registers: {', '.join(spills) or 'none'}")
     return failed
@@ -221,7 +213,7 @@ def conv_tiles_compile() -> int:
     tiles = [("", c) for c, _ in tma_conv.CONFIGS] + [("int8", c) for c, _ in tma_conv.QUANT_CONFIGS]
     failed = 0
     for quant, c in tiles:
-        src = conv_source(1, quant, bool(quant), c.block_h, c.block_w, c.block_n, c.block_k, c.split_k)
+        src = conv_source(1, quant, bool(quant), c.block_h, c.block_w, c.block_n, c.block_k)
         failed += _compiles(f"TMA convolution tile {quant or 'fp16'} {c.name}", src,
                             {"num_warps": c.num_warps, "num_stages": c.num_stages}, quiet=True)
     print(f"every TMA convolution tile: {len(tiles) - failed} of {len(tiles)} compile")

@@ -15,7 +15,6 @@ K-major). The INT8/FP8 TMA outputs are compared with gemm.py's (the same integer
     python bench/tma_sweep.py --latency [layer1 ...] > bench/results/H200-int8-1x1-latency.log
     python bench/tma_sweep.py --cold [bert ...] > bench/results/H200-int8-cold-l2.log
     python bench/tma_sweep.py --one-k [layer1 ...] > bench/results/H200-int8-one-k.log
-    python bench/tma_sweep.py --split [layer3 conv1 ...] > bench/results/H200-split-k-1x1.log
 
 `--latency` times the small-K 8-bit tiles of `--int8-engine` at one to four programs per SM: how much of these
 layers' distance from their floor is latency that more programs hide. Its log H200-int8-1x1-latency.log also
@@ -26,8 +25,6 @@ slower everywhere, 2-10x with 4-stage pipelines).
 tiles with the kernel's nested loop (tiles, then K; the residual waited for tile by tile) and with its single loop
 over tiles (tma_gemm.ONE_K_LOOP: every load, the residual's too, issued tiles ahead), at two and three stages too,
 and checks the outputs are equal.
-
-`--split` times the tiles ResNet-50's deep 1x1 layers took whole and with K split over 2-4 programs a tile.
 
 `--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes three ways: with the
 same operands every call, so they stay in L2 ("warm", as the builder timed them until 2026-11-30 21:46); after
@@ -214,32 +211,6 @@ def sweep_one_k(M, K, N, with_z, qtype):
     return rows
 
 
-# the tiles ResNet-50's deep 1x1 layers took (H200, 2026-12-01): each whole and with K over 2-4 programs a tile
-SPLIT_TILES = [TileConfig(128, 64, 128, 4, 4), TileConfig(64, 128, 128, 4, 2), TileConfig(64, 128, 128, 4, 4),
-               TileConfig(128, 128, 128, 4, 4)]
-
-
-def sweep_split(M, K, N, with_z, qtype):
-    """Each of SPLIT_TILES whole and with K split over 2, 3 and 4 programs a tile (kernels/workspace.add_part),
-    at the default programs per SM; INT8 outputs must equal the whole tile's (integer sums), FP8 ones may differ in
-    the last bits of the FP32 sums, which round to the 8-bit output."""
-    x8, w8, b, kw, moved = engine_operands(M, K, N, with_z, qtype, False)
-    rows = [f"bytes {moved / 1e6:.1f} MB, floor at 4.3 TB/s {moved / 4.3e6:.1f} us"]
-    for c in SPLIT_TILES:
-        whole = tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)
-        for split in (1, 2, 3, 4):
-            run = dict(kw, config=replace(c, split_k=split))
-            t = us(lambda run=run: tma_gemm.gemm(x8, w8, b, 'Relu', **run))
-            try:
-                got = tma_gemm.gemm(x8, w8, b, 'Relu', **run)
-                off = (got.float() - whole.float()).abs().max().item()
-                same = "equal" if torch.equal(got.view(torch.uint8), whole.view(torch.uint8)) else f"max diff {off:.3g}"
-            except Exception as e:  # its time says why
-                same = f"fail {type(e).__name__}"
-            rows.append(f"tma {run['config'].name} {rate(t, moved)} ({same})")
-    return rows
-
-
 def sweep_cold(M, K, N, act):
     """Each 8-bit tile timed warm (the same operands every call, so they stay in L2), after an L2Reset keeping x
     (as the builder times 8-bit layers) and after a read of twice L2's size: time(read + GEMM) - time(read)."""
@@ -279,7 +250,7 @@ def chosen(shapes, flag: str | None = None) -> list:
 
 
 def main() -> int:
-    flag = next((f for f in ("--cold", "--latency", "--int8-engine", "--one-k", "--split") if f in sys.argv), None)
+    flag = next((f for f in ("--cold", "--latency", "--int8-engine", "--one-k") if f in sys.argv), None)
     if flag:
         print(torch.cuda.get_device_name(), torch.__version__)
     if flag == "--cold":
@@ -295,11 +266,6 @@ def main() -> int:
             for qtype in ("int8", "fp8"):
                 print(f"\n## {name}: M {M}, K {K}, N {N}, {qtype}{', 8-bit residual' if with_z else ''}", flush=True)
                 print("\n".join(sweep_one_k(M, K, N, with_z, qtype)), flush=True)
-    elif flag == "--split":
-        for name, M, K, N, with_z in chosen(INT8_ENGINE_SHAPES, flag):
-            for qtype in ("int8", "fp8"):
-                print(f"\n## {name}: M {M}, K {K}, N {N}, {qtype}{', 8-bit residual' if with_z else ''}", flush=True)
-                print("\n".join(sweep_split(M, K, N, with_z, qtype)), flush=True)
     elif flag == "--int8-engine":
         for name, M, K, N, with_z in chosen(INT8_ENGINE_SHAPES, flag):
             for qtype, copy in [("int8", False)] + [("int8", True), ("fp8", True)] * with_z:

@@ -2,8 +2,6 @@
 TRITON_INTERPRET=1 on the CPU (the interpreter runs 4-D tensor descriptors, zero-filling boxes past the image's
 edge, negative coordinates included)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -39,8 +37,7 @@ def _cl(t):
     (1, (0, 0, 0, 0), "", False, 2),  # ResNet's downsample
     (3, (2, 3, 0, 1), "", False, 2),  # odd and even pads: every phase of the view
 ])
-@pytest.mark.parametrize("config", [SMALL, PatchConfig(1, 16, 16, 16, 4, 2),  # 4x4 and one-row patches
-                                    replace(SMALL, split_k=2)])  # K over two programs a tile, summed in FP32
+@pytest.mark.parametrize("config", [SMALL, PatchConfig(1, 16, 16, 16, 4, 2)])  # 4x4 and one-row patches
 def test_float_conv_matches_the_reference(k, pads, act, residual, stride, config):
     g = torch.Generator().manual_seed(k)
     node = _node(k, pads, act, stride=stride)
@@ -50,7 +47,7 @@ def test_float_conv_matches_the_reference(k, pads, act, residual, stride, config
     b = torch.randn(48, generator=g).half().to(DEV)
     oh, ow = conv.geometry(node, x, w)[3]
     z = _cl(torch.randn(2, 48, oh, ow, generator=g).half()) if residual else None
-    assert tma_conv.supports(node, x, w, b, z, replace(config, split_k=1))  # a split one only where tiles are few
+    assert tma_conv.supports(node, x, w, b, z, config)
     y = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=config))
     assert y.shape == (2, 48, oh, ow) and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y.float(), conv.reference(node, x, w, b, z).float(), atol=2e-3, rtol=2e-3)
@@ -67,8 +64,7 @@ def _int8_layer(seed, qtype="int8"):
 
 @pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
                                      "int8 and int8 copy"])
-@pytest.mark.parametrize("split_k", [1, 3])  # 18 K steps over three programs a tile: int32 sums, exact
-def test_int8_conv_matches_the_pointer_kernel(outputs, split_k):
+def test_int8_conv_matches_the_pointer_kernel(outputs):
     # conv.py's quantized convolution is the tested reference: identical integer sums, the same FP32 epilogue
     node = _node(3, (1, 1, 1, 1), "Relu", qtype="int8")
     x, w, sx, sw, b = _int8_layer(1)
@@ -81,12 +77,10 @@ def test_int8_conv_matches_the_pointer_kernel(outputs, split_k):
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_conv.supports(node, x, w, b, z, SMALL8, "int8")
     assert not tma_conv.supports(node, x, w, b, z, SMALL, "int8")  # 16-value K tiles: too short for 8-bit dots
-    config = replace(SMALL8, split_k=split_k)
+    got = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=SMALL8, **kw))
     want = conv.conv2d(node, x, w, b, z, config=conv.TileConfig(16, 16, 32, 4, 2), **kw)
-    for _ in range(2):  # a split layer leaves its sums and counters zeroed for the next call
-        got = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=config, **kw))
-        for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
-            assert g_.dtype == w_.dtype and torch.equal(g_, w_)
+    for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
+        assert g_.dtype == w_.dtype and torch.equal(g_, w_)
 
 
 @pytest.mark.parametrize("kernel, pads, stride, hw", [
@@ -133,17 +127,3 @@ def test_what_a_box_cannot_read_is_refused():
     assert not tma_conv.supports(node, odd, _cl(torch.randn(16, 24, 3, 3).half()), None, None, SMALL)
     assert not tma_conv.supports(node, x.float(), w.float(), None, None, SMALL)  # FP32: not a TMA tactic
     assert not tma_conv.supports(node, x, _cl(torch.randn(8, 32, 3, 3).half()), None, None, SMALL)  # OC % 16
-
-
-def test_k_is_split_only_where_tiles_are_fewer_than_two_programs_an_sm():
-    node = _node(3, (1, 1, 1, 1), qtype="int8")
-    split = PatchConfig(8, 8, 128, 128, 4, 4, split_k=2)
-    assert split.name == "8x8x128x128_w4_s4_k2"
-    w = _cl(torch.zeros(128, 256, 3, 3).to(torch.int8))
-    few = _cl(torch.zeros(1, 256, 8, 8).to(torch.int8))  # one tile, 18 K steps
-    many = _cl(torch.zeros(8, 256, 8, 8).to(torch.int8))  # 8 tiles: as many as two programs on each of the 4 "SMs"
-    if DEV == "cpu":  # tma_gemm.programs: 4 on the CPU
-        assert tma_conv.supports(node, few, w, None, None, split, "int8")
-        assert not tma_conv.supports(node, many, w, None, None, split, "int8")
-    shallow = _cl(torch.zeros(128, 256, 1, 1).to(torch.int8))  # 2 K steps: under four a slice
-    assert not tma_conv.split_worth_timing(split, few, shallow, (8, 8))

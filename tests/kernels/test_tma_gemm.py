@@ -1,8 +1,6 @@
 """The TMA GEMM (kernels/tma_gemm.py) against gemm.py's kernel and the FP32 reference, under TRITON_INTERPRET=1
 on the CPU (the interpreter runs tensor descriptors, zero-filling reads past the edge)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -43,11 +41,8 @@ def _int8_operands(M, K, N, seed=0):
 
 @pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
                                      "int8 and int8 copy"])
-@pytest.mark.parametrize("K, split_k", [
-    (96, 1), (32, 1),  # three K tiles; one (ResNet-50's K = 64 and 128 layers)
-    (128, 2), (96, 3),  # K over two and three programs a tile: int32 sums, exact
-])
-def test_int8_gemm_matches_the_pointer_kernel(outputs, K, split_k):
+@pytest.mark.parametrize("K", [96, 32])  # three K tiles; one (ResNet-50's K = 64 and 128 layers)
+def test_int8_gemm_matches_the_pointer_kernel(outputs, K):
     # gemm.py's quantized GEMM is the tested reference for the epilogue: identical integer sums, same FP32 math
     M, N = 37, 48
     x, w, sx, sw, b = _int8_operands(M, K, N)
@@ -59,11 +54,10 @@ def test_int8_gemm_matches_the_pointer_kernel(outputs, K, split_k):
               y_scale=torch.tensor(0.03, device=DEV) if outputs.startswith("int8") else None,
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_gemm.supports(x, w, b, "Relu", "int8", z=z)
+    got = poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw))
     want = gemm.gemm(x, w, b, "Relu", config=gemm.TileConfig(16, 16, 32, 4, 2), **kw)
-    for _ in range(2):  # a split GEMM leaves its sums and counters zeroed for the next call
-        got = poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=replace(SMALL, split_k=split_k), **kw))
-        for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
-            assert g_.dtype == w_.dtype and torch.equal(g_, w_)
+    for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
+        assert g_.dtype == w_.dtype and torch.equal(g_, w_)
 
 
 def test_programs_per_sm_follow_shared_memory_and_registers():

@@ -199,12 +199,10 @@ class TileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
-    split_k: int = 1  # programs per output tile, each over a slice of K: the TMA GEMM's (kernels/tma_gemm.py)
 
     @property
     def name(self) -> str:
-        split = f"_k{self.split_k}" if self.split_k > 1 else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}{split}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
     def smem_bytes(self, itemsize: int, w_itemsize: int | None = None) -> int:
         """Shared memory the software pipeline holds: num_stages tiles of x and of w (w_itemsize: 8-bit weights)."""

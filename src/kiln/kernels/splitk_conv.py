@@ -28,7 +28,7 @@ import triton.language as tl
 from . import conv
 from .gemm import dot_precision, epilogue
 from .splitk_gemm import SplitKConfig
-from .workspace import add_part, slicing, zeroed_workspace
+from .workspace import add_part, zeroed_workspace
 
 _INT32_MAX = 2**31 - 1
 
@@ -88,6 +88,13 @@ def k_iterations(config: SplitKConfig, w: torch.Tensor) -> int:
     _, c, kh, kw = w.shape
     block_k, flat = conv.block_k_for(config, c)
     return triton.cdiv(kh * kw * c, block_k) if flat else kh * kw * triton.cdiv(c, block_k)
+
+
+def slicing(iters: int, slices: int) -> tuple[int, int]:
+    """(iterations per slice, slice count): cdiv(iters, slices) iterations each, and only as many slices as
+    that takes, so none is empty (10 iterations over 8 slices: 5 slices of 2)."""
+    per_slice = triton.cdiv(iters, slices)
+    return per_slice, triton.cdiv(iters, per_slice)
 
 
 def conv2d_splitk(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

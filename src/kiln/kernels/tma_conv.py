@@ -32,8 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm import QTYPES, dequantize, epilogue, quant_args, quantize, relu_in_quantize, residual, residual_ok
-from .tma_gemm import programs, resident_programs, split_pays
-from .workspace import add_part, slicing, zeroed_workspace
+from .tma_gemm import programs, resident_programs
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
 MAX_PAD = 8  # the largest top/left padding of a strided layer here
@@ -51,13 +50,10 @@ class PatchConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # programs per output tile, each walking a slice of K (`slices`)
 
     @property
     def name(self) -> str:
-        split = f"_k{self.split_k}" if self.split_k > 1 else ""
-        tile = f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}"
-        return f"{tile}_w{self.num_warps}_s{self.num_stages}{split}"
+        return f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
     def pipeline_bytes(self, itemsize: int) -> int:
         """Shared memory of the operand pipeline."""
@@ -70,30 +66,27 @@ class PatchConfig:
 
 @triton.jit
 def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr,
-                     sum_ptr, count_ptr, N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1, per_slice,
+                     N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1,
                      KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
                      COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, PROGRAMS: tl.constexpr):
+                     PROGRAMS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
     tiles_w = tl.cdiv(OW, BLOCK_W)
     tiles_hw = tl.cdiv(OH, BLOCK_H) * tiles_w
     tiles_n = tl.cdiv(OC, BLOCK_N)
     c_blocks = C // BLOCK_K
     k_tiles = KH * KW * c_blocks
-    for part in tl.range(tl.program_id(0), N * tiles_hw * tiles_n * SPLIT, PROGRAMS, flatten=True):
-        # A tile's K slices are neighbours (they run at once, so its sums stay in L2), and so are the channel
-        # tiles of one patch: they share the patch's input boxes in L2.
-        tile = part // SPLIT
-        first_k = part % SPLIT * per_slice
+    for tile in tl.range(tl.program_id(0), N * tiles_hw * tiles_n, PROGRAMS, flatten=True):
+        # Channel tiles of one patch are neighbours: they share the patch's input boxes in L2.
         patch = tile // tiles_n
         off_n = (tile % tiles_n) * BLOCK_N
         img = patch // tiles_hw
         oh0 = (patch % tiles_hw) // tiles_w * BLOCK_H
         ow0 = (patch % tiles_w) * BLOCK_W
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
-        for kb in range(first_k, tl.minimum(first_k + per_slice, k_tiles)):
+        for kb in range(k_tiles):
             tap = kb // c_blocks
             c0 = (kb % c_blocks) * BLOCK_K
             if STRIDE == 1:
@@ -106,37 +99,20 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
             a = a.reshape(BLOCK_M, BLOCK_K)
             b = w_desc.load([off_n, tap * C + c0]).T
             acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
-        last = True
-        if SPLIT > 1:  # the tile's own sums in the workspace: no masks
-            offs = tile * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            acc, last = add_part(acc, sum_ptr + offs, None, count_ptr + tile, SPLIT)
-        if last:
-            _store_patch(acc, img, oh0, ow0, off_n, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr,
-                         zs_ptr, OC, stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED,
-                         RELU, BLOCK_H, BLOCK_W, BLOCK_N)
-
-
-@triton.jit
-def _store_patch(acc, img, oh0, ow0, off_n, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr,
-                 OC, stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
-                 QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                 RELU: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The epilogue: dequantize, bias, residual z, activation, one store (and the 8-bit copy)."""
-    BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
-    cols = (off_n + tl.arange(0, BLOCK_N)) % OC  # channels past OC compute garbage the store drops
-    acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    if HAS_Z:  # a residual of the output's shape, channels-last
-        acc += residual(z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N), zs_ptr, Z_SCALED)
-    if not RELU:  # else the quantization's clamp does the ReLU (gemm.relu_in_quantize)
-        acc = epilogue(acc, ACT, p0, p1)
-    # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
-    out = quantize(acc, ys_ptr, QUANT, RELU).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
-    y_desc.store([img, oh0, ow0, off_n], out.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
-    if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
-        q = quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT, RELU).to(q_desc.dtype)
-        q_desc.store([img, oh0, ow0, off_n], q.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
+        cols = (off_n + tl.arange(0, BLOCK_N)) % OC  # channels past OC compute garbage the store drops
+        acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        if HAS_Z:  # a residual of the output's shape, channels-last
+            acc += residual(z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N), zs_ptr, Z_SCALED)
+        if not RELU:  # else the quantization's clamp does the ReLU (gemm.relu_in_quantize)
+            acc = epilogue(acc, ACT, p0, p1)
+        # 8-bit output: the next layer reads 8-bit values (quantized here instead of by it), or a residual
+        out = quantize(acc, ys_ptr, QUANT, RELU).to(y_desc.dtype) if Y_QUANTIZED else acc.to(y_desc.dtype)
+        y_desc.store([img, oh0, ow0, off_n], out.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
+        if COPY:  # an 8-bit copy for quantized readers, from the stored float values (else the FP32 result)
+            q = quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT, RELU).to(q_desc.dtype)
+            q_desc.store([img, oh0, ow0, off_n], q.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
 
 
 # (config, lowest optimization level that offers it). 8-bit K tiles of 128 bytes (TMA's widest swizzle).
@@ -165,11 +141,6 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
     # patches (passes/stem_patches.py; K = 4 taps x 64) INT8 32.2 us and FP8 33.7 at batch 32, against 35.9 and
     # 38.4 for 8x32x64x128 (H200, 2026-12-01, bench/results/H200-stem-patches-0833.log).
     (PatchConfig(16, 16, 64, 64, 4, 3), 3),
-    # K over two to four programs a tile where tiles are fewer than two programs an SM (tma_gemm.split_pays):
-    # ResNet-50's 3x3 layers at 14x14 and 7x7 at batch 32 had 128-256 tiles of 18-36 K steps
-    (PatchConfig(8, 8, 128, 128, 4, 4, split_k=2), 3),
-    (PatchConfig(8, 8, 128, 128, 4, 4, split_k=3), 3),
-    (PatchConfig(8, 8, 128, 128, 4, 4, split_k=4), 3),
 ]
 # One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) ran
 # 1.7-6x slower than these at every ResNet-50 3x3 layer (H200, 2026-11-30, bench/results/H200-conv-sweep-1735.log),
@@ -227,17 +198,7 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
     if z is not None and (tuple(z.shape) != (x.shape[0], w.shape[0], *geo[3]) or not residual_ok(z, qtype)
                           or nhwc(z) is None):
         return False
-    if config.split_k > 1 and not split_worth_timing(config, x, w, geo[3]):
-        return False
     return b is None or (b.numel() == w.shape[0] and b.dtype.is_floating_point)
-
-
-def split_worth_timing(config: PatchConfig, x: torch.Tensor, w: torch.Tensor, out_hw) -> bool:
-    """tma_gemm.split_pays for this layer's output tiles and K steps."""
-    tiles = x.shape[0] * triton.cdiv(out_hw[0], config.block_h) * triton.cdiv(out_hw[1], config.block_w)
-    tiles *= triton.cdiv(w.shape[0], config.block_n)
-    k_steps = w.shape[2] * w.shape[3] * x.shape[1] // min(config.block_k, x.shape[1])
-    return split_pays(tiles, k_steps, config.split_k, x.device)
 
 
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, z: torch.Tensor | None = None,
@@ -272,26 +233,21 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
-    k_tiles = KH * KW * (C // bk)
-    per_slice, split = slicing(k_tiles, config.split_k)
-    # each split tile's int32 (INT8) or FP32 sums, tile by tile
-    sums, counters = zeroed_workspace(x.device, tiles * bh * bw * bn if split > 1 else 0, tiles if split > 1 else 0)
     # At most two: three ran no faster at layer1, where the smaller K tile (64 channels) leaves room for them
     # (H200, 2026-11-30, bench/results/H200-conv-sweep-layer1-x3.log: 8x16x64x128 w4 s4 23.6 us x2, 24.1 x3).
     pipeline = replace(config, block_k=bk).pipeline_bytes(x.element_size())
     per_sm = programs_per_sm or min(2, resident_programs(config.num_warps, pipeline, bh * bw * bn, qtype))
-    n_programs = min(per_sm * programs(x.device), tiles * split)
+    n_programs = min(per_sm * programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,
         desc(nhwc(z), out_box) if z is not None else y_desc, desc(q, out_box),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
         q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs,
-        sums.view(torch.int32) if qtype == "int8" else sums, counters,
-        N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1, per_slice,
+        N, OH, OW, OC, C, pads[0], pads[1], stride_ws, p0, p1,
         KH=KH, KW=KW, STRIDE=S, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
         RELU=relu_in_quantize(act, y_scale is not None),
-        BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+        BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     y = y.permute(0, 3, 1, 2)
     return y if q_scale is None else (y, q.permute(0, 3, 1, 2))

@@ -44,7 +44,6 @@ from .gemm import (
     residual,
     residual_ok,
 )
-from .workspace import add_part, slicing, zeroed_workspace
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 _SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
@@ -93,13 +92,12 @@ def _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_
 
 
 @triton.jit
-def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, sum_ptr,
-                     count_ptr, M, N, K, stride_ws, p0, p1, per_slice, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
-                     ACT: tl.constexpr,
+def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, M, N, K,
+                     stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
                      QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                      RELU: tl.constexpr, W_KMAJOR: tl.constexpr, ONE_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                     PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
@@ -113,26 +111,16 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
             z = z_desc.load([off_m, off_n]) if HAS_Z else None
             _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
                         stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, BLOCK_N)
-    else:  # a tile's K slices (SPLIT of them, per_slice K blocks each) are neighbours: they run at once
-        k_blocks = tl.cdiv(K, BLOCK_K)
-        for part in tl.range(tl.program_id(0), grid_m * grid_n * SPLIT, PROGRAMS, flatten=True):
-            tile = part // SPLIT
-            first_k = part % SPLIT * per_slice
+    else:
+        for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
             off_m, off_n = _tile_offsets(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-            for kb in range(first_k, tl.minimum(first_k + per_slice, k_blocks)):
+            for kb in range(tl.cdiv(K, BLOCK_K)):
                 acc = tl.dot(x_desc.load([off_m, kb * BLOCK_K]), _w_tile(w_desc, off_n, kb * BLOCK_K, W_KMAJOR),
                              acc, out_dtype=acc_dtype)
-            last = True
-            if SPLIT > 1:  # the tile's own sums in the workspace: no masks
-                offs = (tile * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-                        + tl.arange(0, BLOCK_N)[None, :])
-                acc, last = add_part(acc, sum_ptr + offs, None, count_ptr + tile, SPLIT)
-            if last:
-                z = z_desc.load([off_m, off_n]) if HAS_Z else None
-                _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
-                            stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU,
-                            BLOCK_N)
+            z = z_desc.load([off_m, off_n]) if HAS_Z else None
+            _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
+                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, BLOCK_N)
 
 
 def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> int:
@@ -183,12 +171,6 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     # with residual, INT8 64x128x128 29.8 us, FP8 128x128x64 23.5, against 33.8 and 30.7 for the best tiles before)
     (TileConfig(128, 128, 64, 4, 3), 3),
     (TileConfig(64, 128, 128, 4, 3), 3),
-    # K over two or four programs a tile, offered where tiles are fewer than two programs an SM (`split_pays`):
-    # ResNet-50's 14x14 and 7x7 1x1 layers over 1024 and 2048 channels at batch 32 had 98-196 tiles of 8-16 K steps
-    (TileConfig(128, 64, 128, 4, 4, split_k=2), 3),
-    (TileConfig(128, 64, 128, 4, 4, split_k=4), 3),
-    (TileConfig(64, 128, 128, 4, 2, split_k=2), 3),
-    (TileConfig(64, 128, 128, 4, 2, split_k=4), 3),
 ]
 
 
@@ -255,13 +237,6 @@ def resident_programs(num_warps: int, pipeline_bytes: int, tile_elems: int, qtyp
     return max(1, min(by_registers, by_smem))
 
 
-def split_pays(tiles: int, k_steps: int, split_k: int, device: torch.device) -> bool:
-    """Whether K split over split_k programs a tile could pay: fewer output tiles than two programs an SM (ResNet-50's
-    14x14 and 7x7 layers at batch 32: 98-256 tiles for 132 SMs), so idle SMs take slices, and at least four K steps
-    a slice."""
-    return tiles < 2 * programs(device) and k_steps >= 4 * split_k
-
-
 def programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -294,20 +269,15 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     one_k = one_loop(config, K, x2.element_size(), z_itemsize)
     pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, z_itemsize, True) if one_k else 0)
     per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bm * bn, qtype)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    per_slice, split = slicing(triton.cdiv(K, bk), 1 if one_k else config.split_k)
-    # each split tile's int32 (INT8) or FP32 sums, tile by tile
-    sums, counters = zeroed_workspace(x.device, tiles * bm * bn if split > 1 else 0, tiles if split > 1 else 0)
-    n_programs = min(per_sm * programs(x.device), tiles * split)
+    n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _tma_gemm_kernel[(n_programs,)](
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
-        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs,
-        sums.view(torch.int32) if qtype == "int8" else sums, counters, M, N, K, stride_ws, p0, p1, per_slice,
+        q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
         COPY=q_scale is not None, Z_SCALED=z_scale is not None, RELU=relu_in_quantize(act, y_scale is not None),
         W_KMAJOR=k_major, ONE_K=one_k,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, SPLIT=split, PROGRAMS=n_programs,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))

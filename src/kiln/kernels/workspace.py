@@ -6,8 +6,7 @@ the last program of each output tile to arrive (an atomic counter per tile) appl
 zeroes the tile's sum and counter again. So the buffers are zero between calls and one pair serves
 every such layer on a stream: no memset kernel per call, and a CUDA graph replays the layers as they
 were captured. Per stream because kernels on two streams may run at the same time. `add_part` is that
-protocol, for the kernels to share. An INT8 kernel sums its int32 products in the same buffer viewed as
-int32 (zero is zero bits in both): integer atomics sum exactly, in any order.
+protocol, for the kernels to share.
 """
 
 from __future__ import annotations
@@ -27,13 +26,11 @@ def add_part(part, sums, mask, count, parts):
     last = tl.atomic_add(count, 1, sem="acq_rel") == parts - 1
     if last:
         tl.debug_barrier()
-        if mask is None:  # sums of the tile's own, not shaped as the output
-            part = tl.load(sums, cache_modifier=".cg")
-        else:
-            part = tl.load(sums, mask=mask, other=0, cache_modifier=".cg")
+        part = tl.load(sums, mask=mask, other=0, cache_modifier=".cg")
         tl.store(sums, tl.zeros_like(part), mask=mask)
         tl.atomic_xchg(count, 0)
     return part, last
+
 
 _BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured earlier still point at them
@@ -41,13 +38,6 @@ _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: CUDA graphs captured ear
 
 def _stream_key(device: torch.device) -> tuple:
     return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-
-
-def slicing(iters: int, slices: int) -> tuple[int, int]:
-    """(iterations per slice, slice count): cdiv(iters, slices) iterations each, and only as many slices as
-    that takes, so none is empty (10 iterations over 8 slices: 5 slices of 2)."""
-    per_slice = triton.cdiv(iters, slices)
-    return per_slice, triton.cdiv(iters, per_slice)
 
 
 def zeroed_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:

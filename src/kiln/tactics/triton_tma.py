@@ -41,8 +41,6 @@ def _operands_ok(node, args, x, w) -> bool:
 
 def _applies(config):
     def applies(node, args) -> bool:
-        import triton
-
         from ..kernels import conv, tma_gemm
 
         x, w, b, z, _, q_scale, _ = layer_gemm.operands(node, args)
@@ -55,13 +53,8 @@ def _applies(config):
         if mats is None or not tma_gemm.supports(*mats, b, node.attr("activation", ""), qtype,
                                                  conv.pixel_rows(z) if z is not None and x.dim() == 4 else z):
             return False
-        K, N = mats[1].shape
-        tiles = triton.cdiv(mats[0].numel() // K, config.block_m) * triton.cdiv(N, config.block_n)
-        if config.split_k > 1 and not tma_gemm.split_pays(tiles, triton.cdiv(K, config.block_k), config.split_k,
-                                                          x.device):
-            return False
         itemsize, z_itemsize = 1 if qtype else x.element_size(), z.element_size() if z is not None else 0
-        single_loop = tma_gemm.one_loop(config, K, itemsize, z_itemsize)
+        single_loop = tma_gemm.one_loop(config, mats[1].shape[0], itemsize, z_itemsize)
         return _device_ok(x, tma_gemm.smem_bytes(config, itemsize, 1 + (q_scale is not None))
                           + tma_gemm.residual_bytes(config, z_itemsize, single_loop))
 
