@@ -32,8 +32,7 @@ POINTERS = {"b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_pt
 
 
 def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128, copy=True):
-    """The TMA convolution with bias, residual and ReLU; with out8 an 8-bit output and a copy, or without the copy
-    (copy=False) the output scale folded into the epilogue (gemm.fold_output_scale)."""
+    """The TMA convolution with bias, residual and ReLU; with out8 an 8-bit output and a copy (copy=False: alone)."""
     x = DTYPES[quant]
     xbox = f"[1,{bh},{bw},{bk}]" if stride == 1 else f"[1,{bh},1,{bw},{bk}]"
     sig = {"x_desc": f"tensordesc<{x}{xbox}>", "w_desc": f"tensordesc<{x}[{bn},{bk}]>",
@@ -42,8 +41,8 @@ def conv_source(stride: int, quant: str, out8: bool, bh=8, bw=16, bn=128, bk=128
            **POINTERS, **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "pad_h", "pad_w", "stride_ws")},
            "p0": "fp32", "p1": "fp32"}
     cx = dict(KH=3, KW=3, STRIDE=stride, HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8,
-              COPY=out8 and copy, Z_SCALED=bool(quant), RELU=out8, FOLD=out8 and not copy, BLOCK_H=bh, BLOCK_W=bw,
-              BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=132)
+              COPY=out8 and copy, Z_SCALED=bool(quant), RELU=out8, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
+              PROGRAMS=132)
     return ASTSource(fn=tma_conv._tma_conv_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -55,8 +54,8 @@ def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, sta
            "q_desc": f"tensordesc<{x}[{bm},{bn}]>",
            **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
     cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8 and copy,
-              Z_SCALED=bool(quant), RELU=out8, FOLD=out8 and not copy, W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm,
-              BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=132, NUM_STAGES=stages)
+              Z_SCALED=bool(quant), RELU=out8, W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+              GROUP_M=8, PROGRAMS=132, NUM_STAGES=stages)
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -230,12 +229,12 @@ def main() -> int:
         cases[f"TMA GEMM {quant}, 8-bit output and copy"] = (gemm_source(quant, True), 4, 4)
         cases[f"TMA GEMM {quant}, K in one tile, 8-bit output and copy"] = (
             gemm_source(quant, True, one_k=True, stages=3), 4, 3)
-        cases[f"TMA GEMM {quant}, K in one tile, 8-bit output, its scale folded"] = (
+        cases[f"TMA GEMM {quant}, K in one tile, 8-bit output alone"] = (
             gemm_source(quant, True, one_k=True, stages=3, copy=False), 4, 3)
         for stride in (1, 2):
             cases[f"TMA convolution {quant} stride {stride}, 8-bit output and copy"] = (
                 conv_source(stride, quant, True), 8, 3)
-        cases[f"TMA convolution {quant} stride 1, 8-bit output, its scale folded"] = (
+        cases[f"TMA convolution {quant} stride 1, 8-bit output alone"] = (
             conv_source(1, quant, True, copy=False), 8, 3)
     cases["TMA convolution fp16 stride 1"] = (conv_source(1, "", False, bk=64), 8, 3)
     print(f"triton {triton.__version__}, target sm_90")

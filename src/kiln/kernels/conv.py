@@ -36,7 +36,6 @@ from .gemm import (
     copy,
     dot_precision,
     finish,
-    fold_output_scale,
     operand_dtypes_ok,
     quant_args,
     residual_ok,
@@ -101,7 +100,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, p0, p1,
                  HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
                  QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                 FOLD: tl.constexpr, FLAT: tl.constexpr,
+                 FLAT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -132,7 +131,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
 
     z = tl.load(z_ptr + (n * szn + oh * szh + ow * szw)[:, None] + (oc * szc)[None, :]) if HAS_Z else None
     out, acc = finish(acc, z, oc, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, y_ptr.dtype.element_ty,
-                      HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, False, FOLD)
+                      HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, False)
     # channels-last output (and copy): [N, OH, OW, OC] row-major, i.e. pixel-major with OC contiguous
     offs = rm[:, None] * OC + rn[None, :]
     inside = (rm[:, None] < M) & (rn[None, :] < OC)
@@ -270,7 +269,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], p0, p1,
         HAS_BIAS=b is not None, HAS_Z=z is not None, ACT=act, PREC=dot_precision(x.dtype, node.precision, qtype),
         QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
-        FOLD=fold_output_scale(act, y_scale is not None, q_scale is not None), FLAT=flat,
+        FLAT=flat,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -73,19 +73,11 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
 
 
 RELU_IN_QUANTIZE = True  # the TMA kernels' ReLU before an 8-bit output done by quantize (off only to compare)
-FOLD_OUTPUT_SCALE = True  # an 8-bit output's scale folded into the dequantization (`finish`; off only to compare)
 
 
 def relu_in_quantize(act: str, y_quantized: bool) -> bool:
     """Whether a kernel leaves its ReLU to `quantize(..., RELU=True)`: a ReLU before an 8-bit output."""
     return RELU_IN_QUANTIZE and act == "Relu" and y_quantized
-
-
-def fold_output_scale(act: str, y_quantized: bool, copy: bool) -> bool:
-    """Whether `finish` folds the 8-bit output's scale into the per-column dequantization and bias: an 8-bit output
-    without a copy (which needs the unscaled result), through no activation or a ReLU (which commutes with
-    multiplying by the positive 1 / y_scale)."""
-    return FOLD_OUTPUT_SCALE and y_quantized and not copy and act in ("", "Relu")
 
 
 @triton.jit
@@ -98,56 +90,36 @@ def quantize(a, xs_ptr, QUANT: tl.constexpr, RELU: tl.constexpr = False):
         # x * (1/sx) rather than x / sx: a division per element would dominate an ALU-bound pass. It can
         # differ from the reference's quotient by an ulp, moving a value within an ulp of a rounding tie by
         # one quantization step (never when sx is a power of two).
-        a = round_to_8_bits(a.to(tl.float32) * (1.0 / tl.load(xs_ptr).to(tl.float32)), QUANT, RELU)
+        v = a.to(tl.float32) * (1.0 / tl.load(xs_ptr).to(tl.float32))
+        if QUANT == "int8":
+            # saturate first: round(clamp(v)) == clamp(round(v))
+            v = tl.minimum(tl.maximum(v, 0.0 if RELU else -128.0), 127.0)
+            # Round half to even like torch.round: adding 1.5 * 2**23 makes the FP32 adder round v to an integer
+            # (to nearest even) and leaves it in the low mantissa bits, read out as int8 without a float->int
+            # conversion. libdevice.rint would do on the GPU but does not run in Triton's interpreter.
+            a = (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        else:
+            # Saturate to E4M3's largest finite value, then round to nearest even (cvt.rn.satfinite on sm_89+).
+            a = tl.minimum(tl.maximum(v, 0.0 if RELU else -448.0), 448.0).to(tl.float8e4nv)
     return a
-
-
-@triton.jit
-def round_to_8_bits(v, QUANT: tl.constexpr, RELU: tl.constexpr):
-    """FP32 values already divided by their scale, saturated and rounded to int8 / FP8 E4M3 (`quantize`)."""
-    if QUANT == "int8":
-        # saturate first: round(clamp(v)) == clamp(round(v))
-        v = tl.minimum(tl.maximum(v, 0.0 if RELU else -128.0), 127.0)
-        # Round half to even like torch.round: adding 1.5 * 2**23 makes the FP32 adder round v to an integer
-        # (to nearest even) and leaves it in the low mantissa bits, read out as int8 without a float->int
-        # conversion. libdevice.rint would do on the GPU but does not run in Triton's interpreter.
-        return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
-    else:
-        # Saturate to E4M3's largest finite value, then round to nearest even (cvt.rn.satfinite on sm_89+).
-        return tl.minimum(tl.maximum(v, 0.0 if RELU else -448.0), 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
 def finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, Y_DTYPE: tl.constexpr,
            HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-           Y_QUANTIZED: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr, FOLD: tl.constexpr):
+           Y_QUANTIZED: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr):
     """Every GEMM and convolution kernel's epilogue, up to its store: the accumulator dequantized (quantized layers:
     x_scale * w_scale[cols]), plus bias[cols] and the residual tile z, activated. Returns (the output as Y_DTYPE,
     quantized with *ys_ptr when the next layer reads 8-bit values (Y_QUANTIZED: quantized here instead of by it);
-    the FP32 result, for `copy`). RELU: the ReLU is left to the quantization's clamp (relu_in_quantize).
-    FOLD (fold_output_scale): 1 / y_scale joins the per-column dequantization scale and bias and the residual's
-    scale, so each value takes two FFMAs where it took a multiply and an add each for the dequantization, the bias,
-    the residual and the quantization; the FP32 result returned is then in output steps (no copy is made of it)."""
-    if FOLD:
-        inv = 1.0 / tl.load(ys_ptr).to(tl.float32)
-        scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32) * inv
-        acc = acc.to(tl.float32) * scale[None, :]
-        if HAS_BIAS:
-            acc += (tl.load(b_ptr + cols).to(tl.float32) * inv)[None, :]
-        if HAS_Z:
-            acc += z.to(tl.float32) * (tl.load(zs_ptr).to(tl.float32) * inv if Z_SCALED else inv)
-        if not RELU:
-            acc = epilogue(acc, ACT, p0, p1)
-        out = round_to_8_bits(acc, QUANT, RELU).to(Y_DTYPE)
-    else:
-        acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-        if HAS_Z:
-            acc += residual(z, zs_ptr, Z_SCALED)
-        if not RELU:
-            acc = epilogue(acc, ACT, p0, p1)
-        out = quantize(acc, ys_ptr, QUANT, RELU).to(Y_DTYPE) if Y_QUANTIZED else acc.to(Y_DTYPE)
+    the FP32 result, for `copy`). RELU: the ReLU is left to the quantization's clamp (relu_in_quantize)."""
+    acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    if HAS_Z:
+        acc += residual(z, zs_ptr, Z_SCALED)
+    if not RELU:
+        acc = epilogue(acc, ACT, p0, p1)
+    out = quantize(acc, ys_ptr, QUANT, RELU).to(Y_DTYPE) if Y_QUANTIZED else acc.to(Y_DTYPE)
     return out, acc
 
 
@@ -156,8 +128,9 @@ def copy(acc, out, qs_ptr, Q_DTYPE: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZ
          RELU: tl.constexpr):
     """`finish`'s 8-bit copy for quantized readers (*qs_ptr's scale), made from the stored float values as they
     would quantize them, or from the FP32 result when the output itself is 8-bit (a residual at its own scale
-    beside a copy at the next layer's, engine/quantized_io.py). Kernels store it after the output: computed
-    before, both tiles would hold registers at once (ptxas: the FP8 stride-2 convolution 183 -> 230)."""
+    beside a copy at the next layer's, engine/quantized_io.py). Kernels compute it after storing the output: both
+    computed first took more code (sm_90 SASS of the FP8 TMA GEMM with residual, 8-bit output and copy: 11165
+    instructions against 10545)."""
     return quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT, RELU).to(Q_DTYPE)
 
 
@@ -186,8 +159,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
                  p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr,
                  QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                 FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -224,7 +196,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, ys_ptr, qs_p
     # a residual: a 1x1 convolution's shortcut, see conv.pointwise_as_gemm
     z = tl.load(z_ptr + ram[:, None] * stride_zm + rbn[None, :] * stride_zn) if HAS_Z else None
     out, acc = finish(acc, z, rbn, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, y_ptr.dtype.element_ty,
-                      HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, False, FOLD)
+                      HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, False)
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, out, mask=inside)
     if COPY:  # [M, N] contiguous
@@ -358,8 +330,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         y2.stride(0), y2.stride(1), stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z2 is not None, ACT=act, PREC=dot_precision(x.dtype, precision, qtype),
         EVEN_K=K % config.block_k == 0, QUANT=qtype, Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None,
-        Z_SCALED=z_scale is not None, FOLD=fold_output_scale(act, y_scale is not None, q_scale is not None),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        Z_SCALED=z_scale is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y2.view(*lead, N) if q_scale is None else (y2.view(*lead, N), q.view(*lead, N))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import QTYPES, copy, finish, fold_output_scale, quant_args, relu_in_quantize, residual_ok
+from .gemm import QTYPES, copy, finish, quant_args, relu_in_quantize, residual_ok
 from .tma_gemm import programs, resident_programs
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and strides
@@ -69,7 +69,7 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      N, OH, OW, OC, C, pad_h, pad_w, stride_ws, p0, p1,
                      KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
-                     COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr, FOLD: tl.constexpr,
+                     COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
@@ -103,7 +103,7 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         # a residual of the output's shape, channels-last
         z = z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N) if HAS_Z else None
         out, acc = finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, y_desc.dtype,
-                          HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU, FOLD)
+                          HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU)
         y_desc.store([img, oh0, ow0, off_n], out.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
         if COPY:
             q = copy(acc, out, qs_ptr, q_desc.dtype, QUANT, Y_QUANTIZED, RELU)
@@ -242,7 +242,6 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         KH=KH, KW=KW, STRIDE=S, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
         RELU=relu_in_quantize(act, y_scale is not None),
-        FOLD=fold_output_scale(act, y_scale is not None, q_scale is not None),
         BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     y = y.permute(0, 3, 1, 2)

@@ -38,7 +38,6 @@ from .gemm import (
     _params,
     copy,
     finish,
-    fold_output_scale,
     quant_args,
     relu_in_quantize,
     residual_ok,
@@ -73,11 +72,11 @@ def _w_tile(w_desc, off_n, off_k, W_KMAJOR: tl.constexpr):
 def _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N, stride_ws,
                 p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                 Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr,
-                FOLD: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_N: tl.constexpr):
     """gemm.finish's epilogue, one TMA store (and gemm.copy's)."""
     cols = (off_n + tl.arange(0, BLOCK_N)) % N  # columns past N compute garbage the store drops
     out, acc = finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, y_desc.dtype, HAS_BIAS,
-                      HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU, FOLD)
+                      HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU)
     y_desc.store([off_m, off_n], out)
     if COPY:
         q_desc.store([off_m, off_n], copy(acc, out, qs_ptr, q_desc.dtype, QUANT, Y_QUANTIZED, RELU))
@@ -87,7 +86,7 @@ def _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_
 def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, M, N, K,
                      stride_ws, p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr,
                      QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
-                     RELU: tl.constexpr, FOLD: tl.constexpr, W_KMAJOR: tl.constexpr, ONE_K: tl.constexpr,
+                     RELU: tl.constexpr, W_KMAJOR: tl.constexpr, ONE_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -102,8 +101,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
             acc = tl.dot(x_desc.load([off_m, 0]), _w_tile(w_desc, off_n, 0, W_KMAJOR), out_dtype=acc_dtype)
             z = z_desc.load([off_m, off_n]) if HAS_Z else None
             _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
-                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, FOLD,
-                        BLOCK_N)
+                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, BLOCK_N)
     else:
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
             off_m, off_n = _tile_offsets(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
@@ -113,8 +111,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                              acc, out_dtype=acc_dtype)
             z = z_desc.load([off_m, off_n]) if HAS_Z else None
             _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
-                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, FOLD,
-                        BLOCK_N)
+                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, BLOCK_N)
 
 
 def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> int:
@@ -271,7 +268,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
         COPY=q_scale is not None, Z_SCALED=z_scale is not None, RELU=relu_in_quantize(act, y_scale is not None),
-        FOLD=fold_output_scale(act, y_scale is not None, q_scale is not None),
         W_KMAJOR=k_major, ONE_K=one_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages)
