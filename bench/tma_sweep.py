@@ -104,7 +104,8 @@ def sweep_8bit(x, w, b, act, qtype):
 
 
 # ResNet-50's batch-32 1x1 convolutions in an INT8 engine: (name, M, K, N, 8-bit residual)
-INT8_ENGINE_SHAPES = [("layer1 conv1 256->64", 100352, 256, 64, False),
+INT8_ENGINE_SHAPES = [("layer1.0 conv1 64->64", 100352, 64, 64, False),  # the block after the stem's pool
+                      ("layer1 conv1 256->64", 100352, 256, 64, False),
                       ("layer1 conv3 64->256", 100352, 64, 256, True),
                       ("layer2 conv1 512->128", 25088, 512, 128, False),
                       ("layer2 conv3 128->512", 25088, 128, 512, True),
@@ -122,7 +123,9 @@ Q8_K64 = [TileConfig(128, 256, 64, 8, 2), TileConfig(128, 128, 64, 4, 2), TileCo
 
 LATENCY_TILES = [TileConfig(128, 128, 64, 4, 2), TileConfig(128, 128, 64, 4, 4), TileConfig(64, 128, 64, 4, 2),
                  TileConfig(64, 256, 64, 4, 2), TileConfig(128, 64, 128, 4, 4), TileConfig(64, 128, 128, 4, 2),
-                 TileConfig(64, 64, 128, 4, 2)]
+                 TileConfig(64, 64, 128, 4, 2),
+                 # 64-wide K and N tiles: layer1.0's 64 -> 64 took 128x64x128, half its K tile zeros (2026-12-01)
+                 TileConfig(128, 64, 64, 4, 3), TileConfig(64, 64, 64, 4, 2)]
 
 
 def engine_operands(M, K, N, with_z, qtype, copy):

@@ -162,6 +162,10 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     # with residual, INT8 64x128x128 29.8 us, FP8 128x128x64 23.5, against 33.8 and 30.7 for the best tiles before)
     (TileConfig(128, 128, 64, 4, 3), 3),
     (TileConfig(64, 128, 128, 4, 3), 3),
+    # 64-wide K and N tiles: layer1.0's 1x1 64 -> 64 INT8 7.6 us at two or three programs per SM (7.9 at the four
+    # `resident_programs` launches) against 9.1 for 128x64x128 s4, which the engine had taken, half its K tile zeros
+    # (H200, 2026-12-01, bench/results/H200-int8-1x1-64-latency-1013.log)
+    (TileConfig(128, 64, 64, 4, 3), 3),
 ]
 
 
