@@ -15,6 +15,7 @@ model with them may map only up to its first branch (the table says where mappin
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -94,7 +95,24 @@ def layer_table(engine, layers: list[dict], stopped: str) -> list[str]:
              "| layer | tactic | builder us | replay us | replay / builder |", "|---|---|---|---|---|"]
     rows.sort(key=lambda r: -r[0]["us"])
     lines += [f"| {x['layer'][:60]} | {t} | {b:.1f} | {x['us']:.1f} | {x['us'] / b:.2f} |" for x, t, b in rows]
+    # the same by tactic family: a family the builder times slower than the replay runs it loses choices it
+    # should win (ResNet-50 INT8 at 2026-12-01 09:29: TMA 1x1 GEMMs 0.74x, cuDNN's graph kernels 0.92x)
+    families: dict[str, list[float]] = {}
+    for x, t, b in rows:
+        f = families.setdefault(tactic_family(t), [0, 0.0, 0.0])
+        f[0] += 1
+        f[1] += b
+        f[2] += x["us"]
+    lines += ["", "| tactic family | layers | builder us | replay us | replay / builder |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {n} | {b:.1f} | {r:.1f} | {r / b:.2f} |"
+              for name, (n, b, r) in sorted(families.items(), key=lambda kv: -kv[1][2])]
     return lines
+
+
+def tactic_family(tactic: str) -> str:
+    """A tactic's name without its configuration: triton_tma_qconv1x1_128x128x64_w4_s3 -> triton_tma_qconv1x1,
+    cudnn_graph_plan1 -> cudnn_graph, cublaslt_fp8_epilogue_algo3_no_workspace -> cublaslt_fp8_epilogue."""
+    return re.sub(r"_(\d+x\d+|plan\d|algo\d|s\d+_).*$", "", tactic)
 
 
 def host_us(fn, feeds: dict, iterations: int = 100) -> float:
