@@ -28,6 +28,11 @@ _PIN_NAMES = {"fp32": "float32", "float32": "float32", "tf32": "tf32", "fp16": "
               "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
+def pinned(node) -> bool:
+    """Whether --layerPrecisions pinned the layer (or, fused, one of its sources): it keeps that float precision."""
+    return node.note.startswith("pinned")
+
+
 def pin(graph: Graph, pins: dict[str, str]) -> None:
     """--layerPrecisions=name:fp16,...: mark ONNX nodes (before fusion) to run in a given float precision.
     Pinned layers are not quantized, and a fused layer keeps the pin of its sources."""

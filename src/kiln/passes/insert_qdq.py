@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.precision import pinned
 from ..ir.graph import Graph, Node
 from .rewrite import View, miss
 
@@ -81,7 +82,7 @@ def run(graph: Graph) -> None:
         w = view.const(n.inputs[1])
         if w is None or not w.dtype.is_floating_point or (n.op_type != "Conv" and w.dim() != 2):
             continue
-        if (n.op_type == "Gemm" and n.attr("transA", 0)) or n.note.startswith("pinned"):
+        if (n.op_type == "Gemm" and n.attr("transA", 0)) or pinned(n):
             continue  # pinned layers keep the float precision they were given
         if n.op_type == "Conv" and w.dim() > 1 and w.shape[1] < MIN_CHANNELS:
             c = w.shape[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.precision import pinned
 from ..ir.graph import Graph, Node
 
 
@@ -61,9 +62,9 @@ def replace(graph: Graph, old: list[Node], new: Node) -> None:
     last = max(i for i, n in enumerate(graph.nodes) if id(n) in ids)
     new.sources = [s for n in old for s in (n.sources or [n.name])]
     new.opset = old[0].opset
-    pinned = next((n for n in old if n.note.startswith("pinned")), None)
-    if pinned is not None:  # --layerPrecisions on any source holds for the fused layer
-        new.precision, new.note = pinned.precision, pinned.note
+    pin = next((n for n in old if pinned(n)), None)
+    if pin is not None:  # --layerPrecisions on any source holds for the fused layer
+        new.precision, new.note = pin.precision, pin.note
     elif not new.note:  # why a source kept its precision holds for the fused layer
         new.note = next((n.note for n in old if n.note), "")
     nodes = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.precision import pinned
 from ..ir.graph import Graph, Node
 from .insert_qdq import MIN_CHANNELS
 
@@ -75,7 +76,7 @@ def run(graph: Graph) -> None:
         x = n.inputs[0]
         w = graph.initializers.get(n.inputs[1])
         g = geometry(n, inputs[x].shape or (), w) if w is not None else None
-        if g is None or n.note.startswith("pinned") or not amax.get(x, 0) > 0:
+        if g is None or pinned(n) or not amax.get(x, 0) > 0:
             continue
         patches = f"{n.name}.patches"
         graph.nodes.insert(graph.nodes.index(n), Node(
