@@ -8,7 +8,6 @@ compared with conv.py's (the same integer sums and epilogue), FP16 ones with cuD
 
     python bench/conv_sweep.py [--batch 32] [--quantized-only] [LAYER...] > bench/results/H200-conv-sweep.log  (GPU)
     python bench/conv_sweep.py --quantized-only --tiles 8x32x64x128_w4_s4,... layer1    (these 8-bit tiles instead)
-    python bench/conv_sweep.py --quantized-only --tiles 8x8x128x128_w4_s4,8x8x128x128_w4_s4_i2 "layer4 3x3"
 """
 
 from __future__ import annotations
@@ -58,10 +57,9 @@ def node(k, stride, qtype=""):
 
 
 def parse_tile(name: str) -> PatchConfig:
-    """A PatchConfig from its name, e.g. 8x32x64x128_w4_s4, or 8x8x128x128_w4_s4_i2 (two images a box)."""
-    dims, warps, stages, *images = name.split("_")
-    return PatchConfig(*(int(d) for d in dims.split("x")), int(warps[1:]), int(stages[1:]),
-                       int(images[0][1:]) if images else 1)
+    """A PatchConfig from its name, e.g. 8x32x64x128_w4_s4."""
+    dims, warps, stages = name.split("_")
+    return PatchConfig(*(int(d) for d in dims.split("x")), int(warps[1:]), int(stages[1:]))
 
 
 def sweep(batch, hw, c, oc, k, stride, flops, float16=True, q8=Q8):

@@ -2,8 +2,6 @@
 TRITON_INTERPRET=1 on the CPU (the interpreter runs 4-D tensor descriptors, zero-filling boxes past the image's
 edge, negative coordinates included)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -39,8 +37,7 @@ def _cl(t):
     (1, (0, 0, 0, 0), "", False, 2),  # ResNet's downsample
     (3, (2, 3, 0, 1), "", False, 2),  # odd and even pads: every phase of the view
 ])
-@pytest.mark.parametrize("config", [SMALL, PatchConfig(1, 16, 16, 16, 4, 2),  # 4x4 and one-row patches
-                                    PatchConfig(4, 4, 16, 16, 4, 2, images=2)])  # both images in one box
+@pytest.mark.parametrize("config", [SMALL, PatchConfig(1, 16, 16, 16, 4, 2)])  # 4x4 and one-row patches
 def test_float_conv_matches_the_reference(k, pads, act, residual, stride, config):
     g = torch.Generator().manual_seed(k)
     node = _node(k, pads, act, stride=stride)
@@ -67,8 +64,7 @@ def _int8_layer(seed, qtype="int8"):
 
 @pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
                                      "int8 and int8 copy"])
-@pytest.mark.parametrize("images", [1, 2])  # patches of one image, or of both in one box
-def test_int8_conv_matches_the_pointer_kernel(outputs, images):
+def test_int8_conv_matches_the_pointer_kernel(outputs):
     # conv.py's quantized convolution is the tested reference: identical integer sums, the same FP32 epilogue
     node = _node(3, (1, 1, 1, 1), "Relu", qtype="int8")
     x, w, sx, sw, b = _int8_layer(1)
@@ -81,7 +77,7 @@ def test_int8_conv_matches_the_pointer_kernel(outputs, images):
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_conv.supports(node, x, w, b, z, SMALL8, "int8")
     assert not tma_conv.supports(node, x, w, b, z, SMALL, "int8")  # 16-value K tiles: too short for 8-bit dots
-    got = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=replace(SMALL8, images=images), **kw))
+    got = poisoned(lambda: tma_conv.conv2d(node, x, w, b, z, config=SMALL8, **kw))
     want = conv.conv2d(node, x, w, b, z, config=conv.TileConfig(16, 16, 32, 4, 2), **kw)
     for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
@@ -131,15 +127,3 @@ def test_what_a_box_cannot_read_is_refused():
     assert not tma_conv.supports(node, odd, _cl(torch.randn(16, 24, 3, 3).half()), None, None, SMALL)
     assert not tma_conv.supports(node, x.float(), w.float(), None, None, SMALL)  # FP32: not a TMA tactic
     assert not tma_conv.supports(node, x, _cl(torch.randn(8, 32, 3, 3).half()), None, None, SMALL)  # OC % 16
-
-
-def test_a_box_of_two_images_past_the_batch_reads_zeros_and_writes_nothing():
-    # three images in boxes of two: the second box's second image is past the batch
-    node = _node(3, (1, 1, 1, 1), "Relu")
-    g = torch.Generator().manual_seed(5)
-    x = _cl(torch.randn(3, 32, 7, 7, generator=g).half())
-    w = _cl((torch.randn(48, 32, 3, 3, generator=g) / 8).half())
-    config = PatchConfig(8, 8, 16, 16, 4, 2, images=2)
-    assert config.name == "8x8x16x16_w4_s2_i2" and config.rows == 128
-    y = poisoned(lambda: tma_conv.conv2d(node, x, w, config=config))
-    torch.testing.assert_close(y.float(), conv.reference(node, x, w).float(), atol=2e-3, rtol=2e-3)

@@ -19,10 +19,6 @@ bounds of the view (H and W even), so still read as zeros. Dilation 1 only; C a 
 tile never straddles two taps. ResNet-50 has 13 stride-1 3x3 convolutions and 6 stride-2 ones (three 3x3,
 three 1x1).
 
-A box may also hold the same patch of several images (PatchConfig.images, the box [I, BLOCK_H, BLOCK_W,
-BLOCK_K]; images past the batch read zeros and are not written): at 7x7, where one 8x8 patch is a whole
-image, two images make 128-row tiles that read each weight tile half as often. None is offered yet: untimed.
-
 Reference: kiln.ops.fused.fused_conv / qconv; kernels/conv.py runs every convolution.
 """
 
@@ -46,8 +42,7 @@ STRIDES = (1, 2)
 
 @dataclass(frozen=True)
 class PatchConfig:
-    """An output tile of block_h x block_w pixels of `images` images (one box) by block_n channels, K walked
-    block_k channels at a time."""
+    """An output tile of block_h x block_w pixels by block_n channels, K walked block_k channels at a time."""
 
     block_h: int
     block_w: int
@@ -55,26 +50,18 @@ class PatchConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    images: int = 1
 
     @property
     def name(self) -> str:
-        images = f"_i{self.images}" if self.images > 1 else ""
-        tile = f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}"
-        return f"{tile}_w{self.num_warps}_s{self.num_stages}{images}"
-
-    @property
-    def rows(self) -> int:
-        """The GEMM's M of one tile: its output pixels."""
-        return self.images * self.block_h * self.block_w
+        return f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
     def pipeline_bytes(self, itemsize: int) -> int:
         """Shared memory of the operand pipeline."""
-        return self.num_stages * (self.rows + self.block_n) * self.block_k * itemsize
+        return self.num_stages * (self.block_h * self.block_w + self.block_n) * self.block_k * itemsize
 
     def smem_bytes(self, itemsize: int) -> int:
         """The operand pipeline plus the 16-bit output and residual tiles the epilogue moves."""
-        return self.pipeline_bytes(itemsize) + 2 * self.rows * self.block_n * 2
+        return self.pipeline_bytes(itemsize) + 2 * self.block_h * self.block_w * self.block_n * 2
 
 
 @triton.jit
@@ -83,19 +70,19 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr,
                      COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr,
-                     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
-    BLOCK_M: tl.constexpr = BLOCK_I * BLOCK_H * BLOCK_W
+                     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PROGRAMS: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_W
     tiles_w = tl.cdiv(OW, BLOCK_W)
     tiles_hw = tl.cdiv(OH, BLOCK_H) * tiles_w
     tiles_n = tl.cdiv(OC, BLOCK_N)
     c_blocks = C // BLOCK_K
     k_tiles = KH * KW * c_blocks
-    for tile in tl.range(tl.program_id(0), tl.cdiv(N, BLOCK_I) * tiles_hw * tiles_n, PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), N * tiles_hw * tiles_n, PROGRAMS, flatten=True):
         # Channel tiles of one patch are neighbours: they share the patch's input boxes in L2.
         patch = tile // tiles_n
         off_n = (tile % tiles_n) * BLOCK_N
-        img = patch // tiles_hw * BLOCK_I  # the box's first image; images past N read zeros, are not written
+        img = patch // tiles_hw
         oh0 = (patch % tiles_hw) // tiles_w * BLOCK_H
         ow0 = (patch % tiles_w) * BLOCK_W
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if QUANT == "int8" else tl.float32)
@@ -117,10 +104,10 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
         z = z_desc.load([img, oh0, ow0, off_n]).reshape(BLOCK_M, BLOCK_N) if HAS_Z else None
         out, acc = finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, y_desc.dtype,
                           HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU)
-        y_desc.store([img, oh0, ow0, off_n], out.reshape(BLOCK_I, BLOCK_H, BLOCK_W, BLOCK_N))
+        y_desc.store([img, oh0, ow0, off_n], out.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
         if COPY:
             q = copy(acc, out, qs_ptr, q_desc.dtype, QUANT, Y_QUANTIZED, RELU)
-            q_desc.store([img, oh0, ow0, off_n], q.reshape(BLOCK_I, BLOCK_H, BLOCK_W, BLOCK_N))
+            q_desc.store([img, oh0, ow0, off_n], q.reshape(1, BLOCK_H, BLOCK_W, BLOCK_N))
 
 
 # (config, lowest optimization level that offers it). 8-bit K tiles of 128 bytes (TMA's widest swizzle).
@@ -152,8 +139,7 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
 ]
 # One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) ran
 # 1.7-6x slower than these at every ResNet-50 3x3 layer (H200, 2026-11-30, bench/results/H200-conv-sweep-1735.log),
-# so none is offered; the kernel still takes them. Boxes of two images (images=2) are not offered either: not yet
-# timed (bench/conv_sweep.py --tiles 8x8x128x128_w4_s4_i2 "layer4 3x3" times them).
+# so none is offered; the kernel still takes them.
 
 
 def nhwc(t: torch.Tensor) -> torch.Tensor | None:
@@ -229,8 +215,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     q = torch.empty((N, OH, OW, OC), dtype=QTYPES[qtype], device=x.device) if q_scale is not None else y
     act, p0, p1, bias, _, _ = epilogue_operands(node, b, None, (N, OC, OH, OW))
     x, xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
-    bi, bh, bw, bn = config.images, config.block_h, config.block_w, config.block_n
-    bk = block_k_for(config, C, bool(qtype))
+    bh, bw, bn, bk = config.block_h, config.block_w, config.block_n, block_k_for(config, C, bool(qtype))
 
     def desc(t, block):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
@@ -239,14 +224,14 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     rows = nhwc(x)
     if S > 1:  # [N, H, W, C] as [N, H/S, S, W/S, S*C]: a stride-S window is a box of this view
         rows = rows.reshape(N, rows.shape[1] // S, S, rows.shape[2] // S, S * C)
-    x_box = [bi, bh, bw, bk] if S == 1 else [bi, bh, 1, bw, bk]
-    out_box = [bi, bh, bw, bn]
+    x_box = [1, bh, bw, bk] if S == 1 else [1, bh, 1, bw, bk]
+    out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
-    tiles = triton.cdiv(N, bi) * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
+    tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
     # At most two: three ran no faster at layer1, where the smaller K tile (64 channels) leaves room for them
     # (H200, 2026-11-30, bench/results/H200-conv-sweep-layer1-x3.log: 8x16x64x128 w4 s4 23.6 us x2, 24.1 x3).
     pipeline = replace(config, block_k=bk).pipeline_bytes(x.element_size())
-    per_sm = programs_per_sm or min(2, resident_programs(config.num_warps, pipeline, config.rows * bn, qtype))
+    per_sm = programs_per_sm or min(2, resident_programs(config.num_warps, pipeline, bh * bw * bn, qtype))
     n_programs = min(per_sm * programs(x.device), tiles)
     _tma_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(filter_rows(w), [bn, bk]), y_desc,
@@ -257,7 +242,7 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         KH=KH, KW=KW, STRIDE=S, HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype,
         Y_QUANTIZED=y_scale is not None, COPY=q_scale is not None, Z_SCALED=z_scale is not None,
         RELU=relu_in_quantize(act, y_scale is not None),
-        BLOCK_I=bi, BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_H=bh, BLOCK_W=bw, BLOCK_N=bn, BLOCK_K=bk,
         PROGRAMS=n_programs, num_warps=config.num_warps, num_stages=config.num_stages)
     y = y.permute(0, 3, 1, 2)
     return y if q_scale is None else (y, q.permute(0, 3, 1, 2))
