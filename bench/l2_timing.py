@@ -1,0 +1,63 @@
+"""How the builder's timing of an 8-bit layer compares with how long it runs in an engine's replay.
+
+The selector times a quantized layer's candidates after an L2Reset (tactics/timer.py) and subtracts the
+reset's own time. A layer that writes a large output leaves it in L2 as dirty lines, and the next reset
+writes them back to memory as it evicts them: that cost lands in the subtraction, so the layer is charged
+for it, where in an engine the next layer reads those lines from L2. This times ResNet-50's 8-bit 1x1
+layers (engine operands as bench/tma_sweep.py --int8-engine builds them, the tile each INT8 engine took)
+four ways: warm (the same operands every call), as the builder does (reset, subtracted), bracketed (events
+around the layer alone inside the graph: timer.bracketed_ms), and the output's write alone both ways, whose
+difference is the write-back the subtraction charges.
+
+    python bench/l2_timing.py > bench/results/H200-l2-timing.log      (GPU)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from bench.tma_sweep import engine_operands  # noqa: E402
+from kiln.kernels import tma_gemm  # noqa: E402
+from kiln.kernels.gemm import TileConfig  # noqa: E402
+from kiln.tactics.timer import L2Reset, bracketed_ms, median_ms  # noqa: E402
+
+# (name, M, K, N, 8-bit residual, the tile the 09:29 INT8 engine took, its replay us in that trace)
+LAYERS = [("layer1 conv3 64->256 +res", 100352, 64, 256, True, TileConfig(128, 128, 64, 4, 3), 21.9),
+          ("layer1 conv1 256->64", 100352, 256, 64, False, TileConfig(128, 64, 128, 4, 4), 10.7),
+          ("layer2 conv3 128->512 +res", 25088, 128, 512, True, TileConfig(64, 128, 128, 4, 2), 12.8),
+          ("layer3 conv3 256->1024 +res", 6272, 256, 1024, True, TileConfig(64, 128, 128, 4, 2), 10.0)]
+
+
+def main() -> int:
+    print(torch.cuda.get_device_name(), torch.__version__)
+    base = L2Reset(torch.device("cuda"))
+    for name, M, K, N, with_z, tile, replay in LAYERS:
+        x8, w8, b, kw, moved = engine_operands(M, K, N, with_z, "int8", False)
+        reset = base.keeping([x8, kw["z"]])
+
+        def layer():
+            return tma_gemm.gemm(x8, w8, b, "Relu", config=tile, **kw)
+
+        out = torch.empty(M, N, dtype=torch.int8, device="cuda")
+
+        def write():
+            return out.fill_(1)
+
+        us = {k: 1000 * v for k, v in {
+            "warm": median_ms(layer, runs=20), "builder": median_ms(layer, runs=20, before=reset),
+            "bracketed": bracketed_ms(layer, reset, runs=20), "write builder": median_ms(write, runs=20, before=reset),
+            "write bracketed": bracketed_ms(write, reset, runs=20)}.items()}
+        print(f"\n## {name}: M {M}, K {K}, N {N}, tile {tile.name}, {moved / 1e6:.1f} MB; 09:29 replay {replay} us")
+        print("  ".join(f"{k} {v:.1f} us" for k, v in us.items()))
+        print(f"builder - bracketed {us['builder'] - us['bracketed']:.1f} us; the {M * N / 1e6:.1f} MB output written "
+              f"alone: {us['write builder'] - us['write bracketed']:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
