@@ -116,37 +116,6 @@ class L2Reset:
         return other
 
 
-def bracketed_ms(fn, before, warmup: int = 3, runs: int = 10) -> float | None:
-    """fn's median time with `before` run ahead of each call and left out by events around fn alone, all in one
-    CUDA graph (external event records); None where fn or before cannot be captured. Unlike median_ms's
-    subtraction, whatever fn leaves for the next `before` to do (writing its output's dirty L2 lines back to
-    memory as the reset evicts them) is not charged to fn."""
-    for _ in range(warmup):
-        before()
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
-             for _ in range(CALLS_PER_GRAPH)]
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for start, end in pairs:
-                before()
-                start.record()
-                fn()
-                end.record()
-    except Exception:
-        torch.cuda.synchronize()
-        return None
-    graph.replay()  # first replay uploads the graph
-    times = []
-    for _ in range(runs):
-        graph.replay()
-        torch.cuda.synchronize()
-        times += [start.elapsed_time(end) for start, end in pairs]
-    return statistics.median(times)
-
-
 def _median_ms(fn, warmup: int, runs: int, may_sync: bool) -> float:
     for _ in range(warmup):
         fn()
