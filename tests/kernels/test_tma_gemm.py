@@ -42,7 +42,9 @@ def _int8_operands(M, K, N, seed=0):
 @pytest.mark.parametrize("outputs", ["float", "int8", "float and int8 copy", "int8 from an int8 residual",
                                      "int8 and int8 copy"])
 @pytest.mark.parametrize("K", [96, 32])  # three K tiles; one (ResNet-50's K = 64 and 128 layers)
-def test_int8_gemm_matches_the_pointer_kernel(outputs, K):
+# the epilogue's column vectors loaded before the K loop (16 columns) or after it (128: EARLY_COLUMNS)
+@pytest.mark.parametrize("config", [SMALL, TileConfig(16, 128, 32, 4, 2)])
+def test_int8_gemm_matches_the_pointer_kernel(outputs, K, config):
     # gemm.py's quantized GEMM is the tested reference for the epilogue: identical integer sums, same FP32 math
     M, N = 37, 48
     x, w, sx, sw, b = _int8_operands(M, K, N)
@@ -54,7 +56,7 @@ def test_int8_gemm_matches_the_pointer_kernel(outputs, K):
               y_scale=torch.tensor(0.03, device=DEV) if outputs.startswith("int8") else None,
               q_scale=torch.tensor(0.02, device=DEV) if "copy" in outputs else None)
     assert tma_gemm.supports(x, w, b, "Relu", "int8", z=z)
-    got = poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw))
+    got = poisoned(lambda: tma_gemm.gemm(x, w, b, "Relu", config=config, **kw))
     want = gemm.gemm(x, w, b, "Relu", config=gemm.TileConfig(16, 16, 32, 4, 2), **kw)
     for g_, w_ in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, want))):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)

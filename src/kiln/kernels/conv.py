@@ -16,7 +16,7 @@ single store. groups == 1 only.
 Quantized convolutions (kiln::QConv, QUANT "int8" / "fp8") run the same loop: w is the int8 /
 FP8 E4M3 weight [OC, C, KH, KW] read through its strides like a float one, x is read as 8-bit values
 (quantized first in one pass when it arrives as floats: gemm.py says why), and the epilogue applies
-x_scale * w_scale[oc] before bias, residual and activation (gemm.quantize / gemm.dequantize).
+x_scale * w_scale[oc] before bias, residual and activation (gemm.finish).
 
 Reference: kiln.ops.fused.fused_conv; `reference` below; kiln.ops.fused.qconv when quantized.
 """

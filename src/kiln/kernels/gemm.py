@@ -9,7 +9,7 @@ rows of tiles so neighbouring programs share tiles of w in L2.
 Quantized layers (kiln::QGemm, QUANT "int8" / "fp8"): w is int8 / FP8 E4M3 [K, N]; x is read as
 8-bit values, quantized first in one pass (kernels/rescale.py) when it arrives as floats, multiplied
 on the 8-bit Tensor Cores (int32 / fp32 accumulator), and the epilogue applies x_scale * w_scale[n]
-before the bias and activation (`dequantize`), then quantizes for the next layer if asked. Tiles
+before the bias and activation (`finish`), then quantizes for the next layer if asked. Tiles
 quantized in registers before the dot were miscompiled on sm_90 for some convolutions (Triton 3.6,
 the whole output range off; tests/kernels/test_quantized.py runs ResNet-50's layer kinds on the
 GPU), and an 8-bit tile read from memory is half the bytes of an FP16 one.
@@ -107,20 +107,42 @@ def quantize(a, xs_ptr, QUANT: tl.constexpr, RELU: tl.constexpr = False):
 @triton.jit
 def finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, Y_DTYPE: tl.constexpr,
            HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-           Y_QUANTIZED: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr):
+           Y_QUANTIZED: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr, scale=None, bias=None):
     """Every GEMM and convolution kernel's epilogue, up to its store: the accumulator dequantized (quantized layers:
     x_scale * w_scale[cols]), plus bias[cols] and the residual tile z, activated. Returns (the output as Y_DTYPE,
     quantized with *ys_ptr when the next layer reads 8-bit values (Y_QUANTIZED: quantized here instead of by it);
-    the FP32 result, for `copy`). RELU: the ReLU is left to the quantization's clamp (relu_in_quantize)."""
-    acc = dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT)
+    the FP32 result, for `copy`). RELU: the ReLU is left to the quantization's clamp (relu_in_quantize).
+    scale, bias: those column vectors as `columns` loaded them ahead, else they are loaded here."""
+    if QUANT != "":
+        if scale is None:
+            scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
+        acc = acc.to(tl.float32) * scale[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        if bias is None:
+            bias = tl.load(b_ptr + cols).to(tl.float32)
+        acc += bias[None, :]
     if HAS_Z:
         acc += residual(z, zs_ptr, Z_SCALED)
     if not RELU:
         acc = epilogue(acc, ACT, p0, p1)
     out = quantize(acc, ys_ptr, QUANT, RELU).to(Y_DTYPE) if Y_QUANTIZED else acc.to(Y_DTYPE)
     return out, acc
+
+
+@triton.jit
+def columns(cols, b_ptr, xs_ptr, ws_ptr, stride_ws, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr):
+    """`finish`'s column vectors loaded ahead, in FP32: the dequantization scale x_scale * w_scale[cols] and
+    bias[cols] (each unused where the layer has none). Loaded by `finish` after the K loop, they keep a tile's
+    warps waiting as its epilogue begins (Nsight Compute on the H200, bench/ncu_layers.py: long-scoreboard
+    stalls); loaded before it, the MMAs hide that wait but the vectors hold registers through the loop
+    (tma_gemm's EARLY_COLUMNS says where that pays)."""
+    scale = cols.to(tl.float32)
+    if QUANT != "":
+        scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
+    bias = scale
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols).to(tl.float32)
+    return scale, bias
 
 
 @triton.jit
@@ -142,15 +164,6 @@ def residual(z, zs_ptr, Z_SCALED: tl.constexpr):
     if Z_SCALED:
         z = z * tl.load(zs_ptr).to(tl.float32)
     return z
-
-
-@triton.jit
-def dequantize(acc, xs_ptr, ws_ptr, cols, stride_ws, QUANT: tl.constexpr):
-    """The quantized accumulator (int32 / fp32) times x_scale * w_scale[cols], in FP32; float layers' as is."""
-    if QUANT != "":
-        scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
-        acc = acc.to(tl.float32) * scale[None, :]
-    return acc
 
 
 @triton.jit

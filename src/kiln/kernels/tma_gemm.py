@@ -36,6 +36,7 @@ from .gemm import (
     QTYPES,
     TileConfig,
     _params,
+    columns,
     copy,
     finish,
     quant_args,
@@ -72,11 +73,11 @@ def _w_tile(w_desc, off_n, off_k, W_KMAJOR: tl.constexpr):
 def _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N, stride_ws,
                 p0, p1, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                 Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """gemm.finish's epilogue, one TMA store (and gemm.copy's)."""
+                BLOCK_N: tl.constexpr, scale=None, bias=None):
+    """gemm.finish's epilogue, one TMA store (and gemm.copy's); scale and bias as finish takes them."""
     cols = (off_n + tl.arange(0, BLOCK_N)) % N  # columns past N compute garbage the store drops
     out, acc = finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, y_desc.dtype, HAS_BIAS,
-                      HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU)
+                      HAS_Z, ACT, QUANT, Y_QUANTIZED, Z_SCALED, RELU, scale, bias)
     y_desc.store([off_m, off_n], out)
     if COPY:
         q_desc.store([off_m, off_n], copy(acc, out, qs_ptr, q_desc.dtype, QUANT, Y_QUANTIZED, RELU))
@@ -92,6 +93,11 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
+    # The epilogue's column vectors loaded before the K loop, where the tile's registers leave room for them:
+    # layer1's 256 -> 64 INT8 1x1 (128x64x128) ran 12.2 -> 9.9 us, while 128-wide tiles spilled (ptxas: 248-956
+    # bytes) and ran 1.4-4.6x slower (H200, 2026-12-01, bench/results/H200-ab-early-columns-1110.log). The single
+    # loop above prefetches them tiles ahead anyway.
+    EARLY_COLUMNS: tl.constexpr = BLOCK_N <= 64
     if ONE_K:
         # the pipeliner issues loads that feed no dot (the residual, the scales) tiles ahead only when the loop
         # names its stage count. The residual is read after the dot: read before, its registers lived across
@@ -105,13 +111,18 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
     else:
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
             off_m, off_n = _tile_offsets(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+            scale, bias = None, None
+            if EARLY_COLUMNS:
+                cols = (off_n + tl.arange(0, BLOCK_N)) % N
+                scale, bias = columns(cols, b_ptr, xs_ptr, ws_ptr, stride_ws, HAS_BIAS, QUANT)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
             for kb in range(tl.cdiv(K, BLOCK_K)):
                 acc = tl.dot(x_desc.load([off_m, kb * BLOCK_K]), _w_tile(w_desc, off_n, kb * BLOCK_K, W_KMAJOR),
                              acc, out_dtype=acc_dtype)
             z = z_desc.load([off_m, off_n]) if HAS_Z else None
             _store_tile(acc, z, off_m, off_n, y_desc, q_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, qs_ptr, zs_ptr, N,
-                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, BLOCK_N)
+                        stride_ws, p0, p1, HAS_BIAS, HAS_Z, ACT, QUANT, Y_QUANTIZED, COPY, Z_SCALED, RELU, BLOCK_N,
+                        scale, bias)
 
 
 def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> int:
