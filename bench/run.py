@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -48,23 +49,34 @@ def _alarm(seconds):
 
 def time_fn(fn, input_sets, iterations: int, warmup: int = 20, before=None) -> dict:
     """CUDA-event timing, one event pair per call, rotating input sets; ms. before(): enqueued ahead of each
-    call's first event (bench/trace.py queues a sleep kernel there to hide the host's share)."""
+    call's first event (bench/trace.py queues a sleep kernel there to hide the host's share). Also the median
+    host time of the call itself (host_us, from entering fn to its return) and how many times Python's garbage
+    collector ran while timing (gc_runs): where the device waits for the host, whether the call's own host
+    work is why."""
     for i in range(warmup):
         fn(input_sets[i % len(input_sets)])
     torch.cuda.synchronize()
-    times = []
-    for i in range(iterations):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if before:
-            before()
-        e0.record()
-        fn(input_sets[i % len(input_sets)])
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
+    times, host = [], []
+    collections = []
+    gc.callbacks.append(lambda phase, info: collections.append(1) if phase == "start" else None)
+    try:
+        for i in range(iterations):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if before:
+                before()
+            e0.record()
+            t0 = time.perf_counter()
+            fn(input_sets[i % len(input_sets)])
+            host.append(time.perf_counter() - t0)
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+    finally:
+        gc.callbacks.pop()
     t = np.array(times)
     return {"median_ms": float(np.median(t)), "p90_ms": float(np.percentile(t, 90)),
-            "p99_ms": float(np.percentile(t, 99)), "min_ms": float(t.min()), "runs": iterations}
+            "p99_ms": float(np.percentile(t, 99)), "min_ms": float(t.min()), "runs": iterations,
+            "host_us": 1e6 * float(np.median(host)), "gc_runs": len(collections)}
 
 
 def layer_profile(engine, feeds, runs: int = 5) -> dict:
@@ -390,6 +402,9 @@ def to_markdown(env: dict, results: list) -> str:
                 busy = sum(x["ms"] for x in kp) / max(sum(x["share"] for x in kp), 1e-9)  # all kernels, not the top
                 host = (f"; with the host's part hidden a call took {v['device_ms']:.3f} ms, so the device waits "
                         f"{1000 * (v['median_ms'] - v['device_ms']):.0f} us for the host" if "device_ms" in v else "")
+                if "host_us" in v:  # runs before 2026-12-01 11:40 UTC did not record it
+                    host += (f"; the call's own host time {v['host_us']:.0f} us, the garbage collector ran "
+                             f"{v['gc_runs']} times in {v['runs']} timed calls")
                 lines += ["", f"{k} kernels (CUDA-graph replay, per call; all kernels {busy:.3f} ms, so "
                           f"{1000 * (v['median_ms'] - busy):.0f} us of the median outside them{host}): " + "; ".join(
                               f"`{x['kernel'][:60]}` x{x['calls']} {x['ms']:.3f} ms ({100 * x['share']:.0f}%)"
