@@ -10,7 +10,9 @@ then times them in interleaved rounds in one process, and reports each round.
     python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --off kiln.kernels.tma_gemm.ONE_K_LOOP
 
 --off adds a variant built, and captured as a CUDA graph, with a kernel module's boolean switch turned off: a
-kernel change's worth to the engine, the builder free to choose other tiles either way.
+kernel change's worth to the engine, the builder free to choose other tiles either way (or the builder's own:
+--off kiln.tactics.select.TIME_QUANTIZED_COLD times 8-bit layers warm). The last column counts the layers whose
+tactic differs from the first variant's.
 
 8-bit engines are calibrated on the benchmark input itself (speed only) and built with precision constraints
 `obey`, so that every variant quantizes the same layers.
@@ -41,6 +43,13 @@ def export(model_name: str, batch: int) -> tuple[str, dict]:
     g = torch.Generator().manual_seed(0)
     feeds = make(batch, g)
     return export_onnx(model, names, make(2, g), batch, Path(tempfile.mkdtemp()) / f"{model_name}.onnx"), feeds
+
+
+def differing(first: list[str], other: list[str]) -> str:
+    """How many layers' tactics differ between two builds of one model (whose layers come in the same order)."""
+    if len(first) != len(other):
+        return f"n/a ({len(other)} layers against {len(first)})"
+    return str(sum(a != b for a, b in zip(first, other)))
 
 
 def main(argv=None) -> int:
@@ -92,13 +101,15 @@ def main(argv=None) -> int:
 
     print(f"# {args.model} batch {args.batch} {args.precision.upper()} level {args.level}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print("| variant | median of rounds us | rounds us | layers using the excluded tactics in 'all tactics' |")
-    print("|---|---|---|---|")
+    print("| variant | median of rounds us | rounds us | layers using the excluded tactics in 'all tactics' "
+          "| layers choosing otherwise |")
+    print("|---|---|---|---|---|")
     for label, exclude in variants.items():
         used = [c for c in chosen["all tactics"] if any(fnmatch.fnmatchcase(c, x) for x in exclude)]
         counts = {c: used.count(c) for c in sorted(set(used))}
         print(f"| {label} | {statistics.median(rounds[label]):.1f} | {', '.join(f'{r:.0f}' for r in rounds[label])} "
-              f"| {', '.join(f'{c} x{n}' for c, n in counts.items()) or '-'} |")
+              f"| {', '.join(f'{c} x{n}' for c, n in counts.items()) or '-'} "
+              f"| {differing(chosen['all tactics'], chosen[label])} |")
     return 0
 
 

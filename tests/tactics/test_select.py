@@ -173,6 +173,27 @@ def test_a_quantized_layer_is_timed_with_its_weights_out_of_l2_and_its_other_inp
     assert sel._l2_reset(node, [x, w, None, scale]) is None
 
 
+def test_a_quantized_layer_is_timed_warm_with_the_cold_switch_off(monkeypatch):
+    """select.TIME_QUANTIZED_COLD off (bench/ab_tactics.py --off compares builds so): no reset before the timing."""
+    from types import SimpleNamespace
+
+    from kiln.ir.graph import Node
+    from kiln.tactics import select
+    from kiln.tactics.cache import TimingCache
+
+    monkeypatch.setattr(select, "L2Reset", lambda device: SimpleNamespace(keeping=lambda tensors: "reset"))
+    monkeypatch.setattr(select, "lookup", lambda op, domain: SimpleNamespace(impl=lambda node, *args: None))
+    befores = []
+    monkeypatch.setattr(select, "median_ms", lambda fn, before=None, **kw: befores.append(before) or 1.0)
+    engine = SimpleNamespace(target=SimpleNamespace(device="cuda"), graph=SimpleNamespace(initializers={}))
+    sel = select.Selector(engine, 3, None, TimingCache(None))
+    node = Node("QGemm", ["x", "w"], ["y"], {}, domain="kiln")
+    sel._measure(node, [torch.ones(2), torch.ones(2)], [])
+    monkeypatch.setattr(select, "TIME_QUANTIZED_COLD", False)
+    sel._measure(node, [torch.ones(2), torch.ones(2)], [])
+    assert befores == ["reset", None]
+
+
 def test_an_l2_resets_own_time_is_measured_once_per_layer_and_taken_off_every_candidate(monkeypatch):
     """timer.median_ms with an L2Reset: the reset alone is timed once per layer (its `keeping` copy), so every
     candidate of the layer has the same time taken off and their ranking rests on their own timings. The GPU

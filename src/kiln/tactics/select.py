@@ -29,6 +29,11 @@ _EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 # reset, BERT-base b1's FP16 engine ran 5% slower (0.403 -> 0.424 ms), its split-K GEMM + LayerNorm losing the
 # timing to cuBLASLt but not in the engine, where the reset's cold output and workspace lines are warm.
 _TIMED_COLD = ("QGemm", "QConv")
+# Off only to compare (bench/ab_tactics.py --off kiln.tactics.select.TIME_QUANTIZED_COLD): ResNet-50's 8-bit 1x1
+# layers time 3-6 us slower after the reset than warm, and warm lies within 1.6 us of the engine's replay there
+# (H200, 2026-12-01, bench/results/H200-l2-resets-1105.log); whether warm timing would choose other tactics is
+# what the A/B shows.
+TIME_QUANTIZED_COLD = True
 
 
 def _steps(r: torch.Tensor) -> torch.Tensor:
@@ -138,7 +143,7 @@ class Selector:
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
         ref = entry.impl(node, *args)
-        before = self._l2_reset(node, args) if node.op_type in _TIMED_COLD else None
+        before = self._l2_reset(node, args) if TIME_QUANTIZED_COLD and node.op_type in _TIMED_COLD else None
         timings = {"reference": median_ms(lambda: entry.impl(node, *args), before=before)}
         excluded = {}
         for t in cands:
