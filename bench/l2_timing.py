@@ -13,6 +13,10 @@ place (dirty lines, as the layer before leaves them in an engine), and the activ
 flush; plus BERT-base's INT8 FFN2, whose 2.4 MB of weights an engine reads from memory.
 
     python bench/l2_timing.py [--resets] > bench/results/H200-l2-timing.log      (GPU)
+
+On the H200 (2026-12-01, bench/results/H200-l2-timing-1054.log, H200-l2-resets-1105.log) the write-back explained
+3.7 us at layer1's 64 -> 256 and nothing elsewhere; the builder's timing ran 3-6 us above warm at every layer, and
+warm within 1.6 us of the engine's replay.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ LAYERS = [("layer1 conv3 64->256 +res", 100352, 64, 256, True, TileConfig(128, 1
           ("layer1 conv1 256->64", 100352, 256, 64, False, TileConfig(128, 64, 128, 4, 4), 10.7),
           ("layer2 conv3 128->512 +res", 25088, 128, 512, True, TileConfig(64, 128, 128, 4, 2), 12.8),
           ("layer3 conv3 256->1024 +res", 6272, 256, 1024, True, TileConfig(64, 128, 128, 4, 2), 10.0)]
-
 
 
 def bracketed_ms(fn, before, warmup: int = 3, runs: int = 10) -> float | None:

@@ -96,7 +96,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
     # The epilogue's column vectors loaded before the K loop, where the tile's registers leave room for them:
     # layer1's 256 -> 64 INT8 1x1 (128x64x128) ran 12.2 -> 9.9 us, while 128-wide tiles spilled (ptxas: 248-956
     # bytes) and ran 1.4-4.6x slower (H200, 2026-12-01, bench/results/H200-ab-early-columns-1110.log). The single
-    # loop above prefetches them tiles ahead anyway.
+    # loop (ONE_K) prefetches them tiles ahead anyway.
     EARLY_COLUMNS: tl.constexpr = BLOCK_N <= 64
     if ONE_K:
         # the pipeliner issues loads that feed no dot (the residual, the scales) tiles ahead only when the loop
