@@ -13,8 +13,9 @@ Triton's own kernels do neither (bench/sm90_compile.py): its pipeliner waits for
 reaches the MMA through registers; its automatic warp specialization does not apply to these loops. Gluon
 (`triton.experimental.gluon`, Triton's lower-level language) states all three. Compiled for sm_90 on the CPU
 (2026-12-01) with Triton 3.6.0, the GPU machine's, and 3.8.0, CI's: `ttg.warp_specialize` in the IR, one wgmma
-kept in flight (`pendings = 1`), the box reshaped as a shared-memory view, 107 KB of shared memory (two programs
-an SM). Under 3.6 a warp-specialized default partition cannot return a tensor, so it stores its own result.
+kept in flight (`pendings = 1`), the box reshaped as a shared-memory view, 107 KB of shared memory and 128
+registers a thread (two programs an SM), no spills. Under 3.6 a warp-specialized default partition cannot return
+a tensor, so it stores its own result.
 Not yet run on a GPU; Triton's interpreter does not run Gluon.
 
     python bench/gluon_conv.py                     (GPU: checks against tma_conv, then times both)
@@ -150,6 +151,12 @@ def _layouts():
             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 
 
+# Registers a thread, for the kernel's two warpgroups (the 4-warp MMA partition, the loader warp's group): a
+# warp-specialized kernel otherwise assumes 256, the whole register file for one program. At 128, two programs
+# share an SM; setmaxnreg then gives the loader 24 and the MMA partition the rest (Gluon's tutorial 08).
+MAXNREG = 128
+
+
 def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stages: int = STAGES):
     """relu(conv3x3(x8, w8) * x_scale * w_scale + b) quantized with y_scale, as tma_conv.conv2d computes it for a
     QConv with an 8-bit output: channels-last int8 x [N, C, H, W] and w [OC, C, 3, 3], C % 128 == 0, stride 1,
@@ -170,22 +177,24 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
     tiles = N * triton.cdiv(H, BH) * triton.cdiv(W, BW) * (OC // BN)
     programs = min(tiles, programs_per_sm * torch.cuda.get_device_properties(x8.device).multi_processor_count)
     _ws_conv_kernel[(programs,)](x_desc, w_desc, y_desc, b, x_scale, w_scale.float().contiguous(), y_scale,
-                                 N, H, W, OC, C, PROGRAMS=programs, STAGES=stages, num_warps=4)
+                                 N, H, W, OC, C, PROGRAMS=programs, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
     return y.permute(0, 3, 1, 2)
 
 
 def compile_only() -> int:
+    from bench.sm90_compile import spilled_bytes
+
     box4, box2 = _layouts()
     sig = {"x_desc": f"tensordesc<i8[1,{BH},{BW},{BK}],{box4!r}>", "w_desc": f"tensordesc<i8[{BN},{BK}],{box2!r}>",
            "y_desc": f"tensordesc<i8[1,{BH},{BW},{BN}],{box4!r}>", "b_ptr": "*fp16", "xs_ptr": "*fp32",
            "ws_ptr": "*fp32", "ys_ptr": "*fp32", **{p: "i32" for p in ("N", "OH", "OW", "OC", "C")},
            "PROGRAMS": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
     src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"PROGRAMS": 264, "STAGES": STAGES, "num_warps": 4})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
     ir = kernel.asm["ttgir"]
     print(f"Triton {triton.__version__}: compiles for sm_90; warp-specialized: {'ttg.warp_specialize' in ir}; "
           f"wgmma kept in flight: {'pendings = 1' in ir}; box read from shared memory: {'memdesc_reshape' in ir}; "
-          f"shared memory {kernel.metadata.shared} bytes")
+          f"shared memory {kernel.metadata.shared} bytes; {spilled_bytes(kernel)} bytes spilled")
     return 0
 
 
