@@ -18,7 +18,7 @@ registers a thread (two programs an SM), no spills. Under 3.6 a warp-specialized
 a tensor, so it stores its own result.
 Not yet run on a GPU; Triton's interpreter does not run Gluon.
 
-    python bench/gluon_conv.py                     (GPU: checks against tma_conv, then times both)
+    python bench/gluon_conv.py                     (GPU: each variant against tma_conv's output, and timed)
     python bench/gluon_conv.py --compile-only      (any machine: compiles the kernel for sm_90)
 """
 
@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 BH, BW, BN, BK = 8, 8, 128, 128  # an 8x8 patch of output pixels by 128 channels; K walked 128 channels a tap
 STAGES = 4
+# the GPU run's variants: (block_h, block_w) patches, ring stages, programs an SM
+PATCHES, STAGE_COUNTS, PER_SM = [(8, 8), (8, 16), (16, 8)], [3, 4], [1, 2]
 
 
 @gluon.jit
@@ -157,7 +159,8 @@ def _layouts():
 MAXNREG = 128
 
 
-def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stages: int = STAGES):
+def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stages: int = STAGES,
+           patch: tuple[int, int] = (BH, BW)):
     """relu(conv3x3(x8, w8) * x_scale * w_scale + b) quantized with y_scale, as tma_conv.conv2d computes it for a
     QConv with an 8-bit output: channels-last int8 x [N, C, H, W] and w [OC, C, 3, 3], C % 128 == 0, stride 1,
     pad 1. Returns the channels-last int8 output as an NCHW-shaped view."""
@@ -171,10 +174,11 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
     w_rows = w8.permute(0, 2, 3, 1).reshape(OC, 9 * C)  # [OC, (r, s, c)]: K-major
     y = torch.empty((N, H, W, OC), dtype=torch.int8, device=x8.device)
     box4, box2 = _layouts()
-    x_desc = TensorDescriptor(x_rows, list(x_rows.shape), list(x_rows.stride()), [1, BH, BW, BK], box4)
+    bh, bw = patch
+    x_desc = TensorDescriptor(x_rows, list(x_rows.shape), list(x_rows.stride()), [1, bh, bw, BK], box4)
     w_desc = TensorDescriptor(w_rows, list(w_rows.shape), list(w_rows.stride()), [BN, BK], box2)
-    y_desc = TensorDescriptor(y, list(y.shape), list(y.stride()), [1, BH, BW, BN], box4)
-    tiles = N * triton.cdiv(H, BH) * triton.cdiv(W, BW) * (OC // BN)
+    y_desc = TensorDescriptor(y, list(y.shape), list(y.stride()), [1, bh, bw, BN], box4)
+    tiles = N * triton.cdiv(H, bh) * triton.cdiv(W, bw) * (OC // BN)
     programs = min(tiles, programs_per_sm * torch.cuda.get_device_properties(x8.device).multi_processor_count)
     _ws_conv_kernel[(programs,)](x_desc, w_desc, y_desc, b, x_scale, w_scale.float().contiguous(), y_scale,
                                  N, H, W, OC, C, PROGRAMS=programs, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
@@ -182,20 +186,31 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
 
 
 def compile_only() -> int:
+    """Each variant the GPU run times, compiled for sm_90; 1 if one failed."""
     from bench.sm90_compile import spilled_bytes
 
     box4, box2 = _layouts()
-    sig = {"x_desc": f"tensordesc<i8[1,{BH},{BW},{BK}],{box4!r}>", "w_desc": f"tensordesc<i8[{BN},{BK}],{box2!r}>",
-           "y_desc": f"tensordesc<i8[1,{BH},{BW},{BN}],{box4!r}>", "b_ptr": "*fp16", "xs_ptr": "*fp32",
-           "ws_ptr": "*fp32", "ys_ptr": "*fp32", **{p: "i32" for p in ("N", "OH", "OW", "OC", "C")},
-           "PROGRAMS": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
-    src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"PROGRAMS": 264, "STAGES": STAGES, "num_warps": 4})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
-    ir = kernel.asm["ttgir"]
-    print(f"Triton {triton.__version__}: compiles for sm_90; warp-specialized: {'ttg.warp_specialize' in ir}; "
-          f"wgmma kept in flight: {'pendings = 1' in ir}; box read from shared memory: {'memdesc_reshape' in ir}; "
-          f"shared memory {kernel.metadata.shared} bytes; {spilled_bytes(kernel)} bytes spilled")
-    return 0
+    failed = 0
+    for (bh, bw), stages in [(p, s) for p in PATCHES for s in STAGE_COUNTS]:
+        sig = {"x_desc": f"tensordesc<i8[1,{bh},{bw},{BK}],{box4!r}>",
+               "w_desc": f"tensordesc<i8[{BN},{BK}],{box2!r}>", "y_desc": f"tensordesc<i8[1,{bh},{bw},{BN}],{box4!r}>",
+               "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
+               **{p: "i32" for p in ("N", "OH", "OW", "OC", "C")},
+               "PROGRAMS": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
+        src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"PROGRAMS": 264, "STAGES": stages, "num_warps": 4})
+        name = f"{bh}x{bw}x{BN}x{BK} s{stages}"
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+        except Exception as e:
+            print(f"Triton {triton.__version__}: {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+            failed = 1
+            continue
+        ir = kernel.asm["ttgir"]
+        print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: "
+              f"{'ttg.warp_specialize' in ir}; wgmma kept in flight: {'pendings = 1' in ir}; box read from shared "
+              f"memory: {'memdesc_reshape' in ir}; shared memory {kernel.metadata.shared} bytes; "
+              f"{spilled_bytes(kernel)} bytes spilled")
+    return failed
 
 
 def main() -> int:
@@ -220,20 +235,26 @@ def main() -> int:
         ws = torch.rand(c, device="cuda", generator=g) * 1e-3
         triton_tile = PatchConfig(8, 8, 128, 128, 4, 4)
 
-        def ours(per_sm=2):
-            return conv2d(x8, w8, b, xs, ws, ys, programs_per_sm=per_sm)
-
         def theirs():
             return tma_conv.conv2d(node(3, 1, "int8"), x8, w8, b, config=triton_tile, x_scale=xs, w_scale=ws,
                                    y_scale=ys, out_dtype=torch.float16)
 
-        got, want = ours(), theirs()
-        same = torch.equal(got, want)
-        off = (got.float() - want.float()).abs().max().item()
-        rows = [f"tma_conv {triton_tile.name} {1000 * median_ms(theirs, runs=20):.1f} us"]
-        rows += [f"gluon x{p}/SM {1000 * median_ms(lambda p=p: ours(p), runs=20):.1f} us" for p in (1, 2)]
-        print(f"## {name}: equal to tma_conv: {same} (max difference {off:.0f} steps); " + "; ".join(rows),
-              flush=True)
+        want = theirs()
+        print(f"\n## {name}: batch 32, {hw}x{hw}, {c} -> {c} channels", flush=True)
+        print(f"tma_conv {triton_tile.name}: {1000 * median_ms(theirs, runs=20):.1f} us", flush=True)
+        for patch in PATCHES:
+            for stages in STAGE_COUNTS:
+                for per_sm in PER_SM:
+                    run = dict(programs_per_sm=per_sm, stages=stages, patch=patch)
+                    label = f"gluon {patch[0]}x{patch[1]}x{BN}x{BK} s{stages} x{per_sm}/SM"
+                    try:
+                        got = conv2d(x8, w8, b, xs, ws, ys, **run)
+                        off = (got.float() - want.float()).abs().max().item()
+                        t = 1000 * median_ms(lambda run=run: conv2d(x8, w8, b, xs, ws, ys, **run), runs=20)
+                        print(f"{label}: {t:.1f} us, equal to tma_conv: {torch.equal(got, want)} (max difference "
+                              f"{off:.0f} steps)", flush=True)
+                    except Exception as e:  # a variant that does not compile or run here
+                        print(f"{label}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
     return 0
 
 
