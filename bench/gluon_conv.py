@@ -50,6 +50,14 @@ PATCHES, STAGE_COUNTS, PER_SM = [(8, 8), (8, 16), (16, 8)], [3, 4], [1, 2]
 
 
 @gluon.jit
+def relu_int8(v, inv_ys):
+    """gemm.quantize's INT8 codes of relu(v) (v dequantized, biased and with any residual added, in gemm.finish's
+    order), the ReLU in the clamp: v / y_scale rounded to nearest even by the FP32 adder."""
+    v = gl.minimum(gl.maximum(v * inv_ys, 0.0), 127.0)
+    return (v + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+
+
+@gluon.jit
 def _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr):
     """(image, first output row, first output column, first channel) of output tile `tile`; channel tiles of one
     patch are neighbours, as in tma_conv."""
@@ -114,10 +122,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it - 1) % STAGES))
-        # gemm.finish's arithmetic, in its order: dequantize, bias, then quantize with the ReLU in the clamp
-        v = (acc.to(gl.float32) * scale[None, :] + bias[None, :]) * inv_ys
-        v = gl.minimum(gl.maximum(v, 0.0), 127.0)
-        out = (v + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+        out = relu_int8(acc.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         y_smem.reshape([BLOCK_M, BLOCK_N]).store(out)
         fence_async_shared()
@@ -148,9 +153,9 @@ def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH
     ], [1], [24])
 
 
-def _layouts():
-    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4),
-            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+def int8_layout(inner: int, rank: int = 2):
+    """The shared layout of an 8-bit TMA box whose rows are `inner` bytes: the widest swizzle they fill."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, inner), element_bitwidth=8, rank=rank)
 
 
 # Registers a thread, for the kernel's two warpgroups (the 4-warp MMA partition, the loader warp's group): a
@@ -173,11 +178,10 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
     x_rows = x8.permute(0, 2, 3, 1)  # [N, H, W, C], contiguous for a channels-last x
     w_rows = w8.permute(0, 2, 3, 1).reshape(OC, 9 * C)  # [OC, (r, s, c)]: K-major
     y = torch.empty((N, H, W, OC), dtype=torch.int8, device=x8.device)
-    box4, box2 = _layouts()
     bh, bw = patch
-    x_desc = TensorDescriptor(x_rows, list(x_rows.shape), list(x_rows.stride()), [1, bh, bw, BK], box4)
-    w_desc = TensorDescriptor(w_rows, list(w_rows.shape), list(w_rows.stride()), [BN, BK], box2)
-    y_desc = TensorDescriptor(y, list(y.shape), list(y.stride()), [1, bh, bw, BN], box4)
+    x_desc = TensorDescriptor(x_rows, list(x_rows.shape), list(x_rows.stride()), [1, bh, bw, BK], int8_layout(BK, 4))
+    w_desc = TensorDescriptor(w_rows, list(w_rows.shape), list(w_rows.stride()), [BN, BK], int8_layout(BK))
+    y_desc = TensorDescriptor(y, list(y.shape), list(y.stride()), [1, bh, bw, BN], int8_layout(BN, 4))
     tiles = N * triton.cdiv(H, bh) * triton.cdiv(W, bw) * (OC // BN)
     programs = min(tiles, programs_per_sm * torch.cuda.get_device_properties(x8.device).multi_processor_count)
     _ws_conv_kernel[(programs,)](x_desc, w_desc, y_desc, b, x_scale, w_scale.float().contiguous(), y_scale,
@@ -189,7 +193,7 @@ def compile_only() -> int:
     """Each variant the GPU run times, compiled for sm_90; 1 if one failed."""
     from bench.sm90_compile import spilled_bytes
 
-    box4, box2 = _layouts()
+    box4, box2 = int8_layout(BK, 4), int8_layout(BK)
     failed = 0
     for (bh, bw), stages in [(p, s) for p in PATCHES for s in STAGE_COUNTS]:
         sig = {"x_desc": f"tensordesc<i8[1,{bh},{bw},{BK}],{box4!r}>",
