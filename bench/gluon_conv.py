@@ -189,6 +189,31 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
     return y.permute(0, 3, 1, 2)
 
 
+def compiled(src, name: str):
+    """src compiled for sm_90 with MAXNREG registers a thread, or None after saying why it did not compile."""
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+    except Exception as e:
+        print(f"Triton {triton.__version__}: {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+def check_and_time(label: str, call, want, reference: str) -> None:
+    """One variant: its output against the Triton kernel's (`want`), then its time; one line either way."""
+    import torch
+
+    from kiln.tactics.timer import median_ms
+
+    try:
+        got = call()
+        off = (got.float() - want.float()).abs().max().item()
+        t = 1000 * median_ms(call, runs=20)
+        print(f"{label}: {t:.1f} us, equal to {reference}: {torch.equal(got, want)} (max difference {off:.0f} "
+              "steps)", flush=True)
+    except Exception as e:  # a variant that does not compile or run here
+        print(f"{label}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 def compile_only() -> int:
     """Each variant the GPU run times, compiled for sm_90; 1 if one failed."""
     from bench.sm90_compile import spilled_bytes
@@ -203,10 +228,8 @@ def compile_only() -> int:
                "PROGRAMS": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
         src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"PROGRAMS": 264, "STAGES": stages, "num_warps": 4})
         name = f"{bh}x{bw}x{BN}x{BK} s{stages}"
-        try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
-        except Exception as e:
-            print(f"Triton {triton.__version__}: {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+        kernel = compiled(src, name)
+        if kernel is None:
             failed = 1
             continue
         ir = kernel.asm["ttgir"]
@@ -250,15 +273,8 @@ def main() -> int:
             for stages in STAGE_COUNTS:
                 for per_sm in PER_SM:
                     run = dict(programs_per_sm=per_sm, stages=stages, patch=patch)
-                    label = f"gluon {patch[0]}x{patch[1]}x{BN}x{BK} s{stages} x{per_sm}/SM"
-                    try:
-                        got = conv2d(x8, w8, b, xs, ws, ys, **run)
-                        off = (got.float() - want.float()).abs().max().item()
-                        t = 1000 * median_ms(lambda run=run: conv2d(x8, w8, b, xs, ws, ys, **run), runs=20)
-                        print(f"{label}: {t:.1f} us, equal to tma_conv: {torch.equal(got, want)} (max difference "
-                              f"{off:.0f} steps)", flush=True)
-                    except Exception as e:  # a variant that does not compile or run here
-                        print(f"{label}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    check_and_time(f"gluon {patch[0]}x{patch[1]}x{BN}x{BK} s{stages} x{per_sm}/SM",
+                                   lambda run=run: conv2d(x8, w8, b, xs, ws, ys, **run), want, "tma_conv")
     return 0
 
 

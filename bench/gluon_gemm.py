@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -33,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from bench.gluon_conv import MAXNREG, int8_layout, relu_int8  # noqa: E402
+from bench.gluon_conv import MAXNREG, check_and_time, compiled, int8_layout, relu_int8  # noqa: E402
 
 # (name, M, K, N, 8-bit residual, the tile the INT8 engine's tma_gemm took: (block_m, block_n, block_k, warps, stages))
 LAYERS = [("layer1 conv3 64->256 +res", 100352, 64, 256, True, (128, 128, 64, 4, 3)),
@@ -187,15 +186,13 @@ def compile_only() -> int:
                **{p: "constexpr" for p in ("PROGRAMS", "STAGES", "HAS_Z", "num_warps")}}
         src = GluonASTSource(_ws_gemm_kernel, sig,
                              constexprs={"PROGRAMS": 264, "STAGES": stages, "HAS_Z": True, "num_warps": 4})
-        name = f"{bm}x{bn}x{bk} s{stages}"
-        try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
-        except Exception as e:
-            print(f"Triton {triton.__version__}: GEMM {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+        name = f"GEMM {bm}x{bn}x{bk} s{stages}"
+        kernel = compiled(src, name)
+        if kernel is None:
             failed = 1
             continue
         ir = kernel.asm["ttgir"]
-        print(f"Triton {triton.__version__}: GEMM {name} compiles for sm_90; warp-specialized: "
+        print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: "
               f"{'ttg.warp_specialize' in ir}; shared memory {kernel.metadata.shared} bytes; "
               f"{spilled_bytes(kernel)} bytes spilled")
     return failed
@@ -227,15 +224,8 @@ def main() -> int:
             for stages in STAGE_COUNTS:
                 for per_sm in PER_SM:
                     run = dict(tile=ours, stages=stages, programs_per_sm=per_sm)
-                    label = f"gluon {ours[0]}x{ours[1]}x{min(K, 128)} s{stages} x{per_sm}/SM"
-                    try:
-                        got = gemm(*args, **run)
-                        off = (got.float() - want.float()).abs().max().item()
-                        t = 1000 * median_ms(lambda run=run: gemm(*args, **run), runs=20)
-                        print(f"{label}: {t:.1f} us, equal to tma_gemm: {torch.equal(got, want)} (max difference "
-                              f"{off:.0f} steps)", flush=True)
-                    except Exception as e:  # a variant that does not compile or run here
-                        print(f"{label}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    check_and_time(f"gluon {ours[0]}x{ours[1]}x{min(K, 128)} s{stages} x{per_sm}/SM",
+                                   lambda run=run: gemm(*args, **run), want, "tma_gemm")
     return 0
 
 
