@@ -58,6 +58,27 @@ def relu_int8(v, inv_ys):
 
 
 @gluon.jit
+def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr):
+    """`steps` K tiles of the ring (from position `it`) multiplied into acc, one INT8 wgmma in flight, each stage
+    handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). A
+    convolution's [1, BH, BW, BK] box is read as the [BH * BW, BK] left tile, a view of the same shared memory."""
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
+    for kb in range(steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
+        acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if kb > 0:  # the MMA before this one has finished: its stage can be refilled
+            mbarrier.arrive(empty.index((it - 1) % STAGES))
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it - 1) % STAGES))
+    return acc, it
+
+
+@gluon.jit
 def _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr):
     """(image, first output row, first output column, first channel) of output tile `tile`; channel tiles of one
     patch are neighbours, as in tma_conv."""
@@ -111,17 +132,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
         scale = xs * gl.load(ws_ptr + cols).to(gl.float32)  # loaded while the loader fills the ring
         bias = gl.load(b_ptr + cols).to(gl.float32)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
-        for kb in range(9 * c_blocks):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])  # the box as the left tile, in shared memory
-            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if kb > 0:  # the MMA before this one has finished: its stage can be refilled
-                mbarrier.arrive(empty.index((it - 1) % STAGES))
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it - 1) % STAGES))
+        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, 9 * c_blocks, STAGES)
         out = relu_int8(acc.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         y_smem.reshape([BLOCK_M, BLOCK_N]).store(out)

@@ -26,13 +26,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from bench.gluon_conv import MAXNREG, check_and_time, compiled, int8_layout, relu_int8  # noqa: E402
+from bench.gluon_conv import MAXNREG, check_and_time, compiled, int8_layout, mma_steps, relu_int8  # noqa: E402
 
 # (name, M, K, N, 8-bit residual, the tile the INT8 engine's tma_gemm took: (block_m, block_n, block_k, warps, stages))
 LAYERS = [("layer1 conv3 64->256 +res", 100352, 64, 256, True, (128, 128, 64, 4, 3)),
@@ -91,16 +89,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
         scale = xs * gl.load(ws_ptr + cols).to(gl.float32)
         bias = gl.load(b_ptr + cols).to(gl.float32)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
-        for kb in range(gl.cdiv(K, BLOCK_K)):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if kb > 0:
-                mbarrier.arrive(empty.index((it - 1) % STAGES))
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it - 1) % STAGES))
+        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, gl.cdiv(K, BLOCK_K), STAGES)
         v = acc.to(gl.float32) * scale[None, :] + bias[None, :]
         if HAS_Z:  # gemm.finish adds the residual after the bias
             zb = t % 2
@@ -193,7 +182,8 @@ def compile_only() -> int:
             continue
         ir = kernel.asm["ttgir"]
         print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: "
-              f"{'ttg.warp_specialize' in ir}; shared memory {kernel.metadata.shared} bytes; "
+              f"{'ttg.warp_specialize' in ir}; wgmma kept in flight: {'pendings = 1' in ir}; shared memory "
+              f"{kernel.metadata.shared} bytes; "
               f"{spilled_bytes(kernel)} bytes spilled")
     return failed
 

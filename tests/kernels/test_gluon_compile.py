@@ -1,6 +1,6 @@
 """bench/gluon_conv.py's and bench/gluon_gemm.py's warp-specialized 8-bit kernels (experiments, not tactics) compile
-for sm_90 with the installed Triton: every variant their GPU runs time, warp-specialized, the convolution's wgmma
-kept in flight and reading its input box from shared memory. CPU only; the GPU runs check their outputs against
+for sm_90 with the installed Triton: every variant their GPU runs time, warp-specialized, one wgmma kept in flight,
+the convolution's read its input box from shared memory. CPU only; the GPU runs check their outputs against
 tma_conv's and tma_gemm's."""
 
 import os
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("script, variants, flags", [
     ("gluon_conv.py", 6, "warp-specialized: True; wgmma kept in flight: True; box read from shared memory: True"),
-    ("gluon_gemm.py", 18, "warp-specialized: True"),
+    ("gluon_gemm.py", 18, "warp-specialized: True; wgmma kept in flight: True"),
 ])
 def test_the_gluon_kernels_compile_for_hopper(script, variants, flags):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # kernels defined under it cannot compile
