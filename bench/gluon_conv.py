@@ -89,14 +89,14 @@ def _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H: gl.constexpr, BLOCK_W: gl.c
 
 @gluon.jit
 def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C,
-            PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
+            programs, STAGES: gl.constexpr):
     BLOCK_H: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = x_desc.block_type.shape[2]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     c_blocks = C // BLOCK_K
     it = 0
-    for tile in range(gl.program_id(0), tiles, PROGRAMS):
+    for tile in range(gl.program_id(0), tiles, programs):
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
         for kb in range(9 * c_blocks):
             tap = kb // c_blocks
@@ -113,7 +113,7 @@ def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_
 
 @gluon.jit
 def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_w,
-                  tiles_hw, tiles_n, C, PROGRAMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  tiles_hw, tiles_n, C, programs, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_H: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[3]
@@ -126,7 +126,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
     xs = gl.load(xs_ptr).to(gl.float32)
     c_blocks = C // BLOCK_K
     it = 0
-    for tile in range(gl.program_id(0), tiles, PROGRAMS):
+    for tile in range(gl.program_id(0), tiles, programs):
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
         scale = xs * gl.load(ws_ptr + cols).to(gl.float32)  # loaded while the loader fills the ring
@@ -143,7 +143,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
 
 @gluon.jit
 def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH, OW, OC, C,
-                    PROGRAMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    programs, STAGES: gl.constexpr, num_warps: gl.constexpr):
     tiles_w = gl.cdiv(OW, y_desc.block_type.shape[2])
     tiles_hw = gl.cdiv(OH, y_desc.block_type.shape[1]) * tiles_w
     tiles_n = gl.cdiv(OC, y_desc.block_type.shape[3])
@@ -158,8 +158,8 @@ def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_mma_epilogue, (y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_w,
-                         tiles_hw, tiles_n, C, PROGRAMS, STAGES, num_warps)),
-        (_loader, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, PROGRAMS,
+                         tiles_hw, tiles_n, C, programs, STAGES, num_warps)),
+        (_loader, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, programs,
                    STAGES)),
     ], [1], [24])
 
@@ -196,7 +196,7 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
     tiles = N * triton.cdiv(H, bh) * triton.cdiv(W, bw) * (OC // BN)
     programs = min(tiles, programs_per_sm * torch.cuda.get_device_properties(x8.device).multi_processor_count)
     _ws_conv_kernel[(programs,)](x_desc, w_desc, y_desc, b, x_scale, w_scale.float().contiguous(), y_scale,
-                                 N, H, W, OC, C, PROGRAMS=programs, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
+                                 N, H, W, OC, C, programs, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
     return y.permute(0, 3, 1, 2)
 
 
@@ -236,8 +236,8 @@ def compile_only() -> int:
                "w_desc": f"tensordesc<i8[{BN},{BK}],{box2!r}>", "y_desc": f"tensordesc<i8[1,{bh},{bw},{BN}],{box4!r}>",
                "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
                **{p: "i32" for p in ("N", "OH", "OW", "OC", "C")},
-               "PROGRAMS": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
-        src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"PROGRAMS": 264, "STAGES": stages, "num_warps": 4})
+               "programs": "i32", "STAGES": "constexpr", "num_warps": "constexpr"}
+        src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"STAGES": stages, "num_warps": 4})
         name = f"{bh}x{bw}x{BN}x{BK} s{stages}"
         kernel = compiled(src, name)
         if kernel is None:

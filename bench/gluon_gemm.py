@@ -43,13 +43,13 @@ TILES, STAGE_COUNTS, PER_SM = [(128, 128), (128, 64), (64, 128)], [2, 3, 4], [1,
 
 @gluon.jit
 def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
-            PROGRAMS: gl.constexpr, STAGES: gl.constexpr, HAS_Z: gl.constexpr):
+            programs, STAGES: gl.constexpr, HAS_Z: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     it = 0
     t = 0
-    for tile in range(gl.program_id(0), tiles, PROGRAMS):
+    for tile in range(gl.program_id(0), tiles, programs):
         off_m = (tile // tiles_n) * BLOCK_M  # the column tiles of a row block are neighbours: x read once from L2
         off_n = (tile % tiles_n) * BLOCK_N
         if HAS_Z:
@@ -69,7 +69,7 @@ def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_read
 
 @gluon.jit
 def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr, ws_ptr,
-                  ys_ptr, zs_ptr, tiles, tiles_n, K, PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
+                  ys_ptr, zs_ptr, tiles, tiles_n, K, programs, STAGES: gl.constexpr,
                   HAS_Z: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
@@ -82,7 +82,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
     zs = gl.load(zs_ptr).to(gl.float32)
     it = 0
     t = 0
-    for tile in range(gl.program_id(0), tiles, PROGRAMS):
+    for tile in range(gl.program_id(0), tiles, programs):
         off_m = (tile // tiles_n) * BLOCK_M
         off_n = (tile % tiles_n) * BLOCK_N
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
@@ -109,7 +109,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
 
 @gluon.jit
 def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, M, N, K,
-                    PROGRAMS: gl.constexpr, STAGES: gl.constexpr, HAS_Z: gl.constexpr, num_warps: gl.constexpr):
+                    programs, STAGES: gl.constexpr, HAS_Z: gl.constexpr, num_warps: gl.constexpr):
     tiles_n = gl.cdiv(N, y_desc.block_type.shape[1])
     tiles = gl.cdiv(M, y_desc.block_type.shape[0]) * tiles_n
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -128,9 +128,9 @@ def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_pt
         mbarrier.init(z_empty.index(i), count=1)
     gl.warp_specialize([
         (_mma_epilogue, (y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr,
-                         ws_ptr, ys_ptr, zs_ptr, tiles, tiles_n, K, PROGRAMS, STAGES, HAS_Z, num_warps)),
+                         ws_ptr, ys_ptr, zs_ptr, tiles, tiles_n, K, programs, STAGES, HAS_Z, num_warps)),
         (_loader, (x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
-                   PROGRAMS, STAGES, HAS_Z)),
+                   programs, STAGES, HAS_Z)),
     ], [1], [24])
 
 
@@ -156,7 +156,7 @@ def gemm(x8, w8, b, x_scale, w_scale, y_scale, z=None, z_scale=None, tile=(128, 
     _ws_gemm_kernel[(programs,)](
         desc(x8, [bm, bk]), desc(w8, [bn, bk]), desc(z, [bm, bn]) if z is not None else y_desc, y_desc, b, x_scale,
         w_scale.float().contiguous(), y_scale, z_scale if z_scale is not None else y_scale, M, N, K,
-        PROGRAMS=programs, STAGES=stages, HAS_Z=z is not None, num_warps=4, maxnreg=MAXNREG)
+        programs, STAGES=stages, HAS_Z=z is not None, num_warps=4, maxnreg=MAXNREG)
     return y
 
 
@@ -171,10 +171,9 @@ def compile_only() -> int:
                "z_desc": f"tensordesc<i8[{bm},{bn}],{int8_layout(bn)!r}>",
                "y_desc": f"tensordesc<i8[{bm},{bn}],{int8_layout(bn)!r}>",
                "b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_ptr", "zs_ptr")},
-               **{p: "i32" for p in ("M", "N", "K")},
-               **{p: "constexpr" for p in ("PROGRAMS", "STAGES", "HAS_Z", "num_warps")}}
-        src = GluonASTSource(_ws_gemm_kernel, sig,
-                             constexprs={"PROGRAMS": 264, "STAGES": stages, "HAS_Z": True, "num_warps": 4})
+               **{p: "i32" for p in ("M", "N", "K", "programs")},
+               **{p: "constexpr" for p in ("STAGES", "HAS_Z", "num_warps")}}
+        src = GluonASTSource(_ws_gemm_kernel, sig, constexprs={"STAGES": stages, "HAS_Z": True, "num_warps": 4})
         name = f"GEMM {bm}x{bn}x{bk} s{stages}"
         kernel = compiled(src, name)
         if kernel is None:
