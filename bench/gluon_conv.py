@@ -200,13 +200,23 @@ def conv2d(x8, w8, b, x_scale, w_scale, y_scale, programs_per_sm: int = 2, stage
     return y.permute(0, 3, 1, 2)
 
 
-def compiled(src, name: str):
-    """src compiled for sm_90 with MAXNREG registers a thread, or None after saying why it did not compile."""
+def compile_and_report(src, name: str, box_view: bool = False) -> int:
+    """Compile src for sm_90 with MAXNREG registers a thread and print what the compiler made of it (warp
+    specialization, a wgmma kept in flight, with box_view the convolution's box read as a shared-memory view, shared
+    memory, spills); 1 if it did not compile, else 0."""
+    from bench.sm90_compile import spilled_bytes
+
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
     except Exception as e:
         print(f"Triton {triton.__version__}: {name} FAILED {type(e).__name__}: {str(e)[:300]}")
-        return None
+        return 1
+    ir = kernel.asm["ttgir"]
+    box = f"; box read from shared memory: {'memdesc_reshape' in ir}" if box_view else ""
+    print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: {'ttg.warp_specialize' in ir}; "
+          f"wgmma kept in flight: {'pendings = 1' in ir}{box}; shared memory {kernel.metadata.shared} bytes; "
+          f"{spilled_bytes(kernel)} bytes spilled")
+    return 0
 
 
 def check_and_time(label: str, call, want, reference: str) -> None:
@@ -227,8 +237,6 @@ def check_and_time(label: str, call, want, reference: str) -> None:
 
 def compile_only() -> int:
     """Each variant the GPU run times, compiled for sm_90; 1 if one failed."""
-    from bench.sm90_compile import spilled_bytes
-
     box4, box2 = int8_layout(BK, 4), int8_layout(BK)
     failed = 0
     for (bh, bw), stages in [(p, s) for p in PATCHES for s in STAGE_COUNTS]:
@@ -238,16 +246,7 @@ def compile_only() -> int:
                **{p: "i32" for p in ("N", "OH", "OW", "OC", "C")},
                "programs": "i32", "STAGES": "constexpr", "num_warps": "constexpr"}
         src = GluonASTSource(_ws_conv_kernel, sig, constexprs={"STAGES": stages, "num_warps": 4})
-        name = f"{bh}x{bw}x{BN}x{BK} s{stages}"
-        kernel = compiled(src, name)
-        if kernel is None:
-            failed = 1
-            continue
-        ir = kernel.asm["ttgir"]
-        print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: "
-              f"{'ttg.warp_specialize' in ir}; wgmma kept in flight: {'pendings = 1' in ir}; box read from shared "
-              f"memory: {'memdesc_reshape' in ir}; shared memory {kernel.metadata.shared} bytes; "
-              f"{spilled_bytes(kernel)} bytes spilled")
+        failed |= compile_and_report(src, f"{bh}x{bw}x{BN}x{BK} s{stages}", box_view=True)
     return failed
 
 

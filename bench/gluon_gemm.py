@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from bench.gluon_conv import MAXNREG, check_and_time, compiled, int8_layout, mma_steps, relu_int8  # noqa: E402
+from bench.gluon_conv import MAXNREG, check_and_time, compile_and_report, int8_layout, mma_steps, relu_int8  # noqa: E402
 
 # (name, M, K, N, 8-bit residual, the tile the INT8 engine's tma_gemm took: (block_m, block_n, block_k, warps, stages))
 LAYERS = [("layer1 conv3 64->256 +res", 100352, 64, 256, True, (128, 128, 64, 4, 3)),
@@ -162,8 +162,6 @@ def gemm(x8, w8, b, x_scale, w_scale, y_scale, z=None, z_scale=None, tile=(128, 
 
 def compile_only() -> int:
     """Each variant the GPU run times, at K = 64 and 256, with a residual, compiled for sm_90; 1 if one failed."""
-    from bench.sm90_compile import spilled_bytes
-
     failed = 0
     for (bm, bn), stages, bk in [(t, s, k) for t in TILES for s in STAGE_COUNTS for k in (64, 128)]:
         sig = {"x_desc": f"tensordesc<i8[{bm},{bk}],{int8_layout(bk)!r}>",
@@ -174,16 +172,7 @@ def compile_only() -> int:
                **{p: "i32" for p in ("M", "N", "K", "programs")},
                **{p: "constexpr" for p in ("STAGES", "HAS_Z", "num_warps")}}
         src = GluonASTSource(_ws_gemm_kernel, sig, constexprs={"STAGES": stages, "HAS_Z": True, "num_warps": 4})
-        name = f"GEMM {bm}x{bn}x{bk} s{stages}"
-        kernel = compiled(src, name)
-        if kernel is None:
-            failed = 1
-            continue
-        ir = kernel.asm["ttgir"]
-        print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: "
-              f"{'ttg.warp_specialize' in ir}; wgmma kept in flight: {'pendings = 1' in ir}; shared memory "
-              f"{kernel.metadata.shared} bytes; "
-              f"{spilled_bytes(kernel)} bytes spilled")
+        failed |= compile_and_report(src, f"GEMM {bm}x{bn}x{bk} s{stages}")
     return failed
 
 
