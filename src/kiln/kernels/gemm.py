@@ -105,6 +105,12 @@ def quantize(a, xs_ptr, QUANT: tl.constexpr, RELU: tl.constexpr = False):
 
 
 @triton.jit
+def dequant_scale(cols, xs_ptr, ws_ptr, stride_ws):
+    """A quantized layer's dequantization scale for output columns `cols`: x_scale * w_scale[cols], in FP32."""
+    return tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
+
+
+@triton.jit
 def finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p1, Y_DTYPE: tl.constexpr,
            HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
            Y_QUANTIZED: tl.constexpr, Z_SCALED: tl.constexpr, RELU: tl.constexpr, scale=None, bias=None):
@@ -115,7 +121,7 @@ def finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p
     scale, bias: those column vectors as `columns` loaded them ahead, else they are loaded here."""
     if QUANT != "":
         if scale is None:
-            scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
+            scale = dequant_scale(cols, xs_ptr, ws_ptr, stride_ws)
         acc = acc.to(tl.float32) * scale[None, :]
     if HAS_BIAS:
         if bias is None:
@@ -138,7 +144,7 @@ def columns(cols, b_ptr, xs_ptr, ws_ptr, stride_ws, HAS_BIAS: tl.constexpr, QUAN
     (tma_gemm's EARLY_COLUMNS says where that pays)."""
     scale = cols.to(tl.float32)
     if QUANT != "":
-        scale = tl.load(xs_ptr).to(tl.float32) * tl.load(ws_ptr + cols * stride_ws).to(tl.float32)
+        scale = dequant_scale(cols, xs_ptr, ws_ptr, stride_ws)
     bias = scale
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols).to(tl.float32)
