@@ -1,13 +1,14 @@
 """Experiment: ResNet-50's 8-bit 1x1 convolutions (GEMMs with an 8-bit residual and output) written in Gluon,
 warp-specialized, against Kiln's Triton TMA GEMM (kernels/tma_gemm.py).
 
-The companion of bench/gluon_conv.py (which says why Gluon): a loader warp brings each output tile's residual
+The companion of kernels/ws_conv.py (which says why Gluon): a loader warp brings each output tile's residual
 and its K tiles of x and w by TMA into rings of shared-memory buffers, running ahead into the next tiles while the
 4-warp partition does the MMAs (one INT8 wgmma in flight) and the epilogue: tma_gemm's arithmetic (gemm.finish:
 x_scale * w_scale[n], bias, the residual times its scale, the ReLU in the clamp, the next layer's INT8 codes), so
 the outputs must be equal. Nsight Compute found tma_gemm at layer1's 64 -> 256 (K = 64, one K tile) issue-heavy and
 latency-bound at two programs an SM (bench/results/H200-ncu-layer1-conv3-1108.log). Compiled for sm_90 with Triton
-3.6 and 3.8 (tests/kernels/test_gluon_compile.py); not yet run on a GPU.
+3.6 and 3.8 (tests/kernels/test_gluon_compile.py). Its first GPU run (bench/results/H200-gluon-gemm-1214.log): equal to
+tma_gemm everywhere, 4-15% faster at the best tile and programs an SM.
 
     python bench/gluon_gemm.py                     (GPU: each variant against tma_gemm's output, and timed)
     python bench/gluon_gemm.py --compile-only      (any machine: compiles the variants for sm_90)
@@ -30,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from bench.gluon_conv import MAXNREG, check_and_time, compile_and_report, int8_layout, mma_steps, relu_int8  # noqa: E402
+from bench.gluon_conv import check_and_time, compile_and_report  # noqa: E402
+from kiln.kernels.ws_conv import LOADER_REGS, MAXNREG, box_layout, mma_steps, quantize8  # noqa: E402
 
 # (name, M, K, N, 8-bit residual, the tile the INT8 engine's tma_gemm took: (block_m, block_n, block_k, warps, stages))
 LAYERS = [("layer1 conv3 64->256 +res", 100352, 64, 256, True, (128, 128, 64, 4, 3)),
@@ -98,7 +100,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
             fence_async_shared()  # the load above before the loader's next TMA write into this buffer
             mbarrier.arrive(z_empty.index(zb))
             v = v + z.to(gl.float32) * zs
-        out = relu_int8(v, inv_ys)
+        out = quantize8(v, inv_ys, "int8", True)
         tma.store_wait(pendings=0)
         y_smem.store(out)
         fence_async_shared()
@@ -131,7 +133,7 @@ def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_pt
                          ws_ptr, ys_ptr, zs_ptr, tiles, tiles_n, K, programs, STAGES, HAS_Z, num_warps)),
         (_loader, (x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
                    programs, STAGES, HAS_Z)),
-    ], [1], [24])
+    ], [1], [LOADER_REGS])
 
 
 def gemm(x8, w8, b, x_scale, w_scale, y_scale, z=None, z_scale=None, tile=(128, 128), stages: int = 3,
@@ -148,7 +150,7 @@ def gemm(x8, w8, b, x_scale, w_scale, y_scale, z=None, z_scale=None, tile=(128, 
     y = torch.empty((M, N), dtype=torch.int8, device=x8.device)
 
     def desc(t, block):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, int8_layout(block[-1]))
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, box_layout(block[-1], 2))
 
     y_desc = desc(y, [bm, bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -164,10 +166,10 @@ def compile_only() -> int:
     """Each variant the GPU run times, at K = 64 and 256, with a residual, compiled for sm_90; 1 if one failed."""
     failed = 0
     for (bm, bn), stages, bk in [(t, s, k) for t in TILES for s in STAGE_COUNTS for k in (64, 128)]:
-        sig = {"x_desc": f"tensordesc<i8[{bm},{bk}],{int8_layout(bk)!r}>",
-               "w_desc": f"tensordesc<i8[{bn},{bk}],{int8_layout(bk)!r}>",
-               "z_desc": f"tensordesc<i8[{bm},{bn}],{int8_layout(bn)!r}>",
-               "y_desc": f"tensordesc<i8[{bm},{bn}],{int8_layout(bn)!r}>",
+        sig = {"x_desc": f"tensordesc<i8[{bm},{bk}],{box_layout(bk, 2)!r}>",
+               "w_desc": f"tensordesc<i8[{bn},{bk}],{box_layout(bk, 2)!r}>",
+               "z_desc": f"tensordesc<i8[{bm},{bn}],{box_layout(bn, 2)!r}>",
+               "y_desc": f"tensordesc<i8[{bm},{bn}],{box_layout(bn, 2)!r}>",
                "b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_ptr", "zs_ptr")},
                **{p: "i32" for p in ("M", "N", "K", "programs")},
                **{p: "constexpr" for p in ("STAGES", "HAS_Z", "num_warps")}}

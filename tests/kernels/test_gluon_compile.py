@@ -1,7 +1,8 @@
-"""bench/gluon_conv.py's and bench/gluon_gemm.py's warp-specialized 8-bit kernels (experiments, not tactics) compile
-for sm_90 with the installed Triton: every variant their GPU runs time, warp-specialized, one wgmma kept in flight,
-the convolution's read its input box from shared memory. CPU only; the GPU runs check their outputs against
-tma_conv's and tma_gemm's."""
+"""The warp-specialized 8-bit Gluon kernels compile for sm_90 with the installed Triton: kernels/ws_conv.py's tiles
+(INT8 and FP8, stride 1 and 2; bench/gluon_conv.py --compile-only) and bench/gluon_gemm.py's experimental 1x1
+GEMM, warp-specialized, one wgmma kept in flight, the convolution reading its input box from shared memory, no
+spills. CPU only (Triton's interpreter does not run Gluon); on the GPU test_ws_conv.py checks ws_conv against
+tma_conv and the bench scripts check every variant."""
 
 import os
 import subprocess
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script, variants, flags", [
-    ("gluon_conv.py", 6, "warp-specialized: True; wgmma kept in flight: True; box read from shared memory: True"),
+    ("gluon_conv.py", 20, "warp-specialized: True; wgmma kept in flight: True; box read from shared memory: True"),
     ("gluon_gemm.py", 18, "warp-specialized: True; wgmma kept in flight: True"),
 ])
 def test_the_gluon_kernels_compile_for_hopper(script, variants, flags):

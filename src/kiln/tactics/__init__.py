@@ -69,6 +69,6 @@ def load_all() -> None:
     """Register every tactic module, once (implementation() calls this for every eager layer)."""
     global _loaded
     if not _loaded:
-        from . import library, triton_gemm, triton_tactics, triton_tma  # noqa: F401  (registering)
+        from . import gluon_ws, library, triton_gemm, triton_tactics, triton_tma  # noqa: F401  (registering)
 
         _loaded = True

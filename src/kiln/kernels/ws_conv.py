@@ -1,0 +1,287 @@
+"""Warp-specialized 8-bit convolution for Hopper, written in Gluon (Triton's lower-level language).
+
+The implicit GEMM of tma_conv.py with the same TMA boxes: per filter tap and channel block one [1, BH, BW, BK]
+box of the NHWC input, shifted by the tap, zeros past the image as the padding (a stride-2 window is a box of
+the [N, H/2, 2, W/2, 2C] view). What differs is what Triton's compiler would not do for tma_conv's loops
+(bench/sm90_compile.py): here a one-warp loader partition fills a ring of shared-memory stages by TMA and runs
+ahead into the next output tile, while a 4-warp partition reads each box as the wgmma's left tile straight from
+shared memory (a reshaped view, not through registers), keeps one 8-bit wgmma in flight, and runs the epilogue.
+Nsight Compute had found tma_conv latency-bound (Tensor Cores 22-30% busy, bench/results/H200-ncu-*-1108.log).
+
+The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU in the clamp of
+the next layer's 8-bit quantization), so outputs equal tma_conv's. On the H200 at ResNet-50's batch-32 stride-1
+3x3 INT8 layers (2026-12-01, bench/results/H200-gluon-conv-1214.log, outputs equal): layer2 11.2 us against
+tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1.
+
+Takes: a QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, no residual and no 8-bit
+copy; stride 1 or 2, dilation 1, C a whole number of K tiles, OC of output-channel tiles; a Hopper GPU
+(wgmma is sm_90's). Triton's interpreter does not run Gluon: CI compiles these kernels for sm_90
+(tests/kernels/test_ws_conv.py) and the GPU tests compare them with tma_conv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gemm import QTYPES, quant_args
+from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
+
+_MAX_PAD = gl.constexpr(MAX_PAD)
+# Registers a thread. A warp-specialized kernel otherwise assumes 256, the whole register file for one program;
+# at 128 two programs share an SM, and setmaxnreg gives the loader warp 24 and the MMA partition the rest.
+MAXNREG = 128
+LOADER_REGS = gl.constexpr(24)
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    """An output tile of block_h x block_w pixels by block_n channels, K walked block_k channels at a time
+    (C itself where smaller), a ring of `stages` shared-memory stages, `per_sm` programs an SM."""
+
+    block_h: int
+    block_w: int
+    block_n: int
+    block_k: int
+    stages: int
+    per_sm: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_s{self.stages}_x{self.per_sm}"
+
+    @property
+    def patch(self) -> PatchConfig:
+        """The same tile as tma_conv states it (its support checks and K-tile rule apply here unchanged)."""
+        return PatchConfig(self.block_h, self.block_w, self.block_n, self.block_k, 4, self.stages)
+
+    def smem_bytes(self, block_k: int) -> int:
+        """The ring of 8-bit input boxes and weight tiles, the 8-bit output tile and the ring's barriers."""
+        pixels = self.block_h * self.block_w
+        return self.stages * ((pixels + self.block_n) * block_k + 16) + pixels * self.block_n
+
+
+# (config, lowest optimization level that offers it), from the H200 sweep of 2026-12-01 (batch 32, INT8,
+# bench/results/H200-gluon-conv-1214.log): 8x8 at four stages two an SM was fastest at layer4 (12.2 us),
+# 8x16 at three two an SM at layer2 (11.3), 16x8 at four one an SM at layer3 (10.1). The 64-channel tiles are
+# for layer1's 64 -> 64 3x3 (K tiles of 64: C itself).
+CONFIGS: list[tuple[WsConfig, int]] = [
+    (WsConfig(8, 8, 128, 128, 4, 2), 3),
+    (WsConfig(8, 16, 128, 128, 3, 2), 3),
+    (WsConfig(16, 8, 128, 128, 4, 1), 3),
+    (WsConfig(8, 16, 64, 128, 4, 2), 3),
+    (WsConfig(16, 16, 64, 128, 3, 1), 3),
+]
+
+
+@gluon.jit
+def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
+    """gemm.quantize's 8-bit codes of FP32 v with 1 / y_scale inv_ys; RELU: of relu(v), by the clamp's lower end."""
+    v = v * inv_ys
+    if QUANT == "int8":
+        if RELU:
+            v = gl.maximum(v, 0.0)
+        else:
+            v = gl.maximum(v, -128.0)
+        v = gl.minimum(v, 127.0)
+        # round half to even by the FP32 adder, read out of the low mantissa bits (as gemm.quantize)
+        return (v + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+    else:
+        if RELU:
+            v = gl.maximum(v, 0.0)
+        else:
+            v = gl.maximum(v, -448.0)
+        return gl.minimum(v, 448.0).to(gl.float8e4nv)
+
+
+@gluon.jit
+def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr):
+    """`steps` K tiles of the ring (from position `it`) multiplied into acc, one 8-bit wgmma in flight, each stage
+    handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). An
+    input box is read as the [BLOCK_M, BLOCK_K] left tile: a view of the same shared memory."""
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
+    for kb in range(steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
+        acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if kb > 0:  # the MMA before this one has finished: its stage can be refilled
+            mbarrier.arrive(empty.index((it - 1) % STAGES))
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it - 1) % STAGES))
+    return acc, it
+
+
+@gluon.jit
+def _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(image, first output row, first output column, first channel) of output tile `tile`. Channel tiles of one
+    patch are neighbours: they share the patch's input boxes in L2 (as in tma_conv)."""
+    patch = tile // tiles_n
+    return (patch // tiles_hw, (patch % tiles_hw) // tiles_w * BLOCK_H, (patch % tiles_w) * BLOCK_W,
+            (tile % tiles_n) * BLOCK_N)
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, KW, k_tiles,
+            pad_h, pad_w, programs, STRIDE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            STAGES: gl.constexpr):
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    c_blocks = C // BLOCK_K
+    it = 0
+    for tile in range(gl.program_id(0), tiles, programs):
+        img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
+        for kb in range(k_tiles):
+            tap = kb // c_blocks
+            c0 = (kb % c_blocks) * BLOCK_K
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            if STRIDE == 1:  # the box shifted by the tap; rows and columns past the image read zeros
+                tma.async_copy_global_to_shared(x_desc, [img, oh0 + tap // KW - pad_h, ow0 + tap % KW - pad_w, c0],
+                                                ready.index(s), a_bufs.index(s))
+            else:  # the [N, H/S, S, W/S, S*C] view (tma_conv's); offsets made non-negative before // and %
+                dh = tap // KW - pad_h + STRIDE * _MAX_PAD
+                dw = tap % KW - pad_w + STRIDE * _MAX_PAD
+                tma.async_copy_global_to_shared(
+                    x_desc, [img, oh0 + dh // STRIDE - _MAX_PAD, dh % STRIDE, ow0 + dw // STRIDE - _MAX_PAD,
+                             dw % STRIDE * C + c0], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, tap * C + c0], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_w,
+                  tiles_hw, tiles_n, k_tiles, stride_ws, programs, QUANT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  RELU: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_H: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = BLOCK_H * BLOCK_W
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
+    xs = gl.load(xs_ptr).to(gl.float32)
+    it = 0
+    for tile in range(gl.program_id(0), tiles, programs):
+        img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
+        cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
+        scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)  # loaded while the loader fills the ring
+        if QUANT == "int8":
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
+        else:
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, k_tiles, STAGES)
+        v = acc.to(gl.float32) * scale[None, :]
+        if HAS_BIAS:
+            v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
+        out = quantize8(v, inv_ys, QUANT, RELU)
+        tma.store_wait(pendings=0)  # the last tile's store has read y_smem
+        y_smem.reshape([BLOCK_M, BLOCK_N]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(y_desc, [img, oh0, ow0, off_n], y_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH, OW, OC, C, KW, k_tiles,
+                    pad_h, pad_w, stride_ws, programs, STRIDE: gl.constexpr, QUANT: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, RELU: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_H: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
+    tiles_w = gl.cdiv(OW, BLOCK_W)
+    tiles_hw = gl.cdiv(OH, BLOCK_H) * tiles_w
+    tiles_n = gl.cdiv(OC, y_desc.block_type.shape[3])
+    tiles = N * tiles_hw * tiles_n
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_epilogue, (y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_w,
+                         tiles_hw, tiles_n, k_tiles, stride_ws, programs, QUANT, HAS_BIAS, RELU, STAGES, num_warps)),
+        (_loader, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, KW, k_tiles,
+                   pad_h, pad_w, programs, STRIDE, BLOCK_H, BLOCK_W, STAGES)),
+    ], [1], [LOADER_REGS])
+
+
+def box_layout(inner_bytes: int, rank: int):
+    """The shared layout of an 8-bit TMA box whose rows are `inner_bytes` long: the widest swizzle they fill."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, inner_bytes), element_bitwidth=8, rank=rank)
+
+
+def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
+             y_scale, q_scale, config: WsConfig) -> bool:
+    """A QConv tma_conv takes with this tile, with an 8-bit output (y_scale), ReLU or no activation, no residual
+    and no 8-bit copy, OC a whole number of output-channel tiles; on a Hopper GPU."""
+    if not layer_ok(node, x, w, b, z, y_scale, q_scale, config):
+        return False
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+
+
+def layer_ok(node, x, w, b, z, y_scale, q_scale, config: WsConfig) -> bool:
+    """`supports` but for the device: what the layer and its tensors must be."""
+    from .tma_conv import supports as tma_conv_supports
+
+    qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
+    if qtype not in QTYPES or y_scale is None or q_scale is not None or z is not None:
+        return False
+    if node.attr("activation", "") not in ("", "Relu") or w.dim() != 4 or w.shape[0] % config.block_n:
+        return False
+    return tma_conv_supports(node, x, w, b, None, config.patch, qtype)
+
+
+def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: WsConfig,
+           x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor) -> torch.Tensor:
+    """The 8-bit output of a `supports` QConv, as tma_conv.conv2d computes it: channels-last, as an NCHW-shaped
+    view."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .conv import geometry
+    from .tma_gemm import programs as sm_count
+
+    qtype = node.attr("qtype", "int8")
+    strides, _, pads, (OH, OW) = geometry(node, x, w)
+    N, C = x.shape[:2]
+    OC, KH, KW = w.shape[0], w.shape[2], w.shape[3]
+    x, xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
+    bh, bw, bn, bk = config.block_h, config.block_w, config.block_n, block_k_for(config.patch, C, True)
+    y = torch.empty((N, OH, OW, OC), dtype=QTYPES[qtype], device=x.device)
+    S = strides[0]
+    rows = nhwc(x)
+    if S > 1:  # [N, H, W, C] as [N, H/S, S, W/S, S*C]: a stride-S window is a box of this view
+        rows = rows.reshape(N, rows.shape[1] // S, S, rows.shape[2] // S, S * C)
+    x_box = [1, bh, bw, bk] if S == 1 else [1, bh, 1, bw, bk]
+    w_rows = filter_rows(w)
+
+    def desc(t, box):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
+
+    tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * (OC // bn)
+    n_programs = min(tiles, config.per_sm * sm_count(x.device))
+    bias = b.reshape(-1).contiguous() if b is not None else None
+    _ws_conv_kernel[(n_programs,)](
+        desc(rows, x_box), desc(w_rows, [bn, bk]), desc(y, [1, bh, bw, bn]),
+        bias if bias is not None else xs, xs, ws, y_scale, N, OH, OW, OC, C, KW, KH * KW * (C // bk),
+        pads[0], pads[1], stride_ws, n_programs, STRIDE=S, QUANT=qtype, HAS_BIAS=bias is not None,
+        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG)
+    return y.permute(0, 3, 1, 2)
