@@ -27,24 +27,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
 from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
+from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, mma_steps, quantize8
 
 _MAX_PAD = gl.constexpr(MAX_PAD)
-# Registers a thread. A warp-specialized kernel otherwise assumes 256, the whole register file for one program;
-# at 128 two programs share an SM, and setmaxnreg gives the loader warp 24 and the MMA partition the rest.
-MAXNREG = 128
-LOADER_REGS = gl.constexpr(24)
-
-
 @dataclass(frozen=True)
 class WsConfig:
     """An output tile of block_h x block_w pixels by block_n channels, K walked block_k channels at a time
@@ -83,47 +72,6 @@ CONFIGS: list[tuple[WsConfig, int]] = [
     (WsConfig(8, 16, 64, 128, 4, 2), 3),
     (WsConfig(16, 16, 64, 128, 3, 1), 3),
 ]
-
-
-@gluon.jit
-def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
-    """gemm.quantize's 8-bit codes of FP32 v with 1 / y_scale inv_ys; RELU: of relu(v), by the clamp's lower end."""
-    v = v * inv_ys
-    if QUANT == "int8":
-        if RELU:
-            v = gl.maximum(v, 0.0)
-        else:
-            v = gl.maximum(v, -128.0)
-        v = gl.minimum(v, 127.0)
-        # round half to even by the FP32 adder, read out of the low mantissa bits (as gemm.quantize)
-        return (v + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
-    else:
-        if RELU:
-            v = gl.maximum(v, 0.0)
-        else:
-            v = gl.maximum(v, -448.0)
-        return gl.minimum(v, 448.0).to(gl.float8e4nv)
-
-
-@gluon.jit
-def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr):
-    """`steps` K tiles of the ring (from position `it`) multiplied into acc, one 8-bit wgmma in flight, each stage
-    handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). An
-    input box is read as the [BLOCK_M, BLOCK_K] left tile: a view of the same shared memory."""
-    BLOCK_M: gl.constexpr = acc.type.shape[0]
-    BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
-    for kb in range(steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
-        acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if kb > 0:  # the MMA before this one has finished: its stage can be refilled
-            mbarrier.arrive(empty.index((it - 1) % STAGES))
-        it += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((it - 1) % STAGES))
-    return acc, it
 
 
 @gluon.jit
@@ -222,11 +170,6 @@ def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH
         (_loader, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, KW, k_tiles,
                    pad_h, pad_w, programs, STRIDE, BLOCK_H, BLOCK_W, STAGES)),
     ], [1], [LOADER_REGS])
-
-
-def box_layout(inner_bytes: int, rank: int):
-    """The shared layout of an 8-bit TMA box whose rows are `inner_bytes` long: the widest swizzle they fill."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, inner_bytes), element_bitwidth=8, rank=rank)
 
 
 def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,

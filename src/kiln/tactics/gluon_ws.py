@@ -1,8 +1,10 @@
-"""Tactics on the warp-specialized Gluon convolution (kiln/kernels/ws_conv.py), Hopper only:
-  QConv  gluon_ws_qconv_<BH>x<BW>x<BN>x<BK>_s<stages>_x<programs an SM>  INT8/FP8 convolutions with an 8-bit
-                                                                           output; not 1x1 stride 1
-Offered beside tma_conv's tiles (tactics/triton_tma.py) at the same level: the builder times both and keeps the
-faster at each layer. Not offered where Triton has no Gluon.
+"""Tactics on the warp-specialized Gluon kernels, Hopper only:
+  QConv  gluon_ws_qconv_<BH>x<BW>x<BN>x<BK>_s<stages>_x<programs an SM>  kernels/ws_conv.py: INT8/FP8
+         convolutions with an 8-bit output, not 1x1 stride 1
+  QConv  gluon_ws_qconv1x1_<BM>x<BN>_s<stages>_x<programs an SM>  kernels/ws_gemm.py: INT8/FP8 1x1 stride-1
+         convolutions with an 8-bit output and an 8-bit residual or none
+Offered beside tma_conv's and tma_gemm's tiles (tactics/triton_tma.py) at the same level: the builder times them
+all and keeps the fastest at each layer. Not offered where Triton has no Gluon.
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ from __future__ import annotations
 from . import layer_gemm, tactic
 
 
-def _applies(config):
+def _conv_applies(config):
     def applies(node, args) -> bool:
         from ..kernels import conv, ws_conv
         from .triton_tma import _device_ok, _operands_ok
 
         x, w, b, z, y_scale, q_scale, _ = layer_gemm.operands(node, args)
         if not _operands_ok(node, args, x, w) or w.dim() != 4 or conv.is_pointwise(node, x, w, z):
-            return False  # 1x1 stride 1 is the TMA GEMM's
+            return False  # 1x1 stride 1 is ws_gemm's
         if not ws_conv.supports(node, x, w, b, z, y_scale, q_scale, config):
             return False
         return _device_ok(x, config.smem_bytes(min(config.block_k, x.shape[1])))
@@ -25,7 +27,7 @@ def _applies(config):
     return applies
 
 
-def _run(config):
+def _conv_run(config):
     def run(node, *args):
         from ..kernels import ws_conv
 
@@ -35,10 +37,36 @@ def _run(config):
     return run
 
 
+def _gemm_applies(config):
+    def applies(node, args) -> bool:
+        from ..kernels import ws_gemm
+        from .triton_tma import _device_ok, _operands_ok
+
+        x, w, b, z, y_scale, q_scale, z_scale = layer_gemm.operands(node, args)
+        if not _operands_ok(node, args, x, w) or not ws_gemm.supports(node, x, w, b, z, y_scale, q_scale, z_scale,
+                                                                      config):
+            return False
+        return _device_ok(x, config.smem_bytes(ws_gemm.block_k_for(x.shape[1]), z is not None))
+
+    return applies
+
+
+def _gemm_run(config):
+    def run(node, *args):
+        from ..kernels import ws_gemm
+
+        x, w, b, z, y_scale, _, z_scale = layer_gemm.operands(node, args)
+        return ws_gemm.conv1x1(node, x, w, b, z, config, args[2], args[3], y_scale, z_scale)
+
+    return run
+
+
 try:
-    from ..kernels import ws_conv
+    from ..kernels import ws_conv, ws_gemm
 except ImportError:  # no Triton, or one without Gluon's Hopper module: not offered
     pass
 else:
     for cfg, level in ws_conv.CONFIGS:
-        tactic("QConv", f"gluon_ws_qconv_{cfg.name}", _applies(cfg), level=level)(_run(cfg))
+        tactic("QConv", f"gluon_ws_qconv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
+    for cfg, level in ws_gemm.CONFIGS:
+        tactic("QConv", f"gluon_ws_qconv1x1_{cfg.name}", _gemm_applies(cfg), level=level)(_gemm_run(cfg))

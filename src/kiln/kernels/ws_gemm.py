@@ -1,0 +1,232 @@
+"""Warp-specialized 8-bit 1x1 convolution (a GEMM over pixel rows) for Hopper, written in Gluon: ws_conv.py's
+design (it says why) for tma_gemm.py's ResNet-shaped layers.
+
+A one-warp loader partition brings each output tile's 8-bit residual and its K tiles of x and w by TMA into rings
+of shared-memory buffers, running ahead into the next tiles while a 4-warp partition runs the MMAs (one 8-bit
+wgmma in flight) and the epilogue: gemm.finish's arithmetic for this case (x_scale * w_scale[n], bias, the
+residual times its scale, the ReLU in the clamp of the next layer's 8-bit quantization), so outputs equal
+tma_gemm's. On the H200 at ResNet-50's batch-32 INT8 1x1 layers (2026-12-01, bench/results/H200-gluon-gemm-1214.log,
+outputs equal) the best tile ran 4-15% faster than the INT8 engine's tma_gemm tile: layer1's 64 -> 256 with
+residual 21.7 us against 24.3, its 256 -> 64 8.5 against 10.0, layer2's 128 -> 512 with residual 12.5 against
+13.0, layer3's 256 -> 1024 9.5 against 10.0.
+
+Takes: a 1x1 stride-1 QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, an 8-bit residual
+at its own scale or none, no 8-bit copy; K (input channels) 32, 64 or a multiple of 128; N a whole number of
+tiles; a Hopper GPU. Triton's interpreter does not run Gluon: CI compiles these kernels for sm_90
+(tests/kernels/test_gluon_compile.py) and the GPU tests compare them with tma_gemm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from .gemm import QTYPES, quant_args
+from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, mma_steps, quantize8
+
+
+@dataclass(frozen=True)
+class WsGemmConfig:
+    """An output tile of block_m rows by block_n columns, K walked min(K, 128) at a time through a ring of
+    `stages` stages, `per_sm` programs an SM."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    per_sm: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}_s{self.stages}_x{self.per_sm}"
+
+    def smem_bytes(self, block_k: int, residual: bool) -> int:
+        """The ring of 8-bit x and w tiles, the 8-bit output tile, two residual tiles, the barriers."""
+        tile = self.block_m * self.block_n
+        return self.stages * ((self.block_m + self.block_n) * block_k + 16) + tile * (1 + 2 * residual) + 32
+
+
+# (config, lowest optimization level that offers it): the fastest tiles of the H200 sweep of 2026-12-01 (batch 32,
+# INT8, two programs an SM: bench/results/H200-gluon-gemm-1214.log): 128x128 at layer1's 64 -> 256 and layer2's
+# 128 -> 512 (two stages ran as fast as three and four), 128x64 at layer1's 256 -> 64, 64x128 at layer3's
+# 256 -> 1024.
+CONFIGS: list[tuple[WsGemmConfig, int]] = [
+    (WsGemmConfig(128, 128, 2, 2), 3),
+    (WsGemmConfig(128, 64, 3, 2), 3),
+    (WsGemmConfig(64, 128, 2, 2), 3),
+]
+
+
+def block_k_for(k: int) -> int | None:
+    """The K tile for K input channels: K itself up to 128 (32 or 64), else 128 if it divides K."""
+    bk = min(k, 128)
+    return bk if bk in (32, 64, 128) and k % bk == 0 else None
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
+            programs, STAGES: gl.constexpr, HAS_Z: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    it = 0
+    t = 0
+    for tile in range(gl.program_id(0), tiles, programs):
+        off_m = (tile // tiles_n) * BLOCK_M  # the column tiles of a row block are neighbours: x read once from L2
+        off_n = (tile % tiles_n) * BLOCK_N
+        if HAS_Z:  # two residual buffers: the next tile's arrives while the MMA partition adds this one's
+            zb = t % 2
+            mbarrier.wait(z_empty.index(zb), ((t // 2) & 1) ^ 1)
+            mbarrier.expect(z_ready.index(zb), z_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(z_desc, [off_m, off_n], z_ready.index(zb), z_bufs.index(zb))
+        for kb in range(gl.cdiv(K, BLOCK_K)):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
+            it += 1
+        t += 1
+
+
+@gluon.jit
+def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr, ws_ptr,
+                  ys_ptr, zs_ptr, tiles, tiles_n, K, stride_ws, programs, QUANT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, HAS_Z: gl.constexpr, RELU: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
+    xs = gl.load(xs_ptr).to(gl.float32)
+    zs = gl.load(zs_ptr).to(gl.float32)
+    it = 0
+    t = 0
+    for tile in range(gl.program_id(0), tiles, programs):
+        off_m = (tile // tiles_n) * BLOCK_M
+        off_n = (tile % tiles_n) * BLOCK_N
+        cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
+        scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)
+        if QUANT == "int8":
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
+        else:
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, gl.cdiv(K, BLOCK_K), STAGES)
+        v = acc.to(gl.float32) * scale[None, :]
+        if HAS_BIAS:
+            v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
+        if HAS_Z:  # gemm.finish adds the residual after the bias
+            zb = t % 2
+            mbarrier.wait(z_ready.index(zb), (t // 2) & 1)
+            z = z_bufs.index(zb).load(acc_layout)
+            fence_async_shared()  # the load above before the loader's next TMA write into this buffer
+            mbarrier.arrive(z_empty.index(zb))
+            v = v + z.to(gl.float32) * zs
+        out = quantize8(v, inv_ys, QUANT, RELU)
+        tma.store_wait(pendings=0)  # the last tile's store has read y_smem
+        y_smem.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(y_desc, [off_m, off_n], y_smem)
+        t += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, M, N, K, stride_ws,
+                    programs, QUANT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_Z: gl.constexpr, RELU: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
+    tiles_n = gl.cdiv(N, y_desc.block_type.shape[1])
+    tiles = gl.cdiv(M, y_desc.block_type.shape[0]) * tiles_n
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    z_bufs = gl.allocate_shared_memory(z_desc.dtype, [2 if HAS_Z else 1] + z_desc.block_type.shape, z_desc.layout)
+    y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    z_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    z_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(z_ready.index(i), count=1)
+        mbarrier.init(z_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_epilogue, (y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr,
+                         ws_ptr, ys_ptr, zs_ptr, tiles, tiles_n, K, stride_ws, programs, QUANT, HAS_BIAS, HAS_Z,
+                         RELU, STAGES, num_warps)),
+        (_loader, (x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
+                   programs, STAGES, HAS_Z)),
+    ], [1], [LOADER_REGS])
+
+
+def _rows_ok(t: torch.Tensor | None) -> bool:
+    """A row-major matrix TMA can address: unit inner stride, 16-byte aligned base and rows."""
+    return t is not None and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
+             y_scale, q_scale, z_scale, config: WsGemmConfig) -> bool:
+    """A 1x1 stride-1 QConv this kernel takes (the module's docstring says which) with this tile, on a Hopper GPU."""
+    if not layer_ok(node, x, w, b, z, y_scale, q_scale, z_scale, config):
+        return False
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+
+
+def layer_ok(node, x, w, b, z, y_scale, q_scale, z_scale, config: WsGemmConfig) -> bool:
+    """`supports` but for the device: what the layer and its tensors must be."""
+    from .conv import is_pointwise, pixel_rows
+
+    qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
+    if qtype not in QTYPES or y_scale is None or q_scale is not None or node.attr("activation", "") not in ("", "Relu"):
+        return False
+    if not is_pointwise(node, x, w, z) or w.dtype != QTYPES[qtype]:
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, w.dtype):
+        return False
+    if z is not None and (z.dtype != w.dtype or z_scale is None or not _rows_ok(pixel_rows(z))):
+        return False
+    oc, c = w.shape[:2]
+    if oc % config.block_n or block_k_for(c) is None or not _rows_ok(pixel_rows(x)):
+        return False
+    if not _rows_ok(w.reshape(oc, c)) or (b is not None and (b.numel() != oc or not b.dtype.is_floating_point)):
+        return False
+    return True
+
+
+def conv1x1(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
+            config: WsGemmConfig, x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor,
+            z_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The 8-bit output of a `supports` QConv, as tma_gemm computes it: channels-last, as an NCHW-shaped view."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .conv import pixel_rows, pixels_as_nchw
+    from .tma_gemm import programs as sm_count
+
+    qtype = node.attr("qtype", "int8")
+    x, xs, ws, stride_ws = quant_args(x, qtype, x_scale, w_scale)
+    rows, w_rows = pixel_rows(x), w.reshape(w.shape[0], w.shape[1])
+    (M, K), N = rows.shape, w_rows.shape[0]
+    bm, bn, bk = config.block_m, config.block_n, block_k_for(K)
+    y = torch.empty((M, N), dtype=QTYPES[qtype], device=x.device)
+
+    def desc(t, box):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], 2))
+
+    y_desc = desc(y, [bm, bn])
+    tiles = triton.cdiv(M, bm) * (N // bn)
+    n_programs = min(tiles, config.per_sm * sm_count(x.device))
+    bias = b.reshape(-1).contiguous() if b is not None else None
+    _ws_gemm_kernel[(n_programs,)](
+        desc(rows, [bm, bk]), desc(w_rows, [bn, bk]), desc(pixel_rows(z), [bm, bn]) if z is not None else y_desc,
+        y_desc, bias if bias is not None else xs, xs, ws, y_scale, z_scale if z_scale is not None else xs, M, N, K,
+        stride_ws, n_programs, QUANT=qtype, HAS_BIAS=bias is not None, HAS_Z=z is not None,
+        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG)
+    return pixels_as_nchw(y, x)
