@@ -8,7 +8,8 @@ residual times its scale, the ReLU in the clamp of the next layer's 8-bit quanti
 tma_gemm's. On the H200 at ResNet-50's batch-32 INT8 1x1 layers (2026-12-01, bench/results/H200-gluon-gemm-1214.log,
 outputs equal) the best tile ran 4-15% faster than the INT8 engine's tma_gemm tile: layer1's 64 -> 256 with
 residual 21.7 us against 24.3, its 256 -> 64 8.5 against 10.0, layer2's 128 -> 512 with residual 12.5 against
-13.0, layer3's 256 -> 1024 9.5 against 10.0.
+13.0, layer3's 256 -> 1024 9.5 against 10.0; a second sweep (H200-ws-gluon-gemm-1230.log) found layer4's
+512 -> 2048 8.7 against 9.9, and tma_gemm 7-8% faster at layer2's 512 -> 128. The builder times both.
 
 Takes: a 1x1 stride-1 QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, an 8-bit residual
 at its own scale or none, no 8-bit copy; K (input channels) 32, 64 or a multiple of 128; N a whole number of
@@ -50,14 +51,13 @@ class WsGemmConfig:
         return self.stages * ((self.block_m + self.block_n) * block_k + 16) + tile * (1 + 2 * residual) + 32
 
 
-# (config, lowest optimization level that offers it): the fastest tiles of the H200 sweep of 2026-12-01 (batch 32,
-# INT8, two programs an SM: bench/results/H200-gluon-gemm-1214.log): 128x128 at layer1's 64 -> 256 and layer2's
-# 128 -> 512 (two stages ran as fast as three and four), 128x64 at layer1's 256 -> 64, 64x128 at layer3's
-# 256 -> 1024.
+# (config, lowest optimization level that offers it): the fastest tiles of the H200 sweeps of 2026-12-01 (batch 32,
+# two programs an SM; bench/results/H200-gluon-gemm-1214.log, H200-ws-gluon-gemm-1230.log, INT8 and FP8): 128x128
+# at layer1's 64 -> 256, layer2's 128 -> 512 and layer4's 512 -> 2048 (two stages ran as fast as three and four),
+# 128x64 at layer1's 256 -> 64 and layer3's 256 -> 1024. A 64x128 tile was never the fastest.
 CONFIGS: list[tuple[WsGemmConfig, int]] = [
     (WsGemmConfig(128, 128, 2, 2), 3),
     (WsGemmConfig(128, 64, 3, 2), 3),
-    (WsGemmConfig(64, 128, 2, 2), 3),
 ]
 
 
