@@ -11,12 +11,15 @@ Nsight Compute had found tma_conv latency-bound (Tensor Cores 22-30% busy, bench
 The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU in the clamp of
 the next layer's 8-bit quantization), so outputs equal tma_conv's. On the H200 at ResNet-50's batch-32 stride-1
 3x3 INT8 layers (2026-12-01, bench/results/H200-gluon-conv-1214.log, outputs equal): layer2 11.2 us against
-tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1.
+tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1; the stride-2 3x3s 10.0-10.9 against
+14.0-15.2, and FP8 alike (H200-ws-gluon-conv-1217.log, H200-ws-gluon-conv-fp8-1217.log). At layer1's 64 channels
+it is no faster.
 
 Takes: a QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, no residual and no 8-bit
 copy; stride 1 or 2, dilation 1, C a whole number of K tiles, OC of output-channel tiles; a Hopper GPU
 (wgmma is sm_90's). Triton's interpreter does not run Gluon: CI compiles these kernels for sm_90
-(tests/kernels/test_ws_conv.py) and the GPU tests compare them with tma_conv.
+(tests/kernels/test_gluon_compile.py) and the GPU tests (tests/kernels/test_ws_conv.py) compare them with
+tma_conv.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
 from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, mma_steps, quantize8
 
 _MAX_PAD = gl.constexpr(MAX_PAD)
+
+
 @dataclass(frozen=True)
 class WsConfig:
     """An output tile of block_h x block_w pixels by block_n channels, K walked block_k channels at a time
