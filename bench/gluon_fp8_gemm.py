@@ -4,13 +4,15 @@ cuBLASLt's FP8 GEMM with the same epilogue (what Kiln's FP8 BERT engine runs) an
 BERT-base's FP8 engine runs at 0.73x of FP16 (H200, batch 32; the target is 0.7x). Its four GEMMs a layer are
 cuBLASLt's, and FFN1's bias + GELU + FP8-output epilogue costs cuBLASLt about 5 us of its 24 (docs/
 performance-notes.md); Kiln's Triton TMA GEMM is slower still (33.9 us). Here a persistent kernel tiles the
-output 256 x 128: a loader warp fills a ring of [256, 128] x and [128, 128] w stages by TMA, and two 4-warp
-consumers each take 128 rows of every tile (cooperatively, as cuBLASLt's "coop" kernels do), keep one FP8 wgmma
+output 256 x 128 or 128 x 256: a loader warp fills a ring of x and w stages by TMA, and two 4-warp consumers
+each take half the rows of every tile (cooperatively, as cuBLASLt's "coop" kernels do), keep one FP8 wgmma
 in flight and finish the tile with `gemm.finish`, the epilogue every Kiln GEMM runs (a @triton.jit function that
 Gluon calls as it is): scales, bias, activation, FP8 or FP16 output. Without a register cap the consumers get
-what the loader gives up (setmaxnreg), enough for a 128 x 128 FP32 accumulator and the GELU epilogue.
+what the loader gives up (setmaxnreg), enough for a 128 x 128 (or 64 x 256) FP32 accumulator and the GELU
+epilogue.
 
-Compiled for sm_90 on the CPU (tests/kernels/test_gluon_compile.py); not yet run on a GPU.
+Compiled for sm_90 on the CPU (tests/kernels/test_gluon_compile.py): with Triton 3.8 no variant spills; with 3.6,
+the GPU machine's, the 128 x 256 tile with the GELU and FP8 output spills 684 bytes. Not yet run on a GPU.
 
     python bench/gluon_fp8_gemm.py                     (GPU: each shape against tma_gemm's output, then times)
     python bench/gluon_fp8_gemm.py --compile-only      (any machine: the variants compiled for sm_90)
@@ -43,8 +45,10 @@ from kiln.kernels.warp_specialized import LOADER_REGS, box_layout  # noqa: E402
 # (name, M, K, N, activation, FP8 output): BERT-base at batch 32 x 128 tokens, as its FP8 engine runs them
 SHAPES = [("qkv", 4096, 768, 2304, "", True), ("attn_out", 4096, 768, 768, "", False),
           ("ffn1", 4096, 768, 3072, "GeluErf", True), ("ffn2", 4096, 3072, 768, "", False)]
-BM, BN, BK = 256, 128, 128  # a tile; each consumer warpgroup takes 128 of its rows
-STAGE_COUNTS = [2, 3]
+BK = 128
+# (block_m, block_n) tiles, each consumer warpgroup taking half the rows (cuBLASLt's FFN1 kernel tiles 256 x 128),
+# and ring stages: the GPU run's variants
+TILES, STAGE_COUNTS = [(256, 128), (128, 256)], [2, 3]
 CONSUMER_REGS = gl.constexpr(232)  # the second consumer's registers (the default partition gets what is left)
 
 
@@ -130,14 +134,15 @@ def _fp8_gemm_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, M, N
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _y_layout(dtype_bits: int):
-    """The output tile's shared layout: 128-byte rows swizzled (FP8), 256-byte FP16 rows unswizzled (TMA's
-    swizzles take rows of at most 128 bytes)."""
-    return box_layout(BN, 2) if dtype_bits == 8 else gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16,
-                                                                          rank=2)
+def _y_layout(bn: int, dtype_bits: int):
+    """The output tile's shared layout: swizzled where its rows are 128 bytes (FP8, 128 columns), else unswizzled
+    (TMA's swizzles take rows of at most 128 bytes)."""
+    row_bytes = bn * dtype_bits // 8
+    return gl.NVMMASharedLayout(swizzle_byte_width=row_bytes if row_bytes <= 128 else 0, element_bitwidth=dtype_bits,
+                                rank=2)
 
 
-def gemm(x8, w8, b, x_scale, w_scale, act: str = "", y_scale=None, stages: int = 3):
+def gemm(x8, w8, b, x_scale, w_scale, act: str = "", y_scale=None, tile=TILES[0], stages: int = 3):
     """act(x8 @ w8 * x_scale * w_scale + b), FP8 E4M3 quantized with y_scale or FP16: x8 [M, K] row-major, w8
     [K, N] K-major (the engine's weights), one weight scale or one per column."""
     import torch
@@ -152,11 +157,12 @@ def gemm(x8, w8, b, x_scale, w_scale, act: str = "", y_scale=None, stages: int =
         return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
     ws = w_scale.reshape(-1).float().contiguous()
+    BM, BN = tile
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     programs = min(tiles, torch.cuda.get_device_properties(x8.device).multi_processor_count)
     _fp8_gemm_kernel[(programs,)](
         desc(x8, [BM, BK], box_layout(BK, 2)), desc(w_rows, [BN, BK], box_layout(BK, 2)),
-        desc(y, [BM // 2, BN], _y_layout(y.element_size() * 8)), b, x_scale, ws,
+        desc(y, [BM // 2, BN], _y_layout(BN, y.element_size() * 8)), b, x_scale, ws,
         y_scale if y_scale is not None else x_scale, M, N, K, 1 if ws.numel() > 1 else 0, 0.0, 0.0,
         HAS_BIAS=True, ACT=act, Y_QUANTIZED=y_scale is not None, STAGES=stages, num_warps=4)
     return y
@@ -170,12 +176,12 @@ def compile_only() -> int:
     from bench.sm90_compile import spilled_bytes
 
     failed = 0
-    for stages in STAGE_COUNTS:
+    for (BM, BN), stages in [(t, s) for t in TILES for s in STAGE_COUNTS]:
         for act, fp8_out in (("GeluErf", True), ("", False)):
             y_type, y_bits = ("fp8e4nv", 8) if fp8_out else ("fp16", 16)
             sig = {"x_desc": f"tensordesc<fp8e4nv[{BM},{BK}],{box_layout(BK, 2)!r}>",
                    "w_desc": f"tensordesc<fp8e4nv[{BN},{BK}],{box_layout(BK, 2)!r}>",
-                   "y_desc": f"tensordesc<{y_type}[{BM // 2},{BN}],{_y_layout(y_bits)!r}>",
+                   "y_desc": f"tensordesc<{y_type}[{BM // 2},{BN}],{_y_layout(BN, y_bits)!r}>",
                    "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
                    **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32",
                    **{p: "constexpr" for p in ("HAS_BIAS", "ACT", "Y_QUANTIZED", "STAGES")}}
@@ -226,9 +232,9 @@ def main() -> int:
             print(f"cuBLASLt FP8 with the epilogue: {lt_us:.1f} us", flush=True)
         except Exception as e:  # cuBLASLt offers no kernel for this epilogue here
             print(f"cuBLASLt FP8 with the epilogue: failed {type(e).__name__}: {e}", flush=True)
-        for stages in STAGE_COUNTS:
-            check_and_time(f"gluon {BM}x{BN}x{BK} s{stages}",
-                           lambda stages=stages: gemm(x8, w8, b, sx, sw, act, ys, stages), want, "tma_gemm")
+        for (bm, bn), stages in [(t, s) for t in TILES for s in STAGE_COUNTS]:
+            check_and_time(f"gluon {bm}x{bn}x{BK} s{stages}",
+                           lambda t=(bm, bn), s=stages: gemm(x8, w8, b, sx, sw, act, ys, t, s), want, "tma_gemm")
     return 0
 
 
