@@ -28,19 +28,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench.gluon_conv import check_and_time  # noqa: E402
 from kiln.kernels.gemm import finish  # noqa: E402
-from kiln.kernels.warp_specialized import LOADER_REGS, box_layout  # noqa: E402
+from kiln.kernels.warp_specialized import LOADER_REGS, box_layout, load_k_tiles, mma_steps  # noqa: E402
 
 # (name, M, K, N, activation, FP8 output): BERT-base at batch 32 x 128 tokens, as its FP8 engine runs them
 SHAPES = [("qkv", 4096, 768, 2304, "", True), ("attn_out", 4096, 768, 768, "", False),
@@ -55,26 +49,19 @@ CONSUMER_REGS = gl.constexpr(232)  # the second consumer's registers (the defaul
 @gluon.jit
 def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_n, K, STAGES: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     it = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        off_m = (tile // tiles_n) * BLOCK_M  # a row block's column tiles are neighbours: x read once from L2
-        off_n = (tile % tiles_n) * BLOCK_N
-        for kb in range(gl.cdiv(K, BLOCK_K)):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
-            it += 1
+        # a row block's column tiles are neighbours: x read once from L2
+        it = load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, (tile // tiles_n) * BLOCK_M,
+                          (tile % tiles_n) * BLOCK_N, K, STAGES)
 
 
 @gluon.jit
 def _consumer(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_n, K,
               stride_ws, p0, p1, ROW0: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
               Y_QUANTIZED: gl.constexpr, STAGES: gl.constexpr):
-    """Rows ROW0 .. ROW0 + 128 of every tile: the K loop with one wgmma in flight, then gemm.finish and a TMA
+    """Rows ROW0 .. ROW0 + ROWS of every tile: the K loop with one wgmma in flight, then gemm.finish and a TMA
     store. Both consumers release a stage (its `empty` barrier counts two) once their MMA on it is done."""
     ROWS: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
@@ -88,18 +75,7 @@ def _consumer(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_pt
         off_m = (tile // tiles_n) * BLOCK_M + ROW0
         off_n = (tile % tiles_n) * BLOCK_N
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        for kb in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(s).slice(ROW0, ROWS)
-            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if kb > 0:  # the MMA before this one has finished: this consumer is done with its stage
-                mbarrier.arrive(empty.index((it - 1) % STAGES))
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it - 1) % STAGES))
+        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, gl.cdiv(K, BLOCK_K), STAGES, ROW0)
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
         out, acc = finish(acc, None, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, xs_ptr, stride_ws, p0, p1, y_desc.dtype,
                           HAS_BIAS, False, ACT, "fp8", Y_QUANTIZED, False, False)

@@ -1,12 +1,13 @@
 """What the warp-specialized Gluon kernels (ws_conv.py, ws_gemm.py) share: the register split between their
-partitions, the shared layout of an 8-bit TMA box, the MMA partition's walk over the ring of stages, and the
-8-bit quantization of their epilogues (gemm.quantize's arithmetic, so their outputs equal the Triton kernels')."""
+partitions, the shared layout of an 8-bit TMA box, a GEMM loader's walk over K, the MMA partition's walk over the
+ring of stages, and the 8-bit quantization of their epilogues (gemm.quantize's arithmetic, so their outputs equal
+the Triton kernels')."""
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # Registers a thread. A warp-specialized kernel runs as 8 warps (the loader's one padded to a warpgroup) and by
 # default asks for 256 registers a thread, the whole register file for one program, handing the loader 24 of them
@@ -42,16 +43,36 @@ def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
 
 
 @gluon.jit
-def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr):
+def load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, K, STAGES: gl.constexpr):
+    """A GEMM loader's K tiles of one output tile, x rows from off_m and w [N, K] rows from off_n, into the ring
+    of stages from position `it`, each once the MMAs have handed its stage back. Returns the ring position after
+    them."""
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    for kb in range(gl.cdiv(K, BLOCK_K)):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [off_n, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
+def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, ROW0: gl.constexpr = -1):
     """`steps` K tiles of the ring (from position `it`) multiplied into acc, one 8-bit wgmma in flight, each stage
-    handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). An
-    input box is read as the [BLOCK_M, BLOCK_K] left tile: a view of the same shared memory."""
+    handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). A
+    stage is the [BLOCK_M, BLOCK_K] left tile seen whole (a convolution's [1, BH, BW, BK] box reshaped: a view of
+    the same shared memory), or, from ROW0 >= 0, this warpgroup's BLOCK_M rows of a taller tile it shares."""
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
     for kb in range(steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
+        if ROW0 < 0:
+            a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
+        else:
+            a = a_bufs.index(s).slice(ROW0, BLOCK_M)
         acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if kb > 0:  # the MMA before this one has finished: its stage can be refilled

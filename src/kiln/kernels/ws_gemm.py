@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
-from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, mma_steps, quantize8
+from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, load_k_tiles, mma_steps, quantize8
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,6 @@ def block_k_for(k: int) -> int | None:
 def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
             programs, STAGES: gl.constexpr, HAS_Z: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     it = 0
     t = 0
@@ -83,13 +82,7 @@ def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_read
             mbarrier.wait(z_empty.index(zb), ((t // 2) & 1) ^ 1)
             mbarrier.expect(z_ready.index(zb), z_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(z_desc, [off_m, off_n], z_ready.index(zb), z_bufs.index(zb))
-        for kb in range(gl.cdiv(K, BLOCK_K)):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
-            it += 1
+        it = load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, K, STAGES)
         t += 1
 
 
