@@ -180,7 +180,7 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
 ]
 
 
-def _aligned(t: torch.Tensor) -> bool:
+def aligned(t: torch.Tensor) -> bool:
     """A 2-D matrix TMA can address: unit last stride, 16-byte-aligned base and row stride."""
     return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % _ALIGN == 0
             and (t.stride(0) * t.element_size()) % _ALIGN == 0)
@@ -188,9 +188,9 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def weight_matrix(w: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     """(the row-major matrix a descriptor covers, K-major?) for w [K, N], or None if TMA cannot read it."""
-    if _aligned(w):
+    if aligned(w):
         return w, False
-    if _aligned(w.t()):
+    if aligned(w.t()):
         return w.t(), True
     return None
 
@@ -201,7 +201,7 @@ def rows(t: torch.Tensor, cols: int) -> torch.Tensor | None:
         m = t.view(-1, cols)
     except RuntimeError:
         return None
-    return m if _aligned(m) else None
+    return m if aligned(m) else None
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str, qtype: str = "",

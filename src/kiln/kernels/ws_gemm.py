@@ -160,11 +160,6 @@ def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_pt
     ], [1], [LOADER_REGS])
 
 
-def _rows_ok(t: torch.Tensor | None) -> bool:
-    """A row-major matrix TMA can address: unit inner stride, 16-byte aligned base and rows."""
-    return t is not None and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
 def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
              y_scale, q_scale, z_scale, config: WsGemmConfig) -> bool:
     """A 1x1 stride-1 QConv this kernel takes (the module's docstring says which) with this tile, on a Hopper GPU."""
@@ -176,20 +171,21 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
 def layer_ok(node, x, w, b, z, y_scale, q_scale, z_scale, config: WsGemmConfig) -> bool:
     """`supports` but for the device: what the layer and its tensors must be."""
     from .conv import is_pointwise, pixel_rows
+    from .tma_gemm import aligned
 
     qtype = node.attr("qtype", "int8") if node.op_type == "QConv" else ""
     if qtype not in QTYPES or y_scale is None or q_scale is not None or node.attr("activation", "") not in ("", "Relu"):
         return False
-    if not is_pointwise(node, x, w, z) or w.dtype != QTYPES[qtype]:
+    if not is_pointwise(node, x, w, z) or w.dtype != QTYPES[qtype]:  # then x's and z's pixel rows are views
         return False
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, w.dtype):
         return False
-    if z is not None and (z.dtype != w.dtype or z_scale is None or not _rows_ok(pixel_rows(z))):
+    if z is not None and (z.dtype != w.dtype or z_scale is None or not aligned(pixel_rows(z))):
         return False
     oc, c = w.shape[:2]
-    if oc % config.block_n or block_k_for(c) is None or not _rows_ok(pixel_rows(x)):
+    if oc % config.block_n or block_k_for(c) is None or not aligned(pixel_rows(x)):
         return False
-    if not _rows_ok(w.reshape(oc, c)) or (b is not None and (b.numel() != oc or not b.dtype.is_floating_point)):
+    if not aligned(w.reshape(oc, c)) or (b is not None and (b.numel() != oc or not b.dtype.is_floating_point)):
         return False
     return True
 
