@@ -88,13 +88,15 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
         cols = start_n + rn
         n_ok = (rn < BLOCK_N) if EVEN_N else (cols < SK)
         kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(QK_DT)
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
-        if HAS_MASK:
-            if MASK_ROW:
-                s += (tl.load(mask_base + cols * smn, mask=n_ok, other=0.0).to(tl.float32) * _LOG2E_C)[None, :]
+        if HAS_MASK:  # log2 units, one FMA an element
+            if MASK_ROW:  # one mask row for every query (BERT's padding mask), scaled once per column
+                bias = (tl.load(mask_base + cols * smn, mask=n_ok, other=0.0).to(tl.float32) * _LOG2E_C)[None, :]
             else:
-                s += tl.load(mask_base + cols[None, :] * smn, mask=m_ok[:, None] & n_ok[None, :],
-                             other=0.0).to(tl.float32) * _LOG2E_C
+                bias = tl.load(mask_base + cols[None, :] * smn, mask=m_ok[:, None] & n_ok[None, :],
+                               other=0.0).to(tl.float32) * _LOG2E_C
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale + bias
+        else:
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         if not EVEN_N:  # keys past the end (none when the block divides Sk)
             s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -107,12 +109,12 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
         acc = tl.dot(p.to(CDT), v, acc, input_precision=PREC)
         m_i = m_new
 
-    if QKV_SCALED:
-        acc = acc * qs
+    # one division a row, not one an element (FP8 codes: their scale folded in); a fully masked row (l == 0) gives
+    # 0 * inf = NaN without nan_guard, like softmax over all -inf
+    inv_l = (qs if QKV_SCALED else 1.0) / l_i
+    out = acc * inv_l[:, None]
     if NAN_GUARD:
-        out = tl.where((l_i > 0.0)[:, None], acc / l_i[:, None], 0.0)
-    else:
-        out = acc / l_i[:, None]  # 0/0 = NaN for fully masked rows, like softmax over all -inf
+        out = tl.where((l_i > 0.0)[:, None], out, 0.0)
     if QUANT != "":  # 8-bit output for the quantized layer after (rounded to the float type first, as the reference)
         out = quantize(out.to(CDT), ys_ptr, QUANT)
     tl.store(o_ptr + b * sob + h * soh + rm[:, None] * som + rdv[None, :] * sod, out.to(o_ptr.dtype.element_ty),
