@@ -6,8 +6,8 @@ engine). The layers and tiles are the ones the 10:55 INT8 engine ran (bench/resu
         --section WarpStateStats -k regex:_tma -s 3 -c 1 python bench/ncu_layers.py LAYER      (GPU)
     scripts/ncu-layers          (every layer here, one ncu run each, logs under $OUT)
 
-LAYER: layer1-conv3 (1x1 64->256, 8-bit residual and output), layer1-3x3, layer2-3x3, layer4-3x3; bert-attention-triton,
-bert-attention-tma (BERT-base batch 32's FP8 attention on each flash kernel).
+LAYER: layer1-conv3 (1x1 64->256, 8-bit residual and output), layer1-3x3, layer2-3x3, layer4-3x3; bert-attention
+(BERT-base batch 32's FP8 flash attention).
 """
 
 from __future__ import annotations
@@ -31,26 +31,23 @@ CONVS = {"layer1-3x3": (56, 64, 64, PatchConfig(8, 32, 64, 128, 4, 3)),
          "layer4-3x3": (7, 512, 512, PatchConfig(8, 8, 128, 128, 4, 4))}
 
 
-def attention_call(name: str):
+def attention_call():
     """BERT-base batch 32's FP8 attention (q, k, v as FP8 codes of one fused projection, FP8 output) on attention.py's
-    Triton kernel (bert-attention-triton, the engine's 06:44 tile) or tma_attention.py's (bert-attention-tma)."""
+    kernel at the FP8 engine's tile."""
     from bench.attention_sweep import operands
-    from kiln.kernels import attention, tma_attention
+    from kiln.kernels import attention
 
     q, k, v, mask = operands(32, 128, 12, 64, True)
     scale = torch.tensor(max(t.abs().max().item() for t in (q, k, v)) / 448, device="cuda")
     q8, k8, v8 = ((t.float() / scale).to(attention.FP8) for t in (q, k, v))
     kw = dict(qkv_scale=scale, y_scale=torch.tensor(0.01, device="cuda"), qtype="fp8")
-    if name == "bert-attention-triton":
-        return lambda: attention.flash_attention(q8, k8, v8, mask, config=attention.FlashConfig(128, 32, 4, 3), **kw)
-    cfg = tma_attention.TmaFlashConfig(64, 128, 4, 3)
-    return lambda: tma_attention.flash_attention(q8, k8, v8, mask, config=cfg, **kw)
+    return lambda: attention.flash_attention(q8, k8, v8, mask, config=attention.FlashConfig(128, 32, 4, 3), **kw)
 
 
 def layer(name: str):
     """The kernel call of `name`, its operands made on the GPU."""
-    if name.startswith("bert-attention"):
-        return attention_call(name)
+    if name == "bert-attention":
+        return attention_call()
     if name == "layer1-conv3":
         x8, w8, b, kw, _ = engine_operands(100352, 64, 256, True, "int8", False)
         return lambda: tma_gemm.gemm(x8, w8, b, "Relu", config=TileConfig(128, 128, 64, 4, 3), **kw)
