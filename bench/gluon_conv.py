@@ -5,7 +5,8 @@ both timed.
 Before ws_conv became a tactic this script held the experiment itself; its first GPU run
 (bench/results/H200-gluon-conv-1214.log) found the warp-specialized kernel equal and 26-33% faster at layers 2-4.
 
-    python bench/gluon_conv.py [--fp8]          (GPU: every ws_conv tile against tma_conv's tile, INT8 or FP8)
+    python bench/gluon_conv.py [--fp8] [LAYER..]   (GPU: every ws_conv tile against tma_conv's tile, INT8 or FP8;
+                                                    LAYER: the layers whose names start so, e.g. layer1)
     python bench/gluon_conv.py --compile-only   (any machine: ws_conv's tiles compiled for sm_90, INT8 and FP8,
                                                  stride 1 and 2; what tests/kernels/test_gluon_compile.py runs)
 """
@@ -39,7 +40,7 @@ def compile_and_report(src, name: str, box_view: bool = False) -> int:
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
     except Exception as e:
-        print(f"Triton {triton.__version__}: {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+        print(f"Triton {triton.__version__}: {name} FAILED {type(e).__name__}: {str(e)[-600:]}")
         return 1
     ir = kernel.asm["ttgir"]
     box = f"; box read from shared memory: {'memdesc_reshape' in ir}" if box_view else ""
@@ -80,9 +81,10 @@ def compile_only() -> int:
                        "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
                        **{p: "i32" for p in ("N", "OH", "OW", "OC", "C", "KW", "k_tiles", "pad_h", "pad_w",
                                              "stride_ws", "programs")},
-                       **{p: "constexpr" for p in ("STRIDE", "QUANT", "HAS_BIAS", "RELU", "STAGES", "num_warps")}}
+                       **{p: "constexpr" for p in ("STRIDE", "QUANT", "HAS_BIAS", "RELU", "STAGES", "W_TILES",
+                                                   "num_warps")}}
                 constexprs = dict(STRIDE=stride, QUANT=qtype, HAS_BIAS=True, RELU=True, STAGES=cfg.stages,
-                                  num_warps=4)
+                                  W_TILES=9 if cfg.resident_weights else 0, num_warps=4)
                 src = GluonASTSource(_ws_conv_kernel, sig, constexprs=constexprs)
                 failed |= compile_and_report(src, f"{cfg.name} {qtype} stride {stride}", box_view=True)
     return failed
@@ -100,7 +102,10 @@ def main() -> int:
     qtype = "fp8" if "--fp8" in sys.argv else "int8"
     print(torch.cuda.get_device_name(), torch.__version__, "Triton", triton.__version__, qtype)
     cl = torch.channels_last
+    chosen = [a for a in sys.argv[1:] if not a.startswith("--")]
     for name, hw, c, k, stride, engine_tile in LAYERS:
+        if chosen and not any(name.startswith(a) for a in chosen):
+            continue
         g = torch.Generator(device="cuda").manual_seed(0)
         if qtype == "int8":
             i8 = dict(device="cuda", generator=g, dtype=torch.int8)

@@ -60,6 +60,18 @@ def test_the_layers_it_takes():
         assert not ws_conv.layer_ok(*args, WIDE), why
 
 
+def test_resident_weights_take_one_channel_tile_of_a_small_filter():
+    resident = WsConfig(8, 16, 64, 128, 4, 2, True)
+    ys = torch.tensor(0.03)
+    x, w, _, _, b = _layer(64, 64, (7, 9))
+    assert ws_conv.layer_ok(_node(), x, w, b, None, ys, None, resident)  # 36 KB of 3x3 64 -> 64 filter
+    x, w, _, _, b = _layer(64, 128, (7, 9))
+    assert not ws_conv.layer_ok(_node(), x, w, b, None, ys, None, resident)  # two channel tiles
+    x, w, _, _, b = _layer(128, 64, (7, 9))
+    assert not ws_conv.layer_ok(_node(), x, w, b, None, ys, None, resident)  # a 72 KB filter
+    assert resident.name == "8x16x64x128_s4_x2_rw"
+
+
 def test_its_tactics_are_registered_and_refuse_cpu_tensors():
     node = _node()
     tactics.load_all()
@@ -72,25 +84,26 @@ def test_its_tactics_are_registered_and_refuse_cpu_tensors():
 def _cases():
     for cfg, _ in CONFIGS:
         c = cfg.block_n  # 64-wide tiles are layer1's: 64 channels, K tiles of 64
+        oc = cfg.block_n if cfg.resident_weights else 2 * cfg.block_n  # resident weights: one channel tile
         for qtype in ("int8", "fp8"):
-            yield cfg, qtype, 1, (1, 1, 1, 1), "Relu", c
-        yield cfg, "int8", 2, (1, 1, 1, 1), "Relu", c
-    yield WIDE, "int8", 1, (0, 2, 1, 0), "", 256  # asymmetric pads, no activation, two K tiles a tap
-    yield WIDE, "fp8", 2, (2, 3, 0, 1), "", 128  # every phase of the strided view
+            yield cfg, qtype, 1, (1, 1, 1, 1), "Relu", c, oc
+        yield cfg, "int8", 2, (1, 1, 1, 1), "Relu", c, oc
+    yield WIDE, "int8", 1, (0, 2, 1, 0), "", 256, 256  # asymmetric pads, no activation, two K tiles a tap
+    yield WIDE, "fp8", 2, (2, 3, 0, 1), "", 128, 256  # every phase of the strided view
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (wgmma)")
-@pytest.mark.parametrize("cfg, qtype, stride, pads, act, c", list(_cases()), ids=str)
-def test_it_matches_tma_conv(cfg, qtype, stride, pads, act, c):
+@pytest.mark.parametrize("cfg, qtype, stride, pads, act, c, oc", list(_cases()), ids=str)
+def test_it_matches_tma_conv(cfg, qtype, stride, pads, act, c, oc):
     node = _node(3, pads, act, qtype, stride)
     hw = (7, 9) if stride == 1 else (8, 10)  # ragged patches; strided: even H and W
-    x, w, sx, sw, b = _layer(c, 2 * cfg.block_n, hw, qtype=qtype, device="cuda")
+    x, w, sx, sw, b = _layer(c, oc, hw, qtype=qtype, device="cuda")
     ys = torch.tensor(0.03 if qtype == "int8" else 0.5, device="cuda")
     assert ws_conv.supports(node, x, w, b, None, ys, None, cfg)
     got = poisoned(lambda: ws_conv.conv2d(node, x, w, b, cfg, sx, sw, ys))
     want = tma_conv.conv2d(node, x, w, b, config=cfg.patch, x_scale=sx, w_scale=sw, y_scale=ys)
-    assert got.shape == want.shape == (2, 2 * cfg.block_n, *conv.geometry(node, x, w)[3])
+    assert got.shape == want.shape == (2, oc, *conv.geometry(node, x, w)[3])
     assert got.dtype == want.dtype and got.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(got, want)
 

@@ -59,11 +59,13 @@ def load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n,
 
 
 @gluon.jit
-def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, ROW0: gl.constexpr = -1):
+def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, ROW0: gl.constexpr = -1,
+              B_RESIDENT: gl.constexpr = False):
     """`steps` K tiles of the ring (from position `it`) multiplied into acc, one 8-bit wgmma in flight, each stage
     handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). A
     stage is the [BLOCK_M, BLOCK_K] left tile seen whole (a convolution's [1, BH, BW, BK] box reshaped: a view of
-    the same shared memory), or, from ROW0 >= 0, this warpgroup's BLOCK_M rows of a taller tile it shares."""
+    the same shared memory), or, from ROW0 >= 0, this warpgroup's BLOCK_M rows of a taller tile it shares.
+    B_RESIDENT: b_bufs holds every K tile of the right operand for good (K tile kb at kb), not a stage each."""
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
     for kb in range(steps):
@@ -73,7 +75,11 @@ def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr
             a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
         else:
             a = a_bufs.index(s).slice(ROW0, BLOCK_M)
-        acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        if B_RESIDENT:
+            b = b_bufs.index(kb)
+        else:
+            b = b_bufs.index(s)
+        acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if kb > 0:  # the MMA before this one has finished: its stage can be refilled
             mbarrier.arrive(empty.index((it - 1) % STAGES))

@@ -42,7 +42,9 @@ _MAX_PAD = gl.constexpr(MAX_PAD)
 @dataclass(frozen=True)
 class WsConfig:
     """An output tile of block_h x block_w pixels by block_n channels, K walked block_k channels at a time
-    (C itself where smaller), a ring of `stages` shared-memory stages, `per_sm` programs an SM."""
+    (C itself where smaller), a ring of `stages` shared-memory stages, `per_sm` programs an SM. resident_weights:
+    every weight tile loaded once a program and kept (layers whose OC is one tile and whose filter fits
+    RESIDENT_BYTES: ResNet's 64-channel 3x3s), so the ring carries only input boxes."""
 
     block_h: int
     block_w: int
@@ -50,20 +52,27 @@ class WsConfig:
     block_k: int
     stages: int
     per_sm: int
+    resident_weights: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_s{self.stages}_x{self.per_sm}"
+        name = f"{self.block_h}x{self.block_w}x{self.block_n}x{self.block_k}_s{self.stages}_x{self.per_sm}"
+        return name + "_rw" * self.resident_weights
 
     @property
     def patch(self) -> PatchConfig:
         """The same tile as tma_conv states it (its support checks and K-tile rule apply here unchanged)."""
         return PatchConfig(self.block_h, self.block_w, self.block_n, self.block_k, 4, self.stages)
 
-    def smem_bytes(self, block_k: int) -> int:
-        """The ring of 8-bit input boxes and weight tiles, the 8-bit output tile and the ring's barriers."""
+    def smem_bytes(self, block_k: int, k_tiles: int) -> int:
+        """The ring of 8-bit input boxes and weight tiles (or the resident weights), the 8-bit output tile and the
+        barriers."""
         pixels = self.block_h * self.block_w
-        return self.stages * ((pixels + self.block_n) * block_k + 16) + pixels * self.block_n
+        weights = k_tiles * self.block_n * block_k if self.resident_weights else self.stages * self.block_n * block_k
+        return self.stages * (pixels * block_k + 16) + weights + 8 + pixels * self.block_n
+
+
+RESIDENT_BYTES = 64 * 1024  # the most weight bytes a program keeps (a 3x3 64 -> 64 filter is 36 KB)
 
 
 # (config, lowest optimization level that offers it), from the H200 sweep of 2026-12-01 (batch 32, INT8,
@@ -76,6 +85,9 @@ CONFIGS: list[tuple[WsConfig, int]] = [
     (WsConfig(16, 8, 128, 128, 4, 1), 3),
     (WsConfig(8, 16, 64, 128, 4, 2), 3),
     (WsConfig(16, 16, 64, 128, 3, 1), 3),
+    (WsConfig(8, 16, 64, 128, 4, 2, True), 3),
+    (WsConfig(16, 16, 64, 128, 3, 2, True), 3),
+    (WsConfig(8, 8, 64, 128, 4, 2, True), 3),
 ]
 
 
@@ -89,12 +101,17 @@ def _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H: gl.constexpr, BLOCK_W: gl.c
 
 
 @gluon.jit
-def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, KW, k_tiles,
-            pad_h, pad_w, programs, STRIDE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-            STAGES: gl.constexpr):
+def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, w_ready, tiles, tiles_w, tiles_hw, tiles_n, C, KW,
+            k_tiles, pad_h, pad_w, programs, STRIDE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            STAGES: gl.constexpr, W_RESIDENT: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     c_blocks = C // BLOCK_K
+    if W_RESIDENT:  # every K tile of the filter once (K tile wt is columns wt * BLOCK_K of w's rows), on w_ready
+        W_TILES: gl.constexpr = b_bufs.type.shape[0]
+        mbarrier.expect(w_ready, W_TILES * w_desc.block_type.nbytes)
+        for wt in gl.static_range(W_TILES):
+            tma.async_copy_global_to_shared(w_desc, [0, wt * BLOCK_K], w_ready, b_bufs.index(wt))
     it = 0
     for tile in range(gl.program_id(0), tiles, programs):
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
@@ -103,7 +120,10 @@ def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_
             c0 = (kb % c_blocks) * BLOCK_K
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            if W_RESIDENT:
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             if STRIDE == 1:  # the box shifted by the tap; rows and columns past the image read zeros
                 tma.async_copy_global_to_shared(x_desc, [img, oh0 + tap // KW - pad_h, ow0 + tap % KW - pad_w, c0],
                                                 ready.index(s), a_bufs.index(s))
@@ -113,14 +133,16 @@ def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_
                 tma.async_copy_global_to_shared(
                     x_desc, [img, oh0 + dh // STRIDE - _MAX_PAD, dh % STRIDE, ow0 + dw // STRIDE - _MAX_PAD,
                              dw % STRIDE * C + c0], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, tap * C + c0], ready.index(s), b_bufs.index(s))
+            if not W_RESIDENT:
+                tma.async_copy_global_to_shared(w_desc, [off_n, tap * C + c0], ready.index(s), b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
-def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_w,
-                  tiles_hw, tiles_n, k_tiles, stride_ws, programs, QUANT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  RELU: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,
+                  tiles_w, tiles_hw, tiles_n, k_tiles, stride_ws, programs, QUANT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, RELU: gl.constexpr, STAGES: gl.constexpr, W_RESIDENT: gl.constexpr,
+                  num_warps: gl.constexpr):
     BLOCK_H: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[3]
@@ -130,6 +152,8 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
     xs = gl.load(xs_ptr).to(gl.float32)
+    if W_RESIDENT:
+        mbarrier.wait(w_ready, 0)
     it = 0
     for tile in range(gl.program_id(0), tiles, programs):
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
@@ -139,7 +163,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
         else:
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, k_tiles, STAGES)
+        acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, k_tiles, STAGES, B_RESIDENT=W_RESIDENT)
         v = acc.to(gl.float32) * scale[None, :]
         if HAS_BIAS:
             v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
@@ -154,7 +178,10 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, w
 @gluon.jit
 def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH, OW, OC, C, KW, k_tiles,
                     pad_h, pad_w, stride_ws, programs, STRIDE: gl.constexpr, QUANT: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, RELU: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    HAS_BIAS: gl.constexpr, RELU: gl.constexpr, STAGES: gl.constexpr, W_TILES: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """W_TILES > 0: the filter's W_TILES K tiles stay in shared memory (WsConfig.resident_weights), 0: they come
+    through the ring with the input boxes."""
     BLOCK_H: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
     tiles_w = gl.cdiv(OW, BLOCK_W)
@@ -162,18 +189,23 @@ def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH
     tiles_n = gl.cdiv(OC, y_desc.block_type.shape[3])
     tiles = N * tiles_hw * tiles_n
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    W_RESIDENT: gl.constexpr = W_TILES > 0
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [W_TILES if W_RESIDENT else STAGES] + w_desc.block_type.shape,
+                                       w_desc.layout)
     y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(w_ready, count=1)
     gl.warp_specialize([
-        (_mma_epilogue, (y_desc, a_bufs, b_bufs, ready, empty, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles, tiles_w,
-                         tiles_hw, tiles_n, k_tiles, stride_ws, programs, QUANT, HAS_BIAS, RELU, STAGES, num_warps)),
-        (_loader, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles, tiles_w, tiles_hw, tiles_n, C, KW, k_tiles,
-                   pad_h, pad_w, programs, STRIDE, BLOCK_H, BLOCK_W, STAGES)),
+        (_mma_epilogue, (y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,
+                         tiles_w, tiles_hw, tiles_n, k_tiles, stride_ws, programs, QUANT, HAS_BIAS, RELU, STAGES,
+                         W_RESIDENT, num_warps)),
+        (_loader, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, w_ready, tiles, tiles_w, tiles_hw, tiles_n, C, KW,
+                   k_tiles, pad_h, pad_w, programs, STRIDE, BLOCK_H, BLOCK_W, STAGES, W_RESIDENT)),
     ], [1], [LOADER_REGS])
 
 
@@ -194,6 +226,8 @@ def layer_ok(node, x, w, b, z, y_scale, q_scale, config: WsConfig) -> bool:
     if qtype not in QTYPES or y_scale is None or q_scale is not None or z is not None:
         return False
     if node.attr("activation", "") not in ("", "Relu") or w.dim() != 4 or w.shape[0] % config.block_n:
+        return False
+    if config.resident_weights and (w.shape[0] != config.block_n or w[0].numel() * config.block_n > RESIDENT_BYTES):
         return False
     return tma_conv_supports(node, x, w, b, None, config.patch, qtype)
 
@@ -224,12 +258,14 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, confi
     def desc(t, box):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
 
+    k_tiles = KH * KW * (C // bk)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * (OC // bn)
     n_programs = min(tiles, config.per_sm * sm_count(x.device))
     bias = b.reshape(-1).contiguous() if b is not None else None
     _ws_conv_kernel[(n_programs,)](
         desc(rows, x_box), desc(w_rows, [bn, bk]), desc(y, [1, bh, bw, bn]),
-        bias if bias is not None else xs, xs, ws, y_scale, N, OH, OW, OC, C, KW, KH * KW * (C // bk),
+        bias if bias is not None else xs, xs, ws, y_scale, N, OH, OW, OC, C, KW, k_tiles,
         pads[0], pads[1], stride_ws, n_programs, STRIDE=S, QUANT=qtype, HAS_BIAS=bias is not None,
-        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG)
+        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages,
+        W_TILES=k_tiles if config.resident_weights else 0, num_warps=4, maxnreg=MAXNREG)
     return y.permute(0, 3, 1, 2)

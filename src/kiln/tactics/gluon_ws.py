@@ -22,7 +22,8 @@ def _conv_applies(config):
             return False  # 1x1 stride 1 is ws_gemm's
         if not ws_conv.supports(node, x, w, b, z, y_scale, q_scale, config):
             return False
-        return _device_ok(x, config.smem_bytes(min(config.block_k, x.shape[1])))
+        bk = min(config.block_k, x.shape[1])
+        return _device_ok(x, config.smem_bytes(bk, w.shape[2] * w.shape[3] * (x.shape[1] // bk)))
 
     return applies
 
