@@ -1,0 +1,223 @@
+"""Experiment: ResNet-50's layer1 3x3 convolution (64 -> 64 channels, pad 1, stride 1, 8-bit) reading each input
+row once per filter column instead of once per tap.
+
+ws_conv (kernels/ws_conv.py) loads one [1, BH, BW, C] box per filter tap: a tile's input comes from L2 nine
+times. With the filter resident (its `_rw` tiles) layer1 ran 17 us, against 19-20 with the filter streamed
+(bench/results/H200-ws-gluon-conv-layer1-resident-1358.log), so L2 traffic matters there. Here a tile is two output
+rows of 64 pixels; per filter column dx the loader brings one [1, 4, 64, C] box (the two rows and their halo rows,
+shifted by dx), and the MMA warpgroup multiplies each output row by the box's row r + dy, picked with `index()`
+(a Gluon shared-memory slice must start at a multiple of its own size, so two rows at an odd offset cannot be
+one left tile; one accumulator per output row gets around it). Three boxes of 16 KB a tile instead of nine of 8
+KB for ws_conv's 8x16 tile: a third less input traffic per output pixel, the filter resident as in `_rw`.
+
+Epilogue and quantization as ws_conv's (x_scale * w_scale[oc], bias, ReLU in the clamp of the 8-bit output), so
+the output must equal tma_conv's bit for bit.
+
+    python bench/gluon_halo_conv.py [--fp8]        (GPU: against tma_conv's output, then times with ws_conv's)
+    python bench/gluon_halo_conv.py --compile-only (any machine: compiled for sm_90, INT8 and FP8)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from bench.gluon_conv import check_and_time, compile_and_report  # noqa: E402
+from kiln.kernels.warp_specialized import LOADER_REGS, MAXNREG, box_layout, quantize8  # noqa: E402
+
+ROWS, WIDTH, STAGES = 2, 64, 3  # output rows a tile, pixels a row (one wgmma's M), ring stages (one box each)
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h, programs):
+    """The filter once (tap t at columns t * C of w's rows), then per tile and filter column dx the box of the
+    tile's rows and their halo, shifted by dx - 1 (zeros past the image: the padding)."""
+    C: gl.constexpr = w_desc.block_type.shape[1]
+    HALO: gl.constexpr = x_desc.block_type.shape[1]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    mbarrier.expect(w_ready, 9 * w_desc.block_type.nbytes)
+    for t in gl.static_range(9):
+        tma.async_copy_global_to_shared(w_desc, [0, t * C], w_ready, w_res.index(t))
+    it = 0
+    for tile in range(gl.program_id(0), tiles, programs):
+        img = tile // tiles_h
+        oh0 = (tile % tiles_h) * (HALO - 2)
+        for dx in gl.static_range(3):
+            s = it % S
+            mbarrier.wait(empty.index(s), ((it // S) & 1) ^ 1)  # a fresh barrier passes the first round
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [img, oh0 - 1, dx - 1, 0], ready.index(s), a_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,
+                  tiles_h, programs, QUANT: gl.constexpr, num_warps: gl.constexpr):
+    W: gl.constexpr = y_desc.block_type.shape[2]
+    N: gl.constexpr = y_desc.block_type.shape[3]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, N, 32])
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout))
+    scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + cols).to(gl.float32)
+    bias = gl.load(b_ptr + cols).to(gl.float32)
+    inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
+    ACC: gl.constexpr = gl.int32 if QUANT == "int8" else gl.float32
+    mbarrier.wait(w_ready, 0)
+    it = 0
+    for tile in range(gl.program_id(0), tiles, programs):
+        img = tile // tiles_h
+        oh0 = (tile % tiles_h) * 2
+        acc0 = gl.zeros((W, N), dtype=ACC, layout=acc_layout)  # output row oh0
+        acc1 = gl.zeros((W, N), dtype=ACC, layout=acc_layout)  # output row oh0 + 1
+        for dx in gl.static_range(3):
+            s = it % S
+            mbarrier.wait(ready.index(s), (it // S) & 1)
+            # [4 * W, C]: input rows oh0 - 1 .. oh0 + 2 shifted by dx - 1, a row's W pixels a W-row slice
+            box = a_bufs.index(s).reshape([4 * W, a_bufs.type.shape[4]])
+            for dy in gl.static_range(3):
+                w = w_res.index(dy * 3 + dx).permute((1, 0))
+                acc0 = warpgroup_mma(box.slice(dy * W, W), w, acc0, is_async=True)
+                acc1 = warpgroup_mma(box.slice((dy + 1) * W, W), w, acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        out0 = quantize8(acc0.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
+        out1 = quantize8(acc1.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
+        tma.store_wait(pendings=0)  # the last tile's store has read y_smem
+        rows = y_smem.reshape([2 * W, N])
+        rows.slice(0, W).store(out0)
+        rows.slice(W, W).store(out1)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(y_desc, [img, oh0, 0, 0], y_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _halo_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH, programs,
+                      QUANT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    tiles_h = gl.cdiv(OH, 2)
+    tiles = N * tiles_h
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_res = gl.allocate_shared_memory(w_desc.dtype, [9] + w_desc.block_type.shape, w_desc.layout)
+    y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(w_ready, count=1)
+    gl.warp_specialize([
+        (_mma_epilogue, (y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,
+                         tiles_h, programs, QUANT, num_warps)),
+        (_loader, (x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h, programs)),
+    ], [1], [LOADER_REGS])
+
+
+def _descriptors(t: str, c: int, n: int):
+    """Signature types of the three descriptors (the compile-only run) for 8-bit type t."""
+    return {"x_desc": f"tensordesc<{t}[1,{ROWS + 2},{WIDTH},{c}],{box_layout(c, 4)!r}>",
+            "w_desc": f"tensordesc<{t}[{n},{c}],{box_layout(c, 2)!r}>",
+            "y_desc": f"tensordesc<{t}[1,{ROWS},{WIDTH},{n}],{box_layout(n, 4)!r}>"}
+
+
+def compile_only() -> int:
+    """The kernel compiled for sm_90, INT8 and FP8, at layer1's 64 channels; 1 if it failed."""
+    failed = 0
+    for qtype, t in (("int8", "i8"), ("fp8", "fp8e4nv")):
+        sig = {**_descriptors(t, 64, 64), "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
+               "N": "i32", "OH": "i32", "programs": "i32",
+               **{p: "constexpr" for p in ("QUANT", "STAGES", "num_warps")}}
+        src = GluonASTSource(_halo_conv_kernel, sig, constexprs=dict(QUANT=qtype, STAGES=STAGES, num_warps=4))
+        failed |= compile_and_report(src, f"halo conv {ROWS}x{WIDTH}x64 s{STAGES} {qtype}")
+    return failed
+
+
+def halo_conv(x8, w8, b, xs, ws, ys, per_sm: int = 2):
+    """The kernel on NHWC-laid-out 8-bit x [N, 64, H, W <= 64] and w [64, 64, 3, 3]: the 8-bit output, as an
+    NCHW-shaped view."""
+    import torch
+    import triton
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kiln.kernels.tma_conv import filter_rows, nhwc
+    from kiln.kernels.tma_gemm import programs as sm_count
+
+    N, C, H, W = x8.shape
+    OC = w8.shape[0]
+    assert C == OC == 64 and W <= WIDTH and tuple(w8.shape[2:]) == (3, 3)
+    qtype = "int8" if x8.dtype == torch.int8 else "fp8"
+    y = torch.empty((N, H, W, OC), dtype=x8.dtype, device=x8.device)
+    rows, w_rows = nhwc(x8), filter_rows(w8)
+
+    def desc(t, box):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
+
+    tiles = N * triton.cdiv(H, ROWS)
+    programs = min(tiles, per_sm * sm_count(x8.device))
+    _halo_conv_kernel[(programs,)](
+        desc(rows, [1, ROWS + 2, WIDTH, C]), desc(w_rows, [OC, C]), desc(y, [1, ROWS, WIDTH, OC]), b, xs,
+        ws.reshape(-1).contiguous(), ys, N, H, programs, QUANT=qtype, STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+    return y.permute(0, 3, 1, 2)
+
+
+def main() -> int:
+    if "--compile-only" in sys.argv:
+        return compile_only()
+    import torch
+    import triton
+
+    from bench.conv_sweep import node, parse_tile
+    from kiln.kernels import tma_conv, ws_conv
+    from kiln.tactics.timer import median_ms
+
+    qtype = "fp8" if "--fp8" in sys.argv else "int8"
+    print(torch.cuda.get_device_name(), torch.__version__, "Triton", triton.__version__, qtype)
+    cl = torch.channels_last
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if qtype == "int8":
+        i8 = dict(device="cuda", generator=g, dtype=torch.int8)
+        x8 = torch.randint(-128, 128, (32, 64, 56, 56), **i8).to(memory_format=cl)
+        w8 = torch.randint(-127, 128, (64, 64, 3, 3), **i8).to(memory_format=cl)
+    else:
+        f8 = torch.float8_e4m3fn
+        x8 = (torch.randn(32, 64, 56, 56, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
+        w8 = (torch.randn(64, 64, 3, 3, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
+    b = torch.randn(64, device="cuda", generator=g).half()
+    xs, ys = torch.tensor(0.02, device="cuda"), torch.tensor(0.05, device="cuda")
+    ws = torch.rand(64, device="cuda", generator=g) * 1e-3
+    layer, tile = node(3, 1, qtype), parse_tile("8x32x64x128_w4_s3")
+
+    def theirs():
+        return tma_conv.conv2d(layer, x8, w8, b, config=tile, x_scale=xs, w_scale=ws, y_scale=ys,
+                               out_dtype=torch.float16)
+
+    want = theirs()
+    print("\n## layer1 3x3: batch 32, 56x56, 64 -> 64 channels", flush=True)
+    print(f"tma_conv {tile.name}: {1000 * median_ms(theirs, runs=20):.1f} us", flush=True)
+    for cfg, _ in ws_conv.CONFIGS:
+        if cfg.resident_weights and ws_conv.supports(layer, x8, w8, b, None, ys, None, cfg):
+            check_and_time(f"ws_conv {cfg.name}", lambda cfg=cfg: ws_conv.conv2d(layer, x8, w8, b, cfg, xs, ws, ys),
+                           want, "tma_conv")
+    for per_sm in (1, 2):
+        check_and_time(f"halo conv {ROWS}x{WIDTH}x64 s{STAGES} x{per_sm}",
+                       lambda per_sm=per_sm: halo_conv(x8, w8, b, xs, ws, ys, per_sm), want, "tma_conv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
