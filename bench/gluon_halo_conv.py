@@ -10,11 +10,17 @@ shifted by dx), and the MMA warpgroup multiplies each output row by the box's ro
 one left tile; one accumulator per output row gets around it). Three boxes of 16 KB a tile instead of nine of 8
 KB for ws_conv's 8x16 tile: a third less input traffic per output pixel, the filter resident as in `_rw`.
 
+The strip variant goes further: a program walks SEG output rows down the image, the loader bringing each input
+row once per filter column as a [1, 1, 64, C] box into a ring, and the MMA warpgroup computing output row j from
+the ring's boxes of input rows j .. j + 2, handing a row's boxes back after their third use. (SEG + 2) * 3 boxes
+of 4 KB for SEG * 56 pixels: about 270 bytes of input per output pixel at SEG = 8, against about 440 for the
+two-row tiles and 660 for ws_conv's 8x16 tiles (which also waste a quarter of a 16-wide tile at W = 56).
+
 Epilogue and quantization as ws_conv's (x_scale * w_scale[oc], bias, ReLU in the clamp of the 8-bit output), so
 the output must equal tma_conv's bit for bit.
 
-    python bench/gluon_halo_conv.py [--fp8]        (GPU: against tma_conv's output, then times with ws_conv's)
-    python bench/gluon_halo_conv.py --compile-only (any machine: compiled for sm_90, INT8 and FP8)
+    python bench/gluon_halo_conv.py [--fp8]        (GPU: both against tma_conv's output, then times with ws_conv's)
+    python bench/gluon_halo_conv.py --compile-only (any machine: both compiled for sm_90, INT8 and FP8)
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from bench.gluon_conv import check_and_time, compile_and_report  # noqa: E402
 from kiln.kernels.warp_specialized import LOADER_REGS, MAXNREG, box_layout, quantize8  # noqa: E402
 
 ROWS, WIDTH, STAGES = 2, 64, 3  # output rows a tile, pixels a row (one wgmma's M), ring stages (one box each)
+SEG, RING = 8, 15  # the strip variant: output rows a segment, ring stages (one input row and filter column each)
 
 
 @gluon.jit
@@ -128,28 +135,135 @@ def _halo_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, 
     ], [1], [LOADER_REGS])
 
 
-def _descriptors(t: str, c: int, n: int):
+@gluon.jit
+def _strip_loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, segments, segs_h, programs,
+                  SEG: gl.constexpr):
+    """The filter once, then per segment its SEG + 2 input rows (the halo's too), each once per filter column dx,
+    shifted by dx - 1, in order: row i's column dx at ring position (i * 3 + dx) from the segment's start."""
+    C: gl.constexpr = w_desc.block_type.shape[1]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    mbarrier.expect(w_ready, 9 * w_desc.block_type.nbytes)
+    for t in gl.static_range(9):
+        tma.async_copy_global_to_shared(w_desc, [0, t * C], w_ready, w_res.index(t))
+    it = 0
+    for seg in range(gl.program_id(0), segments, programs):
+        img = seg // segs_h
+        r0 = (seg % segs_h) * SEG
+        for i in range(SEG + 2):
+            for dx in gl.static_range(3):
+                s = it % S
+                mbarrier.wait(empty.index(s), ((it // S) & 1) ^ 1)  # a fresh barrier passes the first round
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [img, r0 - 1 + i, dx - 1, 0], ready.index(s),
+                                                a_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
+def _strip_rows(a_bufs, ready, it, i):
+    """The ring's boxes of input row i (from the segment's start `it`), columns 0, 1, 2, once they have arrived."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    q = it + i * 3
+    for dx in gl.static_range(3):
+        mbarrier.wait(ready.index((q + dx) % S), ((q + dx) // S) & 1)
+
+
+@gluon.jit
+def _strip_mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_bufs, b_ptr, xs_ptr, ws_ptr, ys_ptr,
+                        segments, segs_h, programs, QUANT: gl.constexpr, SEG: gl.constexpr,
+                        num_warps: gl.constexpr):
+    W: gl.constexpr = y_desc.block_type.shape[2]
+    N: gl.constexpr = y_desc.block_type.shape[3]
+    C: gl.constexpr = a_bufs.type.shape[4]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, N, 32])
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout))
+    scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + cols).to(gl.float32)
+    bias = gl.load(b_ptr + cols).to(gl.float32)
+    inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
+    ACC: gl.constexpr = gl.int32 if QUANT == "int8" else gl.float32
+    mbarrier.wait(w_ready, 0)
+    it = 0
+    stored = 0
+    for seg in range(gl.program_id(0), segments, programs):
+        img = seg // segs_h
+        r0 = (seg % segs_h) * SEG
+        _strip_rows(a_bufs, ready, it, 0)
+        _strip_rows(a_bufs, ready, it, 1)
+        for j in range(SEG):  # output row r0 + j from input rows j .. j + 2 of the segment
+            _strip_rows(a_bufs, ready, it, j + 2)
+            acc = gl.zeros((W, N), dtype=ACC, layout=acc_layout)
+            for dy in gl.static_range(3):
+                for dx in gl.static_range(3):
+                    a = a_bufs.index((it + (j + dy) * 3 + dx) % S).reshape([W, C])
+                    acc = warpgroup_mma(a, w_res.index(dy * 3 + dx).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            for dx in gl.static_range(3):  # input row j's boxes had their last use
+                mbarrier.arrive(empty.index((it + j * 3 + dx) % S))
+            out = quantize8(acc.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
+            y = y_bufs.index(stored % 2)
+            tma.store_wait(pendings=1)  # the store that last read this buffer is done
+            y.reshape([W, N]).store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [img, r0 + j, 0, 0], y)
+            stored += 1
+        for i in gl.static_range(2):  # the last two input rows' boxes
+            for dx in gl.static_range(3):
+                mbarrier.arrive(empty.index((it + (SEG + i) * 3 + dx) % S))
+        it += (SEG + 2) * 3
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _strip_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH, programs,
+                       QUANT: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    segs_h = gl.cdiv(OH, SEG)
+    segments = N * segs_h
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_res = gl.allocate_shared_memory(w_desc.dtype, [9] + w_desc.block_type.shape, w_desc.layout)
+    y_bufs = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(w_ready, count=1)
+    gl.warp_specialize([
+        (_strip_mma_epilogue, (y_desc, a_bufs, w_res, ready, empty, w_ready, y_bufs, b_ptr, xs_ptr, ws_ptr, ys_ptr,
+                               segments, segs_h, programs, QUANT, SEG, num_warps)),
+        (_strip_loader, (x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, segments, segs_h, programs, SEG)),
+    ], [1], [LOADER_REGS])
+
+
+def _descriptors(t: str, c: int, n: int, in_rows: int, out_rows: int):
     """Signature types of the three descriptors (the compile-only run) for 8-bit type t."""
-    return {"x_desc": f"tensordesc<{t}[1,{ROWS + 2},{WIDTH},{c}],{box_layout(c, 4)!r}>",
+    return {"x_desc": f"tensordesc<{t}[1,{in_rows},{WIDTH},{c}],{box_layout(c, 4)!r}>",
             "w_desc": f"tensordesc<{t}[{n},{c}],{box_layout(c, 2)!r}>",
-            "y_desc": f"tensordesc<{t}[1,{ROWS},{WIDTH},{n}],{box_layout(n, 4)!r}>"}
+            "y_desc": f"tensordesc<{t}[1,{out_rows},{WIDTH},{n}],{box_layout(n, 4)!r}>"}
 
 
 def compile_only() -> int:
-    """The kernel compiled for sm_90, INT8 and FP8, at layer1's 64 channels; 1 if it failed."""
+    """Both kernels compiled for sm_90, INT8 and FP8, at layer1's 64 channels; 1 if one failed."""
     failed = 0
     for qtype, t in (("int8", "i8"), ("fp8", "fp8e4nv")):
-        sig = {**_descriptors(t, 64, 64), "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
-               "N": "i32", "OH": "i32", "programs": "i32",
+        scalars = {"b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32", "N": "i32", "OH": "i32",
+                   "programs": "i32"}
+        sig = {**_descriptors(t, 64, 64, ROWS + 2, ROWS), **scalars,
                **{p: "constexpr" for p in ("QUANT", "STAGES", "num_warps")}}
         src = GluonASTSource(_halo_conv_kernel, sig, constexprs=dict(QUANT=qtype, STAGES=STAGES, num_warps=4))
         failed |= compile_and_report(src, f"halo conv {ROWS}x{WIDTH}x64 s{STAGES} {qtype}")
+        sig = {**_descriptors(t, 64, 64, 1, 1), **scalars,
+               **{p: "constexpr" for p in ("QUANT", "SEG", "STAGES", "num_warps")}}
+        src = GluonASTSource(_strip_conv_kernel, sig, constexprs=dict(QUANT=qtype, SEG=SEG, STAGES=RING, num_warps=4))
+        failed |= compile_and_report(src, f"strip conv {SEG}x{WIDTH}x64 s{RING} {qtype}")
     return failed
 
 
-def halo_conv(x8, w8, b, xs, ws, ys, per_sm: int = 2):
-    """The kernel on NHWC-laid-out 8-bit x [N, 64, H, W <= 64] and w [64, 64, 3, 3]: the 8-bit output, as an
-    NCHW-shaped view."""
+def halo_conv(x8, w8, b, xs, ws, ys, per_sm: int = 2, strip: bool = False):
+    """The two-row kernel (or with strip the strip kernel) on NHWC-laid-out 8-bit x [N, 64, H, W <= 64] and
+    w [64, 64, 3, 3]: the 8-bit output, as an NCHW-shaped view."""
     import torch
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -167,11 +281,17 @@ def halo_conv(x8, w8, b, xs, ws, ys, per_sm: int = 2):
     def desc(t, box):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
 
-    tiles = N * triton.cdiv(H, ROWS)
-    programs = min(tiles, per_sm * sm_count(x8.device))
-    _halo_conv_kernel[(programs,)](
-        desc(rows, [1, ROWS + 2, WIDTH, C]), desc(w_rows, [OC, C]), desc(y, [1, ROWS, WIDTH, OC]), b, xs,
-        ws.reshape(-1).contiguous(), ys, N, H, programs, QUANT=qtype, STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+    ws = ws.reshape(-1).contiguous()
+    if strip:
+        programs = min(N * triton.cdiv(H, SEG), per_sm * sm_count(x8.device))
+        _strip_conv_kernel[(programs,)](
+            desc(rows, [1, 1, WIDTH, C]), desc(w_rows, [OC, C]), desc(y, [1, 1, WIDTH, OC]), b, xs, ws, ys, N, H,
+            programs, QUANT=qtype, SEG=SEG, STAGES=RING, num_warps=4, maxnreg=MAXNREG)
+    else:
+        programs = min(N * triton.cdiv(H, ROWS), per_sm * sm_count(x8.device))
+        _halo_conv_kernel[(programs,)](
+            desc(rows, [1, ROWS + 2, WIDTH, C]), desc(w_rows, [OC, C]), desc(y, [1, ROWS, WIDTH, OC]), b, xs, ws,
+            ys, N, H, programs, QUANT=qtype, STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
     return y.permute(0, 3, 1, 2)
 
 
@@ -216,6 +336,8 @@ def main() -> int:
     for per_sm in (1, 2):
         check_and_time(f"halo conv {ROWS}x{WIDTH}x64 s{STAGES} x{per_sm}",
                        lambda per_sm=per_sm: halo_conv(x8, w8, b, xs, ws, ys, per_sm), want, "tma_conv")
+        check_and_time(f"strip conv {SEG}x{WIDTH}x64 s{RING} x{per_sm}",
+                       lambda per_sm=per_sm: halo_conv(x8, w8, b, xs, ws, ys, per_sm, strip=True), want, "tma_conv")
     return 0
 
 
