@@ -335,7 +335,6 @@ class OnnxReference:
             self.session = _ort_session(ort, proto, opts)
         except Exception as e:
             raise ModelError(f"onnxruntime cannot load the reference model {self.source}: {e}") from None
-        self._ort_types = {i.name: i.type for i in self.session.get_inputs()}
 
     def describe(self) -> str:
         return f"onnxruntime {__import__('onnxruntime').__version__} (CPU) on {self.source}"
