@@ -22,7 +22,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from kiln.kernels.ws_conv import CONFIGS, MAXNREG, _ws_conv_kernel, box_layout  # noqa: E402
+from kiln.kernels.warp_specialized import MAXNREG, box_layout  # noqa: E402
+from kiln.kernels.ws_conv import CONFIGS, _ws_conv_kernel  # noqa: E402
 
 # (name, input size, channels in and out, kernel, stride, the tile the INT8 engine's tma_conv took there)
 LAYERS = [("layer1 3x3", 56, 64, 3, 1, "8x32x64x128_w4_s3"), ("layer2 3x3", 28, 128, 3, 1, "8x8x128x128_w4_s4"),

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench.gluon_conv import check_and_time, compile_and_report  # noqa: E402
-from kiln.kernels.warp_specialized import LOADER_REGS, MAXNREG, box_layout, quantize8  # noqa: E402
+from kiln.kernels.warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, box_layout, quantize8  # noqa: E402
 
 ROWS, WIDTH, STAGES = 2, 64, 3  # output rows a tile, pixels a row (one wgmma's M), ring stages (one box each)
 SEG = 8  # the strip variant's output rows a segment
@@ -287,7 +287,6 @@ def compile_only() -> int:
 def _launch_args(x8, w8, b, xs, ws, ys, in_rows: int, out_rows: int, out_w: int, out_h: int):
     """The descriptors and the output of an 8-bit NHWC-laid-out convolution over 64 channels."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from kiln.kernels.tma_conv import filter_rows, nhwc
 
@@ -296,10 +295,8 @@ def _launch_args(x8, w8, b, xs, ws, ys, in_rows: int, out_rows: int, out_w: int,
     assert C == OC == 64
     y = torch.empty((N, out_h, out_w, OC), dtype=x8.dtype, device=x8.device)
 
-    def desc(t, box):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
-
-    descs = (desc(nhwc(x8), [1, in_rows, WIDTH, C]), desc(filter_rows(w8), [OC, C]), desc(y, [1, out_rows, WIDTH, OC]))
+    descs = (box_descriptor(nhwc(x8), [1, in_rows, WIDTH, C]), box_descriptor(filter_rows(w8), [OC, C]),
+             box_descriptor(y, [1, out_rows, WIDTH, OC]))
     return descs, (b, xs, ws.reshape(-1).contiguous(), ys), y, "int8" if x8.dtype == torch.int8 else "fp8"
 
 

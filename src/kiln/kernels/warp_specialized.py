@@ -22,6 +22,14 @@ def box_layout(inner_bytes: int, rank: int):
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, inner_bytes), element_bitwidth=8, rank=rank)
 
 
+def box_descriptor(t, box: list[int]):
+    """A TMA descriptor over the whole of 8-bit tensor t (its own shape and strides) whose box is `box`, in
+    box_layout's shared layout."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
+
+
 @gluon.jit
 def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
     """gemm.quantize's 8-bit codes of FP32 v with 1 / y_scale inv_ys; RELU: of relu(v), by the clamp's lower end."""

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .gemm import QTYPES, quant_args
 from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
-from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, mma_steps, quantize8
+from .warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, mma_steps, quantize8
 
 _MAX_PAD = gl.constexpr(MAX_PAD)
 
@@ -237,8 +237,6 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, confi
            x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor) -> torch.Tensor:
     """The 8-bit output of a `supports` QConv, as tma_conv.conv2d computes it: channels-last, as an NCHW-shaped
     view."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .conv import geometry
     from .tma_gemm import programs as sm_count
 
@@ -256,15 +254,12 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, confi
     x_box = [1, bh, bw, bk] if S == 1 else [1, bh, 1, bw, bk]
     w_rows = filter_rows(w)
 
-    def desc(t, box):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
-
     k_tiles = KH * KW * (C // bk)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * (OC // bn)
     n_programs = min(tiles, config.per_sm * sm_count(x.device))
     bias = b.reshape(-1).contiguous() if b is not None else None
     _ws_conv_kernel[(n_programs,)](
-        desc(rows, x_box), desc(w_rows, [bn, bk]), desc(y, [1, bh, bw, bn]),
+        box_descriptor(rows, x_box), box_descriptor(w_rows, [bn, bk]), box_descriptor(y, [1, bh, bw, bn]),
         bias if bias is not None else xs, xs, ws, y_scale, N, OH, OW, OC, C, KW, k_tiles,
         pads[0], pads[1], stride_ws, n_programs, STRIDE=S, QUANT=qtype, HAS_BIAS=bias is not None,
         RELU=node.attr("activation", "") == "Relu", STAGES=config.stages,

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
-from .warp_specialized import LOADER_REGS, MAXNREG, box_layout, load_k_tiles, mma_steps, quantize8
+from .warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, load_k_tiles, mma_steps, quantize8
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,6 @@ def conv1x1(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: t
             config: WsGemmConfig, x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor,
             z_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The 8-bit output of a `supports` QConv, as tma_gemm computes it: channels-last, as an NCHW-shaped view."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .conv import pixel_rows, pixels_as_nchw
     from .tma_gemm import programs as sm_count
 
@@ -205,16 +203,13 @@ def conv1x1(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: t
     (M, K), N = rows.shape, w_rows.shape[0]
     bm, bn, bk = config.block_m, config.block_n, block_k_for(K)
     y = torch.empty((M, N), dtype=QTYPES[qtype], device=x.device)
-
-    def desc(t, box):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], 2))
-
-    y_desc = desc(y, [bm, bn])
+    y_desc = box_descriptor(y, [bm, bn])
     tiles = triton.cdiv(M, bm) * (N // bn)
     n_programs = min(tiles, config.per_sm * sm_count(x.device))
     bias = b.reshape(-1).contiguous() if b is not None else None
     _ws_gemm_kernel[(n_programs,)](
-        desc(rows, [bm, bk]), desc(w_rows, [bn, bk]), desc(pixel_rows(z), [bm, bn]) if z is not None else y_desc,
+        box_descriptor(rows, [bm, bk]), box_descriptor(w_rows, [bn, bk]),
+        box_descriptor(pixel_rows(z), [bm, bn]) if z is not None else y_desc,
         y_desc, bias if bias is not None else xs, xs, ws, y_scale, z_scale if z_scale is not None else xs, M, N, K,
         stride_ws, n_programs, QUANT=qtype, HAS_BIAS=bias is not None, HAS_Z=z is not None,
         RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG)
