@@ -46,7 +46,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench.gluon_conv import check_and_time, compile_and_report  # noqa: E402
-from kiln.kernels.warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, box_layout, quantize8  # noqa: E402
+from kiln.kernels.warp_specialized import (  # noqa: E402
+    LOADER_REGS,
+    MAXNREG,
+    box_descriptor,
+    box_layout,
+    load_resident,
+    quantize8,
+    ring_barriers,
+)
 
 ROWS, WIDTH, STAGES = 2, 64, 3  # output rows a tile, pixels a row (one wgmma's M), ring stages (one box each)
 SEG = 8  # the strip variant's output rows a segment
@@ -54,14 +62,11 @@ SEG = 8  # the strip variant's output rows a segment
 
 @gluon.jit
 def _loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h, programs):
-    """The filter once (tap t at columns t * C of w's rows), then per tile and filter column dx the box of the
+    """The filter once (load_resident), then per tile and filter column dx the box of the
     tile's rows and their halo, shifted by dx - 1 (zeros past the image: the padding)."""
-    C: gl.constexpr = w_desc.block_type.shape[1]
     HALO: gl.constexpr = x_desc.block_type.shape[1]
     S: gl.constexpr = a_bufs.type.shape[0]
-    mbarrier.expect(w_ready, 9 * w_desc.block_type.nbytes)
-    for t in gl.static_range(9):
-        tma.async_copy_global_to_shared(w_desc, [0, t * C], w_ready, w_res.index(t))
+    load_resident(w_desc, w_res, w_ready)
     it = 0
     for tile in range(gl.program_id(0), tiles, programs):
         img = tile // tiles_h
@@ -125,12 +130,8 @@ def _halo_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_res = gl.allocate_shared_memory(w_desc.dtype, [9] + w_desc.block_type.shape, w_desc.layout)
     y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = ring_barriers(STAGES)
     w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     mbarrier.init(w_ready, count=1)
     gl.warp_specialize([
         (_mma_epilogue, (y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,
@@ -150,15 +151,12 @@ def _segment(seg, segs_h, blocks_w, SEG: gl.constexpr, W: gl.constexpr):
 @gluon.jit
 def _strip_loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, segments, segs_h, blocks_w, pad_h, pad_w,
                   programs, SEG: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr):
-    """The filter once (tap dy * KW + dx at columns tap * C of w's rows), then per segment its SEG + KH - 1 input
+    """The filter once (load_resident: tap dy * KW + dx is K tile dy * KW + dx), then per segment its SEG + KH - 1 input
     rows (the halo's too), each once per filter column dx, shifted by dx - pad_w, in order: input row i's column dx
     at ring position i * KW + dx from the segment's start."""
-    C: gl.constexpr = w_desc.block_type.shape[1]
     W: gl.constexpr = x_desc.block_type.shape[2]
     S: gl.constexpr = a_bufs.type.shape[0]
-    mbarrier.expect(w_ready, KH * KW * w_desc.block_type.nbytes)
-    for t in gl.static_range(KH * KW):
-        tma.async_copy_global_to_shared(w_desc, [0, t * C], w_ready, w_res.index(t))
+    load_resident(w_desc, w_res, w_ready)
     it = 0
     for seg in range(gl.program_id(0), segments, programs):
         img, oh0, ow0 = _segment(seg, segs_h, blocks_w, SEG, W)
@@ -238,12 +236,8 @@ def _strip_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N,
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_res = gl.allocate_shared_memory(w_desc.dtype, [KH * KW] + w_desc.block_type.shape, w_desc.layout)
     y_bufs = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = ring_barriers(STAGES)
     w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     mbarrier.init(w_ready, count=1)
     gl.warp_specialize([
         (_strip_mma_epilogue, (y_desc, a_bufs, w_res, ready, empty, w_ready, y_bufs, b_ptr, xs_ptr, ws_ptr, ys_ptr,

@@ -51,6 +51,29 @@ def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """A ring's barriers, STAGES of each kind, each for one arrival: `ready` (stage s has landed by TMA) and
+    `empty` (the MMAs are done with stage s)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def load_resident(w_desc, w_res, w_ready):
+    """Every K tile of a filter kept in shared memory once, on w_ready: K tile t is columns t * BLOCK_K of w's
+    first BLOCK_N rows (one output-channel tile), into w_res[t]."""
+    TILES: gl.constexpr = w_res.type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    mbarrier.expect(w_ready, TILES * w_desc.block_type.nbytes)
+    for t in gl.static_range(TILES):
+        tma.async_copy_global_to_shared(w_desc, [0, t * BLOCK_K], w_ready, w_res.index(t))
+
+
+@gluon.jit
 def load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, K, STAGES: gl.constexpr):
     """A GEMM loader's K tiles of one output tile, x rows from off_m and w [N, K] rows from off_n, into the ring
     of stages from position `it`, each once the MMAs have handed its stage back. Returns the ring position after

@@ -34,7 +34,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .gemm import QTYPES, quant_args
 from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
-from .warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, mma_steps, quantize8
+from .warp_specialized import (
+    LOADER_REGS,
+    MAXNREG,
+    box_descriptor,
+    load_resident,
+    mma_steps,
+    quantize8,
+    ring_barriers,
+)
 
 _MAX_PAD = gl.constexpr(MAX_PAD)
 
@@ -108,11 +116,8 @@ def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, w_ready, tiles, tiles_
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     c_blocks = C // BLOCK_K
-    if W_RESIDENT:  # every K tile of the filter once (K tile wt is columns wt * BLOCK_K of w's rows), on w_ready
-        W_TILES: gl.constexpr = b_bufs.type.shape[0]
-        mbarrier.expect(w_ready, W_TILES * w_desc.block_type.nbytes)
-        for wt in gl.static_range(W_TILES):
-            tma.async_copy_global_to_shared(w_desc, [0, wt * BLOCK_K], w_ready, b_bufs.index(wt))
+    if W_RESIDENT:
+        load_resident(w_desc, b_bufs, w_ready)
     it = 0
     for tile in range(gl.program_id(0), tiles, programs):
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
@@ -194,12 +199,8 @@ def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [W_TILES if W_RESIDENT else STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = ring_barriers(STAGES)
     w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     mbarrier.init(w_ready, count=1)
     gl.warp_specialize([
         (_mma_epilogue, (y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,

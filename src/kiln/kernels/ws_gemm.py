@@ -28,7 +28,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
-from .warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, load_k_tiles, mma_steps, quantize8
+from .warp_specialized import (
+    LOADER_REGS,
+    MAXNREG,
+    box_descriptor,
+    load_k_tiles,
+    mma_steps,
+    quantize8,
+    ring_barriers,
+)
 
 
 @dataclass(frozen=True)
@@ -141,16 +149,8 @@ def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_pt
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     z_bufs = gl.allocate_shared_memory(z_desc.dtype, [2 if HAS_Z else 1] + z_desc.block_type.shape, z_desc.layout)
     y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    z_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    z_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(z_ready.index(i), count=1)
-        mbarrier.init(z_empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
+    z_ready, z_empty = ring_barriers(2)  # the residual's two buffers
     gl.warp_specialize([
         (_mma_epilogue, (y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr,
                          ws_ptr, ys_ptr, zs_ptr, tiles, tiles_n, K, stride_ws, programs, QUANT, HAS_BIAS, HAS_Z,
