@@ -67,6 +67,27 @@ def check_and_time(label: str, call, want, reference: str) -> None:
         print(f"{label}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+def layer_operands(c: int, hw: tuple, kernel: tuple, qtype: str):
+    """A batch-32 c -> c 8-bit convolution's operands on the GPU, the same for every run: x [32, c, *hw] and
+    w [c, c, *kernel] (channels-last, INT8 or FP8 values), an FP16 bias, x_scale, per-channel w_scale, y_scale."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cl = torch.channels_last
+    if qtype == "int8":
+        i8 = dict(device="cuda", generator=g, dtype=torch.int8)
+        x8 = torch.randint(-128, 128, (32, c, *hw), **i8).to(memory_format=cl)
+        w8 = torch.randint(-127, 128, (c, c, *kernel), **i8).to(memory_format=cl)
+    else:
+        f8 = torch.float8_e4m3fn
+        x8 = (torch.randn(32, c, *hw, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
+        w8 = (torch.randn(c, c, *kernel, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
+    b = torch.randn(c, device="cuda", generator=g).half()
+    xs, ys = torch.tensor(0.02, device="cuda"), torch.tensor(0.05, device="cuda")
+    ws = torch.rand(c, device="cuda", generator=g) * 1e-3
+    return x8, w8, b, xs, ws, ys
+
+
 def compile_only() -> int:
     """Each of ws_conv's tiles compiled for sm_90, INT8 and FP8, stride 1 and 2, with as many input channels as
     the tile has output channels (layer1's 64 for the 64-wide ones: K tiles of 64); 1 if one failed."""
@@ -102,23 +123,11 @@ def main() -> int:
 
     qtype = "fp8" if "--fp8" in sys.argv else "int8"
     print(torch.cuda.get_device_name(), torch.__version__, "Triton", triton.__version__, qtype)
-    cl = torch.channels_last
     chosen = [a for a in sys.argv[1:] if not a.startswith("--")]
     for name, hw, c, k, stride, engine_tile in LAYERS:
         if chosen and not any(name.startswith(a) for a in chosen):
             continue
-        g = torch.Generator(device="cuda").manual_seed(0)
-        if qtype == "int8":
-            i8 = dict(device="cuda", generator=g, dtype=torch.int8)
-            x8 = torch.randint(-128, 128, (32, c, hw, hw), **i8).to(memory_format=cl)
-            w8 = torch.randint(-127, 128, (c, c, k, k), **i8).to(memory_format=cl)
-        else:
-            f8 = torch.float8_e4m3fn
-            x8 = (torch.randn(32, c, hw, hw, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
-            w8 = (torch.randn(c, c, k, k, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
-        b = torch.randn(c, device="cuda", generator=g).half()
-        xs, ys = torch.tensor(0.02, device="cuda"), torch.tensor(0.05, device="cuda")
-        ws = torch.rand(c, device="cuda", generator=g) * 1e-3
+        x8, w8, b, xs, ws, ys = layer_operands(c, (hw, hw), (k, k), qtype)
         layer, theirs_tile = node(k, stride, qtype), parse_tile(engine_tile)
 
         def theirs():

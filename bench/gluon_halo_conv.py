@@ -45,7 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from bench.gluon_conv import check_and_time, compile_and_report  # noqa: E402
+from bench.gluon_conv import check_and_time, compile_and_report, layer_operands  # noqa: E402
+from kiln.kernels.gemm import columns  # noqa: E402
 from kiln.kernels.warp_specialized import (  # noqa: E402
     LOADER_REGS,
     MAXNREG,
@@ -80,6 +81,13 @@ def _loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h
 
 
 @gluon.jit
+def _requantize(acc, scale, bias, inv_ys, QUANT: gl.constexpr):
+    """An output row's 8-bit values: the accumulator scaled (x_scale * w_scale[oc]), plus the bias, ReLU in the
+    clamp (gemm.finish's arithmetic for these layers)."""
+    return quantize8(acc.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
+
+
+@gluon.jit
 def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, xs_ptr, ws_ptr, ys_ptr, tiles,
                   tiles_h, programs, QUANT: gl.constexpr, num_warps: gl.constexpr):
     W: gl.constexpr = y_desc.block_type.shape[2]
@@ -87,9 +95,8 @@ def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, x
     S: gl.constexpr = a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, N, 32])
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout))
-    scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + cols).to(gl.float32)
-    bias = gl.load(b_ptr + cols).to(gl.float32)
+    scale, bias = columns(gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout)), b_ptr, xs_ptr, ws_ptr, 1, True,
+                          QUANT)
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
     ACC: gl.constexpr = gl.int32 if QUANT == "int8" else gl.float32
     mbarrier.wait(w_ready, 0)
@@ -111,8 +118,8 @@ def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, x
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index(s))
             it += 1
-        out0 = quantize8(acc0.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
-        out1 = quantize8(acc1.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
+        out0 = _requantize(acc0, scale, bias, inv_ys, QUANT)
+        out1 = _requantize(acc1, scale, bias, inv_ys, QUANT)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         rows = y_smem.reshape([2 * W, N])
         rows.slice(0, W).store(out0)
@@ -189,9 +196,8 @@ def _strip_mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_bufs, b_
     S: gl.constexpr = a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, N, 32])
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout))
-    scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + cols).to(gl.float32)
-    bias = gl.load(b_ptr + cols).to(gl.float32)
+    scale, bias = columns(gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout)), b_ptr, xs_ptr, ws_ptr, 1, True,
+                          QUANT)
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
     ACC: gl.constexpr = gl.int32 if QUANT == "int8" else gl.float32
     mbarrier.wait(w_ready, 0)
@@ -211,7 +217,7 @@ def _strip_mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_bufs, b_
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             for dx in gl.static_range(KW):  # input row j's boxes had their last use
                 mbarrier.arrive(empty.index((it + j * KW + dx) % S))
-            out = quantize8(acc.to(gl.float32) * scale[None, :] + bias[None, :], inv_ys, QUANT, True)
+            out = _requantize(acc, scale, bias, inv_ys, QUANT)
             y = y_bufs.index(stored % 2)
             tma.store_wait(pendings=1)  # the store that last read this buffer is done
             y.reshape([W, N]).store(out)
@@ -340,24 +346,13 @@ def main() -> int:
 
     qtype = "fp8" if "--fp8" in sys.argv else "int8"
     print(torch.cuda.get_device_name(), torch.__version__, "Triton", triton.__version__, qtype)
-    cl = torch.channels_last
-    # (name, input H x W, kernel, pads, the tile tma_conv takes there in the INT8 engine); the stem's 4x1 is the
-    # stride-1 convolution passes/stem_patches.py makes of the 7x7 stride-2 stem, over 112 x 112 cell rows
+    # (name, input H x W, kernel, pads, the tma_conv tile checked against: the INT8 engine's at layer1); the
+    # stem's 4x1 is the stride-1 convolution passes/stem_patches.py makes of the 7x7 stride-2 stem, over 112 x 112
+    # cell rows
     layers = [("layer1 3x3", (56, 56), (3, 3), [1, 1, 1, 1], "8x32x64x128_w4_s3"),
               ("stem 4x1 over the patches", (112, 112), (4, 1), [2, 0, 1, 0], "8x32x64x128_w4_s3")]
     for name, hw, kernel, pads, engine_tile in layers:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        if qtype == "int8":
-            i8 = dict(device="cuda", generator=g, dtype=torch.int8)
-            x8 = torch.randint(-128, 128, (32, 64, *hw), **i8).to(memory_format=cl)
-            w8 = torch.randint(-127, 128, (64, 64, *kernel), **i8).to(memory_format=cl)
-        else:
-            f8 = torch.float8_e4m3fn
-            x8 = (torch.randn(32, 64, *hw, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
-            w8 = (torch.randn(64, 64, *kernel, device="cuda", generator=g) * 8).to(f8).to(memory_format=cl)
-        b = torch.randn(64, device="cuda", generator=g).half()
-        xs, ys = torch.tensor(0.02, device="cuda"), torch.tensor(0.05, device="cuda")
-        ws = torch.rand(64, device="cuda", generator=g) * 1e-3
+        x8, w8, b, xs, ws, ys = layer_operands(64, hw, kernel, qtype)
         layer, tile = node(3, 1, qtype), parse_tile(engine_tile)
         layer.attrs.update(kernel_shape=list(kernel), pads=pads)
 
