@@ -72,9 +72,11 @@ class WsConfig:
         """The same tile as tma_conv states it (its support checks and K-tile rule apply here unchanged)."""
         return PatchConfig(self.block_h, self.block_w, self.block_n, self.block_k, 4, self.stages)
 
-    def smem_bytes(self, block_k: int, k_tiles: int) -> int:
-        """The ring of 8-bit input boxes and weight tiles (or the resident weights), the 8-bit output tile and the
-        barriers."""
+    def smem_bytes(self, channels: int, taps: int) -> int:
+        """At a layer of `channels` input channels and `taps` filter taps that `supports` takes: the ring of 8-bit
+        input boxes and weight tiles (or the resident weights), the 8-bit output tile and the barriers."""
+        block_k = block_k_for(self.patch, channels, True)  # the K tile conv2d walks
+        k_tiles = taps * (channels // block_k)
         pixels = self.block_h * self.block_w
         weights = k_tiles * self.block_n * block_k if self.resident_weights else self.stages * self.block_n * block_k
         return self.stages * (pixels * block_k + 16) + weights + 8 + pixels * self.block_n

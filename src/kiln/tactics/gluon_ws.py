@@ -22,8 +22,7 @@ def _conv_applies(config):
             return False  # 1x1 stride 1 is ws_gemm's
         if not ws_conv.supports(node, x, w, b, z, y_scale, q_scale, config):
             return False
-        bk = min(config.block_k, x.shape[1])
-        return _device_ok(x, config.smem_bytes(bk, w.shape[2] * w.shape[3] * (x.shape[1] // bk)))
+        return _device_ok(x, config.smem_bytes(x.shape[1], w.shape[2] * w.shape[3]))
 
     return applies
 
