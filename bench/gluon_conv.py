@@ -46,7 +46,8 @@ def compile_and_report(src, name: str, box_view: bool = False) -> int:
     ir = kernel.asm["ttgir"]
     box = f"; box read from shared memory: {'memdesc_reshape' in ir}" if box_view else ""
     print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: {'ttg.warp_specialize' in ir}; "
-          f"wgmma kept in flight: {'pendings = 1' in ir}{box}; shared memory {kernel.metadata.shared} bytes; "
+          f"wgmma kept in flight: {'pendings = 1' in ir}{box}; waits for the kernel before: "
+          f"{'griddepcontrol.wait' in kernel.asm['ptx']}; shared memory {kernel.metadata.shared} bytes; "
           f"{spilled_bytes(kernel)} bytes spilled")
     return 0
 

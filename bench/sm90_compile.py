@@ -55,7 +55,7 @@ def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, sta
            **POINTERS, **{p: "i32" for p in ("M", "N", "K", "stride_ws")}, "p0": "fp32", "p1": "fp32"}
     cx = dict(HAS_BIAS=True, HAS_Z=True, ACT="Relu", QUANT=quant, Y_QUANTIZED=out8, COPY=out8 and copy,
               Z_SCALED=bool(quant), RELU=out8, W_KMAJOR=True, ONE_K=one_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-              GROUP_M=8, PROGRAMS=132, NUM_STAGES=stages)
+              GROUP_M=8, PROGRAMS=132, NUM_STAGES=stages, PDL=True)
     return ASTSource(fn=tma_gemm._tma_gemm_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
 
 
@@ -148,7 +148,7 @@ def pool_compiles() -> int:
         for source in ("", quant):  # "": FP16
             eight_bit_in = source == quant
             cx = dict(KH=3, KW=3, QUANT="" if eight_bit_in else quant, INT8_IN=source == "int8", BLOCK_P=32,
-                      BLOCK_C=64)
+                      BLOCK_C=64, PDL=True)
             signature = {**sig, "x_ptr": f"*{DTYPES[source]}", "y_ptr": f"*{DTYPES[quant]}",
                          **{k: "constexpr" for k in cx}}
             failed += _compiles(f"max pool, {quant} output from {source or 'fp16'} values",

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script, variants, flags", [
-    ("gluon_conv.py", 28, "warp-specialized: True; wgmma kept in flight: True; box read from shared memory: True"),
-    ("gluon_gemm.py", 16, "warp-specialized: True; wgmma kept in flight: True"),
+    ("gluon_conv.py", 28, "warp-specialized: True; wgmma kept in flight: True; box read from shared memory: True; "
+                          "waits for the kernel before: True"),
+    ("gluon_gemm.py", 16, "warp-specialized: True; wgmma kept in flight: True; waits for the kernel before: True"),
     ("gluon_halo_conv.py", 6, "warp-specialized: True"),
 ])
 def test_the_gluon_kernels_compile_for_hopper(script, variants, flags):

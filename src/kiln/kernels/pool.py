@@ -18,14 +18,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .gemm import QTYPES, quantize
+from .pdl import launch_options
 
 
 @triton.jit
 def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sxw,
                      KH: tl.constexpr, KW: tl.constexpr, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     QUANT: tl.constexpr, INT8_IN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                     QUANT: tl.constexpr, INT8_IN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # launched with pdl.launch_options: the kernel before may still be writing x
+        gdc_wait()
+        gdc_launch_dependents()
     rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixel (n, oh, ow) flattened
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p_ok, c_ok = rp < P, rc < C
@@ -79,9 +85,10 @@ def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype
     P = N * OH * OW
     block_c = min(block_c, triton.next_power_of_2(C))
     grid = (triton.cdiv(P, block_p), triton.cdiv(C, block_c))
+    pdl = launch_options(x.device)
     _max_pool_kernel[grid](x, y, y_scale if quant else x, C, H, W, OH, OW, P, *x.stride(), KH=kernel[0],
                            KW=kernel[1], stride_h=strides[0], stride_w=strides[1], pad_h=pads[0], pad_w=pads[1],
                            dil_h=dilations[0], dil_w=dilations[1], QUANT=quant, INT8_IN=x.dtype == torch.int8,
-                           BLOCK_P=block_p, BLOCK_C=block_c)
+                           BLOCK_P=block_p, BLOCK_C=block_c, PDL=bool(pdl), **pdl)
     return y.permute(0, 3, 1, 2)
 

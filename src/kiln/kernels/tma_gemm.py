@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm import (
@@ -43,6 +44,7 @@ from .gemm import (
     relu_in_quantize,
     residual_ok,
 )
+from .pdl import launch_options
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 _SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
@@ -89,7 +91,10 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      QUANT: tl.constexpr, Y_QUANTIZED: tl.constexpr, COPY: tl.constexpr, Z_SCALED: tl.constexpr,
                      RELU: tl.constexpr, W_KMAJOR: tl.constexpr, ONE_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                     PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with pdl.launch_options: the kernel before may still be writing x and z
+        gdc_wait()
+        gdc_launch_dependents()
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
@@ -276,6 +281,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, z_itemsize, True) if one_k else 0)
     per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bm * bn, qtype)
     n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    pdl = launch_options(x.device)
     _tma_gemm_kernel[(n_programs,)](
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),
@@ -285,5 +291,5 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         COPY=q_scale is not None, Z_SCALED=z_scale is not None, RELU=relu_in_quantize(act, y_scale is not None),
         W_KMAJOR=k_major, ONE_K=one_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages)
+        NUM_STAGES=config.num_stages, PDL=bool(pdl), num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     return y.view(*lead, N) if q_scale is None else (y.view(*lead, N), q.view(*lead, N))

@@ -33,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
+from .pdl import launch_options, let_next_kernel_start, wait_for_previous_kernel
 from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
 from .warp_specialized import (
     LOADER_REGS,
@@ -118,6 +119,7 @@ def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, w_ready, tiles, tiles_
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     c_blocks = C // BLOCK_K
+    wait_for_previous_kernel()  # x (and, as far as this kernel knows, w) may be its outputs
     if W_RESIDENT:
         load_resident(w_desc, b_bufs, w_ready)
     it = 0
@@ -158,6 +160,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
     xs = gl.load(xs_ptr).to(gl.float32)
     if W_RESIDENT:
@@ -190,6 +193,7 @@ def _ws_conv_kernel(x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, N, OH
                     num_warps: gl.constexpr):
     """W_TILES > 0: the filter's W_TILES K tiles stay in shared memory (WsConfig.resident_weights), 0: they come
     through the ring with the input boxes."""
+    let_next_kernel_start()
     BLOCK_H: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
     tiles_w = gl.cdiv(OW, BLOCK_W)
@@ -266,5 +270,6 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, confi
         bias if bias is not None else xs, xs, ws, y_scale, N, OH, OW, OC, C, KW, k_tiles,
         pads[0], pads[1], stride_ws, n_programs, STRIDE=S, QUANT=qtype, HAS_BIAS=bias is not None,
         RELU=node.attr("activation", "") == "Relu", STAGES=config.stages,
-        W_TILES=k_tiles if config.resident_weights else 0, num_warps=4, maxnreg=MAXNREG)
+        W_TILES=k_tiles if config.resident_weights else 0, num_warps=4, maxnreg=MAXNREG,
+        **launch_options(x.device))
     return y.permute(0, 3, 1, 2)

@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
+from .pdl import launch_options, let_next_kernel_start, wait_for_previous_kernel
 from .warp_specialized import (
     LOADER_REGS,
     MAXNREG,
@@ -80,6 +81,7 @@ def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_read
             programs, STAGES: gl.constexpr, HAS_Z: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    wait_for_previous_kernel()  # x and the residual may be its outputs
     it = 0
     t = 0
     for tile in range(gl.program_id(0), tiles, programs):
@@ -105,6 +107,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
     xs = gl.load(xs_ptr).to(gl.float32)
     zs = gl.load(zs_ptr).to(gl.float32)
@@ -143,6 +146,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
 def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, M, N, K, stride_ws,
                     programs, QUANT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_Z: gl.constexpr, RELU: gl.constexpr,
                     STAGES: gl.constexpr, num_warps: gl.constexpr):
+    let_next_kernel_start()
     tiles_n = gl.cdiv(N, y_desc.block_type.shape[1])
     tiles = gl.cdiv(M, y_desc.block_type.shape[0]) * tiles_n
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -212,5 +216,6 @@ def conv1x1(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: t
         box_descriptor(pixel_rows(z), [bm, bn]) if z is not None else y_desc,
         y_desc, bias if bias is not None else xs, xs, ws, y_scale, z_scale if z_scale is not None else xs, M, N, K,
         stride_ws, n_programs, QUANT=qtype, HAS_BIAS=bias is not None, HAS_Z=z is not None,
-        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG)
+        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG,
+        **launch_options(x.device))
     return pixels_as_nchw(y, x)
