@@ -5,7 +5,7 @@ in the tail of the one before and wait (wait_for_previous_kernel, griddepcontrol
 wrote. Both instructions do nothing in a kernel launched without it.
 
 A kernel launched with launch_options() must wait before its first read of an activation: the kernel before may
-still be writing it. On the H200 (2026-12-01, bench/results/H200-pdl-chain-1518.log) chains of ResNet-50's 8-bit
+still be writing it. On the H200 (2026-12-01, bench/results/H200-pdl-chain-1454.log, -1502.log) chains of ResNet-50's 8-bit
 bottleneck blocks ran 0.5-0.8 us a kernel faster with it, outputs equal.
 """
 
