@@ -1,6 +1,6 @@
-"""Kiln's warp-specialized Gluon convolution (kernels/ws_conv.py) against its Triton one (kernels/tma_conv.py) at
-ResNet-50's 8-bit convolutions, batch 32: each of ws_conv's tiles checked for equality with tma_conv's output, and
-both timed.
+"""Kiln's warp-specialized Gluon convolutions (kernels/ws_conv.py, and kernels/halo_conv.py where it applies: layer1)
+against its Triton one (kernels/tma_conv.py) at ResNet-50's 8-bit convolutions, batch 32: each of ws_conv's tiles
+checked for equality with tma_conv's output, and all timed.
 
 Before ws_conv became a tactic this script held the experiment itself; its first GPU run
 (bench/results/H200-gluon-conv-1214.log) found the warp-specialized kernel equal and 26-33% faster at layers 2-4.
@@ -8,7 +8,8 @@ Before ws_conv became a tactic this script held the experiment itself; its first
     python bench/gluon_conv.py [--fp8] [LAYER..]   (GPU: every ws_conv tile against tma_conv's tile, INT8 or FP8;
                                                     LAYER: the layers whose names start so, e.g. layer1)
     python bench/gluon_conv.py --compile-only   (any machine: ws_conv's tiles compiled for sm_90, INT8 and FP8,
-                                                 stride 1 and 2; what tests/kernels/test_gluon_compile.py runs)
+                                                 stride 1 and 2, and halo_conv's kernel; what
+                                                 tests/kernels/test_gluon_compile.py runs)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.kernels import halo_conv  # noqa: E402
 from kiln.kernels.warp_specialized import MAXNREG, box_layout  # noqa: E402
 from kiln.kernels.ws_conv import CONFIGS, _ws_conv_kernel  # noqa: E402
 
@@ -109,7 +111,18 @@ def compile_only() -> int:
                 constexprs = dict(STRIDE=stride, QUANT=qtype, HAS_BIAS=True, RELU=True, STAGES=cfg.stages,
                                   W_TILES=9 if cfg.resident_weights else 0, num_warps=4)
                 src = GluonASTSource(_ws_conv_kernel, sig, constexprs=constexprs)
-                failed |= compile_and_report(src, f"{cfg.name} {qtype} stride {stride}", box_view=True)
+                failed |= compile_and_report(src, f"ws_conv {cfg.name} {qtype} stride {stride}", box_view=True)
+    for qtype, t in (("int8", "i8"), ("fp8", "fp8e4nv")):
+        rows, width, c = halo_conv.ROWS, halo_conv.WIDTH, halo_conv.CHANNELS
+        sig = {"x_desc": f"tensordesc<{t}[1,{rows + 2},{width},{c}],{box_layout(c, 4)!r}>",
+               "w_desc": f"tensordesc<{t}[{c},{c}],{box_layout(c, 2)!r}>",
+               "y_desc": f"tensordesc<{t}[1,{rows},{width},{c}],{box_layout(c, 4)!r}>",
+               "b_ptr": "*fp16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "ys_ptr": "*fp32",
+               **{p: "i32" for p in ("N", "OH", "stride_ws", "programs")},
+               **{p: "constexpr" for p in ("QUANT", "HAS_BIAS", "RELU", "STAGES", "num_warps")}}
+        constexprs = dict(QUANT=qtype, HAS_BIAS=True, RELU=True, STAGES=halo_conv.STAGES, num_warps=4)
+        src = GluonASTSource(halo_conv._halo_conv_kernel, sig, constexprs=constexprs)
+        failed |= compile_and_report(src, f"halo_conv {qtype}", box_view=True)
     return failed
 
 
@@ -143,6 +156,8 @@ def main() -> int:
                 continue
             check_and_time(f"ws_conv {cfg.name}", lambda cfg=cfg: ws_conv.conv2d(layer, x8, w8, b, cfg, xs, ws, ys),
                            want, "tma_conv")
+        if halo_conv.supports(layer, x8, w8, b, None, ys, None):  # FP8: taps summed in another order
+            check_and_time("halo_conv", lambda: halo_conv.conv2d(layer, x8, w8, b, xs, ws, ys), want, "tma_conv")
     return 0
 
 

@@ -52,7 +52,7 @@ def compile_only() -> int:
                     constexprs = dict(QUANT=qtype, HAS_BIAS=True, HAS_Z=has_z, RELU=True, STAGES=cfg.stages,
                                       num_warps=4)
                     src = GluonASTSource(_ws_gemm_kernel, sig, constexprs=constexprs)
-                    failed |= compile_and_report(src, f"{cfg.name} K tile {bk} {qtype}{' +res' * has_z}")
+                    failed |= compile_and_report(src, f"ws_gemm {cfg.name} K tile {bk} {qtype}{' +res' * has_z}")
     return failed
 
 

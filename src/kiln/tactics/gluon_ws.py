@@ -3,6 +3,8 @@
          convolutions with an 8-bit output, not 1x1 stride 1
   QConv  gluon_ws_qconv1x1_<BM>x<BN>_s<stages>_x<programs an SM>  kernels/ws_gemm.py: INT8/FP8 1x1 stride-1
          convolutions with an 8-bit output and an 8-bit residual or none
+  QConv  gluon_halo_qconv3x3  kernels/halo_conv.py: INT8/FP8 64-channel 3x3 stride-1 convolutions of images at most
+         64 pixels wide, a tile two whole output rows
 Offered beside tma_conv's and tma_gemm's tiles (tactics/triton_tma.py) at the same level: the builder times them
 all and keeps the fastest at each layer. Not offered where Triton has no Gluon.
 """
@@ -61,8 +63,25 @@ def _gemm_run(config):
     return run
 
 
+def _halo_applies(node, args) -> bool:
+    from ..kernels import halo_conv
+    from .triton_tma import _device_ok, _operands_ok
+
+    x, w, b, z, y_scale, q_scale, _ = layer_gemm.operands(node, args)
+    if not _operands_ok(node, args, x, w) or not halo_conv.supports(node, x, w, b, z, y_scale, q_scale):
+        return False
+    return _device_ok(x, halo_conv.smem_bytes())
+
+
+def _halo_run(node, *args):
+    from ..kernels import halo_conv
+
+    x, w, b, _, y_scale, _, _ = layer_gemm.operands(node, args)
+    return halo_conv.conv2d(node, x, w, b, args[2], args[3], y_scale)
+
+
 try:
-    from ..kernels import ws_conv, ws_gemm
+    from ..kernels import halo_conv, ws_conv, ws_gemm  # noqa: F401 (halo_conv: importable, so offered)
 except ImportError:  # no Triton, or one without Gluon's Hopper module: not offered
     pass
 else:
@@ -70,3 +89,4 @@ else:
         tactic("QConv", f"gluon_ws_qconv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
     for cfg, level in ws_gemm.CONFIGS:
         tactic("QConv", f"gluon_ws_qconv1x1_{cfg.name}", _gemm_applies(cfg), level=level)(_gemm_run(cfg))
+    tactic("QConv", "gluon_halo_qconv3x3", _halo_applies, level=3)(_halo_run)
