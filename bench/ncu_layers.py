@@ -6,8 +6,9 @@ engine). The layers and tiles are the ones the 10:55 INT8 engine ran (bench/resu
         --section WarpStateStats -k regex:_tma -s 3 -c 1 python bench/ncu_layers.py LAYER      (GPU)
     scripts/ncu-layers          (every layer here, one ncu run each, logs under $OUT)
 
-LAYER: layer1-conv3 (1x1 64->256, 8-bit residual and output), layer1-3x3, layer2-3x3, layer4-3x3; bert-attention
-(BERT-base batch 32's FP8 flash attention).
+LAYER: layer1-conv3 (1x1 64->256, 8-bit residual and output), layer1-conv3-ws (the same on ws_gemm's 128x128 tile,
+which both 8-bit engines took at 15:19, bench/results/H200-quant-1519-resnet50-timed-first.md), layer1-3x3,
+layer2-3x3, layer4-3x3; bert-attention (BERT-base batch 32's FP8 flash attention).
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def layer(name: str):
     if name == "layer1-conv3":
         x8, w8, b, kw, _ = engine_operands(100352, 64, 256, True, "int8", False)
         return lambda: tma_gemm.gemm(x8, w8, b, "Relu", config=TileConfig(128, 128, 64, 4, 3), **kw)
+    if name == "layer1-conv3-ws":
+        from kiln.kernels import ws_gemm
+
+        cl = torch.channels_last
+        x8 = torch.randint(-128, 128, (32, 64, 56, 56), dtype=torch.int8, device="cuda").to(memory_format=cl)
+        z8 = torch.randint(-128, 128, (32, 256, 56, 56), dtype=torch.int8, device="cuda").to(memory_format=cl)
+        w8 = torch.randint(-127, 128, (256, 64, 1, 1), dtype=torch.int8, device="cuda").to(memory_format=cl)
+        one = node(1, 1, "int8")
+        one.attrs["pads"] = [0] * 4
+        s, ws = torch.tensor(0.05, device="cuda"), torch.rand(256, device="cuda") * 1e-3
+        b = torch.randn(256, device="cuda").half()
+        cfg = ws_gemm.WsGemmConfig(128, 128, 2, 2)
+        return lambda: ws_gemm.conv1x1(one, x8, w8, b, z8, cfg, s, ws, s, s)
     hw, c, oc, tile = CONVS[name]
     cl = torch.channels_last
     x8 = torch.randint(-128, 128, (32, c, hw, hw), dtype=torch.int8, device="cuda").to(memory_format=cl)
