@@ -5,9 +5,11 @@ at ResNet-50's 8-bit 1x1 layers, batch 32: each of ws_gemm's tiles checked for e
 Before ws_gemm became a tactic this script held the experiment itself; its first GPU run
 (bench/results/H200-gluon-gemm-1214.log) found it equal to tma_gemm and 4-15% faster at its best tile.
 
-    python bench/gluon_gemm.py [--fp8]          (GPU: every ws_gemm tile against tma_gemm, INT8 or FP8)
+    python bench/gluon_gemm.py [--fp8]          (GPU: every ws_gemm tile against tma_gemm, INT8 or FP8; INT8 layers
+                                                 with K <= 256 also converting their integers by adds, add_convert)
     python bench/gluon_gemm.py --compile-only   (any machine: ws_gemm's tiles compiled for sm_90, INT8 and FP8,
-                                                 with and without a residual; tests/kernels/test_gluon_compile.py)
+                                                 with and without a residual, and INT8 at K = 64 with the residual
+                                                 converting by adds; tests/kernels/test_gluon_compile.py)
 """
 
 from __future__ import annotations
@@ -40,19 +42,23 @@ def compile_only() -> int:
     for cfg, _ in CONFIGS:
         bm, bn = cfg.block_m, cfg.block_n
         for bk in (block_k_for(64), block_k_for(256)):
-            for qtype, t in (("int8", "i8"), ("fp8", "fp8e4nv")):
+            for qtype, t, add_convert in (("int8", "i8", False), ("fp8", "fp8e4nv", False), ("int8", "i8", True)):
                 for has_z in (True, False):
+                    if add_convert and (bk != 64 or not has_z):  # adds: layer1's K = 64 with the residual
+                        continue
                     sig = {"x_desc": f"tensordesc<{t}[{bm},{bk}],{box_layout(bk, 2)!r}>",
                            "w_desc": f"tensordesc<{t}[{bn},{bk}],{box_layout(bk, 2)!r}>",
                            "z_desc": f"tensordesc<{t}[{bm},{bn}],{box_layout(bn, 2)!r}>",
                            "y_desc": f"tensordesc<{t}[{bm},{bn}],{box_layout(bn, 2)!r}>",
                            "b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_ptr", "zs_ptr")},
                            **{p: "i32" for p in ("M", "N", "K", "stride_ws", "programs")},
-                           **{p: "constexpr" for p in ("QUANT", "HAS_BIAS", "HAS_Z", "RELU", "STAGES", "num_warps")}}
+                           **{p: "constexpr" for p in ("QUANT", "HAS_BIAS", "HAS_Z", "RELU", "STAGES", "ADD_CONVERT",
+                                                       "num_warps")}}
                     constexprs = dict(QUANT=qtype, HAS_BIAS=True, HAS_Z=has_z, RELU=True, STAGES=cfg.stages,
-                                      num_warps=4)
+                                      ADD_CONVERT=add_convert, num_warps=4)
                     src = GluonASTSource(_ws_gemm_kernel, sig, constexprs=constexprs)
-                    failed |= compile_and_report(src, f"ws_gemm {cfg.name} K tile {bk} {qtype}{' +res' * has_z}")
+                    label = f"ws_gemm {cfg.name} K tile {bk} {qtype}{' +res' * has_z}{' adds' * add_convert}"
+                    failed |= compile_and_report(src, label)
     return failed
 
 
@@ -95,8 +101,10 @@ def main() -> int:
         for cfg, _ in ws_gemm.CONFIGS:
             if not ws_gemm.supports(layer, x8, w8, b, z8, ys, None, zs, cfg):
                 continue
-            check_and_time(f"ws_gemm {cfg.name}", lambda cfg=cfg: pixel_rows(
-                ws_gemm.conv1x1(layer, x8, w8, b, z8, cfg, xs, ws, ys, zs)), want, "tma_gemm")
+            for adds in (False, True) if qtype == "int8" and K <= 256 else (False,):
+                check_and_time(f"ws_gemm {cfg.name}{' converting by adds' * adds}", lambda cfg=cfg, adds=adds:
+                               pixel_rows(ws_gemm.conv1x1(layer, x8, w8, b, z8, cfg, xs, ws, ys, zs, add_convert=adds)),
+                               want, "tma_gemm")
     return 0
 
 

@@ -51,6 +51,14 @@ def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
 
 
 @gluon.jit
+def small_int_to_f32(v):
+    """The FP32 value of int32 v for |v| <= 2**22 (the caller's guarantee), exactly as cvt.rn.f32.s32 gives it: v
+    added to the bits of 1.5 * 2**23 is the bits of 1.5 * 2**23 + v, which the FP32 adder then takes back off. An
+    integer and a float add, where the conversion runs on Hopper's slower conversion pipe."""
+    return (v + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+
+
+@gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """A ring's barriers, STAGES of each kind, each for one arrival: `ready` (stage s has landed by TMA) and
     `empty` (the MMAs are done with stage s)."""
