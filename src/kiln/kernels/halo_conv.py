@@ -36,9 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gemm import QTYPES, columns, quant_args
-from .pdl import launch_options, let_next_kernel_start, wait_for_previous_kernel
+from .pdl import launch_options
 from .tma_conv import PatchConfig, filter_rows, nhwc
-from .warp_specialized import LOADER_REGS, MAXNREG, box_descriptor, load_resident, quantize8, ring_barriers
+from .warp_specialized import (
+    LOADER_REGS,
+    MAXNREG,
+    box_descriptor,
+    let_next_kernel_start,
+    load_resident,
+    quantize8,
+    ring_barriers,
+    wait_for_previous_kernel,
+)
 
 ROWS, WIDTH, CHANNELS = 2, 64, 64  # output rows a tile, pixels a row (one wgmma's M), channels in and out
 STAGES = 3  # ring stages, a box each: one tile's three filter columns

@@ -1,7 +1,7 @@
-"""What the warp-specialized Gluon kernels (ws_conv.py, ws_gemm.py) share: the register split between their
-partitions, the shared layout of an 8-bit TMA box, a GEMM loader's walk over K, the MMA partition's walk over the
-ring of stages, and the 8-bit quantization of their epilogues (gemm.quantize's arithmetic, so their outputs equal
-the Triton kernels')."""
+"""What the warp-specialized Gluon kernels (ws_conv.py, ws_gemm.py, halo_conv.py) share: the register split between
+their partitions, the shared layout of an 8-bit TMA box, a GEMM loader's walk over K, the MMA partition's walk over
+the ring of stages, the 8-bit quantization of their epilogues (gemm.quantize's arithmetic, so their outputs equal
+the Triton kernels'), and the instructions of programmatic dependent launch (kernels/pdl.py)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,20 @@ def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
         else:
             v = gl.maximum(v, -448.0)
         return gl.minimum(v, 448.0).to(gl.float8e4nv)
+
+
+@gluon.jit
+def wait_for_previous_kernel():
+    """griddepcontrol.wait: until the kernel before has finished and its writes are visible (kernels/pdl.py)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def let_next_kernel_start():
+    """griddepcontrol.launch_dependents: the next kernel's programs may be scheduled (they take SM room as ours
+    leave it, and wait for ours to finish before reading; kernels/pdl.py)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -28,16 +28,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gemm import QTYPES, quant_args
-from .pdl import launch_options, let_next_kernel_start, wait_for_previous_kernel
+from .pdl import launch_options
 from .warp_specialized import (
     LOADER_REGS,
     MAXNREG,
     box_descriptor,
+    let_next_kernel_start,
     load_k_tiles,
     mma_steps,
     quantize8,
     ring_barriers,
     small_int_to_f32,
+    wait_for_previous_kernel,
 )
 
 
