@@ -13,7 +13,9 @@ stays in shared memory.
 On the H200 at ResNet-50's batch-32 layer1 3x3 (2026-12-01 14:50, bench/results/H200-gluon-halo-conv-1450.log):
 INT8 13.5 us against 16.8 for ws_conv's fastest (resident-filter) tile and 17.8 for tma_conv, outputs equal; FP8
 12.9 against 16.2, its outputs at most one FP8 step from tma_conv's (the taps are summed in another order, and
-Hopper's FP8 wgmma rounds its partial sums). One program an SM ran as fast as two.
+Hopper's FP8 wgmma rounds its partial sums). One program an SM ran as fast as two. As this tactic (15:07,
+H200-gluon-conv-layer1-halo-1507.log): 12.2-12.3 us against 15.5-15.8; both 8-bit ResNet-50 engines took it at
+layer1's three 3x3s (H200-quant-1519-resnet50-timed-first.md).
 
 The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU in the clamp of the
 8-bit output). Triton's interpreter does not run Gluon: CI compiles the kernel for sm_90
@@ -51,7 +53,7 @@ from .warp_specialized import (
 
 ROWS, WIDTH, CHANNELS = 2, 64, 64  # output rows a tile, pixels a row (one wgmma's M), channels in and out
 STAGES = 3  # ring stages, a box each: one tile's three filter columns
-PER_SM = 1
+PER_SM = 1  # programs an SM (two ran no faster)
 
 
 @gluon.jit
