@@ -1,12 +1,12 @@
 """Programmatic dependent launch (kernels/pdl.py): when it is asked for (CPU), and on a Hopper GPU a chain of the
-kernels that use it (ws_gemm -> ws_conv -> ws_gemm with the first's input as residual -> tma_gemm), captured in a
-CUDA graph with it and replayed over fresh inputs, equal to the same chain run without it: a kernel reading before
-its predecessor has finished would show as a difference."""
+kernels that use it (ws_gemm -> ws_conv -> halo_conv -> ws_gemm with the first's input as residual -> tma_gemm),
+captured in a CUDA graph with it and replayed over fresh inputs, equal to the same chain run without it: a kernel
+reading before its predecessor has finished would show as a difference."""
 
 import pytest
 import torch
 
-from kiln.kernels import pdl, tma_gemm, ws_conv, ws_gemm
+from kiln.kernels import halo_conv, pdl, tma_gemm, ws_conv, ws_gemm
 from kiln.kernels.conv import pixel_rows
 from kiln.kernels.gemm import TileConfig
 
@@ -36,7 +36,7 @@ def test_a_chain_launched_with_it_equals_one_launched_without(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(0)
     s = torch.tensor(0.05, device="cuda")
     (w1, s1, b1), (w2, s2, b2), (w3, s3, b3) = _weights(g, 64, 256, 1), _weights(g, 64, 64, 3), _weights(g, 256, 64, 1)
-    w4, s4, b4 = _weights(g, 128, 256, 1)
+    (w4, s4, b4), (w5, s5, b5) = _weights(g, 128, 256, 1), _weights(g, 64, 64, 3)
     one, three = gemm_node(), conv_node()
     c1, c3 = ws_gemm.WsGemmConfig(128, 64, 3, 2), ws_gemm.WsGemmConfig(128, 128, 2, 2)
     c2 = next(c for c, _ in ws_conv.CONFIGS if c.resident_weights)  # waits before loading its filter
@@ -45,12 +45,13 @@ def test_a_chain_launched_with_it_equals_one_launched_without(monkeypatch):
     def chain():
         h = ws_gemm.conv1x1(one, x, w1, b1, None, c1, s, s1, s)
         h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s)
+        h = halo_conv.conv2d(three, h, w5, b5, s, s5, s)
         h = ws_gemm.conv1x1(one, h, w3, b3, x, c3, s, s3, s, s)
         return tma_gemm.gemm(pixel_rows(h), w4.reshape(128, 256).t(), b4, "Relu",
                              config=TileConfig(128, 128, 128, 4, 3), qtype="int8", x_scale=s, w_scale=s4, y_scale=s)
 
     h = torch.empty((8, 64, 28, 28), dtype=torch.int8, device="cuda").to(memory_format=torch.channels_last)
-    assert ws_conv.supports(three, h, w2, b2, None, s, None, c2)
+    assert ws_conv.supports(three, h, w2, b2, None, s, None, c2) and halo_conv.supports(three, h, w5, b5, None, s, None)
     inputs = [torch.randint(-60, 61, x.shape, generator=g, device="cuda").to(torch.int8) for _ in range(8)]
     monkeypatch.setattr(pdl, "ENABLED", False)
     want = []
