@@ -43,6 +43,8 @@ from .tma_conv import PatchConfig, filter_rows, nhwc
 from .warp_specialized import (
     LOADER_REGS,
     MAXNREG,
+    accumulator_dtype,
+    accumulator_layout,
     box_descriptor,
     let_next_kernel_start,
     load_resident,
@@ -93,13 +95,12 @@ def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, x
     W: gl.constexpr = y_desc.block_type.shape[2]
     N: gl.constexpr = y_desc.block_type.shape[3]
     S: gl.constexpr = a_bufs.type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, N, 32])
+    acc_layout: gl.constexpr = accumulator_layout(N, num_warps)
     wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     scale, bias = columns(gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout)), b_ptr, xs_ptr, ws_ptr, stride_ws,
                           HAS_BIAS, QUANT)
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
-    ACC: gl.constexpr = gl.int32 if QUANT == "int8" else gl.float32
+    ACC: gl.constexpr = accumulator_dtype(QUANT)
     mbarrier.wait(w_ready, 0)
     it = 0
     for tile in range(gl.program_id(0), tiles, programs):

@@ -30,6 +30,18 @@ def box_descriptor(t, box: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box, box_layout(box[-1], len(box)))
 
 
+@gluon.constexpr_function
+def accumulator_layout(block_n, num_warps):
+    """The registers of a wgmma accumulator block_n columns wide over num_warps warps (one warpgroup)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 32])
+
+
+@gluon.constexpr_function
+def accumulator_dtype(quant):
+    """An 8-bit wgmma's accumulator type: int32 for INT8, float32 for FP8."""
+    return gl.int32 if quant == "int8" else gl.float32
+
+
 @gluon.jit
 def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
     """gemm.quantize's 8-bit codes of FP32 v with 1 / y_scale inv_ys; RELU: of relu(v), by the clamp's lower end."""

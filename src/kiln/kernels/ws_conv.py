@@ -38,6 +38,8 @@ from .tma_conv import MAX_PAD, PatchConfig, block_k_for, filter_rows, nhwc
 from .warp_specialized import (
     LOADER_REGS,
     MAXNREG,
+    accumulator_dtype,
+    accumulator_layout,
     box_descriptor,
     let_next_kernel_start,
     load_resident,
@@ -159,8 +161,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, 
     BLOCK_W: gl.constexpr = y_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = BLOCK_H * BLOCK_W
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+    acc_layout: gl.constexpr = accumulator_layout(BLOCK_N, num_warps)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
@@ -172,10 +173,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, 
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
         scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)  # loaded while the loader fills the ring
-        if QUANT == "int8":
-            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
-        else:
-            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=accumulator_dtype(QUANT), layout=acc_layout)
         acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, k_tiles, STAGES, B_RESIDENT=W_RESIDENT)
         v = acc.to(gl.float32) * scale[None, :]
         if HAS_BIAS:

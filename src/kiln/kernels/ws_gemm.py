@@ -32,6 +32,8 @@ from .pdl import launch_options
 from .warp_specialized import (
     LOADER_REGS,
     MAXNREG,
+    accumulator_dtype,
+    accumulator_layout,
     box_descriptor,
     let_next_kernel_start,
     load_k_tiles,
@@ -107,8 +109,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+    acc_layout: gl.constexpr = accumulator_layout(BLOCK_N, num_warps)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
@@ -121,10 +122,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
         off_n = (tile % tiles_n) * BLOCK_N
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
         scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)
-        if QUANT == "int8":
-            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=acc_layout)
-        else:
-            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=accumulator_dtype(QUANT), layout=acc_layout)
         acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, gl.cdiv(K, BLOCK_K), STAGES)
         if ADD_CONVERT:
             v = small_int_to_f32(acc) * scale[None, :]
