@@ -2,9 +2,8 @@
 while the kernel before it in the stream (or CUDA graph) is still finishing, once that kernel's programs have all
 said it may (griddepcontrol.launch_dependents) or exited. Its programs then set up (barriers, descriptors) in the
 tail of the one before and wait (griddepcontrol.wait) before reading anything it wrote. Both instructions do
-nothing in a kernel launched without it. The Triton kernels issue them with triton.language.extra.cuda's
-gdc_launch_dependents and gdc_wait, the Gluon ones with warp_specialized's let_next_kernel_start and
-wait_for_previous_kernel.
+nothing in a kernel launched without it. The Triton kernels issue them by start_after_previous (below), the Gluon
+ones by warp_specialized's wait_for_previous_kernel and let_next_kernel_start.
 
 A kernel launched with launch_options() must wait before its first read of an activation: the kernel before may
 still be writing it. On the H200 (2026-12-01, bench/results/H200-pdl-chain-1454.log, -1502.log, -1517.log)
@@ -16,6 +15,9 @@ graph was the same.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = True  # False launches without it (bench/pdl_chain.py times both)
 
@@ -25,3 +27,13 @@ def launch_options(device: torch.device) -> dict:
     if not ENABLED or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return {}
     return {"launch_pdl": True}
+
+
+@triton.jit
+def start_after_previous(PDL: tl.constexpr):
+    """A Triton kernel's first step where it was launched with launch_options (PDL: a constexpr, as Triton's
+    interpreter has no inline assembly): wait for the kernel before, which may still be writing its inputs, then
+    let the next one be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .gemm import QTYPES, quantize
-from .pdl import launch_options
+from .pdl import launch_options, start_after_previous
 
 
 @triton.jit
@@ -29,9 +28,7 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
                      KH: tl.constexpr, KW: tl.constexpr, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                      QUANT: tl.constexpr, INT8_IN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                      PDL: tl.constexpr):
-    if PDL:  # launched with pdl.launch_options: the kernel before may still be writing x
-        gdc_wait()
-        gdc_launch_dependents()
+    start_after_previous(PDL)
     rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixel (n, oh, ow) flattened
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p_ok, c_ok = rp < P, rc < C

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm import (
@@ -44,7 +43,7 @@ from .gemm import (
     relu_in_quantize,
     residual_ok,
 )
-from .pdl import launch_options
+from .pdl import launch_options, start_after_previous
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 _SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
@@ -92,9 +91,7 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
                      RELU: tl.constexpr, W_KMAJOR: tl.constexpr, ONE_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched with pdl.launch_options: the kernel before may still be writing x and z
-        gdc_wait()
-        gdc_launch_dependents()
+    start_after_previous(PDL)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
