@@ -49,7 +49,7 @@ def compile_and_report(src, name: str, box_view: bool = False) -> int:
     box = f"; box read from shared memory: {'memdesc_reshape' in ir}" if box_view else ""
     print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: {'ttg.warp_specialize' in ir}; "
           f"wgmma kept in flight: {'pendings = 1' in ir}{box}; waits for the kernel before: "
-          f"{'griddepcontrol.wait' in ptx}; integers converted by cvt: {ptx.count('cvt.rn.f32.s')}; "
+          f"{'griddepcontrol.wait' in ptx}; "
           f"shared memory {kernel.metadata.shared} bytes; {spilled_bytes(kernel)} bytes spilled")
     return 0
 

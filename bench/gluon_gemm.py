@@ -5,11 +5,9 @@ at ResNet-50's 8-bit 1x1 layers, batch 32: each of ws_gemm's tiles checked for e
 Before ws_gemm became a tactic this script held the experiment itself; its first GPU run
 (bench/results/H200-gluon-gemm-1214.log) found it equal to tma_gemm and 4-15% faster at its best tile.
 
-    python bench/gluon_gemm.py [--fp8]          (GPU: every ws_gemm tile against tma_gemm, INT8 or FP8; INT8 layers
-                                                 with K <= 256 also converting their integers by adds, add_convert)
+    python bench/gluon_gemm.py [--fp8]          (GPU: every ws_gemm tile against tma_gemm, INT8 or FP8)
     python bench/gluon_gemm.py --compile-only   (any machine: ws_gemm's tiles compiled for sm_90, INT8 and FP8,
-                                                 with and without a residual, and INT8 at K = 64 with the residual
-                                                 converting by adds; tests/kernels/test_gluon_compile.py)
+                                                 with and without a residual; tests/kernels/test_gluon_compile.py)
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from kiln.kernels.ws_gemm import CONFIGS, _ws_gemm_kernel, block_k_for  # noqa: 
 # (name, image size, K, N, 8-bit residual, the tile the INT8 engine's tma_gemm took: (block_m, block_n, block_k,
 # warps, stages))
 LAYERS = [("layer1 conv3 64->256 +res", 56, 64, 256, True, (128, 128, 64, 4, 3)),
+          ("layer1 downsample 64->256", 56, 64, 256, False, (128, 128, 64, 4, 3)),
           ("layer1 conv1 256->64", 56, 256, 64, False, (128, 64, 128, 4, 4)),
           ("layer2 conv3 128->512 +res", 28, 128, 512, True, (64, 128, 128, 4, 2)),
           ("layer2 conv1 512->128", 28, 512, 128, False, (64, 128, 128, 4, 2)),
@@ -42,22 +41,19 @@ def compile_only() -> int:
     for cfg, _ in CONFIGS:
         bm, bn = cfg.block_m, cfg.block_n
         for bk in (block_k_for(64), block_k_for(256)):
-            for qtype, t, add_convert in (("int8", "i8", False), ("fp8", "fp8e4nv", False), ("int8", "i8", True)):
+            for qtype, t in (("int8", "i8"), ("fp8", "fp8e4nv")):
                 for has_z in (True, False):
-                    if add_convert and (bk != 64 or not has_z):  # adds: layer1's K = 64 with the residual
-                        continue
                     sig = {"x_desc": f"tensordesc<{t}[{bm},{bk}],{box_layout(bk, 2)!r}>",
                            "w_desc": f"tensordesc<{t}[{bn},{bk}],{box_layout(bk, 2)!r}>",
                            "z_desc": f"tensordesc<{t}[{bm},{bn}],{box_layout(bn, 2)!r}>",
                            "y_desc": f"tensordesc<{t}[{bm},{bn}],{box_layout(bn, 2)!r}>",
                            "b_ptr": "*fp16", **{p: "*fp32" for p in ("xs_ptr", "ws_ptr", "ys_ptr", "zs_ptr")},
                            **{p: "i32" for p in ("M", "N", "K", "stride_ws", "programs")},
-                           **{p: "constexpr" for p in ("QUANT", "HAS_BIAS", "HAS_Z", "RELU", "STAGES", "ADD_CONVERT",
-                                                       "num_warps")}}
+                           **{p: "constexpr" for p in ("QUANT", "HAS_BIAS", "HAS_Z", "RELU", "STAGES", "num_warps")}}
                     constexprs = dict(QUANT=qtype, HAS_BIAS=True, HAS_Z=has_z, RELU=True, STAGES=cfg.stages,
-                                      ADD_CONVERT=add_convert, num_warps=4)
+                                      num_warps=4)
                     src = GluonASTSource(_ws_gemm_kernel, sig, constexprs=constexprs)
-                    label = f"ws_gemm {cfg.name} K tile {bk} {qtype}{' +res' * has_z}{' adds' * add_convert}"
+                    label = f"ws_gemm {cfg.name} K tile {bk} {qtype}{' +res' * has_z}"
                     failed |= compile_and_report(src, label)
     return failed
 
@@ -101,10 +97,8 @@ def main() -> int:
         for cfg, _ in ws_gemm.CONFIGS:
             if not ws_gemm.supports(layer, x8, w8, b, z8, ys, None, zs, cfg):
                 continue
-            for adds in (False, True) if qtype == "int8" and K <= 256 else (False,):
-                check_and_time(f"ws_gemm {cfg.name}{' converting by adds' * adds}", lambda cfg=cfg, adds=adds:
-                               pixel_rows(ws_gemm.conv1x1(layer, x8, w8, b, z8, cfg, xs, ws, ys, zs, add_convert=adds)),
-                               want, "tma_gemm")
+            check_and_time(f"ws_gemm {cfg.name}", lambda cfg=cfg: pixel_rows(
+                ws_gemm.conv1x1(layer, x8, w8, b, z8, cfg, xs, ws, ys, zs)), want, "tma_gemm")
     return 0
 
 

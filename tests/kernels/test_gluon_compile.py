@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
                                      "memory: True; waits for the kernel before: True"),
     ("gluon_conv.py", "halo_conv", 2, "warp-specialized: True; wgmma kept in flight: False; box read from shared "
                                       "memory: True; waits for the kernel before: True"),
-    ("gluon_gemm.py", "ws_gemm", 18, "warp-specialized: True; wgmma kept in flight: True; waits for the kernel "
+    ("gluon_gemm.py", "ws_gemm", 16, "warp-specialized: True; wgmma kept in flight: True; waits for the kernel "
                                      "before: True"),
 ])
 def test_the_gluon_kernels_compile_for_hopper(script, kernel, variants, flags):
@@ -30,6 +30,3 @@ def test_the_gluon_kernels_compile_for_hopper(script, kernel, variants, flags):
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [ln for ln in run.stdout.splitlines() if f": {kernel} " in ln and "compiles for sm_90" in ln]
     assert len(lines) == variants and all(flags in ln and "; 0 bytes spilled" in ln for ln in lines), run.stdout
-    if kernel == "ws_gemm":  # ADD_CONVERT: the INT8 accumulator and residual become FP32 by adds, no conversion
-        adds = [ln for ln in lines if "adds compiles" in ln]
-        assert len(adds) == 2 and all("integers converted by cvt: 0;" in ln for ln in adds), run.stdout

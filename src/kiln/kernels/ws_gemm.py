@@ -40,7 +40,6 @@ from .warp_specialized import (
     mma_steps,
     quantize8,
     ring_barriers,
-    small_int_to_f32,
     wait_for_previous_kernel,
 )
 
@@ -92,8 +91,8 @@ def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_read
     for tile in range(gl.program_id(0), tiles, programs):
         off_m = (tile // tiles_n) * BLOCK_M  # the column tiles of a row block are neighbours: x read once from L2
         off_n = (tile % tiles_n) * BLOCK_N
-        if HAS_Z:  # two residual buffers: the next tile's arrives while the MMA partition adds this one's
-            zb = t % 2
+        if HAS_Z:  # two residual buffers (a third was slower, 2026-12-01 16:09): the next tile's arrives while the
+            zb = t % 2  # MMA partition adds this one's
             mbarrier.wait(z_empty.index(zb), ((t // 2) & 1) ^ 1)
             mbarrier.expect(z_ready.index(zb), z_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(z_desc, [off_m, off_n], z_ready.index(zb), z_bufs.index(zb))
@@ -105,7 +104,7 @@ def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_read
 def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr, ws_ptr,
                   ys_ptr, zs_ptr, tiles, tiles_n, K, stride_ws, programs, QUANT: gl.constexpr,
                   HAS_BIAS: gl.constexpr, HAS_Z: gl.constexpr, RELU: gl.constexpr, STAGES: gl.constexpr,
-                  ADD_CONVERT: gl.constexpr, num_warps: gl.constexpr):
+                  num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -124,10 +123,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
         scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=accumulator_dtype(QUANT), layout=acc_layout)
         acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, gl.cdiv(K, BLOCK_K), STAGES)
-        if ADD_CONVERT:
-            v = small_int_to_f32(acc) * scale[None, :]
-        else:
-            v = acc.to(gl.float32) * scale[None, :]
+        v = acc.to(gl.float32) * scale[None, :]
         if HAS_BIAS:
             v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
         if HAS_Z:  # gemm.finish adds the residual after the bias
@@ -136,10 +132,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
             z = z_bufs.index(zb).load(acc_layout)
             fence_async_shared()  # the load above before the loader's next TMA write into this buffer
             mbarrier.arrive(z_empty.index(zb))
-            if ADD_CONVERT:
-                v = v + small_int_to_f32(z.to(gl.int32)) * zs
-            else:
-                v = v + z.to(gl.float32) * zs
+            v = v + z.to(gl.float32) * zs
         out = quantize8(v, inv_ys, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         y_smem.store(out)
@@ -152,9 +145,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
 @gluon.jit
 def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, M, N, K, stride_ws,
                     programs, QUANT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_Z: gl.constexpr, RELU: gl.constexpr,
-                    STAGES: gl.constexpr, ADD_CONVERT: gl.constexpr, num_warps: gl.constexpr):
-    """ADD_CONVERT (INT8, K <= 256, so |acc| <= 256 * 128 * 128 = 2**22): the accumulator and the residual become
-    FP32 by small_int_to_f32 instead of cvt.rn.f32.s32, the same values."""
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
     let_next_kernel_start()
     tiles_n = gl.cdiv(N, y_desc.block_type.shape[1])
     tiles = gl.cdiv(M, y_desc.block_type.shape[0]) * tiles_n
@@ -167,7 +158,7 @@ def _ws_gemm_kernel(x_desc, w_desc, z_desc, y_desc, b_ptr, xs_ptr, ws_ptr, ys_pt
     gl.warp_specialize([
         (_mma_epilogue, (y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, y_smem, b_ptr, xs_ptr,
                          ws_ptr, ys_ptr, zs_ptr, tiles, tiles_n, K, stride_ws, programs, QUANT, HAS_BIAS, HAS_Z,
-                         RELU, STAGES, ADD_CONVERT, num_warps)),
+                         RELU, STAGES, num_warps)),
         (_loader, (x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty, tiles, tiles_n, K,
                    programs, STAGES, HAS_Z)),
     ], [1], [LOADER_REGS])
@@ -205,10 +196,8 @@ def layer_ok(node, x, w, b, z, y_scale, q_scale, z_scale, config: WsGemmConfig) 
 
 def conv1x1(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
             config: WsGemmConfig, x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor,
-            z_scale: torch.Tensor | None = None, add_convert: bool = False) -> torch.Tensor:
-    """The 8-bit output of a `supports` QConv, as tma_gemm computes it: channels-last, as an NCHW-shaped view.
-    add_convert: an INT8 layer with K <= 256 converts its integers to FP32 by adds (the kernel's ADD_CONVERT);
-    bench/gluon_gemm.py's experiment, not yet timed on a GPU, so the tactics leave it off."""
+            z_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The 8-bit output of a `supports` QConv, as tma_gemm computes it: channels-last, as an NCHW-shaped view."""
     from .conv import pixel_rows, pixels_as_nchw
     from .tma_gemm import programs as sm_count
 
@@ -227,7 +216,6 @@ def conv1x1(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: t
         box_descriptor(pixel_rows(z), [bm, bn]) if z is not None else y_desc,
         y_desc, bias if bias is not None else xs, xs, ws, y_scale, z_scale if z_scale is not None else xs, M, N, K,
         stride_ws, n_programs, QUANT=qtype, HAS_BIAS=bias is not None, HAS_Z=z is not None,
-        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages,
-        ADD_CONVERT=add_convert and qtype == "int8" and K <= 256, num_warps=4, maxnreg=MAXNREG,
+        RELU=node.attr("activation", "") == "Relu", STAGES=config.stages, num_warps=4, maxnreg=MAXNREG,
         **launch_options(x.device))
     return pixels_as_nchw(y, x)
