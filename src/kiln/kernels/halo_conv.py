@@ -50,6 +50,7 @@ from .warp_specialized import (
     load_resident,
     quantize8,
     ring_barriers,
+    store8,
     wait_for_previous_kernel,
 )
 
@@ -124,8 +125,8 @@ def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, x
         out1 = _requantize(acc1, scale, bias, inv_ys, HAS_BIAS, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         rows = y_smem.reshape([2 * W, N])
-        rows.slice(0, W).store(out0)
-        rows.slice(W, W).store(out1)
+        store8(rows, out0)
+        store8(rows, out1, W)
         fence_async_shared()
         tma.async_copy_shared_to_global(y_desc, [img, oh0, 0, 0], y_smem)  # the store clips rows and columns past y
     tma.store_wait(pendings=0)

@@ -46,6 +46,7 @@ from .warp_specialized import (
     mma_steps,
     quantize8,
     ring_barriers,
+    store8,
     wait_for_previous_kernel,
 )
 
@@ -180,7 +181,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, 
             v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
         out = quantize8(v, inv_ys, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
-        y_smem.reshape([BLOCK_M, BLOCK_N]).store(out)
+        store8(y_smem.reshape([BLOCK_M, BLOCK_N]), out)
         fence_async_shared()
         tma.async_copy_shared_to_global(y_desc, [img, oh0, ow0, off_n], y_smem)
     tma.store_wait(pendings=0)

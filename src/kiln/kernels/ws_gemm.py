@@ -40,6 +40,7 @@ from .warp_specialized import (
     mma_steps,
     quantize8,
     ring_barriers,
+    store8,
     wait_for_previous_kernel,
 )
 
@@ -135,7 +136,7 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
             v = v + z.to(gl.float32) * zs
         out = quantize8(v, inv_ys, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
-        y_smem.store(out)
+        store8(y_smem, out)
         fence_async_shared()
         tma.async_copy_shared_to_global(y_desc, [off_m, off_n], y_smem)
         t += 1
