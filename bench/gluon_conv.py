@@ -49,7 +49,8 @@ def compile_and_report(src, name: str, box_view: bool = False) -> int:
     box = f"; box read from shared memory: {'memdesc_reshape' in ir}" if box_view else ""
     print(f"Triton {triton.__version__}: {name} compiles for sm_90; warp-specialized: {'ttg.warp_specialize' in ir}; "
           f"wgmma kept in flight: {'pendings = 1' in ir}{box}; waits for the kernel before: "
-          f"{'griddepcontrol.wait' in ptx}; "
+          f"{'griddepcontrol.wait' in ptx}; codes packed in pairs: "
+          f"{'cvt.pack.sat.s8.s32.b32' in ptx or 'e4m3x2.f32' in ptx}; "
           f"shared memory {kernel.metadata.shared} bytes; {spilled_bytes(kernel)} bytes spilled")
     return 0
 
