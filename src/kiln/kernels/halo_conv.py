@@ -17,8 +17,8 @@ Hopper's FP8 wgmma rounds its partial sums). One program an SM ran as fast as tw
 H200-gluon-conv-layer1-halo-1507.log): 12.2-12.3 us against 15.5-15.8; both 8-bit ResNet-50 engines took it at
 layer1's three 3x3s (H200-quant-1519-resnet50-timed-first.md).
 
-The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU in the clamp of the
-8-bit output). Triton's interpreter does not run Gluon: CI compiles the kernel for sm_90
+The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU and the 8-bit
+output, warp_specialized.quantize8). Triton's interpreter does not run Gluon: CI compiles the kernel for sm_90
 (tests/kernels/test_gluon_compile.py) and the GPU tests (tests/kernels/test_halo_conv.py) compare it with
 tma_conv.
 """
@@ -81,8 +81,8 @@ def _loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h
 
 @gluon.jit
 def _requantize(acc, scale, bias, inv_ys, HAS_BIAS: gl.constexpr, QUANT: gl.constexpr, RELU: gl.constexpr):
-    """An output row's 8-bit values: the accumulator scaled (x_scale * w_scale[oc]), plus the bias, ReLU in the
-    clamp."""
+    """An output row's 8-bit codes (quantize8's pairs): the accumulator scaled (x_scale * w_scale[oc]), plus the
+    bias, the ReLU."""
     v = acc.to(gl.float32) * scale[None, :]
     if HAS_BIAS:
         v = v + bias[None, :]

@@ -1,7 +1,7 @@
 """What the warp-specialized Gluon kernels (ws_conv.py, ws_gemm.py, halo_conv.py) share: the register split between
 their partitions, the shared layout of an 8-bit TMA box, a GEMM loader's walk over K, the MMA partition's walk over
-the ring of stages, the 8-bit quantization of their epilogues (gemm.quantize's arithmetic, so their outputs equal
-the Triton kernels'), and the instructions of programmatic dependent launch (kernels/pdl.py)."""
+the ring of stages, the 8-bit quantization of their epilogues (gemm.quantize's codes, converted a pair at a time,
+so their outputs equal the Triton kernels'), and the instructions of programmatic dependent launch (kernels/pdl.py)."""
 
 from __future__ import annotations
 

@@ -8,12 +8,12 @@ ahead into the next output tile, while a 4-warp partition reads each box as the 
 shared memory (a reshaped view, not through registers), keeps one 8-bit wgmma in flight, and runs the epilogue.
 Nsight Compute had found tma_conv latency-bound (Tensor Cores 22-30% busy, bench/results/H200-ncu-*-1108.log).
 
-The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU in the clamp of
-the next layer's 8-bit quantization), so outputs equal tma_conv's. On the H200 at ResNet-50's batch-32 stride-1
-3x3 INT8 layers (2026-12-01, bench/results/H200-gluon-conv-1214.log, outputs equal): layer2 11.2 us against
-tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1; the stride-2 3x3s 10.0-10.9 against
-14.0-15.2, and FP8 alike (H200-ws-gluon-conv-1217.log, H200-ws-gluon-conv-fp8-1217.log). At layer1's 64 channels
-it is no faster streaming its weights, 11% faster keeping them (WsConfig.resident_weights).
+The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU and the next layer's
+8-bit quantization, warp_specialized.quantize8), so outputs equal tma_conv's. On the H200 at ResNet-50's batch-32
+stride-1 3x3 INT8 layers (2026-12-01, bench/results/H200-gluon-conv-1214.log, outputs equal): layer2 11.2 us against
+tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1; the stride-2 3x3s 10.0-10.9 against 14.0-15.2,
+and FP8 alike (H200-ws-gluon-conv-1217.log, H200-ws-gluon-conv-fp8-1217.log). At layer1's 64 channels it is no
+faster streaming its weights, 11% faster keeping them (WsConfig.resident_weights).
 
 Takes: a QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, no residual and no 8-bit
 copy; stride 1 or 2, dilation 1, C a whole number of K tiles, OC of output-channel tiles; a Hopper GPU

@@ -1,15 +1,15 @@
 """Warp-specialized 8-bit 1x1 convolution (a GEMM over pixel rows) for Hopper, written in Gluon: ws_conv.py's
 design (it says why) for tma_gemm.py's ResNet-shaped layers.
 
-A one-warp loader partition brings each output tile's 8-bit residual and its K tiles of x and w by TMA into rings
-of shared-memory buffers, running ahead into the next tiles while a 4-warp partition runs the MMAs (one 8-bit
-wgmma in flight) and the epilogue: gemm.finish's arithmetic for this case (x_scale * w_scale[n], bias, the
-residual times its scale, the ReLU in the clamp of the next layer's 8-bit quantization), so outputs equal
-tma_gemm's. On the H200 at ResNet-50's batch-32 INT8 1x1 layers (2026-12-01, bench/results/H200-gluon-gemm-1214.log,
-outputs equal) the best tile ran 4-15% faster than the INT8 engine's tma_gemm tile: layer1's 64 -> 256 with
-residual 21.7 us against 24.3, its 256 -> 64 8.5 against 10.0, layer2's 128 -> 512 with residual 12.5 against
-13.0, layer3's 256 -> 1024 9.5 against 10.0; a second sweep (H200-ws-gluon-gemm-1230.log) found layer4's
-512 -> 2048 8.7 against 9.9, and tma_gemm 7-8% faster at layer2's 512 -> 128. The builder times both.
+A one-warp loader partition brings each output tile's 8-bit residual and its K tiles of x and w by TMA into rings of
+shared-memory buffers, running ahead into the next tiles while a 4-warp partition runs the MMAs (one 8-bit wgmma in
+flight) and the epilogue: gemm.finish's arithmetic for this case (x_scale * w_scale[n], bias, the residual times its
+scale, the ReLU and the next layer's 8-bit quantization, warp_specialized.quantize8), so outputs equal tma_gemm's.
+On the H200 at ResNet-50's batch-32 INT8 1x1 layers (2026-12-01, bench/results/H200-gluon-gemm-1214.log, outputs
+equal) the best tile ran 4-15% faster than the INT8 engine's tma_gemm tile: layer1's 64 -> 256 with residual 21.7 us
+against 24.3, its 256 -> 64 8.5 against 10.0, layer2's 128 -> 512 with residual 12.5 against 13.0, layer3's 256 ->
+1024 9.5 against 10.0; a second sweep (H200-ws-gluon-gemm-1230.log) found layer4's 512 -> 2048 8.7 against 9.9, and
+tma_gemm 7-8% faster at layer2's 512 -> 128. The builder times both.
 
 Takes: a 1x1 stride-1 QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, an 8-bit residual
 at its own scale or none, no 8-bit copy; K (input channels) 32, 64 or a multiple of 128; N a whole number of
