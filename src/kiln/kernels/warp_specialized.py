@@ -137,22 +137,18 @@ def load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n,
 
 
 @gluon.jit
-def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, ROW0: gl.constexpr = -1,
-              B_RESIDENT: gl.constexpr = False):
+def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, B_RESIDENT: gl.constexpr = False):
     """`steps` K tiles of the ring (from position `it`) multiplied into acc, one 8-bit wgmma in flight, each stage
     handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). A
-    stage is the [BLOCK_M, BLOCK_K] left tile seen whole (a convolution's [1, BH, BW, BK] box reshaped: a view of
-    the same shared memory), or, from ROW0 >= 0, this warpgroup's BLOCK_M rows of a taller tile it shares.
-    B_RESIDENT: b_bufs holds every K tile of the right operand for good (K tile kb at kb), not a stage each."""
+    stage is the [BLOCK_M, BLOCK_K] left tile (a convolution's [1, BH, BW, BK] box reshaped: a view of the same
+    shared memory). B_RESIDENT: b_bufs holds every K tile of the right operand for good (K tile kb at kb), not a
+    stage each."""
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
     for kb in range(steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        if ROW0 < 0:
-            a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
-        else:
-            a = a_bufs.index(s).slice(ROW0, BLOCK_M)
+        a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
         if B_RESIDENT:
             b = b_bufs.index(kb)
         else:
