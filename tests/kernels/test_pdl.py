@@ -10,10 +10,9 @@ from kiln.kernels import halo_conv, pdl, tma_gemm, ws_conv, ws_gemm
 from kiln.kernels.conv import pixel_rows
 from kiln.kernels.gemm import TileConfig
 
+from .test_ws_conv import HOPPER
 from .test_ws_conv import _node as conv_node
 from .test_ws_gemm import _node as gemm_node
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def test_it_is_asked_for_only_on_a_hopper_gpu_and_while_enabled(monkeypatch):
