@@ -18,9 +18,9 @@ H200-gluon-conv-layer1-halo-1507.log): 12.2-12.3 us against 15.5-15.8; both 8-bi
 layer1's three 3x3s (H200-quant-1519-resnet50-timed-first.md).
 
 The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU and the 8-bit
-output, warp_specialized.quantize8). Triton's interpreter does not run Gluon: CI compiles the kernel for sm_90
-(tests/kernels/test_gluon_compile.py) and the GPU tests (tests/kernels/test_halo_conv.py) compare it with
-tma_conv.
+output, warp_specialized.quantize8), with 1 / y_scale folded into the column vectors as ws_gemm does. Triton's
+interpreter does not run Gluon: CI compiles the kernel for sm_90 (tests/kernels/test_gluon_compile.py) and the GPU
+tests (tests/kernels/test_halo_conv.py) compare it with tma_conv.
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ def _loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h
 
 
 @gluon.jit
-def _requantize(acc, scale, bias, inv_ys, HAS_BIAS: gl.constexpr, QUANT: gl.constexpr, RELU: gl.constexpr):
+def _requantize(acc, scale, bias, HAS_BIAS: gl.constexpr, QUANT: gl.constexpr, RELU: gl.constexpr):
     """An output row's 8-bit codes (quantize8's pairs): the accumulator scaled (x_scale * w_scale[oc]), plus the
     bias, the ReLU."""
     v = acc.to(gl.float32) * scale[None, :]
     if HAS_BIAS:
         v = v + bias[None, :]
-    return quantize8(v, inv_ys, QUANT, RELU)
+    return quantize8(v, QUANT, RELU)
 
 
 @gluon.jit
@@ -101,6 +101,8 @@ def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, x
     scale, bias = columns(gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout)), b_ptr, xs_ptr, ws_ptr, stride_ws,
                           HAS_BIAS, QUANT)
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
+    scale = scale * inv_ys
+    bias = bias * inv_ys
     ACC: gl.constexpr = accumulator_dtype(QUANT)
     mbarrier.wait(w_ready, 0)
     it = 0
@@ -121,8 +123,8 @@ def _mma_epilogue(y_desc, a_bufs, w_res, ready, empty, w_ready, y_smem, b_ptr, x
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index(s))
             it += 1
-        out0 = _requantize(acc0, scale, bias, inv_ys, HAS_BIAS, QUANT, RELU)
-        out1 = _requantize(acc1, scale, bias, inv_ys, HAS_BIAS, QUANT, RELU)
+        out0 = _requantize(acc0, scale, bias, HAS_BIAS, QUANT, RELU)
+        out1 = _requantize(acc1, scale, bias, HAS_BIAS, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         rows = y_smem.reshape([2 * W, N])
         store8(rows, out0)

@@ -1,7 +1,7 @@
 """What the warp-specialized Gluon kernels (ws_conv.py, ws_gemm.py, halo_conv.py) share: the register split between
 their partitions, the shared layout of an 8-bit TMA box, a GEMM loader's walk over K, the MMA partition's walk over
-the ring of stages, the 8-bit quantization of their epilogues (gemm.quantize's codes, converted a pair at a time,
-so their outputs equal the Triton kernels'), and the instructions of programmatic dependent launch (kernels/pdl.py)."""
+the ring of stages, the 8-bit quantization of their epilogues (gemm.quantize's codes, converted a pair at a time),
+and the instructions of programmatic dependent launch (kernels/pdl.py)."""
 
 from __future__ import annotations
 
@@ -43,14 +43,13 @@ def accumulator_dtype(quant):
 
 
 @gluon.jit
-def quantize8(v, inv_ys, QUANT: gl.constexpr, RELU: gl.constexpr):
-    """gemm.quantize's 8-bit codes of FP32 [M, N] v with 1 / y_scale inv_ys (RELU: of relu(v)), as [M, N / 2]
+def quantize8(v, QUANT: gl.constexpr, RELU: gl.constexpr):
+    """gemm.quantize's 8-bit codes of FP32 [M, N] v, already in units of y_scale (RELU: of relu(v)), as [M, N / 2]
     16-bit pairs of neighbouring columns for store8: each pair converted, saturated and packed by one instruction
     (F2IP for INT8, F2FP for FP8, ptxas's fusion of the conversions below) where gemm.quantize's clamps, rounding
     add and byte packing took five a value. sm_90 SASS of ws_gemm's 128x128 tile with residual and ReLU, INT8
     2034 -> 1650 instructions, FP8 1922 -> 1458; the codes are the same for every number, and a NaN gives 0 (INT8)
     or stays NaN (FP8) where the clamps made it 0, -128 or +-448."""
-    v = v * inv_ys
     M: gl.constexpr = v.type.shape[0]
     N: gl.constexpr = v.type.shape[1]
     if QUANT == "int8":
@@ -137,27 +136,35 @@ def load_k_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n,
 
 
 @gluon.jit
-def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, B_RESIDENT: gl.constexpr = False):
-    """`steps` K tiles of the ring (from position `it`) multiplied into acc, one 8-bit wgmma in flight, each stage
-    handed back to the loader once the MMA reading it is done. Returns (acc, the ring position after them). A
-    stage is the [BLOCK_M, BLOCK_K] left tile (a convolution's [1, BH, BW, BK] box reshaped: a view of the same
-    shared memory). B_RESIDENT: b_bufs holds every K tile of the right operand for good (K tile kb at kb), not a
-    stage each."""
+def _mma_step(acc, a_bufs, b_bufs, ready, it, kb, STAGES: gl.constexpr, B_RESIDENT: gl.constexpr):
+    """K tile kb (ring position `it`) multiplied into acc once it has landed; the wgmma left in flight."""
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_K: gl.constexpr = b_bufs.type.shape[2]
-    for kb in range(steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
-        if B_RESIDENT:
-            b = b_bufs.index(kb)
-        else:
-            b = b_bufs.index(s)
-        acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if kb > 0:  # the MMA before this one has finished: its stage can be refilled
-            mbarrier.arrive(empty.index((it - 1) % STAGES))
-        it += 1
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    a = a_bufs.index(s).reshape([BLOCK_M, BLOCK_K])
+    if B_RESIDENT:
+        b = b_bufs.index(kb)
+    else:
+        b = b_bufs.index(s)
+    acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+
+
+@gluon.jit
+def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr, B_RESIDENT: gl.constexpr = False):
+    """`steps` (>= 1) K tiles of the ring (from position `it`) multiplied into the zero accumulator acc (gl.zeros),
+    one 8-bit wgmma in flight, each stage handed back to the loader once the MMA reading it is done. Returns (acc,
+    the ring position after them). The first step is outside the loop so that its wgmma takes acc's constant zeros,
+    which the compiler turns into a wgmma that does not read its accumulator: zeroed in the loop, acc cost 88 SASS
+    instructions a tile (ws_gemm's 128x128 INT8 tile 1736 -> 1648). A stage is the [BLOCK_M, BLOCK_K] left tile (a
+    convolution's [1, BH, BW, BK] box reshaped: a view of the same shared memory). B_RESIDENT: b_bufs holds every K
+    tile of the right operand for good (K tile kb at kb), not a stage each."""
+    acc = _mma_step(acc, a_bufs, b_bufs, ready, it, 0, STAGES, B_RESIDENT)
+    for kb in range(1, steps):
+        acc = _mma_step(acc, a_bufs, b_bufs, ready, it + kb, kb, STAGES, B_RESIDENT)
+        mbarrier.arrive(empty.index((it + kb - 1) % STAGES))  # the MMA before this one has finished: refill its stage
+    it += steps
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((it - 1) % STAGES))
     return acc, it

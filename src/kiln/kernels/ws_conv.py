@@ -9,7 +9,8 @@ shared memory (a reshaped view, not through registers), keeps one 8-bit wgmma in
 Nsight Compute had found tma_conv latency-bound (Tensor Cores 22-30% busy, bench/results/H200-ncu-*-1108.log).
 
 The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU and the next layer's
-8-bit quantization, warp_specialized.quantize8), so outputs equal tma_conv's. On the H200 at ResNet-50's batch-32
+8-bit quantization, warp_specialized.quantize8), with 1 / y_scale folded into the column vectors: the same codes
+as tma_conv's but where a value sits at a rounding tie (then one step away). On the H200 at ResNet-50's batch-32
 stride-1 3x3 INT8 layers (2026-12-01, bench/results/H200-gluon-conv-1214.log, outputs equal): layer2 11.2 us against
 tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1; the stride-2 3x3s 10.0-10.9 against 14.0-15.2,
 and FP8 alike (H200-ws-gluon-conv-1217.log, H200-ws-gluon-conv-fp8-1217.log). At layer1's 64 channels it is no
@@ -166,20 +167,20 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, ready, empty, w_ready, y_smem, b_ptr, 
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
-    xs = gl.load(xs_ptr).to(gl.float32)
+    xs_y = gl.load(xs_ptr).to(gl.float32) * inv_ys
     if W_RESIDENT:
         mbarrier.wait(w_ready, 0)
     it = 0
     for tile in range(gl.program_id(0), tiles, programs):
         img, oh0, ow0, off_n = _tile(tile, tiles_w, tiles_hw, tiles_n, BLOCK_H, BLOCK_W, BLOCK_N)
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
-        scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)  # loaded while the loader fills the ring
+        scale = xs_y * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)  # loaded while the loader fills the ring
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=accumulator_dtype(QUANT), layout=acc_layout)
         acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, k_tiles, STAGES, B_RESIDENT=W_RESIDENT)
         v = acc.to(gl.float32) * scale[None, :]
         if HAS_BIAS:
-            v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
-        out = quantize8(v, inv_ys, QUANT, RELU)
+            v = v + (gl.load(b_ptr + cols).to(gl.float32) * inv_ys)[None, :]
+        out = quantize8(v, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         store8(y_smem.reshape([BLOCK_M, BLOCK_N]), out)
         fence_async_shared()

@@ -4,7 +4,9 @@ design (it says why) for tma_gemm.py's ResNet-shaped layers.
 A one-warp loader partition brings each output tile's 8-bit residual and its K tiles of x and w by TMA into rings of
 shared-memory buffers, running ahead into the next tiles while a 4-warp partition runs the MMAs (one 8-bit wgmma in
 flight) and the epilogue: gemm.finish's arithmetic for this case (x_scale * w_scale[n], bias, the residual times its
-scale, the ReLU and the next layer's 8-bit quantization, warp_specialized.quantize8), so outputs equal tma_gemm's.
+scale, the ReLU and the next layer's 8-bit quantization, warp_specialized.quantize8), with 1 / y_scale folded into
+the column vectors and the residual's scale: one multiply a value less, and the same codes as tma_gemm's but where a
+value sits at a rounding tie (then one step away).
 On the H200 at ResNet-50's batch-32 INT8 1x1 layers (2026-12-01, bench/results/H200-gluon-gemm-1214.log, outputs
 equal) the best tile ran 4-15% faster than the INT8 engine's tma_gemm tile: layer1's 64 -> 256 with residual 21.7 us
 against 24.3, its 256 -> 64 8.5 against 10.0, layer2's 128 -> 512 with residual 12.5 against 13.0, layer3's 256 ->
@@ -113,28 +115,28 @@ def _mma_epilogue(y_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_ready, z_empty
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     wait_for_previous_kernel()  # the scales and bias are read straight from global memory
     inv_ys = 1.0 / gl.load(ys_ptr).to(gl.float32)
-    xs = gl.load(xs_ptr).to(gl.float32)
-    zs = gl.load(zs_ptr).to(gl.float32)
+    xs_y = gl.load(xs_ptr).to(gl.float32) * inv_ys
+    zs_y = gl.load(zs_ptr).to(gl.float32) * inv_ys
     it = 0
     t = 0
     for tile in range(gl.program_id(0), tiles, programs):
         off_m = (tile // tiles_n) * BLOCK_M
         off_n = (tile % tiles_n) * BLOCK_N
         cols = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
-        scale = xs * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)
+        scale = xs_y * gl.load(ws_ptr + cols * stride_ws).to(gl.float32)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=accumulator_dtype(QUANT), layout=acc_layout)
         acc, it = mma_steps(acc, a_bufs, b_bufs, ready, empty, it, gl.cdiv(K, BLOCK_K), STAGES)
         v = acc.to(gl.float32) * scale[None, :]
         if HAS_BIAS:
-            v = v + gl.load(b_ptr + cols).to(gl.float32)[None, :]
+            v = v + (gl.load(b_ptr + cols).to(gl.float32) * inv_ys)[None, :]
         if HAS_Z:  # gemm.finish adds the residual after the bias
             zb = t % 2
             mbarrier.wait(z_ready.index(zb), (t // 2) & 1)
             z = z_bufs.index(zb).load(acc_layout)
             fence_async_shared()  # the load above before the loader's next TMA write into this buffer
             mbarrier.arrive(z_empty.index(zb))
-            v = v + z.to(gl.float32) * zs
-        out = quantize8(v, inv_ys, QUANT, RELU)
+            v = v + z.to(gl.float32) * zs_y
+        out = quantize8(v, QUANT, RELU)
         tma.store_wait(pendings=0)  # the last tile's store has read y_smem
         store8(y_smem, out)
         fence_async_shared()
