@@ -81,8 +81,8 @@ def _loader(x_desc, w_desc, a_bufs, w_res, ready, empty, w_ready, tiles, tiles_h
 
 @gluon.jit
 def _requantize(acc, scale, bias, HAS_BIAS: gl.constexpr, QUANT: gl.constexpr, RELU: gl.constexpr):
-    """An output row's 8-bit codes (quantize8's pairs): the accumulator scaled (x_scale * w_scale[oc]), plus the
-    bias, the ReLU."""
+    """An output row's 8-bit codes (quantize8's pairs): the accumulator scaled (x_scale * w_scale[oc] / y_scale),
+    plus the bias / y_scale, the ReLU."""
     v = acc.to(gl.float32) * scale[None, :]
     if HAS_BIAS:
         v = v + bias[None, :]

@@ -157,9 +157,9 @@ def mma_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, STAGES: gl.constexpr
     one 8-bit wgmma in flight, each stage handed back to the loader once the MMA reading it is done. Returns (acc,
     the ring position after them). The first step is outside the loop so that its wgmma takes acc's constant zeros,
     which the compiler turns into a wgmma that does not read its accumulator: zeroed in the loop, acc cost 88 SASS
-    instructions a tile (ws_gemm's 128x128 INT8 tile 1736 -> 1648). A stage is the [BLOCK_M, BLOCK_K] left tile (a
-    convolution's [1, BH, BW, BK] box reshaped: a view of the same shared memory). B_RESIDENT: b_bufs holds every K
-    tile of the right operand for good (K tile kb at kb), not a stage each."""
+    instructions a tile (ws_gemm's 128x128 INT8 tile, Triton 3.8: 1736 -> 1648). A stage is the [BLOCK_M, BLOCK_K]
+    left tile (a convolution's [1, BH, BW, BK] box reshaped: a view of the same shared memory). B_RESIDENT: b_bufs
+    holds every K tile of the right operand for good (K tile kb at kb), not a stage each."""
     acc = _mma_step(acc, a_bufs, b_bufs, ready, it, 0, STAGES, B_RESIDENT)
     for kb in range(1, steps):
         acc = _mma_step(acc, a_bufs, b_bufs, ready, it + kb, kb, STAGES, B_RESIDENT)
