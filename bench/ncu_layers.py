@@ -64,7 +64,7 @@ def layer(name: str):
         s, ws = torch.tensor(0.05, device="cuda"), torch.rand(256, device="cuda") * 1e-3
         b = torch.randn(256, device="cuda").half()
         cfg = ws_gemm.WsGemmConfig(128, 128, 2, 2)
-        return lambda: ws_gemm.conv1x1(one, x8, w8, b, z8, cfg, s, ws, s, s)
+        return lambda: ws_gemm.matmul8(one, x8, w8, b, z8, cfg, s, ws, s, s)
     hw, c, oc, tile = CONVS[name]
     cl = torch.channels_last
     x8 = torch.randint(-128, 128, (32, c, hw, hw), dtype=torch.int8, device="cuda").to(memory_format=cl)

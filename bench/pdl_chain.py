@@ -63,9 +63,9 @@ def main() -> int:
         def chain():
             x = x0
             for (w1, b1, s1), (w2, b2, s2), (w3, b3, s3) in layers:
-                h = ws_gemm.conv1x1(one, x, w1, b1, None, c1, s, s1, s)
+                h = ws_gemm.matmul8(one, x, w1, b1, None, c1, s, s1, s)
                 h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s)
-                x = ws_gemm.conv1x1(one, h, w3, b3, x, c3, s, s3, s, s)
+                x = ws_gemm.matmul8(one, h, w3, b3, x, c3, s, s3, s, s)
             return x
 
         graphs, outs = {}, {}

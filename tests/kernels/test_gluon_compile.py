@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
                                      "memory: True; waits for the kernel before: True; codes packed in pairs: True"),
     ("gluon_conv.py", "halo_conv", 2, "warp-specialized: True; wgmma kept in flight: False; box read from shared "
                                       "memory: True; waits for the kernel before: True; codes packed in pairs: True"),
-    ("gluon_gemm.py", "ws_gemm", 16, "warp-specialized: True; wgmma kept in flight: True; waits for the kernel "
+    ("gluon_gemm.py", "ws_gemm", 24, "warp-specialized: True; wgmma kept in flight: True; waits for the kernel "
                                      "before: True; codes packed in pairs: True"),
 ])
 def test_the_gluon_kernels_compile_for_hopper(script, kernel, variants, flags):

@@ -42,10 +42,10 @@ def test_a_chain_launched_with_it_equals_one_launched_without(monkeypatch):
     x = torch.empty((8, 256, 28, 28), dtype=torch.int8, device="cuda").to(memory_format=torch.channels_last)
 
     def chain():
-        h = ws_gemm.conv1x1(one, x, w1, b1, None, c1, s, s1, s)
+        h = ws_gemm.matmul8(one, x, w1, b1, None, c1, s, s1, s)
         h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s)
         h = halo_conv.conv2d(three, h, w5, b5, s, s5, s)
-        h = ws_gemm.conv1x1(one, h, w3, b3, x, c3, s, s3, s, s)
+        h = ws_gemm.matmul8(one, h, w3, b3, x, c3, s, s3, s, s)
         return tma_gemm.gemm(pixel_rows(h), w4.reshape(128, 256).t(), b4, "Relu",
                              config=TileConfig(128, 128, 128, 4, 3), qtype="int8", x_scale=s, w_scale=s4, y_scale=s)
 

@@ -3,6 +3,8 @@
          convolutions with an 8-bit output, not 1x1 stride 1
   QConv  gluon_ws_qconv1x1_<BM>x<BN>_s<stages>_x<programs an SM>  kernels/ws_gemm.py: INT8/FP8 1x1 stride-1
          convolutions with an 8-bit output and an 8-bit residual or none
+  QGemm  gluon_ws_qgemm_<BM>x<BN>_s<stages>_x<programs an SM>  kernels/ws_gemm.py: INT8/FP8 GEMMs with an 8-bit
+         output (BERT's QKV, and FFN1 with its GELU)
   QConv  gluon_halo_qconv3x3  kernels/halo_conv.py: INT8/FP8 64-channel 3x3 stride-1 convolutions of images at most
          64 pixels wide, a tile two whole output rows
 Offered beside tma_conv's and tma_gemm's tiles (tactics/triton_tma.py) at the same level: the builder times them
@@ -48,7 +50,8 @@ def _gemm_applies(config):
         if not _operands_ok(node, args, x, w) or not ws_gemm.supports(node, x, w, b, z, y_scale, q_scale, z_scale,
                                                                       config):
             return False
-        return _device_ok(x, config.smem_bytes(ws_gemm.block_k_for(x.shape[1]), z is not None))
+        k = w.shape[0] if node.op_type == "QGemm" else w.shape[1]
+        return _device_ok(x, config.smem_bytes(ws_gemm.block_k_for(k), z is not None))
 
     return applies
 
@@ -58,7 +61,7 @@ def _gemm_run(config):
         from ..kernels import ws_gemm
 
         x, w, b, z, y_scale, _, z_scale = layer_gemm.operands(node, args)
-        return ws_gemm.conv1x1(node, x, w, b, z, config, args[2], args[3], y_scale, z_scale)
+        return ws_gemm.matmul8(node, x, w, b, z, config, args[2], args[3], y_scale, z_scale)
 
     return run
 
@@ -89,4 +92,5 @@ else:
         tactic("QConv", f"gluon_ws_qconv_{cfg.name}", _conv_applies(cfg), level=level)(_conv_run(cfg))
     for cfg, level in ws_gemm.CONFIGS:
         tactic("QConv", f"gluon_ws_qconv1x1_{cfg.name}", _gemm_applies(cfg), level=level)(_gemm_run(cfg))
+        tactic("QGemm", f"gluon_ws_qgemm_{cfg.name}", _gemm_applies(cfg), level=level)(_gemm_run(cfg))
     tactic("QConv", "gluon_halo_qconv3x3", _halo_applies, level=3)(_halo_run)
