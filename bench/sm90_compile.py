@@ -69,7 +69,7 @@ def flash_source(quant: str, fp8_inputs: bool = False):
            "qk_scale": "fp32", **{p: "i32" for p in strides}}
     cx = dict(HAS_MASK=True, MASK_ROW=True, EVEN_M=True, EVEN_N=True, EVEN_D=True, NAN_GUARD=False, PREC="tf32",
               QUANT=quant, QKV_SCALED=fp8_inputs, CDT=tl.float16,
-              QK_DT=tl.float8e4nv if fp8_inputs else tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64)
+              QK_DT=tl.float8e4nv if fp8_inputs else tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64, PDL=True)
     return ASTSource(fn=attention._flash_fwd_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
                      constexprs=cx)
 
@@ -126,7 +126,7 @@ def norm_compiles() -> int:
     failed = 0
     for skip, rows, third in ((True, 1, False), (False, 1, False), (True, 2, False), (True, 1, True)):
         cx = dict(HAS_SKIP=skip, HAS_SKIP2=third, HAS_BETA=True, WRITE_SUM=False, QUANT="fp8", RMS=False, PARTS=0,
-                  HAS_BIAS=False, BLOCK=1024, ROWS=rows)
+                  HAS_BIAS=False, BLOCK=1024, ROWS=rows, PDL=True)
         add = "a third addend" if third else "the add" if skip else "no add"
         failed += _compiles(f"layernorm, fp8 copy, {add}, {rows} row(s) a program",
                             ASTSource(fn=layernorm._skip_layernorm_kernel,

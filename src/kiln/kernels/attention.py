@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemm import QTYPES, quantize
+from .pdl import launch_options, start_after_previous
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,7 +51,9 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
                       HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
                       QKV_SCALED: tl.constexpr, CDT: tl.constexpr, QK_DT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      PDL: tl.constexpr):
+    start_after_previous(PDL)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -240,6 +243,7 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
     from .gemm import dot_precision
 
     grid = (triton.cdiv(sq, config.block_m), B * H)
+    pdl = launch_options(q.device)
     _flash_fwd_kernel[grid](
         q4, k4, v4, m4, o4, y_scale if y_scale is not None else q4, qkv_scale if qkv_scale is not None else q4,
         H, sq, sk, d, dv, scale * _LOG2E,
@@ -251,8 +255,8 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
         QKV_SCALED=qkv_scale is not None, CDT=_TL[cdt],
         QK_DT=tl.float8e4nv if qkv_scale is not None and fp8_qk else _TL[cdt],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), PDL=bool(pdl), num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl)
     return o
 
 

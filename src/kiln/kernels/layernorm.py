@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .gemm import QTYPES, quantize
+from .pdl import launch_options, start_after_previous
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024))
 def _skip_layernorm_kernel(a_ptr, b_ptr, c_ptr, g_ptr, beta_ptr, y_ptr, s_ptr, qs_ptr, q_ptr, bias_ptr, n_cols, eps,
                            rows1, n_rows, sa0, sa1, sb0, sb1, sc0, sc1, HAS_SKIP: tl.constexpr, HAS_SKIP2: tl.constexpr,
                            HAS_BETA: tl.constexpr, WRITE_SUM: tl.constexpr, QUANT: tl.constexpr, RMS: tl.constexpr,
-                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                           PDL: tl.constexpr):
+    start_after_previous(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]: ROWS rows per program
     r0, r1 = row // rows1, row % rows1
     cols = tl.arange(0, BLOCK)[None, :]
@@ -132,6 +135,7 @@ def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts
     s = torch.empty(like.shape, dtype=like.dtype, device=like.device) if write_sum else y
     q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
+    pdl = launch_options(like.device)
     _skip_layernorm_kernel[(triton.cdiv(rows, launch.rows),)](
         parts if parts is not None else like, b if b is not None else like, c if c is not None else like, gamma,
         beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q,
@@ -139,8 +143,7 @@ def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts
         b3.stride(0), b3.stride(1), c3.stride(0), c3.stride(1), HAS_SKIP=b is not None, HAS_SKIP2=c is not None,
         HAS_BETA=beta is not None, WRITE_SUM=write_sum,
         QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
-        HAS_BIAS=bias is not None, BLOCK=block, ROWS=launch.rows, num_warps=launch.warps(block),
-    )
+        HAS_BIAS=bias is not None, BLOCK=block, ROWS=launch.rows, PDL=bool(pdl), num_warps=launch.warps(block), **pdl)
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 
 
