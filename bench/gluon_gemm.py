@@ -9,7 +9,8 @@ Before ws_gemm became a tactic this script held the experiment itself; its first
     python bench/gluon_gemm.py --bert           (GPU: tiles at BERT-base's batch-32 FP8 GEMMs with an FP8 output,
                                                  QKV and FFN1 with its GELU, against cuBLASLt's choices)
     python bench/gluon_gemm.py --compile-only   (any machine: ws_gemm's tiles compiled for sm_90, INT8 and FP8,
-                                                 with and without a residual; tests/kernels/test_gluon_compile.py)
+                                                 with a residual and ReLU and with a GELU;
+                                                 tests/kernels/test_gluon_compile.py)
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ LAYERS = [("layer1 conv3 64->256 +res", 56, 64, 256, True, (128, 128, 64, 4, 3))
 
 
 def compile_only() -> int:
-    """Each of ws_gemm's tiles compiled for sm_90 at K = 64 and 256, INT8 and FP8, with and without a residual;
-    1 if one failed."""
+    """Each of ws_gemm's tiles compiled for sm_90 at K = 64 and 256, INT8 and FP8, with a residual and ReLU and with
+    a GELU (no residual); 1 if one failed."""
     failed = 0
     for cfg, _ in CONFIGS:
         bm, bn = cfg.block_m, cfg.block_n

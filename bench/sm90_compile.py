@@ -69,7 +69,8 @@ def flash_source(quant: str, fp8_inputs: bool = False):
            "qk_scale": "fp32", **{p: "i32" for p in strides}}
     cx = dict(HAS_MASK=True, MASK_ROW=True, EVEN_M=True, EVEN_N=True, EVEN_D=True, NAN_GUARD=False, PREC="tf32",
               QUANT=quant, QKV_SCALED=fp8_inputs, CDT=tl.float16,
-              QK_DT=tl.float8e4nv if fp8_inputs else tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64, PDL=True)
+              QK_DT=tl.float8e4nv if fp8_inputs else tl.float16, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64,
+              PDL=True)
     return ASTSource(fn=attention._flash_fwd_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
                      constexprs=cx)
 
