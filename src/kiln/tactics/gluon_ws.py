@@ -50,7 +50,7 @@ def _gemm_applies(config):
         if not _operands_ok(node, args, x, w) or not ws_gemm.supports(node, x, w, b, z, y_scale, q_scale, z_scale,
                                                                       config):
             return False
-        k = w.shape[0] if node.op_type == "QGemm" else w.shape[1]
+        k = ws_gemm.matrices(node, x, w, z)[1].shape[1]  # w's rows are [N, K] for a QGemm and a 1x1 QConv alike
         return _device_ok(x, config.smem_bytes(ws_gemm.block_k_for(k), z is not None))
 
     return applies
