@@ -1,0 +1,188 @@
+"""Paged attention: the torch references against plain dense attention per sequence, the Triton kernels against
+the references (tiny shapes under TRITON_INTERPRET=1 without a GPU, realistic ones on the GPU)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kiln.kernels import paged_attention as pa
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+def dense_causal_attention(q, k, v, softmax_scale, sliding_window=None, logits_soft_cap=None):
+    """softmax(q k^T) v of one sequence whose queries are its last len(q) positions, one query and head at a
+    time: q [qlen, heads, d], k, v [seq_len, heads, d] (already one per query head), FP32."""
+    qlen, seq_len = q.shape[0], k.shape[0]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for h in range(q.shape[1]):
+        for j in range(qlen):
+            p = seq_len - qlen + j
+            lo = max(0, p - sliding_window + 1) if sliding_window else 0
+            s = (k[lo:p + 1, h].float() @ q[j, h].float()) * softmax_scale
+            if logits_soft_cap:
+                s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+            out[j, h] = torch.softmax(s, dim=0) @ v[lo:p + 1, h].float()
+    return out
+
+
+@dataclass
+class Batch:
+    """One step's packed queries over a paged cache, with each sequence's dense K/V (dequantized) beside it."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    dense_k: list[torch.Tensor]
+    dense_v: list[torch.Tensor]
+    qlens: list[int]
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
+                max(self.qlens), int(self.seq_lens.max()))
+
+    def scales(self):
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+
+def poison(cache: torch.Tensor) -> torch.Tensor:
+    """Every slot no test token owns holds NaN (127 for INT8): a kernel that reads one shows it."""
+    return cache.fill_(127 if cache.dtype == torch.int8 else float("nan"))
+
+
+def make_batch(qlens, seq_lens, heads, kv_heads, d, block_size=4, dtype=torch.float32, cache_dtype=None,
+               seed=0, device="cpu", reshape=pa.reshape_and_cache_reference) -> Batch:
+    """Sequences of context seq_lens whose last qlens tokens are this step's queries. Their blocks are scattered
+    over the cache in a shuffled order, with spare blocks; block_tables' padding points at a poisoned block. The
+    cache is written through `reshape` (tokens in a shuffled order, plus tokens of slot -1 that must not land)."""
+    cache_dtype = cache_dtype or dtype
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 stays poisoned
+    width = max(per_seq) + 2
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    ks, vs, slots = [], [], []
+    for s, n in enumerate(seq_lens):
+        blocks = [order.pop() for _ in range(per_seq[s])]
+        tables[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        ks.append(torch.randn(n, kv_heads, d, generator=g).to(dtype))
+        vs.append(torch.randn(n, kv_heads, d, generator=g).to(dtype))
+        pos = torch.arange(n)
+        slots.append(torch.tensor(blocks, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size)
+    k_all, v_all, slot_all = torch.cat(ks), torch.cat(vs), torch.cat(slots)
+    junk = 5  # tokens that must not be written (slot -1): padding of a captured step
+    k_all = torch.cat([k_all, torch.full((junk, kv_heads, d), 1e4).to(dtype)])
+    v_all = torch.cat([v_all, torch.full((junk, kv_heads, d), 1e4).to(dtype)])
+    slot_all = torch.cat([slot_all, torch.full((junk,), -1, dtype=torch.int64)])
+    shuffle = torch.randperm(len(slot_all), generator=g)
+    k_all, v_all, slot_all = k_all[shuffle], v_all[shuffle], slot_all[shuffle]
+
+    k_scale = v_scale = None
+    if cache_dtype in pa.CACHE_8BIT:
+        k_scale = pa.kv_scales(torch.cat(ks), cache_dtype)
+        v_scale = pa.kv_scales(torch.cat(vs), cache_dtype) * 1.1  # some headroom: codes below the top
+    shape = (num_blocks, block_size, kv_heads, d)
+    k_cache = poison(torch.empty(shape, dtype=cache_dtype))
+    v_cache = poison(torch.empty(shape, dtype=cache_dtype))
+    to = (lambda t: t.to(device) if t is not None else None)
+    k_cache, v_cache = to(k_cache), to(v_cache)
+    reshape(to(k_all), to(v_all), k_cache, v_cache, to(slot_all), to(k_scale), to(v_scale))
+
+    def dense(x, scale):
+        return pa.dequantize_kv(pa.quantize_kv(x, scale, cache_dtype), scale)
+
+    q = torch.randn(sum(qlens), heads, d, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    return Batch(to(q), k_cache, v_cache, to(k_scale), to(v_scale), to(qsl),
+                 to(torch.tensor(seq_lens, dtype=torch.int32)), to(tables),
+                 [dense(x, k_scale) for x in ks], [dense(x, v_scale) for x in vs], list(qlens))
+
+
+def dense_result(b: Batch, softmax_scale, sliding_window=None, logits_soft_cap=None) -> torch.Tensor:
+    group = b.q.shape[1] // b.k_cache.shape[2]
+    outs, start = [], 0
+    for s, qlen in enumerate(b.qlens):
+        outs.append(dense_causal_attention(b.q[start:start + qlen].cpu(), b.dense_k[s].repeat_interleave(group, 1),
+                                           b.dense_v[s].repeat_interleave(group, 1), softmax_scale,
+                                           sliding_window, logits_soft_cap))
+        start += qlen
+    return torch.cat(outs)
+
+
+# a mixed step: two decodes, a first prefill chunk, a later chunk, a decode at a block edge
+MIXED_QLENS = [1, 1, 7, 5, 1]
+MIXED_SEQ_LENS = [9, 1, 7, 13, 8]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The references against dense attention
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (4, 1)])
+def test_reference_matches_dense_attention_on_a_mixed_batch(heads, kv_heads):
+    b = make_batch(MIXED_QLENS, MIXED_SEQ_LENS, heads, kv_heads, 8)
+    got = pa.paged_attention_reference(*b.args(), 0.3)
+    torch.testing.assert_close(got, dense_result(b, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,cap", [(3, None), (None, 2.0), (4, 1.5)])
+def test_reference_sliding_window_and_soft_cap(window, cap):
+    b = make_batch(MIXED_QLENS, MIXED_SEQ_LENS, 9, 3, 8)
+    got = pa.paged_attention_reference(*b.args(), 0.5, sliding_window=window, logits_soft_cap=cap)
+    torch.testing.assert_close(got, dense_result(b, 0.5, window, cap), atol=1e-5, rtol=1e-5)
+    if window:  # a window changes long sequences' results
+        assert not torch.allclose(got, pa.paged_attention_reference(*b.args(), 0.5, logits_soft_cap=cap))
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8, torch.int8])
+def test_reference_with_8_bit_caches_matches_dense_attention_of_the_dequantized_values(cache_dtype):
+    b = make_batch(MIXED_QLENS, MIXED_SEQ_LENS, 9, 3, 8, cache_dtype=cache_dtype)
+    got = pa.paged_attention_reference(*b.args(), 0.3, **b.scales())
+    torch.testing.assert_close(got, dense_result(b, 0.3), atol=1e-5, rtol=1e-5)
+    # and close to the float values it quantized (the codes are not thrown away)
+    f = make_batch(MIXED_QLENS, MIXED_SEQ_LENS, 9, 3, 8)
+    err = (got - pa.paged_attention_reference(*f.args(), 0.3)).abs().max().item()
+    assert err < (0.15 if cache_dtype == FP8 else 0.05), err
+
+
+def test_reference_output_dtype_and_out():
+    b = make_batch([1, 3], [5, 3], 4, 2, 8, dtype=torch.bfloat16)
+    got = pa.paged_attention_reference(*b.args(), 0.3)
+    assert got.dtype == torch.bfloat16 and got.shape == b.q.shape
+    out = torch.full(b.q.shape, float("nan"), dtype=torch.bfloat16)
+    assert pa.paged_attention_reference(*b.args(), 0.3, out=out) is out
+    torch.testing.assert_close(out, got)
+
+
+def test_quantize_rules():
+    scale = torch.tensor([0.5, 2.0])
+    x = torch.tensor([[[0.25, 1000.0, -1000.0, 0.3]], [[3.0, 1.0, 300.0, -255.0]]]).transpose(0, 1)  # [1, 2, 4]
+    i8 = pa.quantize_kv(x, scale, torch.int8)
+    # x / scale, round half to even, clamp to +-127
+    assert i8.tolist() == [[[0, 127, -127, 1], [2, 0, 127, -127]]]
+    f8 = pa.quantize_kv(x, scale, FP8)
+    # saturating at +-448 (no inf/nan), rounded to nearest
+    assert f8.float().tolist() == [[[0.5, 448.0, -448.0, 0.625], [1.5, 0.5, 144.0, -128.0]]]
+    torch.testing.assert_close(pa.dequantize_kv(i8, scale), i8.float() * scale[:, None])
+    assert pa.kv_scales(x, torch.int8).tolist() == pytest.approx([1000 / 127, 300 / 127])
+    assert pa.kv_scales(x, FP8).tolist() == pytest.approx([1000 / 448, 1000 / 448])
+
+
+def test_reshape_and_cache_reference_writes_only_mapped_slots():
+    k = torch.randn(3, 2, 4)
+    v = torch.randn(3, 2, 4)
+    k_cache = poison(torch.empty(2, 4, 2, 4))
+    v_cache = poison(torch.empty(2, 4, 2, 4))
+    pa.reshape_and_cache_reference(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[0, 0], v[2])
+    assert int(torch.isnan(k_cache).flatten(2).all(-1).sum()) == 2 * 4 - 2  # the other slots untouched
