@@ -3,6 +3,10 @@
     trt_model = kiln.compile(model, inputs=[kiln.Input((1, 3, 224, 224), (8, 3, 224, 224), (32, 3, 224, 224))],
                              precision="fp16")
     y = trt_model(x)          # behaves like model(x)
+
+Keyword arguments (a Hugging Face model's input_ids=, attention_mask=) are given as kwarg_inputs and
+passed the same way at call time; the result has the structure the module returns (a tensor, a tuple, a
+dict or a transformers ModelOutput), rebuilt around the engine's outputs.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .engine.builder import build
 from .engine.config import BuildConfig, Profile
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 _PRECISIONS = {"fp32": {}, "float32": {}, "tf32": {"tf32": True}, "fp16": {"fp16": True},
                "float16": {"fp16": True}, "bf16": {"bf16": True}, "bfloat16": {"bf16": True}}
@@ -39,39 +44,88 @@ class Input:
         return torch.zeros(shape, dtype=self.dtype)
 
 
-class CompiledModule:
-    """Calls the engine with the module's positional arguments; returns what the module returns
-    (one tensor, or a tuple when the module returns several)."""
+class _Positional(torch.nn.Module):
+    """The module with its keyword arguments taken by position, for export (engine inputs are positional)."""
 
-    def __init__(self, engine, single_output: bool):
+    def __init__(self, module: torch.nn.Module, n_positional: int, keywords: list[str]):
+        super().__init__()
+        self.module, self.n, self.keywords = module, n_positional, keywords
+
+    def forward(self, *args):
+        return self.module(*args[:self.n], **dict(zip(self.keywords, args[self.n:])))
+
+
+class CompiledModule:
+    """Calls the engine with the module's arguments (positional as compiled, then the compiled keywords by
+    name) and returns what the module returns: the engine's outputs put back into the module's output
+    structure. Tensors on another device than the engine's are moved to it, and the outputs back."""
+
+    def __init__(self, engine, output_spec=None, output_leaves=None, keywords=(), n_positional=None,
+                 single_output: bool = False):
         self.engine = engine
         self.context = engine.create_execution_context()
-        self._single = single_output
+        self._spec = output_spec
+        self._leaves = output_leaves  # the sample's leaves: tensors become engine outputs, others are kept
+        self._keywords = list(keywords)
+        self._n = len(engine.inputs) - len(self._keywords) if n_positional is None else n_positional
+        self._single = single_output  # without a structure: one tensor, or a tuple of them
 
-    def __call__(self, *args):
-        outs = list(self.context.run(list(args)).values())
-        return outs[0] if self._single else tuple(outs)
+    def _feeds(self, args, kwargs) -> list:
+        if len(args) != self._n:
+            raise InputError(f"the compiled module takes {self._n} positional argument(s), {len(args)} given.")
+        unknown = sorted(set(kwargs) - set(self._keywords))
+        missing = [k for k in self._keywords if k not in kwargs]
+        if unknown or missing:
+            raise InputError(f"the compiled module takes keyword argument(s) {self._keywords} as compiled; "
+                             f"unknown: {unknown}, missing: {missing}.")
+        return [*args, *(kwargs[k] for k in self._keywords)]
+
+    def __call__(self, *args, **kwargs):
+        feeds = self._feeds(args, kwargs)
+        devices = {x.device for x in feeds if isinstance(x, torch.Tensor)}
+        outs = list(self.context.run(feeds).values())
+        if len(devices) == 1 and (home := devices.pop()) != self.context.device:
+            outs = [t.to(home) if isinstance(t, torch.Tensor) else t for t in outs]
+        if self._spec is None:
+            return outs[0] if self._single else tuple(outs)
+        it = iter(outs)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
+        return pytree.tree_unflatten(leaves, self._spec)
 
 
-def compile(module: torch.nn.Module, inputs, precision: str = "fp32", device: str = "auto",
-            opset: int = 18, **build_options) -> CompiledModule:
+def compile(module: torch.nn.Module, inputs=(), precision: str = "fp32", device: str = "auto",
+            opset: int = 18, kwarg_inputs: dict | None = None, **build_options) -> CompiledModule:
+    """Export `module` to ONNX with example inputs (kiln.Input shape ranges, or tensors for fixed shapes),
+    build an engine and return a callable that behaves like the module."""
     if precision not in _PRECISIONS:
         raise ConfigError(f"precision '{precision}' is not one of {sorted(_PRECISIONS)}.")
     from .frontend.torch_export import from_torch
 
-    specs = [x if isinstance(x, Input) else Input(tuple(x.shape), dtype=x.dtype) for x in inputs]
-    examples = [x if isinstance(x, torch.Tensor) else s.example() for x, s in zip(inputs, specs)]
+    kwarg_inputs = dict(kwarg_inputs or {})
+    given = list(inputs) + list(kwarg_inputs.values())
+    specs = [x if isinstance(x, Input) else Input(tuple(x.shape), dtype=x.dtype) for x in given]
+    examples = [x if isinstance(x, torch.Tensor) else s.example() for x, s in zip(given, specs)]
     dynamic = []
     for i, s in enumerate(specs):
         lo, _, hi = s.shapes()
         dims = {a: torch.export.Dim(f"in{i}_d{a}", min=lo[a], max=hi[a]) for a in range(len(lo)) if lo[a] != hi[a]}
         dynamic.append(dims or None)
     module = module.eval()
+    n_positional = len(list(inputs))
+    target = _Positional(module, n_positional, list(kwarg_inputs)) if kwarg_inputs else module
     with torch.no_grad():
-        sample = module(*examples)
-    model, _ = from_torch(module, tuple(examples), dynamic_shapes=tuple(dynamic) if any(dynamic) else None, opset=opset)
+        sample = target(*examples)
+    shapes = tuple(dynamic) if any(dynamic) else None
+    if shapes and kwarg_inputs:  # forward(*args): torch.export takes the varargs' specs as one element
+        shapes = (shapes,)
+    model, _ = from_torch(target, tuple(examples), dynamic_shapes=shapes, opset=opset)
     names = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
     profile = Profile({n: s.shapes() for n, s in zip(names, specs)})
     config = BuildConfig(profiles=[profile], device=device, **_PRECISIONS[precision], **build_options)
     engine = build(model, config)
-    return CompiledModule(engine, single_output=isinstance(sample, torch.Tensor))
+    leaves, spec = pytree.tree_flatten(sample)
+    if sum(isinstance(x, torch.Tensor) for x in leaves) != len(engine.outputs):
+        # The exporter dropped or merged outputs (a constant output, say): no structure to rebuild.
+        return CompiledModule(engine, keywords=list(kwarg_inputs), n_positional=n_positional,
+                              single_output=isinstance(sample, torch.Tensor))
+    return CompiledModule(engine, spec, leaves, keywords=list(kwarg_inputs), n_positional=n_positional)

@@ -142,15 +142,15 @@ class ExecutionContext:
     # --- running --------------------------------------------------------------
     def _normalize(self, feeds) -> tuple[dict[str, torch.Tensor], bool]:
         names = self._input_names
-        if type(feeds) is dict:  # at batch 1 the device waits for these checks: repeat signatures skip them
-            sig = tuple((k, x.dtype, x.shape, x.device) if type(x) is torch.Tensor else None for k, x in feeds.items())
-            if sig in self._checked:
-                return feeds, False
-        if not isinstance(feeds, dict):
+        if not isinstance(feeds, dict):  # a list in input order, or one tensor
             feeds = list(feeds) if isinstance(feeds, (list, tuple)) else [feeds]
             if len(feeds) != len(names):
                 raise InputError(f"the engine takes {len(names)} inputs {names}, but {len(feeds)} were given.")
             feeds = dict(zip(names, feeds))
+        # At batch 1 the device waits for these checks: repeat signatures of device feeds skip them.
+        sig = tuple((k, x.dtype, x.shape, x.device) if type(x) is torch.Tensor else None for k, x in feeds.items())
+        if sig in self._checked:
+            return feeds, False
         unknown = [k for k in feeds if k not in names]
         if unknown:
             raise InputError(f"unknown input(s) {unknown}; this engine's inputs are {names}.")
@@ -180,8 +180,7 @@ class ExecutionContext:
                 warnings.warn(f"input '{v.name}' contains NaN or Inf values; outputs will likely be NaN.",
                               NonFiniteInputWarning, stacklevel=3)
             out[v.name] = x
-        if type(feeds) is dict and list(feeds) == names and all(
-                type(x) is torch.Tensor and x.device.type != "cpu" for x in feeds.values()):
+        if list(feeds) == names and all(type(x) is torch.Tensor and x.device.type != "cpu" for x in feeds.values()):
             self._checked.add(sig)  # device tensors: no value check (NaN warning) is skipped by the fast path
         return out, as_numpy
 
