@@ -3,14 +3,28 @@
 import json
 import zipfile
 
+from kiln.engine import serialize
 
-def rewrite_manifest(path, edit) -> None:
-    """Apply edit(manifest dict) to the engine file at path, keeping the other members as they are."""
+
+def read_members(path) -> dict[str, bytes]:
     with zipfile.ZipFile(path) as z:
-        members = {n: z.read(n) for n in z.namelist()}
+        return {n: z.read(n) for n in z.namelist()}
+
+
+def write_zip(path, members: dict[str, bytes], compression=zipfile.ZIP_STORED) -> None:
+    with zipfile.ZipFile(path, "w", compression=compression) as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+
+
+def rewrite_manifest(path, edit, reseal: bool = True) -> None:
+    """Apply edit(manifest dict) to the engine file at path, keeping the other members as they are.
+    reseal: recompute checksums.json, as a build that wrote such a manifest would have (the refusal under
+    test is then the one for the manifest's content, not for a checksum that no longer matches)."""
+    members = read_members(path)
     m = json.loads(members["manifest.json"])
     edit(m)
     members["manifest.json"] = json.dumps(m).encode()
-    with zipfile.ZipFile(path, "w") as z:
-        for n, d in members.items():
-            z.writestr(n, d)
+    if reseal:
+        members = serialize.write_members(members)
+    write_zip(path, members)

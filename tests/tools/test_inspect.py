@@ -1,7 +1,7 @@
 """kiln inspect: per-layer rows, TensorRT layer-info JSON, findings."""
 
 import json
-import zipfile
+import shutil
 
 import numpy as np
 import onnx
@@ -81,15 +81,11 @@ def test_findings_missed_fusion_and_higher_precision(capsys):
 
 
 def test_engine_for_another_gpu_is_inspected_from_its_manifest(mlp_files, tmp_path, capsys):
-    src = zipfile.ZipFile(mlp_files.fp16)
-    members = {n: src.read(n) for n in src.namelist()}
-    m = json.loads(members["manifest.json"])
-    m["target"] = {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0"}
-    members["manifest.json"] = json.dumps(m).encode()
+    from ..engine.util import rewrite_manifest
+
     path = tmp_path / "h200.kiln"
-    with zipfile.ZipFile(path, "w") as z:
-        for n, data in members.items():
-            z.writestr(n, data)
+    shutil.copy(mlp_files.fp16, path)
+    rewrite_manifest(path, lambda m: m.update(target={"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0"}))
     assert cli(tool, "inspect", str(path)) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200 (compute capability 9.0)" in out and "cannot run here" in out
