@@ -168,7 +168,7 @@ def _check_excluded_tactics(patterns) -> None:
 
 def build(model, config: BuildConfig | None = None) -> Engine:
     """Build an engine. `model`: an onnx.ModelProto, a path to an .onnx file, or a kiln Graph."""
-    from ..frontend.onnx_loader import load_onnx
+    from ..frontend.onnx_loader import load_onnx, mark_dynamic_dims
     from ..tools.progress import build_progress
 
     config = config or BuildConfig()
@@ -202,7 +202,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         if isinstance(model, Graph):
             graph = model
         else:
-            proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
+            proto = mark_dynamic_dims(model) if isinstance(model, onnx.ModelProto) else load_onnx(model)
             graph = model_to_graph(proto)
         check_supported(graph)
         profiles = resolve_profiles(graph, config)

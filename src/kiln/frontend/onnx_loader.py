@@ -75,12 +75,27 @@ def read_model(source, *, base_dir: str | os.PathLike | None = None, load_extern
             f"{label} has no graph: it parsed as a protobuf message but it is not an ONNX model "
             "(or the file is truncated)."
         )
+    mark_dynamic_dims(model)
     base = Path(base_dir) if base_dir is not None else None
     loaded = LoadedModel(model=model, name=name, path=path, base_dir=base)
     loaded.external = external_data.validate(model, base, label)
     if load_external_data and loaded.external:
         external_data.load(model, base, label)
     return loaded
+
+
+def mark_dynamic_dims(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Input and output dimensions written as -1 or 0 become unnamed dynamic axes, in place: exporters
+    (Paddle's among them) write "dynamic" that way, where ONNX proper leaves dim_value unset or names the
+    axis. Returns the model."""
+    g = model.graph
+    for vi in [*g.input, *g.output]:
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value <= 0:
+                d.ClearField("dim_value")
+    return model
 
 
 def _read_file(path: Path) -> bytes:
