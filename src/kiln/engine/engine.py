@@ -65,23 +65,13 @@ class Engine:
         return rows
 
     def random_inputs(self, profile: int = 0, pick: int = 1, shapes: dict | None = None, seed: int = 0,
-                      device=None) -> dict[str, torch.Tensor]:
-        """Seeded random inputs at a profile's min (pick=0), opt (1) or max (2) shape, or at `shapes`.
-        Floats are standard normal (never zeros: they hide unwritten outputs), integers 0/1
-        (valid as indices), booleans random."""
-        g = torch.Generator().manual_seed(seed)
-        feeds = {}
-        for v in self.inputs:
-            shape = tuple((shapes or {}).get(v.name, self.get_profile_shape(profile, v.name)[pick]))
-            dtype = v.dtype or torch.float32
-            if dtype.is_floating_point:
-                x = torch.randn(shape, generator=g).to(dtype)
-            elif dtype == torch.bool:
-                x = torch.rand(shape, generator=g) > 0.5
-            else:
-                x = torch.randint(0, 2, shape, generator=g).to(dtype)
-            feeds[v.name] = x.to(device) if device is not None else x
-        return feeds
+                      device=None, val_range: dict | None = None) -> dict[str, torch.Tensor]:
+        """Seeded synthetic inputs at a profile's min (pick=0), opt (1) or max (2) shape, or at `shapes`,
+        drawn to look like data (kiln/tools/synthetic.py): token ids over the embedding's rows, masks as
+        masks, floats standard normal, `val_range` {input or None: (lo, hi)} as --valRange gives."""
+        from ..tools.synthetic import synthetic_inputs
+
+        return synthetic_inputs(self, profile, pick, shapes, seed, device, val_range)
 
     @property
     def precision(self) -> str:

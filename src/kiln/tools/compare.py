@@ -2,15 +2,35 @@
 
 REF is the ONNX model run by onnxruntime on the CPU (the API also takes a
 torch.nn.Module, or MODULE:FACTORY on the command line). Both run on the same
-inputs: seeded random ones at a profile's opt shape, a .npz, or a folder of
-.npz samples. Per output: absolute and relative error (max, mean, median, p99),
-NaN/Inf checks, an error histogram, the minimum tolerance that would pass, and
-a PASSED/FAILED line. An element passes when |engine - ref| <= atol + rtol * |ref|
-(numpy.allclose's rule). The default atol is relative to the tensor's range: the
-precision's value times max(1, max |ref|), since one FP16 step near a logit of 100 is
-already 0.06; an --atol given on the command line is absolute. --layerwise also
-compares every engine layer output that exists in the ONNX graph and names the first
-layer whose error leaves the tolerance: where accuracy is lost.
+inputs, in this order of preference: --loadInputs (a .npz, or a folder of .npz
+samples); the calibration data the engine was built with, when its file is still
+there; else synthetic inputs drawn to look like data (token ids over the embedding's
+rows, masks as masks, --valRange NAME:LO,HI), and the report says they are synthetic.
+
+Per output: absolute and relative error (max, mean, median, p99), NaN/Inf checks, an
+error histogram, the minimum tolerance that would pass, and a verdict. An element
+passes when |engine - ref| <= atol + rtol * |ref| (numpy.allclose's rule).
+
+Default tolerances scale with each output: atol = f x RMS(ref) (the output's own
+magnitude, over all samples) and rtol = f, where f follows the build precision's
+arithmetic:
+  FP32 1e-4  (same format as the reference; only the order of sums differs)
+  TF32, FP16 1e-2  (10-bit mantissa: a rounding is 2^-11 = 4.9e-4; ~20 of them)
+  BF16 4e-2  (7-bit mantissa: 2^-8 = 3.9e-3; ~10 roundings)
+  INT8 1e-1  (127 levels per tensor: one step is ~1/127 of a tensor's range,
+              several % of its RMS, and steps add up over the layers)
+  FP8  1.5e-1 (E4M3, 3-bit mantissa: 2^-4 = 6.3e-2 per value, averaged in each sum)
+  INT4 2e-1  (weights only, 15 levels per group)
+Integer and boolean outputs are compared exactly. An --atol/--rtol given on the
+command line is absolute.
+
+Verdicts: PASSED; FAILED (exit 1); INCONCLUSIVE (exit 3) when the check is vacuous:
+the tolerance is so wide against the output's spread that an engine returning one
+constant (the midpoint of the reference's range) would pass it too, so it proves
+nothing (--accept-vacuous counts it as passed, still with the warning).
+
+--layerwise also compares every engine layer output that exists in the ONNX graph
+and names the first layer whose error leaves the tolerance: where accuracy is lost.
 """
 
 from __future__ import annotations
@@ -26,16 +46,18 @@ from ..errors import ConfigError, InputError
 from ..ir import dtypes
 from . import common
 
-# Default (atol, rtol) by the engine's build precision.
-DEFAULT_TOLERANCES = {
-    "float32": (1e-5, 1e-4),
-    "tf32": (1e-3, 1e-3),
-    "float16": (1e-2, 1e-2),
-    "bfloat16": (3e-2, 3e-2),  # 8 significant bits: about 4x FP16's rounding error
-    "fp8": (1e-1, 1e-1),
-    "int8": (1e-1, 1e-1),
-    "int4": (2e-1, 2e-1),
+# The default tolerance fraction f by the engine's build precision: atol = f x RMS(ref), rtol = f.
+# Derived from each format's rounding (the module docstring gives the arithmetic).
+DEFAULT_FRACTION = {
+    "float32": 1e-4,
+    "tf32": 1e-2,
+    "float16": 1e-2,
+    "bfloat16": 4e-2,
+    "int8": 1e-1,
+    "fp8": 1.5e-1,
+    "int4": 2e-1,
 }
+EXIT_FAILED, EXIT_INCONCLUSIVE = 1, 3
 
 
 def engine_precision(engine) -> str:
@@ -47,8 +69,9 @@ def engine_precision(engine) -> str:
     return cfg.get("precision", "float32")
 
 
-def default_tolerances(engine) -> tuple[float, float]:
-    return DEFAULT_TOLERANCES.get(engine_precision(engine), DEFAULT_TOLERANCES["float32"])
+def default_fraction(engine) -> float:
+    """f of the engine's precision: the default atol is f x RMS(ref) and the default rtol f."""
+    return DEFAULT_FRACTION.get(engine_precision(engine), DEFAULT_FRACTION["float32"])
 
 
 # --- statistics --------------------------------------------------------------------------------------
@@ -101,7 +124,7 @@ class OutputResult:
     passed: bool
     atol: float
     rtol: float
-    atol_basis: str = ""  # how a range-relative default atol was reached, e.g. "1e-2 x max|ref| 109"
+    atol_basis: str = ""  # how a scale-relative default atol was reached, e.g. "0.01 x RMS(ref) 3.2"
     shape: list | None = None
     engine_dtype: str | None = None
     reference_dtype: str | None = None
@@ -122,9 +145,19 @@ class OutputResult:
     reference_stats: dict = field(default_factory=dict)
     engine_stats: dict = field(default_factory=dict)
     reason: str = ""
+    # The check cannot fail on this output: a constant (`constant_that_passes`) would pass it too.
+    vacuous: bool = False
+    constant_that_passes: float | None = None
+    accept_vacuous: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.mismatches or self.reason.startswith("shape differs"):
+            return "FAILED"
+        return "INCONCLUSIVE" if self.vacuous and not self.accept_vacuous else "PASSED"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "verdict": self.verdict}
 
 
 def _as_f64(x) -> np.ndarray:
@@ -137,12 +170,13 @@ def _as_f64(x) -> np.ndarray:
 
 
 def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol: float,
-                   of_range: bool = False) -> OutputResult:
+                   of_scale: bool = False, accept_vacuous: bool = False) -> OutputResult:
     """Error statistics of engine outputs against reference outputs (one array per sample).
 
-    of_range: atol is relative to the reference's range (scaled by max(1, max |ref|)).
+    of_scale: atol is a fraction of the reference's RMS (the output's own magnitude).
+    accept_vacuous: a check no engine could fail (see `vacuous`) counts as passed.
     """
-    res = OutputResult(name=name, passed=False, atol=atol, rtol=rtol)
+    res = OutputResult(name=name, passed=False, atol=atol, rtol=rtol, accept_vacuous=accept_vacuous)
     refs, outs, sample_shapes = [], [], []
     for i, (r, o) in enumerate(zip(ref_list, out_list)):
         r_shape, o_shape = list(np.shape(r)), list(np.shape(o))
@@ -173,9 +207,11 @@ def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol:
                             "min": float(o.min()), "max": float(o.max())}
     absdiff = np.abs(o - r)
     mag = np.abs(r)
-    if of_range and mag.size and mag.max() > 1:
-        res.atol_basis = f"{atol:g} x max|ref| {mag.max():.4g}"
-        atol = res.atol = atol * float(mag.max())
+    if of_scale and mag.size:
+        rms = float(np.sqrt(np.mean(mag * mag)))
+        res.atol_basis = f"{atol:g} x RMS(ref) {rms:.4g}"
+        atol = res.atol = atol * rms
+    res.vacuous, res.constant_that_passes = vacuous(r, atol, rtol)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(mag > 0, absdiff / np.where(mag > 0, mag, 1), 0.0)
     zero_ref = mag == 0
@@ -211,8 +247,21 @@ def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol:
     elif res.mismatches:
         res.reason = (f"{res.mismatches}/{res.elements} elements ({100 * res.mismatches / max(res.elements, 1):.3g}%) "
                       f"exceed the tolerance")
-    res.passed = res.mismatches == 0
+    res.passed = res.verdict == "PASSED"
     return res
+
+
+def vacuous(ref: np.ndarray, atol: float, rtol: float) -> tuple[bool, float | None]:
+    """Whether an engine returning one constant, the midpoint of the reference's range, would pass:
+    then the tolerance is at least the output's spread and the check proves nothing. A constant
+    reference (range 0) is not vacuous: the check is then an exact one."""
+    if ref.size == 0:
+        return False, None
+    lo, hi = float(ref.min()), float(ref.max())
+    if hi <= lo:
+        return False, None
+    mid = (lo + hi) / 2
+    return bool(np.all(np.abs(ref - mid) <= atol + rtol * np.abs(ref))), mid
 
 
 def _dtype_name(x) -> str:
@@ -248,15 +297,29 @@ class CompareResult:
     layers: list[LayerResult] = field(default_factory=list)
     layers_skipped: int = 0
     first_bad_layer: LayerResult | None = None
+    # Where the inputs came from: "--loadInputs PATH", "calibration data PATH", "given samples" or
+    # "synthetic"; for synthetic ones, how each input was drawn (kiln/tools/synthetic.py).
+    inputs: str = "given samples"
+    synthetic_rules: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
         return all(o.passed for o in self.outputs)
 
+    @property
+    def verdict(self) -> str:
+        verdicts = {o.verdict for o in self.outputs}
+        return "FAILED" if "FAILED" in verdicts else "INCONCLUSIVE" if "INCONCLUSIVE" in verdicts else "PASSED"
+
+    @property
+    def synthetic(self) -> bool:
+        return self.inputs == "synthetic"
+
     def to_json(self) -> dict:
         return {
-            "passed": self.passed, "reference": self.reference, "engine_target": self.engine_target,
-            "precision": self.precision, "samples": self.samples,
+            "passed": self.passed, "verdict": self.verdict, "reference": self.reference,
+            "engine_target": self.engine_target, "precision": self.precision, "samples": self.samples,
+            "inputs": self.inputs, "synthetic_rules": self.synthetic_rules,
             "outputs": [o.to_json() for o in self.outputs],
             "layers": [asdict(x) for x in self.layers], "layers_skipped": self.layers_skipped,
             "first_bad_layer": asdict(self.first_bad_layer) if self.first_bad_layer else None,
@@ -264,25 +327,58 @@ class CompareResult:
 
 
 def tolerances_for(engine, names: list[str], atol=None, rtol=None, per_atol=None, per_rtol=None) -> dict:
-    """{output: (atol, rtol, atol relative to range)} from the precision defaults and the overrides."""
-    da, dr = default_tolerances(engine)
+    """{output: (atol, rtol, atol a fraction of RMS(ref))} from the precision defaults and the overrides.
+    Integer and boolean outputs default to an exact match."""
+    f = default_fraction(engine)
     per_atol, per_rtol = per_atol or {}, per_rtol or {}
     for flag, per in (("--atol", per_atol), ("--rtol", per_rtol)):
         unknown = [k for k in per if k not in names]
         if unknown:
             raise ConfigError(f"{flag}: {unknown} are not outputs of the engine; its outputs are {names}.")
-    return {n: (per_atol.get(n, da if atol is None else atol), per_rtol.get(n, dr if rtol is None else rtol),
-                atol is None and n not in per_atol) for n in names}
+    dtype = {v.name: v.dtype for v in engine.outputs}
+    out = {}
+    for n in names:
+        d = f if dtype.get(n) is None or dtype[n].is_floating_point else 0.0
+        a = per_atol.get(n, d if atol is None else atol)
+        out[n] = (a, per_rtol.get(n, d if rtol is None else rtol), atol is None and n not in per_atol and d > 0)
+    return out
+
+
+def calibration_samples(engine, profile: int = 0, limit: int = 8) -> tuple[list[dict], str] | None:
+    """The calibration data the engine was built with, as input samples (at most `limit` batches),
+    or None when the engine records no file or the file is gone."""
+    from pathlib import Path
+
+    calib = engine.build_config.get("calibration")
+    path = calib.get("data") if isinstance(calib, dict) else None
+    if not path or not Path(path).exists():
+        return None
+    samples = common.split_to_profile(engine, common.load_samples(path, [v.name for v in engine.inputs],
+                                                                  what="calibration data"), profile)
+    return samples[:limit], f"calibration data {path}" + (f" (first {limit} batches)" if len(samples) > limit else "")
+
+
+def synthetic_samples(engine, profile: int = 0, seed: int = 0, count: int = 1, shapes: dict | None = None,
+                      val_range: dict | None = None) -> list[dict]:
+    """Seeded synthetic samples as numpy arrays (bfloat16 stays a torch tensor: numpy has no bfloat16)."""
+    out = []
+    for i in range(count):
+        feeds = engine.random_inputs(profile, pick=1, shapes=shapes, seed=seed + i, val_range=val_range)
+        out.append({k: x if x.dtype == torch.bfloat16 else dtypes.to_numpy(x) for k, x in feeds.items()})
+    return out
 
 
 def compare(reference, engine, samples: list[dict] | None = None, *, seed: int = 0, profile: int = 0,
             shapes: dict | None = None, atol: float | None = None, rtol: float | None = None,
             per_output_atol: dict | None = None, per_output_rtol: dict | None = None,
-            layerwise: bool = False, device: str = "auto") -> CompareResult:
+            layerwise: bool = False, device: str = "auto", val_range: dict | None = None,
+            inputs: str | None = None, accept_vacuous: bool = False) -> CompareResult:
     """Run `reference` and `engine` on the same inputs and compare every output.
 
     reference: path to .onnx, onnx.ModelProto, torch.nn.Module or 'module:factory'.
-    engine: an Engine or a .kiln path. samples: list of {input: array}; default one seeded random sample.
+    engine: an Engine or a .kiln path. samples: list of {input: array}; default the engine's calibration
+    data when its file is still there, else one seeded synthetic sample (val_range: {input or None:
+    (lo, hi)}, as --valRange). inputs: where given samples came from, for the report.
     """
     engine = common.load_engine(engine, device)
     names_out = [v.name for v in engine.outputs]
@@ -295,8 +391,17 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
                     if o in available and o not in names_out]
     ref = common.make_reference(reference, engine, extra_outputs=extra)
     common.check_bindings(ref, engine)
+    rules = {}
     if samples is None:
-        samples = [common.random_feeds(engine, profile, seed, shapes)]
+        from_calib = None if shapes or val_range else calibration_samples(engine, profile)
+        if from_calib:
+            samples, inputs = from_calib
+        else:
+            samples, inputs = synthetic_samples(engine, profile, seed, 1, shapes, val_range), "synthetic"
+    if inputs == "synthetic":
+        from .synthetic import describe
+
+        rules = describe(engine, val_range)
     if not samples:
         raise InputError("no input samples to compare on.")
     ctx = engine.create_execution_context(profile=profile)
@@ -309,9 +414,11 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
         for n in names_out:
             ref_outs[n].append(r[n])
             eng_outs[n].append(e[n])
-    outputs = [compare_arrays(n, ref_outs[n], eng_outs[n], *tol[n]) for n in names_out]
+    outputs = [compare_arrays(n, ref_outs[n], eng_outs[n], *tol[n], accept_vacuous=accept_vacuous)
+               for n in names_out]
     result = CompareResult(reference=ref.describe(), engine_target=engine.target.describe(),
-                           precision=engine_precision(engine), samples=len(samples), outputs=outputs)
+                           precision=engine_precision(engine), samples=len(samples), outputs=outputs,
+                           inputs=inputs or "given samples", synthetic_rules=rules)
     if layerwise:
         _layerwise(result, ref, engine, samples[0], profile, list(getattr(ref, "extra_outputs", [])), tol)
     return result
@@ -331,10 +438,10 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
     if not isinstance(ref, common.OnnxReference):
         raise ConfigError("--layerwise needs an ONNX reference (intermediate tensors are matched by name in the "
                           "ONNX graph); a PyTorch module has no named intermediate tensors.")
-    default = default_tolerances(engine)
-    a0 = min((t[0] for t in tol.values()), default=default[0])
-    r0 = min((t[1] for t in tol.values()), default=default[1])
-    scaled = all(t[2] for t in tol.values())  # intermediate tensors: range-relative unless --atol was given
+    f = default_fraction(engine)
+    a0 = min((t[0] for t in tol.values()), default=f)
+    r0 = min((t[1] for t in tol.values()), default=f)
+    scaled = all(t[2] for t in tol.values())  # intermediate tensors: scale-relative unless --atol was given
     wanted = set(extra) | set(tol)
     ref_vals = ref.run(feeds, [o.name for o in ref.outputs] + extra) if wanted else {}
     captured: dict[str, tuple] = {}
@@ -359,11 +466,11 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
             continue
         for o in outs:
             n, t = captured[o]
-            a, r, of_range = tol.get(o, (a0, r0, scaled))
+            a, r, of_scale = tol.get(o, (a0, r0, scaled))
             ref_o, scale = ref_vals[o], _y_scale(engine, n)
             if scale is not None:  # 8-bit values handed to the next quantized layer: compare on that grid
                 ref_o, t = _on_the_8bit_grid(n, scale, ref_o), t.float() * scale
-            cmp = compare_arrays(o, [ref_o], [t], a, r, of_range)
+            cmp = compare_arrays(o, [ref_o], [t], a, r, of_scale, accept_vacuous=True)
             lr = LayerResult(index=idx[id(n)], layer=layer_name(n), op_type=n.op_type, precision=n.precision,
                              tensor=o, passed=cmp.passed, max_abs=cmp.abs_err.get("max", math.nan),
                              max_rel=cmp.rel_err.get("max", math.nan), mismatches=cmp.mismatches,
@@ -411,12 +518,28 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
     con.print(f"[I] Reference: {result.reference}")
     con.print(f"[I] Engine:    {result.engine_target}, precision {result.precision}; "
               f"{result.samples} input sample(s)")
+    if result.synthetic:
+        con.print("[W] Inputs: SYNTHETIC, not data. A check on them says little about real inputs: pass "
+                  "--loadInputs with real samples.")
+        for name, how in result.synthetic_rules.items():
+            con.print(f"[W]     {name}: {how}")
+        if result.precision in ("int8", "fp8", "int4"):
+            con.print(f"[W]     An {result.precision.upper()} engine's scales were calibrated on data: synthetic "
+                      "values outside that data's range are clipped, so a FAILED here may not hold on real inputs, "
+                      "and a PASSED does not prove it.")
+    else:
+        con.print(f"[I] Inputs:    {result.inputs}")
     for o in result.outputs:
         con.print(f"[I] Comparing output '{o.name}' (engine {o.engine_dtype} {common.fmt_shape(o.shape or [])}, "
                   f"reference {o.reference_dtype})")
         basis = f" = {o.atol_basis}" if o.atol_basis else ""
-        con.print(f"[I]     Tolerance: atol={o.atol:g}{basis}, rtol={o.rtol:g} "
+        con.print(f"[I]     Tolerance: atol={o.atol:.4g}{basis}, rtol={o.rtol:g} "
                   "(pass when |engine - ref| <= atol + rtol*|ref|)")
+        if o.reference_stats:
+            rs = o.reference_stats
+            widest = o.atol + o.rtol * max(abs(rs["min"]), abs(rs["max"]))
+            con.print(f"[I]     Tolerance against the output: up to {widest:.4g} at the largest |ref|; the reference "
+                      f"spans {rs['max'] - rs['min']:.4g} ([{rs['min']:.5g}, {rs['max']:.5g}])")
         if o.reason.startswith("shape differs"):
             con.print(f"[E]     FAILED | Output: '{o.name}' | {o.reason}")
             continue
@@ -440,9 +563,16 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
             con.print("[I]     Absolute error histogram:")
             for line in render_histogram(o.histogram):
                 con.print(f"[I]       {line}")
-        if o.passed:
+        if o.vacuous:
+            con.print(f"[W]     VACUOUS CHECK: an engine returning the constant {o.constant_that_passes:.5g} everywhere "
+                      f"would pass this tolerance too; it is wider than the output's spread and proves nothing. "
+                      f"Tighten --atol/--rtol (the default is relative to the output's RMS).")
+        if o.verdict == "INCONCLUSIVE":
+            con.print(f"[E]     INCONCLUSIVE | Output: '{o.name}' | within tolerance, but the check is vacuous "
+                      "(--accept-vacuous counts it as passed)")
+        elif o.passed:
             con.print(f"[I]     PASSED | Output: '{o.name}' | Difference is within tolerance "
-                      f"(atol={o.atol:g}, rtol={o.rtol:g})")
+                      f"(atol={o.atol:.4g}, rtol={o.rtol:g})" + (" (a vacuous check, accepted)" if o.vacuous else ""))
         else:
             w = o.worst or {}
             worst = ((f"; worst at index {tuple(w['index'])}"
@@ -465,11 +595,15 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
         else:
             con.print("[I] Every compared layer output is within tolerance.")
     names = [o.name for o in result.outputs]
-    if result.passed:
-        con.print(f"[I] PASSED | All outputs matched | Outputs: {names}")
+    on = " (on synthetic inputs)" if result.synthetic else ""
+    if result.verdict == "PASSED":
+        con.print(f"[I] PASSED | All outputs matched{on} | Outputs: {names}")
+    elif result.verdict == "INCONCLUSIVE":
+        bad = [o.name for o in result.outputs if o.verdict == "INCONCLUSIVE"]
+        con.print(f"[E] INCONCLUSIVE | Vacuous checks on outputs: {bad}{on} | Outputs: {names}")
     else:
-        bad = [o.name for o in result.outputs if not o.passed]
-        con.print(f"[E] FAILED | Mismatched outputs: {bad} | Outputs: {names}")
+        bad = [o.name for o in result.outputs if o.verdict == "FAILED"]
+        con.print(f"[E] FAILED | Mismatched outputs: {bad}{on} | Outputs: {names}")
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -484,14 +618,19 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("engine", metavar="ENGINE", help="the engine file (.kiln)")
     p.add_argument("--loadInputs", metavar="PATH", help="inputs: a .npz keyed by input name, a folder of .npz "
                    "samples, or NAME:FILE.npy,...")
-    p.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
-    p.add_argument("--samples", type=int, default=1, help="number of random input samples (default 1)")
-    p.add_argument("--shapes", default="", metavar="SPEC", help="random input shapes, x:4x3x224x224,...")
+    p.add_argument("--seed", type=int, default=0, help="seed for synthetic inputs (default 0)")
+    p.add_argument("--samples", type=int, default=1, help="number of synthetic input samples (default 1)")
+    p.add_argument("--shapes", default="", metavar="SPEC", help="synthetic input shapes, x:4x3x224x224,...")
+    p.add_argument("--valRange", nargs="+", metavar="NAME:LO,HI", help="value range of synthetic inputs "
+                   "(Polygraphy's spelling), e.g. input_ids:0,30521 pixel:[0,1]; LO,HI alone for every input")
     p.add_argument("--profile", type=int, default=0, help="optimization profile to run with")
     p.add_argument("--atol", action="append", metavar="[OUT:]TOL", help="absolute tolerance; repeat or use "
-                   "OUT:TOL for one output (default by precision: fp32 1e-5, fp16 1e-2, bf16 3e-2, int8 1e-1, "
-                   "times max(1, max|ref|) of each tensor)")
-    p.add_argument("--rtol", action="append", metavar="[OUT:]TOL", help="relative tolerance (same forms)")
+                   "OUT:TOL for one output (default f x RMS of each output, f by precision: fp32 1e-4, "
+                   "tf32/fp16 1e-2, bf16 4e-2, int8 1e-1, fp8 1.5e-1, int4 2e-1; integer outputs exact)")
+    p.add_argument("--rtol", action="append", metavar="[OUT:]TOL", help="relative tolerance (same forms; "
+                   "default f)")
+    p.add_argument("--accept-vacuous", action="store_true", help="count a vacuous check (one a constant output "
+                   "would pass) as passed instead of INCONCLUSIVE (exit 3); the warning stays")
     p.add_argument("--layerwise", action="store_true", help="also compare every layer output that exists in the "
                    "ONNX graph; report the first one out of tolerance")
     p.add_argument("--no-histogram", action="store_true", help="leave out the error histograms")
@@ -506,18 +645,27 @@ def run(args) -> int:
     engine = common.load_engine(args.engine, args.device)
     atol, per_atol = common.parse_named_floats(args.atol, "--atol")
     rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
+    from .synthetic import parse_val_range
+
     shapes = common.parse_shapes_arg(args.shapes, engine)
+    val_range = parse_val_range(args.valRange, [v.name for v in engine.inputs])
+    if args.samples < 1:
+        raise ConfigError("--samples must be at least 1.")
+    calib = None if (args.loadInputs or shapes or val_range) else calibration_samples(engine, args.profile)
     if args.loadInputs:
         samples = common.split_to_profile(
             engine, common.load_samples(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
+        inputs = f"--loadInputs {args.loadInputs}"
+    elif calib:
+        samples, inputs = calib
     else:
-        if args.samples < 1:
-            raise ConfigError("--samples must be at least 1.")
-        samples = [common.random_feeds(engine, args.profile, args.seed + i, shapes) for i in range(args.samples)]
+        samples = synthetic_samples(engine, args.profile, args.seed, args.samples, shapes, val_range)
+        inputs = "synthetic"
     result = compare(args.reference, engine, samples, profile=args.profile, atol=atol, rtol=rtol,
-                     per_output_atol=per_atol, per_output_rtol=per_rtol, layerwise=args.layerwise)
+                     per_output_atol=per_atol, per_output_rtol=per_rtol, layerwise=args.layerwise,
+                     val_range=val_range, inputs=inputs, accept_vacuous=args.accept_vacuous)
     render(result, con, histogram=not args.no_histogram)
     if args.json:
         common.atomic_write_json(args.json, result.to_json())
         con.print(f"[I] Results written to {args.json}")
-    return 0 if result.passed else 1
+    return {"PASSED": 0, "FAILED": EXIT_FAILED, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[result.verdict]
