@@ -93,6 +93,19 @@ def test_narrow_integers_wrap_like_integer_narrowing():
     assert cast_to(x.float(), TensorProto.UINT2).dtype == torch.uint8
 
 
+@pytest.mark.parametrize("to", [TensorProto.INT4, TensorProto.UINT4, TensorProto.INT2, TensorProto.UINT2])
+def test_float_to_narrow_integer_truncates_and_zeroes_out_of_range(to):
+    """Float -> int4/int2 truncates toward zero; out of range (undefined in the spec) gives 0, as
+    ONNX's reference evaluator does (integer sources wrap instead, test above)."""
+    from onnx.reference import ReferenceEvaluator
+
+    x = np.array([-9, -8.5, -8, -2.7, -1.5, -0.5, 0.5, 1.9, 2.5, 3.99, 7.9, 8, 15.5, 16, 300, np.nan], np.float32)
+    model = _cast_model(to, [x.size])
+    (got,) = _run(model, {"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    assert got.astype(np.int64).tolist() == want.astype(np.int64).tolist()
+
+
 def test_e8m0_round_modes():
     x = torch.tensor([0.75, 1.0, 1.5, 3.0, 2.0**127 * 1.5])
     assert cast_to(x, TensorProto.FLOAT8E8M0, round_mode="up").float().tolist() == [1.0, 1.0, 2.0, 4.0, 2.0**127]
@@ -167,7 +180,7 @@ def test_castlike_to_narrow_type_is_pinned_to_cast():
     assert n.op_type == "Cast" and list(n.input) == ["x"]
     assert helper.get_attribute_value(n.attribute[0]) == TensorProto.INT4
     (y,) = _run(pinned, {"x": np.array([7, 8, -9, 15], np.float32), "like": np.zeros(1, ml_dtypes.int4)})
-    assert y.tolist() == [7, -8, 7, -1]
+    assert y.tolist() == [7, 0, 0, 0]  # float out of int4's range: 0, as ONNX's reference gives
 
 
 def test_pin_leaves_models_without_narrow_types_alone():

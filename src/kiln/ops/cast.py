@@ -87,12 +87,18 @@ def _to_e8m0(x: torch.Tensor, saturate: bool, round_mode: str) -> torch.Tensor:
     return exp.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def _wrap_int(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
-    """Keep the low `bits` bits (two's complement), like any integer narrowing."""
+def _to_narrow_int(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
+    """Integers keep their low `bits` bits (two's complement), like any integer narrowing. Floats
+    truncate toward zero; one out of range (undefined in the spec) becomes 0, as in ONNX's reference."""
+    carrier = torch.int8 if signed else torch.uint8
+    if x.is_floating_point():
+        lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+        t = x.trunc()
+        return torch.where((t >= lo) & (t <= hi), t, 0).to(carrier)  # NaN compares false: 0
     v = x.to(torch.int64) & ((1 << bits) - 1)
     if signed:
         v = v - ((v >> (bits - 1)) << bits)
-    return v.to(torch.int8 if signed else torch.uint8)
+    return v.to(carrier)
 
 
 def cast_to(x: torch.Tensor, to: int, saturate: bool = True, round_mode: str = "up") -> torch.Tensor:
@@ -106,7 +112,7 @@ def cast_to(x: torch.Tensor, to: int, saturate: bool = True, round_mode: str = "
     if to in MINIFLOAT_FORMATS:
         return round_minifloat(x, to)
     if to in _NARROW_INT:
-        return _wrap_int(x, *_NARROW_INT[to])
+        return _to_narrow_int(x, *_NARROW_INT[to])
     return x.to(dtypes.onnx_to_torch(to))
 
 
