@@ -186,3 +186,99 @@ def test_reshape_and_cache_reference_writes_only_mapped_slots():
     pa.reshape_and_cache_reference(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[0, 0], v[2])
     assert int(torch.isnan(k_cache).flatten(2).all(-1).sum()) == 2 * 4 - 2  # the other slots untouched
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Triton kernels against the references (tiny shapes: under TRITON_INTERPRET=1 without a GPU)
+# --------------------------------------------------------------------------------------------------------------
+
+INTERPRETED = DEV == "cpu"
+TINY = pa.PagedConfig(16, 16, 4, 1)  # several key steps per sequence; 16 rows hold 4 queries x a group of 3
+
+
+def _check_kernel(b: Batch, scale=0.3, tol=2e-5, **kw):
+    want = pa.paged_attention_reference(*b.args(), scale, **b.scales(), **kw)
+    for splits in (1, 3):
+        got = pa.paged_attention(*b.args(), scale, **b.scales(), **kw, num_splits=splits, config=TINY)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"num_splits={splits}: {m}")
+    return want
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1)])
+def test_kernel_on_a_mixed_prefill_and_decode_batch(heads, kv_heads):
+    """Packed decodes and prefill chunks, GQA 9 over 3 (a group padded to 4) and MQA, single pass and split-K."""
+    _check_kernel(make_batch(MIXED_QLENS, MIXED_SEQ_LENS, heads, kv_heads, 16, device=DEV))
+
+
+def test_kernel_sliding_window_and_soft_cap():
+    b = make_batch(MIXED_QLENS, [9, 1, 7, 40, 8], 9, 3, 16, device=DEV)
+    want = _check_kernel(b, 0.5, sliding_window=6, logits_soft_cap=1.5)
+    assert not torch.allclose(want, pa.paged_attention_reference(*b.args(), 0.5, logits_soft_cap=1.5))
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8, torch.int8])
+def test_kernel_dequantizes_8_bit_caches(cache_dtype):
+    _check_kernel(make_batch(MIXED_QLENS, MIXED_SEQ_LENS, 9, 3, 16, cache_dtype=cache_dtype, device=DEV))
+
+
+def test_kernel_pads_a_head_dim_that_is_not_a_power_of_two_in_fp16():
+    """(BF16 is a GPU test: Triton's interpreter multiplies bf16 operands as raw uint16.)"""
+    b = make_batch([1, 6], [21, 6], 4, 2, 20, dtype=torch.float16, device=DEV)
+    _check_kernel(b, tol=2e-2)
+
+
+def test_kernel_writes_out_and_leaves_padding_rows():
+    """With `out`, the result lands there; rows past query_start_loc[-1] (a padded step) keep their values."""
+    b = make_batch([1, 1, 1], [30, 5, 17], 4, 2, 16, device=DEV)
+    want = pa.paged_attention_reference(*b.args(), 0.3)
+    q = torch.cat([b.q, torch.randn(2, 4, 16, device=DEV)])
+    for splits in (1, 2):
+        out = torch.full(q.shape, 7.0, device=DEV)
+        got = pa.paged_attention(q, *b.args()[1:], 0.3, out=out, num_splits=splits, config=TINY)
+        assert got is out
+        torch.testing.assert_close(out[:3], want, atol=2e-5, rtol=2e-5)
+        assert bool((out[3:] == 7.0).all())
+
+
+def test_kernel_default_choices_on_a_decode_batch():
+    b = make_batch([1] * 3, [3, 40, 11], 8, 2, 16, block_size=8, device=DEV)
+    torch.testing.assert_close(pa.paged_attention(*b.args(), 0.3), pa.paged_attention_reference(*b.args(), 0.3),
+                               atol=2e-5, rtol=2e-5)
+
+
+def _kv_for_cache(cache_dtype, tokens, kv_heads, d, scale, seed=0):
+    """Random K or V, some far above the scale's range (to saturate). Without a GPU, FP8 values are made exact
+    codes times power-of-two scales: Triton's interpreter loses the carry into the exponent when it rounds FP32
+    to FP8 (just under 32 becomes 16), where the GPU's cvt.rn.satfinite rounds to nearest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, kv_heads, d, generator=g) * scale[:, None] * 200
+    if cache_dtype == FP8 and INTERPRETED:
+        code = x / scale[:, None]
+        x = torch.where(code.abs() <= 448, code.to(FP8).float(), code) * scale[:, None]
+    return x
+
+
+GPU_ONLY_BF16 = pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter converts bf16 from raw uint16")
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [
+    (torch.float32, torch.float32), (torch.float16, torch.float16), (FP8, torch.float32), (torch.int8, torch.float16),
+    pytest.param(torch.bfloat16, torch.bfloat16, marks=GPU_ONLY_BF16),
+    pytest.param(FP8, torch.bfloat16, marks=GPU_ONLY_BF16)])
+def test_reshape_and_cache_kernel_writes_what_the_reference_writes(cache_dtype, dtype):
+    """Bit for bit, the poison of unwritten slots included; 8-bit codes saturate (some values are far above
+    the scale's range)."""
+    kv_heads, d, bs = 3, 20, 4
+    scale = torch.tensor([0.5, 1.0, 2.0**-5 if INTERPRETED else 0.03])
+    k = _kv_for_cache(cache_dtype, 11, kv_heads, d, scale, 1).to(dtype)
+    v = _kv_for_cache(cache_dtype, 11, kv_heads, d, scale, 2).to(dtype)
+    slots = torch.tensor([9, -1, 0, 3, 4, 22, -1, 13, 14, 15, 2])
+    caches = []
+    for fn in (pa.reshape_and_cache_reference, pa.reshape_and_cache):
+        kc = poison(torch.empty(6, bs, kv_heads, d, dtype=cache_dtype)).to(DEV)
+        vc = poison(torch.empty(6, bs, kv_heads, d, dtype=cache_dtype)).to(DEV)
+        scales = dict(k_scale=scale.to(DEV), v_scale=scale.to(DEV)) if cache_dtype in pa.CACHE_8BIT else {}
+        fn(k.to(DEV), v.to(DEV), kc, vc, slots.to(DEV), **scales)
+        caches.append((kc.cpu(), vc.cpu()))
+    for want, got in zip(caches[0], caches[1]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

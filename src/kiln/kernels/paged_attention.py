@@ -19,6 +19,7 @@ signatures run on CUDA (and under TRITON_INTERPRET=1 on small shapes).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -115,3 +116,327 @@ def paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, bl
     out.copy_(result)
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------
+#
+# paged_attention: one program per (block of BLOCK_Q queries of one sequence, KV head[, context split]). Its
+# tile has BLOCK_M = BLOCK_Q * G_PAD rows: every query head of that KV head (the group, padded to a power of
+# two) for each of its queries, so each K/V tile is read once per KV head and serves the whole group. Query
+# blocks of all sequences are numbered one after another (sequence s's first block is
+# query_start_loc[s] // BLOCK_Q + s, an upper bound that needs no host sync); a program finds its sequence by
+# binary search over query_start_loc. It walks the keys its queries may see BLOCK_N at a time, gathering them
+# through the block table, with the online softmax in base 2 and FP32 accumulators. 8-bit codes convert exactly
+# to the query's float type; their KV head's scales are one number per program, folded into the softmax scale
+# (k) and the final normalization (v).
+#
+# Split-K (decode with long contexts and too few programs to fill the GPU): each program covers one slice of
+# the context and writes its normalized partial output with its row max and sum; a second kernel merges the
+# slices.
+
+import triton  # noqa: E402  (kept below the references: they must run where Triton is absent)
+import triton.language as tl  # noqa: E402
+
+from ..errors import ShapeError  # noqa: E402
+
+_LOG2E = 1.4426950408889634
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _to_codes(x, scale, QUANT: tl.constexpr):
+    """x / scale as 8-bit codes (QUANT "fp8": saturated to +-448, round to nearest even; "int8": round half to
+    even, clamped to +-127), FP32 in."""
+    v = x / scale
+    if QUANT == "fp8":
+        return tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+    # clamping first rounds the same (integer bounds); adding 1.5 * 2**23 makes the FP32 adder round to nearest
+    # even and leaves the integer in the low mantissa bits (libdevice.rint does not run in the interpreter)
+    v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, KVH, D,
+                              skt, skh, svt, svh, skcb, skco, skch, svcb, svco, svch,
+                              BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        rh = tl.arange(0, BLOCK_H)
+        rd = tl.arange(0, BLOCK_D)
+        ok = (rh < KVH)[:, None] & (rd < D)[None, :]
+        k = tl.load(k_ptr + t.to(tl.int64) * skt + rh[:, None] * skh + rd[None, :], mask=ok)
+        v = tl.load(v_ptr + t.to(tl.int64) * svt + rh[:, None] * svh + rd[None, :], mask=ok)
+        if QUANT != "":
+            k = _to_codes(k.to(tl.float32), tl.load(ks_ptr + rh, mask=rh < KVH, other=1.0)[:, None], QUANT)
+            v = _to_codes(v.to(tl.float32), tl.load(vs_ptr + rh, mask=rh < KVH, other=1.0)[:, None], QUANT)
+        tl.store(kc_ptr + blk * skcb + off * skco + rh[:, None] * skch + rd[None, :],
+                 k.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(vc_ptr + blk * svcb + off * svco + rh[:, None] * svch + rd[None, :],
+                 v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def _quant_name(dtype: torch.dtype) -> str:
+    return {FP8: "fp8", torch.int8: "int8"}.get(dtype, "")
+
+
+def _check_cache(k_cache, v_cache, k_scale, v_scale, num_kv_heads: int, head_dim: int):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ShapeError(f"paged KV cache: k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype} must both be [num_blocks, block_size, "
+                         "num_kv_heads, head_dim] of one dtype.")
+    if k_cache.shape[2] != num_kv_heads or k_cache.shape[3] != head_dim:
+        raise ShapeError(f"paged KV cache: k_cache {tuple(k_cache.shape)} holds {k_cache.shape[2]} KV heads of "
+                         f"dim {k_cache.shape[3]}, the inputs have {num_kv_heads} of dim {head_dim}.")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ShapeError("paged KV cache: the head dim of k_cache and v_cache must be contiguous (stride 1).")
+    if k_cache.dtype in CACHE_8BIT and (k_scale is None or v_scale is None):
+        raise ShapeError(f"paged KV cache: a {k_cache.dtype} cache needs k_scale and v_scale "
+                         "(float32 [num_kv_heads]).")
+    if head_dim > MAX_HEAD_DIM:
+        raise ShapeError(f"paged attention: head_dim {head_dim} is above the kernels' {MAX_HEAD_DIM}.")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _scales(scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return scale.float().contiguous() if scale is not None else like
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Triton version of reshape_and_cache_reference: one program per token."""
+    num_tokens, kvh, d = k.shape
+    _check_cache(k_cache, v_cache, k_scale, v_scale, kvh, d)
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    quant = _quant_name(k_cache.dtype)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slots, _scales(k_scale, slots), _scales(v_scale, slots), kvh, d,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        BLOCK_SIZE=k_cache.shape[1], QUANT=quant, BLOCK_H=triton.next_power_of_2(kvh),
+        BLOCK_D=triton.next_power_of_2(d), num_warps=4 if kvh * d >= 1024 else 1)
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ks_ptr, vs_ptr,
+                            po_ptr, pml_ptr, num_seqs, D, softmax_scale, soft_cap, window, split_len,
+                            sqt, sqh, sot, soh, skb, sko, skh, svb, svo, svh, sbt, spt, sph, sps, smt, smh,
+                            G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            SEQ_STEPS: tl.constexpr, KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                            HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # this program's sequence: the last s with query_start_loc[s] // BLOCK_Q + s <= pid (a fixed-step search)
+    s = 0
+    for i in tl.static_range(SEQ_STEPS):
+        cand = s + (1 << (SEQ_STEPS - 1 - i))
+        first = tl.load(qsl_ptr + cand, mask=cand < num_seqs, other=0) // BLOCK_Q + cand
+        s = tl.where((cand < num_seqs) & (first <= pid), cand, s)
+    q_start = tl.load(qsl_ptr + s)
+    qlen = tl.load(qsl_ptr + s + 1) - q_start
+    qb = pid - (q_start // BLOCK_Q + s)
+    if qb * BLOCK_Q >= qlen:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    ctx = seq_len - qlen  # absolute position of the sequence's first query
+
+    rm = tl.arange(0, BLOCK_M)
+    qi = qb * BLOCK_Q + rm // G_PAD  # query index within the sequence
+    g = rm % G_PAD
+    row_ok = (qi < qlen) & (g < G)
+    head = kvh * G + g
+    pos = ctx + qi
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    d_ok = rd < D
+    q_rows = (q_start + qi).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * sqt + head[:, None] * sqh + rd[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+
+    # keys any of the block's queries may see, within this program's split of the context
+    k_hi = tl.minimum(ctx + (qb + 1) * BLOCK_Q, seq_len)
+    k_lo = 0
+    if HAS_WINDOW:
+        k_lo = tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0)
+    if SPLIT:
+        k_lo = tl.maximum(k_lo, split * split_len)
+        k_hi = tl.minimum(k_hi, (split + 1) * split_len)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+
+    if KV_SCALED:
+        k_scale = tl.load(ks_ptr + kvh)
+        v_scale = tl.load(vs_ptr + kvh)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    if HAS_CAP:  # the cap applies to the logits in natural units; base 2 after it
+        qk_scale = softmax_scale * k_scale
+    else:
+        qk_scale = softmax_scale * k_scale * 1.4426950408889634
+
+    bt_row = bt_ptr + s.to(tl.int64) * sbt
+    k_head = kc_ptr + kvh * skh + rd[:, None]  # k^T tile [BLOCK_D, BLOCK_N]
+    v_head = vc_ptr + kvh * svh + rd[None, :]  # v tile [BLOCK_N, BLOCK_D]
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        kn = start + rn
+        n_ok = kn < k_hi
+        blk = tl.load(bt_row + kn // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = kn % BLOCK_SIZE
+        kt = tl.load(k_head + (blk * skb + off * sko)[None, :], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        sc = tl.dot(q, kt.to(CDT), input_precision=PREC) * qk_scale
+        if HAS_CAP:  # cap * tanh(x / cap), tanh through exp2 (saturates cleanly at +-1)
+            sc = soft_cap * (1.0 - 2.0 / (tl.math.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
+            sc = sc * 1.4426950408889634
+        see = n_ok[None, :] & (kn[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            see = see & (kn[None, :] > pos[:, None] - window)
+        sc = tl.where(see, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: nothing to subtract
+        p = tl.math.exp2(sc - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_head + (blk * svb + off * svo)[:, None], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(CDT), vt.to(CDT), acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+
+    seen = l_i > 0.0  # false only for a split that holds none of a query's keys
+    out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
+    ok = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        part = q_rows[:, None] * spt + head[:, None] * sph + split * sps
+        tl.store(po_ptr + part + rd[None, :], tl.where(seen[:, None], out, 0.0), mask=ok)
+        ml = q_rows * smt + head * smh + split * 2  # (row max, row sum) pairs
+        tl.store(pml_ptr + ml, m_i, mask=row_ok)
+        tl.store(pml_ptr + ml + 1, l_i, mask=row_ok)
+    else:
+        tl.store(o_ptr + q_rows[:, None] * sot + head[:, None] * soh + rd[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=ok)
+
+
+@triton.jit
+def _merge_splits_kernel(po_ptr, pml_ptr, o_ptr, qsl_ptr, num_seqs, num_splits, D, spt, sph, sps, smt, smh, sot,
+                         soh, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if t >= tl.load(qsl_ptr + num_seqs):  # padding rows: no partials were written for them
+        return
+    rs = tl.arange(0, S_PAD)
+    rd = tl.arange(0, BLOCK_D)
+    s_ok = rs < num_splits
+    ml = t * smt + h * smh + rs * 2
+    m = tl.load(pml_ptr + ml, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(pml_ptr + ml + 1, mask=s_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(lsum > 0.0, lsum * tl.math.exp2(m - m_all), 0.0)
+    parts = tl.load(po_ptr + t * spt + h * sph + rs[:, None] * sps + rd[None, :],
+                    mask=s_ok[:, None] & (rd < D)[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + t * sot + h * soh + rd, out.to(o_ptr.dtype.element_ty), mask=rd < D)
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tile of the attention kernel: block_m rows (queries x the KV head's query heads), block_n keys a step."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_config(max_query_len: int, group: int, head_dim: int) -> PagedConfig:
+    """Decode (one query a sequence): the fewest rows tl.dot takes, holding the query heads of one KV head;
+    prefill chunks: 64 rows. 64 keys a step (32 for head dims above 128, to stay in registers)."""
+    g_pad = triton.next_power_of_2(group)
+    block_n = 64 if head_dim <= 128 else 32
+    if max_query_len == 1:
+        return PagedConfig(max(16, g_pad), block_n, 4, 3)
+    return PagedConfig(max(64, g_pad), block_n, 4, 2)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                      device: torch.device, min_split_len: int = 512) -> int:
+    """Slices of the context per (sequence, KV head) for decode: enough programs for four a multiprocessor,
+    each slice at least min_split_len keys; 1 (single pass) for prefill or when the batch fills the GPU."""
+    if max_query_len != 1:
+        return 1
+    programs = num_seqs * num_kv_heads
+    want = -(-4 * _num_sms(device) // programs)
+    return max(1, min(want, max_seq_len // min_split_len))
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
+                    softmax_scale, k_scale=None, v_scale=None, sliding_window=None, logits_soft_cap=None, out=None,
+                    *, num_splits: int | None = None, config: PagedConfig | None = None):
+    """Triton version of paged_attention_reference. num_splits: context slices for the split-K path (None:
+    choose_num_splits; 1: single pass); config: the tile (None: choose_config). Rows of q past
+    query_start_loc[-1] (padding) are left as they are in `out`."""
+    num_tokens, num_heads, d = q.shape
+    kvh = k_cache.shape[2]
+    if num_heads % kvh:
+        raise ShapeError(f"paged attention: {num_heads} query heads are not a multiple of {kvh} KV heads.")
+    _check_cache(k_cache, v_cache, k_scale, v_scale, kvh, d)
+    q = _last_dim_contiguous(q)
+    o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return o
+    group = num_heads // kvh
+    cfg = config or choose_config(max_query_len, group, d)
+    g_pad = triton.next_power_of_2(group)
+    block_q = max(1, cfg.block_m // g_pad)
+    block_m = block_q * g_pad
+    block_d = max(16, triton.next_power_of_2(d))
+    splits = num_splits or choose_num_splits(num_seqs, kvh, max_query_len, max_seq_len, q.device)
+    split_len = -(-max(max_seq_len, 1) // splits)
+    split_len = -(-split_len // cfg.block_n) * cfg.block_n
+    splits = -(-max(max_seq_len, 1) // split_len)
+    if splits > 1:
+        partial = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
+        max_sum = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        partial = max_sum = o
+    scaled = k_cache.dtype in CACHE_8BIT
+    qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    grid = (num_tokens // block_q + num_seqs, kvh, splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, o, qsl, lens, tables, _scales(k_scale, q) if scaled else q,
+        _scales(v_scale, q) if scaled else q, partial, max_sum, num_seqs, d, float(softmax_scale),
+        float(logits_soft_cap or 0.0), int(sliding_window or 0), split_len,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        tables.stride(0), *(partial.stride()[:3] if splits > 1 else (0, 0, 0)),
+        *(max_sum.stride()[:2] if splits > 1 else (0, 0)),
+        G=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1], SEQ_STEPS=max(1, (num_seqs - 1).bit_length()), KV_SCALED=scaled,
+        HAS_WINDOW=bool(sliding_window), HAS_CAP=bool(logits_soft_cap), SPLIT=splits > 1, CDT=_TL[q.dtype],
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            partial, max_sum, o, qsl, num_seqs, splits, d, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0), o.stride(1),
+            S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+    return o
