@@ -64,6 +64,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="", metavar="SPEC", help="runtime input shapes, x:2x3x224x224,...")
     p.add_argument("--profile", type=int, default=0, help="optimization profile to run with")
     p.add_argument("--loadInputs", metavar="FILE", help="inputs: a .npz keyed by input name, or name:file.npy,...")
+    p.add_argument("--valRange", nargs="+", metavar="NAME:LO,HI", help="value range of synthetic inputs "
+                   "(Polygraphy's spelling), e.g. input_ids:0,30521 pixel:[0,1]; LO,HI alone for every input")
     p.add_argument("--exportOutput", metavar="FILE", help="save outputs of the first run (.npz)")
     p.add_argument("--iterations", type=int, default=100, help="timed runs (at least)")
     p.add_argument("--duration", type=float, default=0.0, help="time for at least this many seconds")
@@ -127,6 +129,9 @@ def cmd_build(a) -> int:
         err.print("[yellow]note:[/] no CUDA GPU found: building for the CPU target (reference kernels). "
                   "Latency figures below are CPU figures, not GPU ones.")
     engine = build(model, config)
+    if a.calib and Path(a.calib).exists() and isinstance(engine.build_config.get("calibration"), dict):
+        # `kiln compare` runs on the calibration data when no inputs are given: data, not synthetic values
+        engine.build_config["calibration"]["data"] = str(Path(a.calib).resolve())
     _print_build_summary(engine, source)
     if a.saveEngine:
         engine.save(a.saveEngine)
@@ -226,7 +231,11 @@ def _run_and_report(engine, a) -> int:
                               "outputs will likely be NaN.")
         input_sets = [{k: dtypes.to_torch(x) for k, x in sample.items()} for sample in loaded]
     else:
-        input_sets = [engine.random_inputs(a.profile, shapes=shapes, seed=seed) for seed in range(4)]
+        from .tools.synthetic import parse_val_range
+
+        val_range = parse_val_range(a.valRange, [v.name for v in engine.inputs])
+        input_sets = [engine.random_inputs(a.profile, shapes=shapes, seed=seed, val_range=val_range)
+                      for seed in range(4)]
     dev = engine.target.device
     input_sets = [{k: x.to(dev) for k, x in s.items()} for s in input_sets]
     for name, x in input_sets[0].items():
@@ -280,6 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     from .frontend import check as check_cmd
+    from .serve import export as export_tool
     from .tools import bench as bench_tool
     from .tools import compare as compare_tool
     from .tools import inspect as inspect_tool
@@ -287,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     from .tools import verify as verify_tool
 
     check_cmd.add_check_command(sub)
-    for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool):
+    for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool, export_tool):
         tool.add_command(sub)
     return p
 

@@ -1,0 +1,1 @@
+"""Serving what Kiln builds: Triton Inference Server model repositories and the OpenAI-compatible LLM server."""
