@@ -317,6 +317,7 @@ def load(path, device: str = "auto", verify_key: bytes | None = None) -> Engine:
         if sorted(p) != names:
             raise EngineFileError(f"'{path}' is inconsistent: manifest field 'profiles[{i}]' covers inputs "
                                   f"{sorted(p)[:8]}, the graph's inputs are {names[:8]}. Rebuild it.")
+    _check_programs(path, graph)
     for node, info in zip(graph.nodes, layers):
         for f in _LAYER_FIELDS:
             if f in info:  # engines saved before per-profile tactics have no profile_tactics
@@ -330,6 +331,16 @@ def load(path, device: str = "auto", verify_key: bytes | None = None) -> Engine:
         tactics=m.get("tactics", []), channels_last=m.get("channels_last", []),
         padded_channels=m.get("padded_channels", []), column_major=m.get("column_major", []),
     )
+
+
+def _check_programs(path, graph) -> None:
+    """Every generated-kernel program must parse as one (kernels/elementwise.py): refused at load, by layer,
+    not when a GPU first runs it."""
+    from ..kernels.elementwise import parse
+
+    for node in graph.walk():
+        if node.domain == "kiln" and node.op_type == "Elementwise":
+            parse(node.attr("program"), len(node.inputs), f"'{path}': layer '{str(node.name)[:80]}'")
 
 
 def _check_tactics(path, graph) -> None:
