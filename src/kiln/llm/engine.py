@@ -1,0 +1,376 @@
+"""LLMEngine and LLM: requests in, tokens and text out, in vLLM's shape.
+
+`LLMEngine` holds the model runner, the block manager and the scheduler; each `step()` schedules one batch,
+runs it, samples, detokenizes incrementally and applies the stop rules. `LLM` wraps it for offline use
+(`generate`, `stream`, `chat`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kiln.errors import ConfigError, InputError, ModelError
+from kiln.llm.config import ModelConfig
+from kiln.llm.kv_cache import BlockManager
+from kiln.llm.model import DecoderModel
+from kiln.llm.runner import ModelRunner, kv_cache_torch_dtype
+from kiln.llm.sampling import SamplingParams
+from kiln.llm.scheduler import Scheduler
+from kiln.llm.sequence import Sequence
+from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running, then "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+def load_model(path) -> tuple[dict, dict, Tokenizer, dict]:
+    """(hf_config, tensors, tokenizer, extras) of an HF directory, a .gguf file or a .kiln LLM engine.
+
+    extras carries what a built engine adds (e.g. "kv_cache_dtype", "kv_scales")."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        from kiln.llm.gguf import load_gguf
+
+        return (*load_gguf(p), {})
+    if p.suffix == ".kiln":
+        try:
+            from kiln.llm.engine_file import load_llm_engine
+        except ImportError:
+            raise ModelError(f"{p}: this Kiln build cannot read .kiln LLM engines (kiln.llm.engine_file).") from None
+        return load_llm_engine(p)
+    from kiln.llm.loader import load_hf_dir
+
+    return (*load_hf_dir(p), {})
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"device {device!r}: choose auto, cpu or cuda.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: no CUDA GPU is available here.")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, hf_config: dict, tensors: dict, tokenizer: Tokenizer, *, dtype=None,
+                 kv_cache_dtype: str = "auto", device: str = "auto", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, block_size: int = 16, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True, seed: int = 0, kv_scales=None, enforce_eager: bool = False,
+                 model_name: str = "model"):
+        self.model_config = cfg = ModelConfig.from_hf(hf_config)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.device = _pick_device(device)
+        torch.manual_seed(seed)
+        if dtype is None or dtype == "auto":
+            torch_dtype = DTYPES[cfg.dtype] if self.device.type == "cuda" else torch.float32
+        elif dtype in DTYPES:
+            torch_dtype = DTYPES[dtype]
+        else:
+            raise ConfigError(f"dtype {dtype!r}: choose auto or one of {sorted(DTYPES)}.")
+        for name, v, low in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                             ("block_size", block_size, 1)):
+            if not isinstance(v, int) or v < low:
+                raise ConfigError(f"{name} = {v!r}: must be an integer >= {low}.")
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len = {self.max_model_len} exceeds the model's max_position_embeddings "
+                              f"({cfg.max_position_embeddings}).")
+        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, torch_dtype)
+        if kv_dtype in (torch.float8_e4m3fn, torch.int8):
+            if kv_scales is None:
+                raise ConfigError(
+                    f"kv_cache_dtype {kv_cache_dtype!r} needs calibrated per-layer K/V scales: build an engine "
+                    "with `kiln llm build --kv-cache-dtype ... --calib TEXT` or pass kv_scales (from "
+                    "kiln.llm.calibrate.calibrate_kv_scales); Kiln never assumes a scale of 1.0.")
+            if len(kv_scales) != cfg.num_layers:
+                raise ConfigError(f"kv_scales has {len(kv_scales)} entries; the model has {cfg.num_layers} layers.")
+        else:
+            kv_scales = None
+        self.model = DecoderModel(cfg, tensors, torch_dtype, self.device)
+        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        if num_kv_blocks is None:
+            num_kv_blocks = self._blocks_that_fit(per_block, gpu_memory_utilization, max_num_batched_tokens,
+                                                  max_num_seqs)
+        if num_kv_blocks * block_size < self.max_model_len:
+            raise ConfigError(f"num_kv_blocks = {num_kv_blocks} holds {num_kv_blocks * block_size} tokens, fewer than "
+                              f"max_model_len = {self.max_model_len}: raise it or lower max_model_len.")
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks=num_kv_blocks, block_size=block_size, kv_dtype=kv_dtype,
+                                  kv_scales=kv_scales, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                  use_cuda_graphs=not enforce_eager)
+        self.kv_cache_dtype = kv_dtype
+        self.requests: dict[str, _Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_model(cls, model, **kwargs) -> "LLMEngine":
+        hf_config, tensors, tokenizer, extras = load_model(model)
+        for key in ("kv_cache_dtype", "kv_scales"):
+            if key in extras and kwargs.get(key) in (None, "auto"):
+                kwargs[key] = extras[key]
+        kwargs.setdefault("model_name", Path(model).name)
+        return cls(hf_config, tensors, tokenizer, **kwargs)
+
+    def _blocks_that_fit(self, per_block: int, utilization: float, max_tokens: int, max_seqs: int) -> int:
+        if self.device.type != "cuda":
+            return max(64, -(-self.max_model_len // 16) * 4)  # CPU: room for a few full-length sequences
+        if not 0 < utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization = {utilization}: must be in (0, 1].")
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg = self.model_config
+        # Activations of the largest step, the logits of a full decode batch and CUDA graphs' pools.
+        act = max_tokens * (3 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim) * 4
+        reserve = act + max_seqs * cfg.vocab_size * 4 * 3 + (1 << 30)
+        budget = int(total * utilization) - (total - free) - reserve
+        if budget < per_block:
+            raise ConfigError(f"no GPU memory left for the KV cache (free {free / 2**30:.1f} GiB of "
+                              f"{total / 2**30:.1f}); lower max_num_batched_tokens or raise gpu_memory_utilization.")
+        return budget // per_block
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("prompt is empty.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise InputError("prompt_token_ids is empty.")
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InputError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary "
+                                 f"(0..{self.model_config.vocab_size - 1}).")
+            return None, list(prompt)
+        raise InputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be SamplingParams, got {type(params).__name__}.")
+        if request_id in self.requests:
+            raise InputError(f"request_id {request_id!r} is already running.")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) > self.max_model_len - 1:
+            raise InputError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             f"(max_model_len), so at most {self.max_model_len - 1} fit with one generated token.")
+        req = _Request(request_id, text, ids, params)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        parent = None
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seq = Sequence(request_id, i, ids, params, parent=parent, eos_token_ids=eos, detokenizer=detok,
+                           arrival_time=arrival_time)
+            parent = parent or seq
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        self.prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step.seqs:
+            return []
+        try:
+            seqs, tokens, logprobs = self.runner.execute(step)
+        except Exception:
+            self._fail_all()
+            raise
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.mark_computed(seq)
+        now = time.perf_counter()
+        touched = {}
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            self._append_token(seq, tok, lp, now)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for req in touched.values():
+            out = self._output(req)
+            if out.finished:
+                del self.requests[req.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _fail_all(self) -> None:
+        """A step raised: return every block so nothing leaks, and drop the requests."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        p = seq.params
+        before = len(seq.detokenizer.text)
+        stop_ids = p.stop_token_ids or ()
+        is_eos = token in seq.eos_token_ids and not p.ignore_eos
+        special_stop = (is_eos or token in stop_ids) and seq.num_output_tokens >= p.min_tokens
+        if not (special_stop and p.skip_special_tokens and self.tokenizer.is_special(token)):
+            seq.detokenizer.add(token)
+        if special_stop:
+            return self._finish(seq, "stop", token, now)
+        if p.stop and seq.num_output_tokens >= p.min_tokens:
+            text = seq.detokenizer.text
+            # Only the new text (plus the longest stop string's reach back) can hold a fresh match.
+            start = max(0, before - max(len(s) for s in p.stop) + 1)
+            hits = [(text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                seq.detokenizer.text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
+                return self._finish(seq, "stop", s, now)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None, now)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason, stop_reason)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.output_text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                                 list(s.logprobs) if s.logprobs is not None else None,
+                                 s.cumulative_logprob if s.logprobs is not None else None) for s in req.seqs]
+        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        done = all(s.is_finished for s in req.seqs)
+        metrics = RequestMetrics(req.seqs[0].arrival_time, min(first) if first else None,
+                                 max(s.finish_time or 0 for s in req.seqs) if done else None,
+                                 sum(s.num_preemptions for s in req.seqs))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, done, metrics)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+            "prompt_tokens_total": self.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+class LLM:
+    """Offline generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model, **kwargs):
+        self.llm_engine = LLMEngine.from_model(model, **kwargs)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def _new_id(self) -> str:
+        self._next_id += 1
+        return f"llm-{self._next_id}"
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in prompt order. prompts: a string, a list of strings, or a list of token-id lists."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InputError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts.")
+        eng = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(self._new_id())
+                eng.add_request(ids[-1], prompt, p)
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(ids):
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
+        return [done[r] for r in ids]
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yields RequestOutput (cumulative text and tokens) each time the request produces a token."""
+        eng = self.llm_engine
+        rid = self._new_id()
+        eng.add_request(rid, prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in eng.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            eng.abort_request(rid)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], params)[0]

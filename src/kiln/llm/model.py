@@ -1,0 +1,248 @@
+"""The decoder: packed tokens of one step in, hidden states out; logits only for the rows asked for.
+
+Two families share this file. The Llama shape (Llama, Mistral, Qwen2/3, Gemma 2/3): RMSNorm, RoPE, grouped-query
+attention over the paged cache, SwiGLU (GeGLU for Gemma). GPT-2: learned positions, LayerNorm, GELU, Conv1D
+weights (stored [in, out], transposed here). Q/K/V and gate/up projections are concatenated at load so a layer
+is four matrix multiplies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kiln.llm.attention import AttentionMetadata, LayerCache, paged_attention
+from kiln.llm.config import ModelConfig
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """transformers' tensor names and shapes for cfg (what a checkpoint must hold)."""
+    h, v, i = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    shapes: dict[str, tuple] = {}
+    if cfg.family == "gpt2":
+        shapes.update({"transformer.wte.weight": (v, h), "transformer.wpe.weight": (cfg.max_position_embeddings, h),
+                       "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)})
+        for n in range(cfg.num_layers):
+            p = f"transformer.h.{n}."
+            shapes.update({p + "ln_1.weight": (h,), p + "ln_1.bias": (h,), p + "ln_2.weight": (h,),
+                           p + "ln_2.bias": (h,), p + "attn.c_attn.weight": (h, 3 * h),
+                           p + "attn.c_attn.bias": (3 * h,), p + "attn.c_proj.weight": (h, h),
+                           p + "attn.c_proj.bias": (h,), p + "mlp.c_fc.weight": (h, i), p + "mlp.c_fc.bias": (i,),
+                           p + "mlp.c_proj.weight": (i, h), p + "mlp.c_proj.bias": (h,)})
+        return shapes
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes.update({"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({p + "self_attn.q_proj.weight": (qd, h), p + "self_attn.k_proj.weight": (kvd, h),
+                       p + "self_attn.v_proj.weight": (kvd, h), p + "self_attn.o_proj.weight": (h, qd),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (qd,), p + "self_attn.k_proj.bias": (kvd,),
+                           p + "self_attn.v_proj.bias": (kvd,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+        if cfg.sandwich_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
+    return shapes
+
+
+def normalize_names(tensors: dict) -> dict:
+    """Checkpoints of GPT-2 on the Hub omit the 'transformer.' prefix; Kiln keys them as transformers does."""
+    if "wte.weight" in tensors and "transformer.wte.weight" not in tensors:
+        return {("transformer." + k if not k.startswith("lm_head") else k): t for k, t in tensors.items()}
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------------------------
+
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if not scaling:
+        return inv_freq
+    kind, factor = scaling["rope_type"], float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths divided by factor, short ones kept, a smooth blend between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rope:
+    """cos/sin tables [max_positions, rotary_dim] (FP32), applied in the rotate-half (NeoX) layout."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None, device):
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        self.dim = rotary_dim
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, head_dim]; the first rotary_dim features rotate (partial rotary keeps the rest).
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        rot, rest = x[..., :self.dim].float(), x[..., self.dim:]
+        half = self.dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = (rot * cos + rotated * sin).to(x.dtype)
+        return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma multiplies in FP32 by (1 + w)
+        return (xf * (offset + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    return F.gelu(x, approximate="tanh")  # gelu_new, gelu_pytorch_tanh, gelu_fast
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The decoder
+# --------------------------------------------------------------------------------------------------------------
+
+class DecoderModel:
+    """Weights on `device` in `dtype`; `forward` runs one packed step, `compute_logits` the LM head."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        tensors = normalize_names(tensors)
+
+        def w(name):
+            return tensors[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.layers = []
+        if cfg.family == "gpt2":
+            self.embed, self.pos_embed = w("transformer.wte.weight"), w("transformer.wpe.weight")
+            self.norm = (w("transformer.ln_f.weight"), w("transformer.ln_f.bias"))
+            for n in range(cfg.num_layers):
+                p = f"transformer.h.{n}."
+                self.layers.append({
+                    "ln_1": (w(p + "ln_1.weight"), w(p + "ln_1.bias")),
+                    "ln_2": (w(p + "ln_2.weight"), w(p + "ln_2.bias")),
+                    "qkv": w(p + "attn.c_attn.weight").t().contiguous(), "qkv_bias": w(p + "attn.c_attn.bias"),
+                    "o": w(p + "attn.c_proj.weight").t().contiguous(), "o_bias": w(p + "attn.c_proj.bias"),
+                    "fc": w(p + "mlp.c_fc.weight").t().contiguous(), "fc_bias": w(p + "mlp.c_fc.bias"),
+                    "proj": w(p + "mlp.c_proj.weight").t().contiguous(), "proj_bias": w(p + "mlp.c_proj.bias"),
+                })
+            self.lm_head = self.embed
+            self.ropes = []
+            return
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        for n in range(cfg.num_layers):
+            p = f"model.layers.{n}."
+            a = p + "self_attn."
+            layer = {
+                "qkv": torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                "o": w(a + "o_proj.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down": w(p + "mlp.down_proj.weight"),
+                "input_norm": w(p + "input_layernorm.weight"),
+                "post_attn_norm": w(p + "post_attention_layernorm.weight"),
+            }
+            if cfg.attention_bias:
+                layer["qkv_bias"] = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            if cfg.qk_norm:
+                layer["q_norm"], layer["k_norm"] = w(a + "q_norm.weight"), w(a + "k_norm.weight")
+            if cfg.sandwich_norms:
+                layer["pre_ffn_norm"] = w(p + "pre_feedforward_layernorm.weight")
+                layer["post_ffn_norm"] = w(p + "post_feedforward_layernorm.weight")
+            self.layers.append(layer)
+        max_pos = cfg.max_position_embeddings
+        global_rope = Rope(cfg.rotary_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, self.device)
+        local_rope = global_rope
+        if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers
+            local_rope = Rope(cfg.rotary_dim, max_pos, cfg.rope_local_theta, None, self.device)
+        self.ropes = [local_rope if cfg.layer_windows[n] else global_rope for n in range(cfg.num_layers)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decode step (each tensor once; tied embeddings counted once)."""
+        seen, total = set(), 0
+        tensors = [self.lm_head] + [t for layer in self.layers for v in layer.values()
+                                    for t in (v if isinstance(v, tuple) else (v,))]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                caches: list[LayerCache]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (final norm applied)."""
+        if self.cfg.family == "gpt2":
+            return self._forward_gpt2(input_ids, positions, md, caches)
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        if cfg.embed_scale != 1.0:
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
+        eps, off = cfg.norm_eps, cfg.norm_offset
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for n, L in enumerate(self.layers):
+            x = rms_norm(h, L["input_norm"], eps, off)
+            qkv = F.linear(x, L["qkv"], L.get("qkv_bias"))
+            q = qkv[:, :qd].view(-1, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, qd:qd + kvd].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qd + kvd:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, L["q_norm"], eps, off), rms_norm(k, L["k_norm"], eps, off)
+            q, k = self.ropes[n](q, positions), self.ropes[n](k, positions)
+            o = paged_attention(q, k, v, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n],
+                                cfg.attn_logit_softcap)
+            o = F.linear(o.reshape(-1, qd), L["o"])
+            if cfg.sandwich_norms:
+                h = h + rms_norm(o, L["post_attn_norm"], eps, off)
+                x = rms_norm(h, L["pre_ffn_norm"], eps, off)
+            else:
+                h = h + o
+                x = rms_norm(h, L["post_attn_norm"], eps, off)
+            gate, up = F.linear(x, L["gate_up"]).chunk(2, dim=-1)
+            x = F.linear(activation(cfg.hidden_act, gate) * up, L["down"])
+            h = h + (rms_norm(x, L["post_ffn_norm"], eps, off) if cfg.sandwich_norms else x)
+        return rms_norm(h, self.norm, eps, off)
+
+    def _forward_gpt2(self, input_ids, positions, md, caches):
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed) + F.embedding(positions, self.pos_embed)
+        hd, nh = cfg.head_dim, cfg.num_heads
+        for n, L in enumerate(self.layers):
+            x = F.layer_norm(h, (cfg.hidden_size,), *L["ln_1"], eps=cfg.norm_eps)
+            q, k, v = F.linear(x, L["qkv"], L["qkv_bias"]).view(-1, 3, nh, hd).unbind(1)
+            o = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), caches[n], md, cfg.softmax_scale)
+            h = h + F.linear(o.reshape(-1, cfg.hidden_size), L["o"], L["o_bias"])
+            x = F.layer_norm(h, (cfg.hidden_size,), *L["ln_2"], eps=cfg.norm_eps)
+            x = activation(cfg.hidden_act, F.linear(x, L["fc"], L["fc_bias"]))
+            h = h + F.linear(x, L["proj"], L["proj_bias"])
+        return F.layer_norm(h, (cfg.hidden_size,), *self.norm, eps=cfg.norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> FP32 logits [S, vocab] (Gemma's final soft cap applied)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        cap = self.cfg.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,168 @@
+"""The model runner: the KV pool, one step's input tensors and attention metadata, the forward, the sampler.
+
+On CUDA, decode-only steps replay CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...)
+over static buffers; a batch is padded up to its bucket with rows that write nowhere (slot -1). Steps with
+prefill, batches above the largest bucket, and any capture that fails run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import ConfigError
+from kiln.llm.attention import AttentionMetadata, LayerCache
+from kiln.llm.model import DecoderModel
+from kiln.llm.sampling import Sampler
+from kiln.llm.scheduler import ScheduledStep
+
+KV_DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+             "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+             "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {name!r} is not supported; choose one of {sorted(KV_DTYPES)}.")
+    return KV_DTYPES[name] or model_dtype
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_num_seqs)
+    return sizes
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None, max_num_seqs: int, max_model_len: int,
+                 use_cuda_graphs: bool = True):
+        self.model = model
+        self.cfg = model.cfg
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_dtype = kv_dtype
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.caches = []
+        for n in range(self.cfg.num_layers):
+            ks, vs = kv_scales[n] if kv_scales is not None else (None, None)
+            if ks is not None:
+                ks = ks.to(self.device, torch.float32).expand(self.cfg.num_kv_heads).contiguous()
+                vs = vs.to(self.device, torch.float32).expand(self.cfg.num_kv_heads).contiguous()
+            self.caches.append(LayerCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                                          torch.zeros(shape, dtype=kv_dtype, device=self.device), ks, vs))
+        self.sampler = Sampler()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_error: str | None = None
+        if use_cuda_graphs and self.device.type == "cuda":
+            self.capture_graphs(max_num_seqs)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.caches[0].k.element_size()
+
+    # ----------------------------------------------------------------------------------------------------------
+    def prepare(self, step: ScheduledStep):
+        """Host-side tensors of one step: input ids, positions, metadata, and the rows whose logits are needed."""
+        bs = self.block_size
+        ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c:c + n])
+            table = seq.block_table
+            for p in range(c, c + n):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            starts.append(starts[-1] + n)
+            seq_lens.append(c + n)
+            if c + n == seq.num_tokens:  # this step reaches its end: it samples
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(s.block_table) for s in step.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in step.seqs]
+        return ids, positions, slots, starts, seq_lens, tables, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> tuple[list, list[int], list]:
+        """Runs one step; returns (sequences that sampled, their tokens, their logprobs)."""
+        ids, positions, slots, starts, seq_lens, tables, sample_rows = self.prepare(step)
+        samplers = [s for s, n in zip(step.seqs, step.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        bucket = self._bucket(len(step.seqs)) if step.is_decode_only else None
+        if bucket is not None:
+            logits = self._replay(bucket, ids, positions, slots, seq_lens, tables)[:len(step.seqs)]
+        else:
+            dev = self.device
+
+            def t(x, dtype):
+                return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+            md = AttentionMetadata(slot_mapping=t(slots, torch.int64), query_start_loc=t(starts, torch.int32),
+                                   seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32),
+                                   max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens))
+            hidden = self.model.forward(t(ids, torch.int64), t(positions, torch.int64), md, self.caches)
+            logits = self.model.compute_logits(hidden[t(sample_rows, torch.int64)]) if sample_rows else None
+        if not samplers:
+            return [], [], []
+        tokens, logprobs = self.sampler(logits, samplers)
+        return samplers, tokens, logprobs
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _bucket(self, n: int) -> int | None:
+        for b in sorted(self.graphs):
+            if b >= n:
+                return b
+        return None
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        dev, mb = self.device, self.max_blocks_per_seq
+        n = max(graph_buckets(max_num_seqs))
+        self.g_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.g_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.g_starts = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.g_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.g_tables = torch.zeros((n, mb), dtype=torch.int32, device=dev)
+        self.g_out: dict[int, torch.Tensor] = {}
+        pool = None
+        try:
+            for b in sorted(graph_buckets(max_num_seqs), reverse=True):
+                md = AttentionMetadata(self.g_slots[:b], self.g_starts[:b + 1], self.g_lens[:b],
+                                       self.g_tables[:b], max_query_len=1, max_seq_len=self.max_model_len)
+
+                def run():
+                    return self.model.compute_logits(self.model.forward(self.g_ids[:b], self.g_pos[:b], md,
+                                                                        self.caches))
+
+                with torch.inference_mode():
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        run()  # warm up (Triton compiles) outside the capture
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.g_out[b] = run()
+                pool = graph.pool()
+                self.graphs[b] = graph
+            torch.cuda.synchronize()
+        except Exception as e:  # e.g. a kernel that syncs with the host: decode runs eagerly
+            self.graphs.clear()
+            self.g_out = {}
+            self.graph_error = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+
+    def _replay(self, b, ids, positions, slots, seq_lens, tables):
+        n = len(ids)
+        self.g_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
+        self.g_pos[:n].copy_(torch.tensor(positions), non_blocking=True)
+        self.g_slots.fill_(-1)
+        self.g_slots[:n].copy_(torch.tensor(slots), non_blocking=True)
+        self.g_lens.fill_(1)
+        self.g_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        w = len(tables[0])
+        self.g_tables[:n, :w].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.graphs[b].replay()
+        return self.g_out[b]

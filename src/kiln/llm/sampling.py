@@ -1,0 +1,183 @@
+"""SamplingParams and the sampler: one batched pass over the logits of every sequence that samples this step.
+
+Order, as vLLM applies them: penalties (repetition over prompt + output; presence and frequency over the
+output), temperature, top-k, top-p, min-p, then a draw (greedy rows take the argmax). Rows with a seed draw
+from their own torch.Generator, so a seeded request's tokens do not depend on its batch. Logprobs are those of
+the model's distribution (log-softmax of the raw logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.errors import InputError
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise InputError(f"SamplingParams.{name} = {getattr(self, name)!r}: {why}.")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            bad("max_tokens", "must be an integer > 0")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not is_num(getattr(self, name)):
+                bad(name, "must be a number")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= 0 (0 or -1 = off)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 = off)")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer")
+        if self.stop is not None and (not isinstance(self.stop, list) or
+                                      not all(isinstance(s, str) and s for s in self.stop)):
+            bad("stop", "must be a list of non-empty strings")
+        if self.stop_token_ids is not None and not all(is_int(t) for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "must be an integer >= 0")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """Build from a dict (a request body); unknown keys are refused by name."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InputError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}.")
+        return cls(**d)
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], seqs, params) -> None:
+    vocab = logits.shape[1]
+    for r in rows:
+        p, seq = params[r], seqs[r]
+        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+        out = out[out < vocab]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)
+            seen = seen[seen < vocab].unique()
+            vals = logits[r, seen]
+            logits[r, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and out.numel():
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Masks (to -inf) what top-k [S] (0 = off), top-p [S] and min-p [S] exclude, row by row."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop |= before >= top_p[:, None]
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False  # the most likely token always stays
+    mask = torch.zeros_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
+        """logits [S, vocab] FP32 of the sequences that sample; returns their next tokens and top logprobs."""
+        params = [s.params for s in seqs]
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = None
+        if any(n is not None for n in want_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        penal = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
+                 or p.frequency_penalty]
+        if penal:
+            logits = logits.clone()
+            _penalize(logits, penal, seqs, params)
+        for r, s in enumerate(seqs):  # min_tokens: end tokens are not allowed yet
+            if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens:
+                stops = [t for t in s.eos_token_ids | set(s.params.stop_token_ids or []) if t < logits.shape[1]]
+                if stops:
+                    logits = logits.clone() if not penal else logits
+                    logits[r, stops] = float("-inf")
+        greedy = [p.greedy for p in params]
+        tokens = torch.empty(len(seqs), dtype=torch.long)
+        if any(greedy):
+            idx = [r for r, g in enumerate(greedy) if g]
+            tokens[idx] = logits[idx].argmax(dim=-1).cpu()
+        rows = [r for r, g in enumerate(greedy) if not g]
+        if rows:
+            dev = logits.device
+            sub = logits[rows] / torch.tensor([params[r].temperature for r in rows], device=dev)[:, None]
+            top_k = torch.tensor([max(params[r].top_k, 0) for r in rows], device=dev)
+            top_p = torch.tensor([float(params[r].top_p) for r in rows], device=dev)
+            min_p = torch.tensor([float(params[r].min_p) for r in rows], device=dev)
+            if (top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any():
+                sub = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p)
+            probs = sub.softmax(dim=-1).float().cpu()
+            for j, r in enumerate(rows):
+                # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1).
+                e = torch.empty_like(probs[j]).exponential_(generator=seqs[r].generator)
+                tokens[r] = (probs[j] / e).argmax()
+        out_tokens = tokens.tolist()
+        top = []
+        for r, n in enumerate(want_logprobs):
+            if n is None:
+                top.append(None)
+                continue
+            lp = raw_logprobs[r]
+            entry = {out_tokens[r]: lp[out_tokens[r]].item()}
+            if n:
+                vals, ids = lp.topk(n)
+                entry.update({i: v for i, v in zip(ids.tolist(), vals.tolist()) if i not in entry})
+            top.append(entry)
+        return out_tokens, top
