@@ -37,14 +37,42 @@ def tensor_to_torch(t: onnx.TensorProto, where: str):
         raise UnsupportedError(f"{where}: {e}") from None
 
 
-def _value(vi: onnx.ValueInfoProto) -> Value:
+def _nodes_using(name: str, g: onnx.GraphProto) -> str:
+    """' (used by node 'a' (Equal), ...)' for the error messages of a graph value, or ''."""
+    users = [f"'{n.name or f'{n.op_type}_{i}'}' ({n.op_type})" for i, n in enumerate(g.node)
+             if name in n.input or name in n.output]
+    return f" (used by node {', '.join(users)})" if users else ""
+
+
+def _type_name(t: onnx.TypeProto) -> str:
+    """ONNX's notation for a value type: tensor(float), sequence(tensor(float)), optional(...)."""
+    kind = t.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        elem = getattr(t, kind).elem_type
+        name = onnx.TensorProto.DataType.Name(elem).lower() if elem else "?"
+        return f"{kind.removesuffix('_type')}({name})"
+    if kind in ("sequence_type", "optional_type"):
+        return f"{kind.removesuffix('_type')}({_type_name(getattr(t, kind).elem_type)})"
+    if kind == "map_type":
+        return f"map({onnx.TensorProto.DataType.Name(t.map_type.key_type).lower()}, {_type_name(t.map_type.value_type)})"
+    return "unknown"
+
+
+def _value(vi: onnx.ValueInfoProto, g: onnx.GraphProto) -> Value:
     tt = vi.type.tensor_type
+    kind = vi.type.WhichOneof("value")
+    if kind not in (None, "tensor_type"):  # sequence, optional, map, sparse tensor
+        raise UnsupportedError(
+            f"graph value '{vi.name}'{_nodes_using(vi.name, g)} has type {_type_name(vi.type)}; "
+            "Kiln builds dense tensors only, as TensorRT does.")
     if not vi.type.HasField("tensor_type"):
         return Value(vi.name, None, None)
     try:
         dtype = dtypes.onnx_to_torch(tt.elem_type) if tt.elem_type else None
     except KeyError as e:
-        raise UnsupportedError(f"graph value '{vi.name}' has element type {e}, which Kiln does not support.") from None
+        raise UnsupportedError(
+            f"graph value '{vi.name}'{_nodes_using(vi.name, g)} has element type {e}, which Kiln does not support"
+            + (" (Kiln, like TensorRT, has numeric tensors only)." if tt.elem_type == onnx.TensorProto.STRING else ".")) from None
     shape = None
     if tt.HasField("shape"):
         shape = tuple(
@@ -101,8 +129,8 @@ def graph_from_onnx(g: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
         node.opset = opsets.get(node.domain, opsets.get("", 17))
         nodes.append(node)
     # Old exporters list initializers among the inputs; they are weights, not bindings.
-    inputs = [_value(v) for v in g.input if v.name not in inits]
-    outputs = [_value(v) for v in g.output]
+    inputs = [_value(v, g) for v in g.input if v.name not in inits]
+    outputs = [_value(v, g) for v in g.output]
     return Graph(nodes=nodes, inputs=inputs, outputs=outputs, initializers=inits, name=g.name or "graph", opsets=opsets)
 
 

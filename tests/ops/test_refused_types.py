@@ -1,0 +1,51 @@
+"""Value types Kiln refuses (as TensorRT does): sequences, optionals and strings fail at import
+with an UnsupportedError naming the graph value, the node that uses it and the type."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+import kiln.backend
+from kiln.errors import UnsupportedError
+
+
+def _identity_model(value_type):
+    node = helper.make_node("Identity", ["x"], ["y"], name="pass_through")
+    graph = helper.make_graph([node], "g", [helper.make_value_info("x", value_type)],
+                              [helper.make_value_info("y", value_type)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("value_type, shown", [
+    (helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None)),
+     "sequence(tensor(float))"),
+    (helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.INT64, [3])),
+     "optional(tensor(int64))"),
+])
+def test_non_tensor_values_are_refused_naming_the_node(value_type, shown):
+    model = _identity_model(value_type)
+    with pytest.raises(UnsupportedError) as e:
+        kiln.backend.prepare(model, "CPU")
+    msg = str(e.value)
+    assert "'x'" in msg and "'pass_through' (Identity)" in msg and shown in msg and "dense tensors only" in msg
+    with pytest.raises(UnsupportedError):
+        kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+
+
+def test_string_tensors_are_refused_naming_the_node():
+    node = helper.make_node("Equal", ["a", "b"], ["y"], name="same_label")
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info(k, TensorProto.STRING, [2]) for k in "ab"],
+        [helper.make_tensor_value_info("y", TensorProto.BOOL, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10)
+    with pytest.raises(UnsupportedError, match=r"'a' \(used by node 'same_label' \(Equal\)\).*STRING"):
+        kiln.backend.prepare(model, "CPU")
+
+
+def test_tensor_identity_still_builds():
+    model = _identity_model(helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 3]))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (y,) = kiln.backend.prepare(model, "CPU").run([x])
+    np.testing.assert_array_equal(y, x)
