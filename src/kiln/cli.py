@@ -299,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     check_cmd.add_check_command(sub)
     for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool, export_tool):
         tool.add_command(sub)
+    from .llm import cli as llm_cli
+
+    llm_cli.add_command(sub)
     return p
 
 
