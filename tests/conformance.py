@@ -1,7 +1,14 @@
-"""Runs ONNX's own node conformance cases against Kiln's backend (CPU target)."""
+"""Runs ONNX's own node conformance cases against Kiln's backend (CPU target by default).
+
+A case runs when Kiln claims every op in its graph. `python -m tests.conformance` prints the
+counts and every failing case with its error (--device CUDA on a GPU machine, --ops to select,
+--markdown for the table in docs/operators.md).
+"""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -12,6 +19,33 @@ from onnx.backend.test.case.node import collect_testcases
 
 import kiln.backend as backend
 from kiln.ops import claimed_ops, lookup
+
+
+# The ONNX operators TensorRT supports: onnx-tensorrt's docs/operators.md for TensorRT 10.1, plus the
+# three its changelog adds in 10.15 (RotaryEmbedding, RMSNormalization, TensorScatter).
+TENSORRT_OPS = frozenset("""
+Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh AveragePool BatchNormalization Cast CastLike Ceil Celu Clip
+Concat Constant ConstantOfShape Conv ConvTranspose Cos Cosh CumSum DeformConv DepthToSpace DequantizeLinear Div
+Dropout Einsum Elu Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements GatherND Gelu Gemm
+GlobalAveragePool GlobalLpPool GlobalMaxPool Greater GreaterOrEqual GridSample GroupNormalization GRU Hardmax
+HardSigmoid HardSwish Identity If ImageScaler InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less
+LessOrEqual Log LogSoftmax Loop LpNormalization LpPool LRN LSTM MatMul Max MaxPool Mean MeanVarianceNormalization Min
+Mish Mod Mul Neg NonMaxSuppression NonZero Not OneHot Or Pad ParametricSoftplus Pow PRelu QuantizeLinear RandomNormal
+RandomNormalLike RandomUniform RandomUniformLike Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp
+ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu Reshape Resize ReverseSequence
+RMSNormalization RNN RoiAlign RotaryEmbedding Round ScaledTanh Scan Scatter ScatterElements ScatterND Selu Shape
+Shrink Sigmoid Sign Sin Sinh Size Slice Softmax Softplus Softsign SpaceToDepth Split Sqrt Squeeze Sub Sum Tan Tanh
+TensorScatter ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample Where Xor
+""".split())
+
+# The cases Kiln refuses on purpose, each with the reason (docs/operators.md lists them). Any other
+# failure is a regression.
+REFUSED = {
+    "test_equal_string": "string tensors: Kiln, like TensorRT, builds numeric tensors only",
+    "test_equal_string_broadcast": "string tensors: Kiln, like TensorRT, builds numeric tensors only",
+    "test_identity_sequence": "a sequence value: Kiln, like TensorRT, builds dense tensors only",
+    "test_identity_opt": "an optional value: Kiln, like TensorRT, builds dense tensors only",
+}
 
 
 @dataclass
@@ -48,10 +82,10 @@ def _load_inputs(case, data):
     return [onnx.numpy_helper.to_array(t) if isinstance(t, onnx.TensorProto) else t for t in data]
 
 
-def run_case(case) -> str | None:
+def run_case(case, device: str = "CPU") -> str | None:
     """None when the case passes, else a short reason."""
     try:
-        rep = backend.prepare(case.model, "CPU")
+        rep = backend.prepare(case.model, device)
         random = _random(case)  # ONNX's expected values are numpy's random draws: check shape and type only
         for inputs, expected in case.data_sets:
             inputs, expected = _load_inputs(case, inputs), _load_inputs(case, expected)
@@ -89,27 +123,99 @@ def node_cases():
     return [c for c in collect_testcases() if c.kind == "node"]
 
 
-def results_by_op(ops: set[str] | None = None) -> dict[str, OpResult]:
-    """Each case counts for every op in its graph, if Kiln claims all of them."""
+@dataclass
+class CaseResult:
+    ops: set[str]
+    reason: str | None  # None: passed
+
+    @property
+    def tensorrt(self) -> bool:
+        """Every op of the case is one TensorRT supports."""
+        return self.ops <= TENSORRT_OPS
+
+
+def results_by_case(ops: set[str] | None = None, device: str = "CPU") -> dict[str, CaseResult]:
+    """Every case whose ops Kiln all claims (and, with `ops`, that uses one of them), run once."""
     claimed = set(claimed_ops())
-    results: dict[str, OpResult] = defaultdict(OpResult)
+    results = {}
     for case in node_cases():
         used = case_ops(case)
-        if not used or not used <= claimed or (ops is not None and not used & ops):
-            continue
-        reason = run_case(case)
-        for op in used:
+        if used and used <= claimed and (ops is None or used & ops):
+            results[case.name] = CaseResult(used, run_case(case, device))
+    return results
+
+
+def results_by_op(ops: set[str] | None = None, device: str = "CPU",
+                  cases: dict[str, CaseResult] | None = None) -> dict[str, OpResult]:
+    """Each case counts for every op in its graph, if Kiln claims all of them."""
+    cases = results_by_case(ops, device) if cases is None else cases
+    results: dict[str, OpResult] = defaultdict(OpResult)
+    for name, r in cases.items():
+        for op in r.ops:
             if ops is None or op in ops:
-                if reason is None:
-                    results[op].passed.append(case.name)
+                if r.reason is None:
+                    results[op].passed.append(name)
                 else:
-                    results[op].failed[case.name] = reason
+                    results[op].failed[name] = r.reason
     return dict(results)
 
 
-def unclaimed_ops() -> list[str]:
+@functools.cache
+def _unclaimed_ops() -> tuple[str, ...]:
     claimed = set(claimed_ops())
     seen = set()
     for case in node_cases():
         seen |= case_ops(case)
-    return sorted(seen - claimed)
+    return tuple(sorted(seen - claimed))
+
+
+def unclaimed_ops() -> list[str]:
+    return list(_unclaimed_ops())
+
+
+def summary(cases: dict[str, CaseResult]) -> list[str]:
+    """Pass counts: all cases Kiln runs, the TensorRT-supported subset, and case-op pairs."""
+    def count(rs):
+        rs = list(rs)
+        ok = sum(r.reason is None for r in rs)
+        return f"{ok}/{len(rs)} ({100 * ok / max(len(rs), 1):.1f}%)"
+
+    pairs = [r for r in cases.values() for _ in r.ops]
+    return [f"cases: {count(cases.values())}",
+            f"cases whose ops TensorRT all supports: {count(r for r in cases.values() if r.tensorrt)}",
+            f"case-op pairs: {count(pairs)}"]
+
+
+def markdown_table(cases: dict[str, CaseResult]) -> list[str]:
+    """One row per claimed op: TensorRT support and the ONNX cases that use it."""
+    per_op = results_by_op(cases=cases)
+    rows = ["| operator | TensorRT | ONNX cases pass |", "|---|---|---|"]
+    for op in claimed_ops():
+        r = per_op.get(op)
+        n = f"{len(r.passed)}/{len(r.passed) + len(r.failed)}" if r else "no case"
+        rows.append(f"| {op} | {'yes' if op in TENSORRT_OPS else 'no'} | {n} |")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="CPU", help="CPU or CUDA")
+    ap.add_argument("--ops", help="comma-separated ops: only the cases using one of them")
+    ap.add_argument("--markdown", action="store_true", help="print the per-op table of docs/operators.md")
+    args = ap.parse_args(argv)
+    ops = set(args.ops.split(",")) if args.ops else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ONNX's case generators warn about the overflows they test
+        cases = results_by_case(ops, args.device)
+    if args.markdown:
+        print("\n".join(markdown_table(cases)))
+        return
+    print("\n".join(summary(cases)))
+    for name, r in sorted(cases.items()):
+        if r.reason is not None:
+            tag = "refused" if name in REFUSED else "FAILED"
+            print(f"  {tag} {name} [{', '.join(sorted(r.ops))}]: {r.reason}")
+
+
+if __name__ == "__main__":
+    main()
