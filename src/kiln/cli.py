@@ -67,7 +67,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--valRange", nargs="+", metavar="NAME:LO,HI", help="value range of synthetic inputs "
                    "(Polygraphy's spelling), e.g. input_ids:0,30521 pixel:[0,1]; LO,HI alone for every input")
     p.add_argument("--exportOutput", metavar="FILE", help="save outputs of the first run (.npz)")
-    p.add_argument("--iterations", type=int, default=100, help="timed runs (at least)")
+    p.add_argument("--iterations", type=int, default=None, help="timed runs, at least (default: up to 100, "
+                   "stopping once the median is stable)")
     p.add_argument("--duration", type=float, default=0.0, help="time for at least this many seconds")
     p.add_argument("--warmUp", type=float, default=200.0, help="warm-up time in ms")
 
@@ -107,6 +108,16 @@ def _config_from_args(a):
     )
 
 
+def _note_emulated(precision: str, device: str, a) -> None:
+    """Say before anything runs that FP16/BF16 on the CPU is emulated and slow (once per command)."""
+    from .tools.timing import emulation_note
+
+    note = emulation_note(precision, device)
+    if note and not getattr(a, "_emulation_noted", False):
+        err.print(f"[yellow]note:[/] {escape(note)}")
+        a._emulation_noted = True
+
+
 def _has_calibration(a) -> bool:
     return bool(a.calib or (a.calibCache and Path(a.calibCache).exists()))
 
@@ -128,6 +139,7 @@ def cmd_build(a) -> int:
     if config.device == "auto" and not torch.cuda.is_available():
         err.print("[yellow]note:[/] no CUDA GPU found: building for the CPU target (reference kernels). "
                   "Latency figures below are CPU figures, not GPU ones.")
+    _note_emulated(config.precision, "cpu" if config.device == "cpu" or not torch.cuda.is_available() else "cuda", a)
     engine = build(model, config)
     if a.calib and Path(a.calib).exists() and isinstance(engine.build_config.get("calibration"), dict):
         # `kiln compare` runs on the calibration data when no inputs are given: data, not synthetic values
@@ -222,6 +234,7 @@ def _run_and_report(engine, a) -> int:
     if unknown:
         raise InputError(f"--shapes: {unknown} are not inputs of this engine; "
                          f"its inputs are {[v.name for v in engine.inputs]}.")
+    _note_emulated(engine.precision, engine.target.device, a)
     ctx = engine.create_execution_context(profile=a.profile)
     if a.loadInputs:
         loaded = load_samples(a.loadInputs, [v.name for v in engine.inputs])
@@ -247,7 +260,8 @@ def _run_and_report(engine, a) -> int:
     shape_text = ", ".join(f"{k}: {list(x.shape)}" for k, x in input_sets[0].items())
     out.print(f"Running on {engine.target.describe()} with {shape_text} (profile {a.profile}, "
               f"{'CUDA graph replay' if ctx.uses_cuda_graphs else 'layer by layer'})")
-    t = time_context(ctx, input_sets, iterations=a.iterations, warmup_ms=a.warmUp, duration_s=a.duration)
+    t = time_context(ctx, input_sets, iterations=a.iterations or 100, warmup_ms=a.warmUp, duration_s=a.duration,
+                     stop_when_stable=a.iterations is None, warn_emulated=False)
     first_shape = next(iter(input_sets[0].values())).shape if input_sets[0] else (1,)
     t.batch = first_shape[0] if len(first_shape) else 1
     render(t, out)

@@ -9,15 +9,45 @@ CUDA events apart from the compute, and Latency includes both.
 
 time_fn times any callable feeds -> outputs (an engine, or PyTorch eager and
 torch.compile baselines in `kiln bench`), so every peer is timed the same way.
+
+A figure that is noise says so. The timed runs are split into consecutive groups
+(repeats); the report gives each group's median and warns when they differ by more
+than REPEAT_SPREAD_LIMIT of the overall median, or when p99 exceeds the median by
+P99_OVER_MEDIAN_LIMIT (stalls: another process, a thread pool waiting for a core).
+On the CPU target the runs use as many threads as there are idle physical cores
+(`cpu_threads`; torch's default pool of every logical CPU stalls on a busy machine),
+and the report says a CPU figure is not a GPU one. With stop_when_stable, timing
+ends once the median is stable: after MIN_STABLE_RUNS runs, when adding the last
+STABLE_WINDOW runs moved it by less than STABLE_MEDIAN_CHANGE.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+REPEATS = 5  # groups the timed runs are split into, to measure run-to-run spread
+REPEAT_SPREAD_LIMIT = 0.10  # (max - min) of the groups' medians over the median
+P99_OVER_MEDIAN_LIMIT = 1.5
+MIN_STABLE_RUNS = 20
+STABLE_WINDOW = 10
+STABLE_MEDIAN_CHANGE = 0.01
+
+
+class TimingNoiseWarning(UserWarning):
+    """A timing whose spread makes its median unreliable."""
+
+
+class EmulatedPrecisionWarning(UserWarning):
+    """FP16/BF16 arithmetic on the CPU target: emulated, and much slower than FP32."""
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -45,6 +75,40 @@ class Timings:
     h2d_ms: list[float] = field(default_factory=list)
     d2h_ms: list[float] = field(default_factory=list)
     start_ms: list[float] = field(default_factory=list)  # each iteration's start, from the first timed one
+    device: str = ""  # "cuda" or "cpu": where the timed runs ran
+    cpu_threads: int | None = None  # torch threads the CPU runs used
+    cpu_threads_reason: str = ""
+    stopped_early: bool = False  # stop_when_stable ended the runs before `iterations`
+    iterations_asked: int = 0
+
+    def noise(self) -> dict:
+        """Run-to-run spread of the primary time (GPU compute on a GPU, latency on the CPU) and warnings."""
+        xs = self.gpu_ms or self.latency_ms
+        out = {"measure": "gpu_compute" if self.gpu_ms else "latency", "warnings": []}
+        if len(xs) < 2:
+            return out
+        med = statistics.median(xs)
+        p99 = percentile(xs, 99)
+        out["p99_over_median"] = p99 / med if med > 0 else math.inf
+        if len(xs) >= 2 * REPEATS:
+            size = len(xs) // REPEATS
+            medians = [statistics.median(xs[i * size:(i + 1) * size]) for i in range(REPEATS)]
+            out["repeat_medians_ms"] = medians
+            out["repeat_spread"] = (max(medians) - min(medians)) / med if med > 0 else math.inf
+        what = "GPU compute time" if self.gpu_ms else "latency"
+        if out["p99_over_median"] > P99_OVER_MEDIAN_LIMIT:
+            out["warnings"].append(
+                f"noisy timing: {what} p99 {p99:.4g} ms is {out['p99_over_median']:.1f}x the median {med:.4g} ms "
+                f"(limit {P99_OVER_MEDIAN_LIMIT:g}x): some runs stalled (other processes on the machine, "
+                f"{'a thread pool waiting for cores' if not self.gpu_ms else 'host interruptions'}). "
+                "Treat the median as approximate; time on a quiet machine, or longer (--duration).")
+        if out.get("repeat_spread", 0) > REPEAT_SPREAD_LIMIT:
+            meds = ", ".join(f"{m:.4g}" for m in out["repeat_medians_ms"])
+            out["warnings"].append(
+                f"noisy timing: the medians of {REPEATS} consecutive groups of runs differ by "
+                f"{out['repeat_spread']:.0%} of the median (limit {REPEAT_SPREAD_LIMIT:.0%}): {meds} ms. "
+                "The machine's speed changed while timing; one figure is not reproducible to better than that.")
+        return out
 
     def to_json(self) -> dict:
         d = {
@@ -52,6 +116,8 @@ class Timings:
             "throughput_qps": len(self.latency_ms) / self.wall_s if self.wall_s else None,
             "latency_ms": summarize(self.latency_ms),
             "enqueue_ms": summarize(self.enqueue_ms),
+            "noise": self.noise(),
+            "device": self.device, "cpu_threads": self.cpu_threads, "stopped_early": self.stopped_early,
         }
         if self.gpu_ms:
             d["gpu_compute_ms"] = summarize(self.gpu_ms)
@@ -88,16 +154,105 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def time_context(ctx, input_sets: list[dict], iterations: int = 100, warmup_ms: float = 200.0,
-                 duration_s: float = 0.0, h2d: bool = False) -> Timings:
-    """Run until both `iterations` runs and `duration_s` seconds are done (after warm-up)."""
+                 duration_s: float = 0.0, h2d: bool = False, stop_when_stable: bool = False,
+                 warn_emulated: bool = True) -> Timings:
+    """Run until both `iterations` runs and `duration_s` seconds are done (after warm-up); with
+    stop_when_stable, `iterations` is a most and the runs end once the median is stable.
+    warn_emulated: warn first when FP16/BF16 runs on the CPU (a caller that said so already passes False)."""
+    if warn_emulated:
+        warn_if_emulated(ctx.engine.precision, ctx.device)
     return time_fn(lambda feeds: ctx.run(feeds, copy_outputs=False), input_sets, ctx.device,
-                   iterations=iterations, warmup_ms=warmup_ms, duration_s=duration_s, h2d=h2d)
+                   iterations=iterations, warmup_ms=warmup_ms, duration_s=duration_s, h2d=h2d,
+                   stop_when_stable=stop_when_stable)
+
+
+def emulation_note(precision: str, device) -> str | None:
+    """The warning for FP16/BF16 arithmetic on the CPU, or None."""
+    if torch.device(device).type != "cpu" or precision not in ("float16", "bfloat16", "fp16", "bf16"):
+        return None
+    name = "FP16" if precision in ("float16", "fp16") else "BF16"
+    return (f"{name} on the CPU target is emulated: most CPUs have no {name} arithmetic, so each layer converts "
+            f"and runs much slower than FP32 (a large model can take seconds per call). It shows accuracy, "
+            f"not speed; build FP32 for CPU timings, and time {name} on the GPU.")
+
+
+def warn_if_emulated(precision: str, device) -> None:
+    note = emulation_note(precision, device)
+    if note:
+        warnings.warn(note, EmulatedPrecisionWarning, stacklevel=3)
+
+
+def _physical_cores(cpus: set[int]) -> int:
+    """Physical cores among the logical CPUs `cpus` (hyperthread siblings count once)."""
+    cores = set()
+    for c in cpus:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        try:
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            cores.add(str(c))
+    return max(1, len(cores))
+
+
+def cpu_threads() -> tuple[int, str]:
+    """(threads, why): the physical cores this process may use, less those busy with other work
+    (the 1-minute load average beyond this process's own one), at least 1."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        cpus = set(range(os.cpu_count() or 1))
+    cores = _physical_cores(cpus)
+    try:
+        busy = max(0, round(os.getloadavg()[0] - 1))
+    except OSError:
+        busy = 0
+    n = max(1, min(cores, len(cpus)) - busy)
+    why = (f"{cores} physical core(s) of {len(cpus)} CPU(s) available"
+           + (f", about {busy} busy with other work (load average)" if busy else ""))
+    return n, why
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _stable(xs: list[float]) -> bool:
+    """The median of all runs moved less than STABLE_MEDIAN_CHANGE when the last window was added."""
+    if len(xs) < MIN_STABLE_RUNS or len(xs) % STABLE_WINDOW:
+        return False
+    now, before = statistics.median(xs), statistics.median(xs[:-STABLE_WINDOW])
+    return now > 0 and abs(now - before) / now < STABLE_MEDIAN_CHANGE
 
 
 def time_fn(fn, input_sets: list[dict], device, iterations: int = 100, warmup_ms: float = 200.0,
-            duration_s: float = 0.0, h2d: bool = False) -> Timings:
-    """Time fn(feeds) trtexec-style. input_sets are on `device`, or on the host when h2d=True."""
+            duration_s: float = 0.0, h2d: bool = False, stop_when_stable: bool = False,
+            threads: int | None = None) -> Timings:
+    """Time fn(feeds) trtexec-style. input_sets are on `device`, or on the host when h2d=True.
+    On the CPU, torch runs with `threads` threads (default `cpu_threads()`) while timing."""
     device = torch.device(device)
+    why = ""
+    if device.type == "cpu" and threads is None:
+        threads, why = cpu_threads()
+    with _threads(threads if device.type == "cpu" else None):
+        t = _time(fn, input_sets, device, iterations, warmup_ms, duration_s, h2d, stop_when_stable)
+    t.device, t.iterations_asked = device.type, iterations
+    if device.type == "cpu":
+        t.cpu_threads, t.cpu_threads_reason = threads, why or "as asked"
+    for w in t.noise()["warnings"]:
+        warnings.warn(w, TimingNoiseWarning, stacklevel=2)
+    return t
+
+
+def _time(fn, input_sets, device, iterations, warmup_ms, duration_s, h2d, stop_when_stable) -> Timings:
     cuda = device.type == "cuda"
     h2d = h2d and cuda
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
@@ -157,6 +312,10 @@ def time_fn(fn, input_sets: list[dict], device, iterations: int = 100, warmup_ms
         t.enqueue_ms.append((t1 - t0) * 1000)
         t.latency_ms.append((t2 - t0) * 1000)
         n += 1
+        if (stop_when_stable and n < iterations and time.perf_counter() - start >= duration_s
+                and _stable(t.gpu_ms or t.latency_ms)):
+            t.stopped_early = True
+            break
     t.wall_s = time.perf_counter() - start
     return t
 
@@ -182,4 +341,14 @@ def render(t: Timings, console) -> None:
         console.print("GPU Compute Time: n/a (CPU target)")
     if "d2h_ms" in j:
         console.print(line("D2H Latency", j["d2h_ms"]))
-    console.print(f"Total Host Walltime: {t.wall_s:.3f} s, iterations: {j['iterations']}")
+    console.print(f"Total Host Walltime: {t.wall_s:.3f} s, iterations: {j['iterations']}"
+                  + (f" (stopped early of {t.iterations_asked}: the median moved less than "
+                     f"{STABLE_MEDIAN_CHANGE:.0%} over the last {STABLE_WINDOW} runs)" if t.stopped_early else ""))
+    noise = j["noise"]
+    if "repeat_medians_ms" in noise:
+        meds = ", ".join(f"{m:.4f}" for m in noise["repeat_medians_ms"])
+        console.print(f"Run-to-run spread: medians of {REPEATS} consecutive groups {meds} ms "
+                      f"({noise['repeat_spread']:.1%} of the median); p99/median {noise['p99_over_median']:.2f}")
+    if t.device == "cpu":
+        console.print(f"Note: measured on the CPU with {t.cpu_threads} thread(s) ({t.cpu_threads_reason}): a CPU "
+                      "figure from the reference kernels, not a latency on any GPU.")
