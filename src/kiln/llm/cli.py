@@ -19,7 +19,7 @@ from kiln.errors import ConfigError, InputError
 
 # Modules adding `kiln llm <name>` subcommands; each defines add_llm_command(llm_subparsers). A module that is
 # not importable (not written yet, or its optional dependency missing) is skipped.
-_SUBCOMMANDS = ["kiln.llm.engine_file", "kiln.llm.perplexity"]
+_SUBCOMMANDS = ["kiln.llm.engine_file", "kiln.llm.perplexity", "kiln.serve.llm_cli"]
 
 
 def _engine_kwargs(a) -> dict:

@@ -1,0 +1,64 @@
+"""The server's Prometheus metrics, under vLLM's names with Kiln's prefix (`kiln:num_requests_running`, ...).
+
+Engine state (running and waiting requests, KV-cache usage, prefix-cache queries and hits, prompt and
+generation tokens) is read from the engine thread's latest stats snapshot at scrape time; latencies are
+histograms observed by the request handlers, as a client sees them: time to first token, the time between
+tokens after the first, and end-to-end.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                  0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector:
+    def __init__(self, stats, model: str):
+        self._stats, self._model = stats, model
+
+    def collect(self):
+        s = self._stats()
+        labels = ["model_name"]
+        for name, doc, key in (("kiln:num_requests_running", "Sequences being decoded or prefilled.", "num_running"),
+                               ("kiln:num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
+                               ("kiln:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                                "kv_cache_usage"),
+                               ("kiln:kv_cache_blocks_free", "Free KV-cache blocks.", "kv_blocks_free"),
+                               ("kiln:kv_cache_blocks_total", "KV-cache blocks in the pool.", "kv_blocks_total")):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self._model], float(s.get(key, 0)))
+            yield g
+        for name, doc, key in (("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                "prefix_cache_queries"),
+                               ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                "prefix_cache_hits"),
+                               ("kiln:prompt_tokens", "Prompt tokens admitted.", "prompt_tokens_total"),
+                               ("kiln:generation_tokens", "Tokens generated.", "generation_tokens_total"),
+                               ("kiln:num_preemptions", "Sequences preempted for KV-cache space.", "num_preemptions")):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self._model], float(s.get(key, 0)))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, stats, model: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, model))
+        self.model = model
+        self.ttft = Histogram("kiln:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between two tokens of a request.",
+                             ["model_name"], buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("kiln:request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.rejected = Counter("kiln:request_rejected", "Requests refused, by HTTP status.",
+                                ["model_name", "status"], registry=self.registry)
+        self.aborted = Counter("kiln:request_aborted", "Requests whose client went away before the end.",
+                               ["model_name"], registry=self.registry)
