@@ -198,3 +198,19 @@ def test_value_dependent_shapes_in_an_engine():
         np.testing.assert_array_equal(ctx.run({"x": x})["y0"], np.array(np.nonzero(x)))
     cond = np.array([True, False, True, True, False, False, True])  # shorter than the flattened input
     _same("Compress", {"x": _randn(3, 4), "c": cond})
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter_writes_each_batch_at_its_index(mode):
+    """A KV cache (batch 3, 2 heads, 6 positions, 4 features) takes 2 new positions per sample on axis 2;
+    circular mode wraps the sample written at position 5."""
+    past = rng.standard_normal((3, 2, 6, 4)).astype(np.float32)
+    update = rng.standard_normal((3, 2, 2, 4)).astype(np.float32)
+    feeds = {"past": past, "update": update,
+             "write_indices": np.array([0, 3, 5 if mode == "circular" else 4], np.int64)}
+    model = _model("TensorScatter", feeds, [TensorProto.FLOAT], opset=24, axis=2, mode=mode)
+    (got,) = _kiln(model, feeds)
+    (want,) = ReferenceEvaluator(model).run(None, feeds)
+    np.testing.assert_array_equal(got, want)
+    if mode == "circular":
+        np.testing.assert_array_equal(got[2, :, 0], update[2, :, 1])  # wrapped to the front

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (each import registers its family's ops)
     activation,
+    attention,
     cast,
     control_flow,
     elementwise,

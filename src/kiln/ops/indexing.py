@@ -170,6 +170,29 @@ def scatter_nd(node, x, indices, updates):
     return _scatter(rows, 0, index, src, node.attr("reduction", "none")).reshape(x.shape)
 
 
+def _check_tensor_scatter(node):
+    mode = node.attr("mode", "linear")
+    if mode not in ("linear", "circular"):
+        return f"TensorScatter mode '{mode}' is not one of linear, circular"
+    return None
+
+
+@register("TensorScatter", check=_check_tensor_scatter, since=24)
+def tensor_scatter(node, past, update, write_indices=None):
+    """A KV-cache write: update's positions along `axis` land at write_indices[b] onwards in batch b's rows."""
+    axis = _axis(node.attr("axis", -2), past.dim())
+    if axis == 0:
+        raise ValueError("TensorScatter axis must not be the batch axis 0")
+    batch, length, cache_len = past.shape[0], update.shape[axis], past.shape[axis]
+    start = (torch.zeros(batch, dtype=torch.int64, device=past.device) if write_indices is None
+             else write_indices.to(torch.int64))
+    pos = start[:, None] + torch.arange(length, device=past.device)  # (batch, length)
+    if node.attr("mode", "linear") == "circular":
+        pos = pos % cache_len
+    index = pos.reshape((batch,) + (1,) * (axis - 1) + (length,) + (1,) * (past.dim() - axis - 1))
+    return _scatter(past, axis, index.expand(update.shape), update, "none")
+
+
 # --- one-hot, top-k, sequences -----------------------------------------------------
 
 # Float indices keep their exact values (an FP16 layer would round them).
