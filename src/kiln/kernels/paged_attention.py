@@ -149,21 +149,24 @@ MAX_HEAD_DIM = 256
 @triton.jit
 def _to_codes(x, scale, QUANT: tl.constexpr):
     """x / scale as 8-bit codes (QUANT "fp8": saturated to +-448, round to nearest even; "int8": round half to
-    even, clamped to +-127), FP32 in."""
-    v = x / scale
+    even, clamped to +-127), FP32 in. The quotient is rounded to nearest (div_rn), as torch's: Triton's `/`
+    is the GPU's approximate division, which would move values next to a rounding tie to the other code."""
+    v = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
     if QUANT == "fp8":
-        return tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
-    # clamping first rounds the same (integer bounds); adding 1.5 * 2**23 makes the FP32 adder round to nearest
-    # even and leaves the integer in the low mantissa bits (libdevice.rint does not run in the interpreter)
-    v = tl.minimum(tl.maximum(v, -127.0), 127.0)
-    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        codes = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+    else:
+        # clamping first rounds the same (integer bounds); adding 1.5 * 2**23 makes the FP32 adder round to
+        # nearest even and leaves the integer in the low mantissa bits (libdevice.rint: not in the interpreter)
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        codes = (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    return codes
 
 
 @triton.jit
-def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, KVH, D,
+def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                               skt, skh, svt, svh, skcb, skco, skch, svcb, svco, svch,
-                              BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                              KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                              QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -171,7 +174,7 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs
         off = slot % BLOCK_SIZE
         rh = tl.arange(0, BLOCK_H)
         rd = tl.arange(0, BLOCK_D)
-        ok = (rh < KVH)[:, None] & (rd < D)[None, :]
+        ok = (rh < KVH)[:, None] & (rd < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + t.to(tl.int64) * skt + rh[:, None] * skh + rd[None, :], mask=ok)
         v = tl.load(v_ptr + t.to(tl.int64) * svt + rh[:, None] * svh + rd[None, :], mask=ok)
         if QUANT != "":
@@ -222,28 +225,28 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
     quant = _quant_name(k_cache.dtype)
     slots = slot_mapping.to(torch.int64).contiguous()
     _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slots, _scales(k_scale, slots), _scales(v_scale, slots), kvh, d,
+        k, v, k_cache, v_cache, slots, _scales(k_scale, slots), _scales(v_scale, slots),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        BLOCK_SIZE=k_cache.shape[1], QUANT=quant, BLOCK_H=triton.next_power_of_2(kvh),
+        KVH=kvh, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], QUANT=quant, BLOCK_H=triton.next_power_of_2(kvh),
         BLOCK_D=triton.next_power_of_2(d), num_warps=4 if kvh * d >= 1024 else 1)
 
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ks_ptr, vs_ptr,
-                            po_ptr, pml_ptr, num_seqs, D, softmax_scale, soft_cap, window, split_len,
+                            po_ptr, pml_ptr, num_seqs, seq_steps, softmax_scale, soft_cap, window, split_len,
                             sqt, sqh, sot, soh, skb, sko, skh, svb, svo, svh, sbt, spt, sph, sps, smt, smh,
-                            G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            SEQ_STEPS: tl.constexpr, KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                            KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                             HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     # this program's sequence: the last s with query_start_loc[s] // BLOCK_Q + s <= pid (a fixed-step search)
-    s = 0
-    for i in tl.static_range(SEQ_STEPS):
-        cand = s + (1 << (SEQ_STEPS - 1 - i))
+    s = pid * 0  # a tensor (num_seqs may be specialized to a constant)
+    for i in range(seq_steps):
+        cand = s + (1 << (seq_steps - 1 - i))
         first = tl.load(qsl_ptr + cand, mask=cand < num_seqs, other=0) // BLOCK_Q + cand
         s = tl.where((cand < num_seqs) & (first <= pid), cand, s)
     q_start = tl.load(qsl_ptr + s)
@@ -262,7 +265,7 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
     pos = ctx + qi
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
-    d_ok = rd < D
+    d_ok = rd < HEAD_DIM  # a constant where HEAD_DIM == BLOCK_D
     q_rows = (q_start + qi).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * sqt + head[:, None] * sqh + rd[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
@@ -332,8 +335,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
 
 
 @triton.jit
-def _merge_splits_kernel(po_ptr, pml_ptr, o_ptr, qsl_ptr, num_seqs, num_splits, D, spt, sph, sps, smt, smh, sot,
-                         soh, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_splits_kernel(po_ptr, pml_ptr, o_ptr, qsl_ptr, num_seqs, num_splits, spt, sph, sps, smt, smh, sot,
+                         soh, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if t >= tl.load(qsl_ptr + num_seqs):  # padding rows: no partials were written for them
@@ -347,9 +350,9 @@ def _merge_splits_kernel(po_ptr, pml_ptr, o_ptr, qsl_ptr, num_seqs, num_splits, 
     m_all = tl.max(m, 0)
     w = tl.where(lsum > 0.0, lsum * tl.math.exp2(m - m_all), 0.0)
     parts = tl.load(po_ptr + t * spt + h * sph + rs[:, None] * sps + rd[None, :],
-                    mask=s_ok[:, None] & (rd < D)[None, :], other=0.0)
+                    mask=s_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(o_ptr + t * sot + h * soh + rd, out.to(o_ptr.dtype.element_ty), mask=rd < D)
+    tl.store(o_ptr + t * sot + h * soh + rd, out.to(o_ptr.dtype.element_ty), mask=rd < HEAD_DIM)
 
 
 @dataclass(frozen=True)
@@ -399,8 +402,13 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     if num_heads % kvh:
         raise ShapeError(f"paged attention: {num_heads} query heads are not a multiple of {kvh} KV heads.")
     _check_cache(k_cache, v_cache, k_scale, v_scale, kvh, d)
+    if q.dtype not in _TL:
+        raise ShapeError(f"paged attention: q is {q.dtype}; the kernel takes float16, bfloat16 or float32 queries.")
     q = _last_dim_contiguous(q)
     o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if o.shape != q.shape or o.stride(-1) != 1:
+        raise ShapeError(f"paged attention: out {tuple(o.shape)} must be q's shape {tuple(q.shape)} with a "
+                         "contiguous head dim.")
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return o
@@ -426,17 +434,18 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     grid = (num_tokens // block_q + num_seqs, kvh, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, o, qsl, lens, tables, _scales(k_scale, q) if scaled else q,
-        _scales(v_scale, q) if scaled else q, partial, max_sum, num_seqs, d, float(softmax_scale),
+        _scales(v_scale, q) if scaled else q, partial, max_sum, num_seqs,
+        max(1, (num_seqs - 1).bit_length()), float(softmax_scale),
         float(logits_soft_cap or 0.0), int(sliding_window or 0), split_len,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         tables.stride(0), *(partial.stride()[:3] if splits > 1 else (0, 0, 0)),
         *(max_sum.stride()[:2] if splits > 1 else (0, 0)),
-        G=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], SEQ_STEPS=max(1, (num_seqs - 1).bit_length()), KV_SCALED=scaled,
+        HEAD_DIM=d, G=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1], KV_SCALED=scaled,
         HAS_WINDOW=bool(sliding_window), HAS_CAP=bool(logits_soft_cap), SPLIT=splits > 1, CDT=_TL[q.dtype],
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            partial, max_sum, o, qsl, num_seqs, splits, d, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0), o.stride(1),
-            S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+            partial, max_sum, o, qsl, num_seqs, splits, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0), o.stride(1),
+            HEAD_DIM=d, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
     return o

@@ -1,0 +1,205 @@
+"""Kiln-LLM's paged attention (kiln/kernels/paged_attention.py) on the GPU: decode bandwidth and prefill
+throughput, at Llama-3-8B's attention shape (32 query heads over 8 KV heads of dim 128, 16-token blocks).
+
+Decode: batch 1..64 at context 1k..8k (BF16 cache; FP8 and INT8 at 8k), bytes the kernel must read (the K and
+V of every context token, plus q and the output) over its time, against the device-to-device copy bandwidth
+measured in the same run (bytes read + written by a 1 GiB copy over its time). A layer's cache was last read
+one decode step earlier, with every other layer's in between, so it comes from HBM: each timed call reads
+other blocks than the calls before it (enough block tables to cycle through four times L2's size). A tile and
+split sweep at batch 64, 8k context follows. Prefill: packed prompts, FLOP/s of the causal attention, with
+torch's SDPA on the same dense shapes as a yardstick.
+
+Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as an engine replays its steps).
+
+    python bench/llm_attention.py --out DIR        (writes DIR/llm-attention.md; GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.kernels import paged_attention as pa  # noqa: E402
+from kiln.tactics.timer import median_ms  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+BATCHES = (1, 4, 16, 64)
+CONTEXTS = (1024, 2048, 4096, 8192)
+CACHE_DTYPES = {"bf16": DTYPE, "fp8": pa.FP8, "int8": torch.int8}
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second a device-to-device copy moves (read + written)."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda").fill_(1)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), runs=10)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+class Pool:
+    """One cache of every block the largest case needs, filled with random values (8-bit codes through
+    reshape_and_cache's quantization rules)."""
+
+    def __init__(self, cache_dtype: torch.dtype, tokens: int):
+        self.num_blocks = tokens // BLOCK + 1
+        shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        self.scales = {}
+        if cache_dtype in pa.CACHE_8BIT:
+            scale = torch.full((KV_HEADS,), 4.0 / (448.0 if cache_dtype == pa.FP8 else 127.0), device="cuda")
+            self.scales = dict(k_scale=scale, v_scale=scale)
+            self.k = pa.quantize_kv(torch.randn(shape, dtype=DTYPE, device="cuda"), scale, cache_dtype)
+            self.v = pa.quantize_kv(torch.randn(shape, dtype=DTYPE, device="cuda"), scale, cache_dtype)
+        else:
+            self.k = torch.randn(shape, dtype=cache_dtype, device="cuda")
+            self.v = torch.randn(shape, dtype=cache_dtype, device="cuda")
+
+    def tables(self, batch: int, context: int, count: int) -> list[torch.Tensor]:
+        """count block tables of batch sequences, over disjoint blocks where the pool holds them."""
+        per_seq = -(-context // BLOCK)
+        order = torch.randperm(self.num_blocks - 1, device="cuda") + 1
+        out = []
+        for i in range(count):
+            start = (i * batch * per_seq) % max(1, self.num_blocks - 1 - batch * per_seq)
+            out.append(order[start:start + batch * per_seq].view(batch, per_seq).to(torch.int32))
+        return out
+
+
+def time_decode(pool: Pool, batch: int, context: int, l2_bytes: int, **kw) -> tuple[float, float]:
+    """(us per call, bytes a call must read and write)."""
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * pool.k.element_size()
+    io_bytes = 2 * batch * HEADS * HEAD_DIM * 2
+    count = max(1, min(64, -(-4 * l2_bytes // kv_bytes)))
+    tables = pool.tables(batch, context, count)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    out = torch.empty_like(q)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(HEAD_DIM)
+
+    def calls():
+        for t in tables:
+            pa.paged_attention(q, pool.k, pool.v, qsl, lens, t, 1, context, scale, **pool.scales, out=out, **kw)
+
+    calls()
+    torch.cuda.synchronize()
+    return median_ms(calls, runs=10) * 1e3 / count, kv_bytes + io_bytes
+
+
+def time_prefill(pool: Pool, seqs: int, qlen: int, context: int) -> tuple[float, float]:
+    """(ms per call, FLOPs of the causal attention) for seqs chunks of qlen queries ending at context."""
+    tables = pool.tables(seqs, context, 1)[0]
+    q = torch.randn(seqs * qlen, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    qsl = torch.arange(0, seqs * qlen + 1, qlen, dtype=torch.int32, device="cuda")
+    lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    ms = median_ms(lambda: pa.paged_attention(q, pool.k, pool.v, qsl, lens, tables, qlen, context, scale, out=out),
+                   runs=5)
+    keys = sum(context - qlen + j + 1 for j in range(qlen))  # keys each query head attends, summed over queries
+    return ms, 4.0 * seqs * HEADS * HEAD_DIM * keys
+
+
+def time_sdpa(seqs: int, length: int) -> float:
+    q = torch.randn(seqs, HEADS, length, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k = torch.randn(seqs, KV_HEADS, length, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), runs=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for llm-attention.md")
+    ap.add_argument("--budget", type=float, default=55.0, help="seconds after which no new case starts")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    lines = [f"# Paged attention on {props.name}", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
+             f"{props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB. Shape: {HEADS} query heads over "
+             f"{KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}, BF16 queries. "
+             "Command: `python bench/llm_attention.py --out DIR`.", ""]
+
+    def write():
+        (args.out / "llm-attention.md").write_text("\n".join(lines) + "\n")
+
+    def over() -> bool:
+        return time.time() - t0 > args.budget
+
+    bw = copy_bandwidth()
+    lines += [f"Device-to-device copy (1 GiB, read + written): {bw / 1e9:.0f} GB/s.", ""]
+    l2 = props.L2_cache_size
+    pools = {"bf16": Pool(DTYPE, max(BATCHES) * max(CONTEXTS))}
+    for name in ("fp8", "int8"):
+        pools[name] = Pool(CACHE_DTYPES[name], max(BATCHES) * max(CONTEXTS))
+    print(f"setup {time.time() - t0:.1f}s, copy {bw / 1e9:.0f} GB/s", flush=True)
+
+    lines += ["## Decode (one query per sequence, splits chosen by choose_num_splits)", "",
+              "| batch | context | KV cache | splits | us | MB read | GB/s | of copy BW |", "|---|---|---|---|---|---|---|---|"]
+    cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(64, 8192, "fp8"), (64, 8192, "int8")]
+    for b, c, kv in cases:
+        if over():
+            lines.append(f"| {b} | {c} | {kv} | | skipped (time budget) | | | |")
+            continue
+        splits = pa.choose_num_splits(b, KV_HEADS, 1, c, torch.device("cuda"))
+        try:
+            us, nbytes = time_decode(pools[kv], b, c, l2)
+            gbs = nbytes / (us * 1e-6) / 1e9
+            lines.append(f"| {b} | {c} | {kv} | {splits} | {us:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
+                         f"{gbs * 1e9 / bw:.0%} |")
+        except Exception as e:  # noqa: BLE001  (a failing case is reported, the others still run)
+            lines.append(f"| {b} | {c} | {kv} | {splits} | fail {type(e).__name__}: {str(e)[:100]} | | | |")
+        print(lines[-1], flush=True)
+        write()
+
+    lines += ["", "## Decode at batch 64, context 8192: tiles and splits", "",
+              "| KV cache | block_n | warps | stages | splits | us | GB/s | of copy BW |", "|---|---|---|---|---|---|---|---|"]
+    sweep = [("bf16", 64, 4, 3, 1), ("bf16", 64, 4, 3, 4), ("bf16", 128, 4, 3, None), ("bf16", 32, 4, 4, None),
+             ("bf16", 64, 4, 2, None), ("bf16", 64, 4, 4, None), ("bf16", 128, 8, 3, None),
+             ("fp8", 128, 4, 3, None), ("fp8", 128, 4, 4, None), ("int8", 128, 4, 3, None)]
+    for kv, bn, w, st, splits in sweep:
+        if over():
+            lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | skipped (time budget) | | |")
+            continue
+        try:
+            us, nbytes = time_decode(pools[kv], 64, 8192, l2, config=pa.PagedConfig(16, bn, w, st),
+                                     num_splits=splits)
+            gbs = nbytes / (us * 1e-6) / 1e9
+            lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | {us:.1f} | {gbs:.0f} | "
+                         f"{gbs * 1e9 / bw:.0%} |")
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | fail {type(e).__name__}: "
+                         f"{str(e)[:100]} | | |")
+        print(lines[-1], flush=True)
+        write()
+
+    lines += ["", "## Prefill (BF16 cache; chunks of qlen queries ending at the context's end)", "",
+              "| seqs | qlen | context | ms | TFLOP/s | tokens/s | torch SDPA (dense, same causal shape) TFLOP/s |",
+              "|---|---|---|---|---|---|---|"]
+    for seqs, qlen, ctx in [(1, 4096, 4096), (4, 2048, 2048), (8, 512, 4096)]:
+        if over():
+            lines.append(f"| {seqs} | {qlen} | {ctx} | skipped (time budget) | | | |")
+            continue
+        try:
+            ms, flops = time_prefill(pools["bf16"], seqs, qlen, ctx)
+            sdpa = f"{flops / (time_sdpa(seqs, qlen) * 1e-3) / 1e12:.0f}" if qlen == ctx else "-"
+            lines.append(f"| {seqs} | {qlen} | {ctx} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.0f} | "
+                         f"{seqs * qlen / (ms * 1e-3):.3g} | {sdpa} |")
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"| {seqs} | {qlen} | {ctx} | fail {type(e).__name__}: {str(e)[:100]} | | | |")
+        print(lines[-1], flush=True)
+        write()
+    lines += ["", f"Total {time.time() - t0:.0f} s."]
+    write()
+
+
+if __name__ == "__main__":
+    main()
