@@ -1,6 +1,7 @@
-"""Hand tests for attention.py: RotaryEmbedding in the layouts ONNX's node cases leave out
-(3-D input with position ids and partial interleaved rotation, an FP16 build). Reference: ONNX's
-reference evaluator."""
+"""Hand tests for attention.py: what ONNX's node cases leave out. RotaryEmbedding: 3-D input with
+position ids and partial interleaved rotation, an FP16 build. Attention: grouped-query attention over
+a KV cache with every output, external-cache padding with a causal window, an FP16 build.
+References: ONNX's reference evaluator and torch's scaled_dot_product_attention."""
 
 import numpy as np
 import pytest
@@ -63,3 +64,70 @@ def test_rotary_odd_rotation_dim_is_refused():
     model = _rope_model([1, 2, 3, 8], [4, 2], True, rotary_embedding_dim=3)
     with pytest.raises(UnsupportedError, match="rope.*rotary_embedding_dim=3 must be even"):
         kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+
+
+def _attention_model(inputs, outputs, opset=24, **attrs):
+    """inputs/outputs: (name, ONNX type, shape); an empty input name omits that optional input."""
+    node = helper.make_node("Attention", [n for n, _, _ in inputs], [n for n, _, _ in outputs], name="attn", **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(*i) for i in inputs if i[0]],
+                              [helper.make_tensor_value_info(*o) for o in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def _outputs(model, feeds, **config):
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, **config))
+    return list(engine.create_execution_context().run(feeds).values())
+
+
+F, B = TensorProto.FLOAT, TensorProto.BOOL
+
+
+def test_gqa_over_kv_cache_returns_every_output():
+    # 3-D inputs: 4 query heads share 2 KV heads of 8 features; 3 new tokens after 5 cached ones, causal,
+    # a boolean mask shorter than the 8 keys (padded as not attended), softcap and the post-softmax output.
+    feeds = {"q": rng.standard_normal((2, 3, 32)).astype(np.float32),
+             "k": rng.standard_normal((2, 3, 16)).astype(np.float32),
+             "v": rng.standard_normal((2, 3, 16)).astype(np.float32),
+             "mask": rng.random((3, 7)) > 0.2,
+             "past_k": rng.standard_normal((2, 2, 5, 8)).astype(np.float32),
+             "past_v": rng.standard_normal((2, 2, 5, 8)).astype(np.float32)}
+    model = _attention_model(
+        [("q", F, [2, 3, 32]), ("k", F, [2, 3, 16]), ("v", F, [2, 3, 16]), ("mask", B, [3, 7]),
+         ("past_k", F, [2, 2, 5, 8]), ("past_v", F, [2, 2, 5, 8])],
+        [("y", F, None), ("present_k", F, None), ("present_v", F, None), ("qk", F, None)],
+        q_num_heads=4, kv_num_heads=2, is_causal=1, softcap=3.0, qk_matmul_output_mode=3)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    got = _outputs(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_external_cache_padding_and_window_match_sdpa():
+    """nonpad_kv_seqlen hides each sample's padded keys; with is_causal the frontier sits at its last valid key."""
+    import torch
+
+    q = rng.standard_normal((2, 2, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 6, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 6, 8)).astype(np.float32)
+    nonpad = np.array([4, 6], np.int64)
+    model = _attention_model([("q", F, q.shape), ("k", F, k.shape), ("v", F, v.shape), ("", F, None), ("", F, None),
+                              ("", F, None), ("nonpad", TensorProto.INT64, [2])], [("y", F, None)], is_causal=1)
+    (got,) = _outputs(model, {"q": q, "k": k, "v": v, "nonpad": nonpad})
+    for b, n in enumerate(nonpad):
+        allowed = np.arange(6)[None, :] <= np.arange(2)[:, None] + (n - 2)  # bottom-right causal over n keys
+        want = torch.nn.functional.scaled_dot_product_attention(
+            torch.from_numpy(q[b]), torch.from_numpy(k[b]), torch.from_numpy(v[b]), attn_mask=torch.from_numpy(allowed))
+        np.testing.assert_allclose(got[b], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_fp16_build_and_fully_masked_row():
+    q, k, v = (rng.standard_normal((1, 2, 3, 16)).astype(np.float32) for _ in range(3))
+    mask = np.full((3, 3), True)
+    mask[1] = False  # query 1 attends no key: its output row is zeros, not NaN
+    model = _attention_model([("q", F, q.shape), ("k", F, k.shape), ("v", F, v.shape), ("mask", B, [3, 3])],
+                             [("y", F, None)])
+    feeds = {"q": q, "k": k, "v": v, "mask": mask}
+    (want,) = ReferenceEvaluator(model).run(None, feeds)
+    (got,) = _outputs(model, feeds, fp16=True)
+    assert np.all(got[:, :, 1] == 0) and np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
