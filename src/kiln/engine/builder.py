@@ -148,6 +148,15 @@ def _inputs_read_as_values(graph: Graph) -> list[str]:
     return sorted(found)
 
 
+def _guard_feeds(graph: Graph, config: BuildConfig, profiles: list[Profile]) -> list[dict] | None:
+    """Random inputs at each profile's opt shape for precision.guard (FP16/BF16 builds that validate), or
+    None where it does not run: random values cannot stand in for inputs read as shape arguments."""
+    if not (config.validate and config.precision_guard and config.precision in ("float16", "bfloat16")
+            and not config.quantized) or _inputs_read_as_values(graph):
+        return None
+    return [precision.sample_inputs(graph.inputs, {k: s[1] for k, s in p.shapes.items()}) for p in profiles]
+
+
 def _check_excluded_tactics(patterns) -> None:
     """Every --excludeTactics pattern names at least one tactic: a misspelt one would exclude nothing, silently."""
     if not patterns:  # the common case: no reason to import every tactic module (Triton) at the start of a build
@@ -218,7 +227,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
         capturable = placement.assign(graph)
-        precision.assign(graph, config.precision)
+        precision.assign(graph, config.precision, _guard_feeds(graph, config, profiles), target.device)
         quantized_io.link(graph, config.precision)
         engine = Engine(
             graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
@@ -255,6 +264,11 @@ def validate(engine: Engine, step=lambda msg: None) -> None:
     for i in range(len(engine.profiles)):
         step(f"validating profile {i} on {engine.target.describe()}")
         engine.arena_bytes.append(_validate(engine, i))
+    for node in engine.graph.nodes:  # a chosen tactic that raised at some shape: the layer keeps the reference
+        for tactic, why in node.__dict__.pop("tactic_failures", {}).items():
+            node.tactic, node.profile_tactics = "reference", []
+            engine.findings.append({"kind": "tactic", "layer": node.name, "tactic": tactic,
+                                    "reason": f"failed in the validation run: {why}", "runs": "reference"})
 
 
 def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig, step) -> list[dict]:
@@ -278,6 +292,7 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
             warnings.simplefilter("ignore")
             ctx.run_with_inputs_hook(feeds, sel.visit)
     report = sel.assign()
+    engine.findings.extend(sel.findings())
     cache.save()
     engine.build_config["timing_cache"] = {"path": config.timing_cache, "hits": cache.hits, "misses": cache.misses}
     return report

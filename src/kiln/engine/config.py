@@ -56,6 +56,9 @@ class BuildConfig:
     max_aux_streams: int = 0
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
+    # FP16/BF16 builds (with validate): each layer is compared with FP32 on the profiles' opt shapes and kept in
+    # FP32 where it overflows or drifts (engine/precision.guard; the build's findings say which and why).
+    precision_guard: bool = True
     # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also
     # Triton fused add+LayerNorm and generated elementwise kernels; 4-5: also Triton GEMM,
     # implicit-GEMM convolution and flash-attention configurations. Higher = longer build.
@@ -87,7 +90,7 @@ class BuildConfig:
             "workspace_bytes": self.workspace_bytes, "cuda_graphs": self.cuda_graphs,
             "max_aux_streams": min(1, max(0, self.max_aux_streams)),
             "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
-            "precision_constraints": self.precision_constraints,
+            "precision_constraints": self.precision_constraints, "precision_guard": self.precision_guard,
             "exclude_tactics": list(self.exclude_tactics),
         }
 

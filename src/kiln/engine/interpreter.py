@@ -6,6 +6,7 @@ The same loop serves the CPU target, the eager GPU path, and CUDA-graph capture
 
 from __future__ import annotations
 
+import warnings
 from collections import ChainMap
 from typing import Iterable, MutableMapping
 
@@ -20,6 +21,7 @@ from ..tactics import implementation
 from .precision import saturating_cast
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_CONVOLUTIONS = ("Conv", "FusedConv", "QConv")  # the layers whose weights engine/layout.py stores channels-last
 
 
 def compute_type(node: Node, entry) -> torch.dtype | None:
@@ -55,7 +57,9 @@ def cast_for(node: Node, entry, args: list):
     kernel would otherwise make a second, layout-only copy (ResNet-50's FP32 NCHW image: 2.6 us at batch 1).
     A stem whose weights were given a zero fourth channel gets its image padded to match in that copy."""
     want = compute_type(node, entry)
-    nhwc = len(args) > 1 and _channels_last_weights(args[1])
+    # Only a convolution's input 1 is a weight stored channels-last: a Concat or Mul whose second input is
+    # a channels-last activation must not be padded or re-laid out (that padded a detector's concatenation).
+    nhwc = node.op_type in _CONVOLUTIONS and len(args) > 1 and _channels_last_weights(args[1])
     if nhwc and args[0].shape[1] < args[1].shape[1]:  # a stem weight given a zero channel (engine/layout.py)
         args = [_zero_padded_channels(args[0], args[1].shape[1], want or args[0].dtype), *args[1:]]
     if want is None:
@@ -89,12 +93,32 @@ def call_node(node: Node, args: list, env: MutableMapping | None = None, tactic:
         out = fn(node, *args, **kwargs)
     except KilnError:
         raise
-    except Exception as e:  # torch's own message says what was wrong with the shapes/values
+    except Exception as e:
+        if fn is not entry.impl:  # never fail where a slower path exists: the reference runs instead
+            return _after_tactic_failure(node, entry, tactic, args, kwargs, e)
+        # torch's own message says what was wrong with the shapes/values
         shapes = ", ".join(
             f"{n}:{tuple(a.shape)}/{str(a.dtype).removeprefix('torch.')}" if isinstance(a, torch.Tensor) else f"{n}:-"
             for n, a in zip(node.inputs, args)
         )
         raise KilnError(f"node '{node.label}' ({node.op_type}) failed on inputs [{shapes}]: {e}") from e
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+class TacticFallbackWarning(UserWarning):
+    pass
+
+
+def _after_tactic_failure(node: Node, entry, tactic: str, args: list, kwargs: dict, error: Exception) -> tuple:
+    """A layer's tactic raised: record why on the node (node.tactic_failures, which the build turns into a
+    finding), warn once for the layer, and return the reference implementation's outputs."""
+    failures = node.__dict__.setdefault("tactic_failures", {})
+    if tactic not in failures:
+        failures[tactic] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else \
+            type(error).__name__
+        warnings.warn(f"layer '{node.label}': tactic {tactic} failed ({failures[tactic]}); the layer runs its "
+                      "reference implementation instead.", TacticFallbackWarning, stacklevel=3)
+    out = entry.impl(node, *args, **kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 

@@ -57,7 +57,9 @@ def set_body(node, precision: str) -> None:
                     sub.precision = precision
 
 
-def assign(graph: Graph, precision: str) -> None:
+def assign(graph: Graph, precision: str, guard_feeds: list[dict] | None = None, device=None) -> None:
+    """Each layer's precision. guard_feeds (FP16/BF16 builds): inputs at the profiles' shapes on which
+    guard() keeps the layers that overflow or drift in FP32, before any weight is narrowed."""
     for node in graph.nodes:
         entry = lookup(node.op_type, node.domain)
         if node.placement == "host":
@@ -73,8 +75,133 @@ def assign(graph: Graph, precision: str) -> None:
         else:
             node.precision = precision
         set_body(node, node.precision)
+    if guard_feeds and precision in _LOW:
+        graph.findings.extend(guard(graph, precision, guard_feeds, device or torch.device("cpu")))
     _cast_weights(graph)
     _fp32_outputs(graph)
+
+
+# A layer whose FP16/BF16 result, on the FP32 run's own inputs, differs from its FP32 result by more than
+# this relative L2 error is kept in FP32. Rounding alone leaves a layer near 1e-3 (FP16) and 8e-3 (BF16).
+DRIFT_LIMIT = {"float16": 2e-2, "bfloat16": 8e-2}
+GUARDED = "kept FP32 by the precision guard: "  # interpreter.compute_type reads "kept FP32" as FP32 inputs
+
+
+def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -> list[dict]:
+    """Run the graph in FP32 layer by layer on each profile's inputs and, beside it, every low-precision
+    layer on the same FP32 inputs. A layer whose low-precision output is infinite or NaN where FP32's is
+    finite (an overflow past 65504 in FP16), or drifts beyond DRIFT_LIMIT, is kept in FP32 (node.note says
+    why; the build's precision findings list it). Each layer is judged on exact inputs, so one layer's
+    error does not condemn the layers after it. Returns one finding summing up what was kept."""
+    from ..passes.dead_code import reads
+    from .interpreter import call_node, run_node
+
+    if not any(n.precision == precision and n.placement == "device" for n in graph.nodes):
+        return []
+    device = torch.device(device)
+    last = {name: i for i, node in enumerate(graph.nodes) for name in reads(node)}
+    keep = set(graph.initializers) | {v.name for v in graph.outputs}
+    uploads: dict[str, torch.Tensor] = {}  # weights on the target, once
+    judged = 0
+    for feeds in feeds_per_profile:
+        env: dict = dict(graph.initializers)
+        env.update({k: v.to(device) for k, v in feeds.items()})
+        for i, node in enumerate(graph.nodes):
+            if node.placement == "host":
+                run_node(node, env)
+                continue
+            entry = lookup(node.op_type, node.domain)
+            args = []
+            for pos, name in enumerate(node.inputs):
+                t = env[name] if name else None
+                if isinstance(t, torch.Tensor) and t.device != device and pos not in entry.host_inputs:
+                    if name in graph.initializers:
+                        t = uploads.setdefault(name, t.to(device))
+                    else:
+                        t = t.to(device)
+                args.append(t)
+            kept = node.precision
+            judge = kept == precision and not node.note and not entry.uses_scope
+            if judge:
+                node.precision = "float32"
+            try:
+                exact = call_node(node, args, env)
+                if judge:
+                    judged += 1
+                    node.precision = kept
+                    reason = _input_overflow(node, entry, args, precision) or _judge(
+                        call_node(node, args, env), exact, precision)
+                    if reason:
+                        kept, node.note = "float32", GUARDED + reason
+            finally:
+                node.precision = kept
+            for name, t in zip(node.outputs, exact):
+                if name:
+                    env[name] = t
+            for name in [n for n in reads(node) if last.get(n) == i and n not in keep]:
+                env.pop(name, None)
+    kept_fp32 = [n.name for n in graph.nodes if n.note.startswith(GUARDED)]
+    label = {"float16": "FP16", "bfloat16": "BF16"}[precision]
+    return [{"kind": "precision-guard", "layers_checked": judged // max(1, len(feeds_per_profile)),
+             "kept_fp32": kept_fp32, "reason": f"each {label} layer compared with FP32 on the same inputs at "
+             f"the profiles' opt shapes; kept in FP32 where it overflowed or drifted past "
+             f"{DRIFT_LIMIT[precision]:g} relative L2"}] if kept_fp32 else []
+
+
+def sample_inputs(values, shapes: dict) -> dict[str, torch.Tensor]:
+    """Seeded inputs at `shapes` as Engine.random_inputs draws them: floats standard normal, integers 0/1,
+    booleans random."""
+    g = torch.Generator().manual_seed(0)
+    feeds = {}
+    for v in values:
+        dtype, shape = v.dtype or torch.float32, tuple(shapes[v.name])
+        if dtype.is_floating_point:
+            feeds[v.name] = torch.randn(shape, generator=g).to(dtype)
+        elif dtype == torch.bool:
+            feeds[v.name] = torch.rand(shape, generator=g) > 0.5
+        else:
+            feeds[v.name] = torch.randint(0, 2, shape, generator=g).to(dtype)
+    return feeds
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _input_overflow(node, entry, args, precision: str) -> str | None:
+    """Why the layer's inputs cannot be narrowed: a finite value beyond the low type's range."""
+    big = torch.finfo(_LOW[precision]).max
+    for pos, (name, t) in enumerate(zip(node.inputs, args)):
+        if (isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.numel() and entry.narrows(pos)
+                and pos not in entry.saturating_inputs):
+            finite = t[torch.isfinite(t)]
+            peak = float(finite.abs().max()) if finite.numel() else 0.0
+            if peak > big:
+                return (f"its input '{name}' reaches |x| = {peak:.3g}, beyond "
+                        f"{'FP16' if precision == 'float16' else 'BF16'}'s largest value {big:.6g}")
+    return None
+
+
+def _judge(outs, exact, precision: str) -> str | None:
+    """Why a layer's low-precision outputs cannot stand in for its FP32 ones, or None."""
+    name = {"float16": "FP16", "bfloat16": "BF16"}[precision]
+    for o, r in zip(outs, exact):
+        if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor)) or r.dtype not in _FLOATS:
+            continue
+        if o.shape != r.shape or not r.numel():
+            continue
+        o, r = o.double(), r.double()
+        finite = torch.isfinite(r)
+        if (finite & ~torch.isfinite(o)).any():
+            peak = float(r[finite].abs().max()) if finite.any() else float("inf")
+            return f"overflows {name}: inf/NaN where FP32 is finite (FP32's output reaches |x| = {peak:.3g})"
+        norm = float(r[finite].norm())
+        if norm == 0.0:
+            continue
+        err = float((o - r)[finite].norm()) / norm
+        if err > DRIFT_LIMIT[precision]:
+            return (f"drifts in {name} (relative L2 error {err:.2g} against FP32 on the same inputs, "
+                    f"limit {DRIFT_LIMIT[precision]:g})")
+    return None
 
 
 def _fp32_outputs(graph: Graph) -> None:

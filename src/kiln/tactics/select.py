@@ -170,6 +170,17 @@ class Selector:
         weights = self.engine.graph.initializers
         return self.l2.keeping([a for name, a in zip(node.inputs, args) if name not in weights])
 
+    def findings(self) -> list[dict]:
+        """A finding per tactic dropped from a layer because it raised or disagreed with the reference
+        (the layer runs its next candidate); exclusions by the build's own settings are not findings."""
+        out = []
+        for rep in self.report.values():
+            for name, why in rep["excluded"].items():
+                if why.startswith(("failed", "numerically wrong")):
+                    out.append({"kind": "tactic", "layer": rep["layer"], "tactic": name, "reason": why,
+                                "runs": rep.get("chosen", "reference")})
+        return out
+
     def assign(self) -> list[dict]:
         """Each layer's tactic per profile, and node.tactic: the least total time over the profiles among the
         tactics every profile timed (one that applies at batch 1 only must not win on its batch-1 time alone)."""
