@@ -1,0 +1,131 @@
+"""Calibration on representative text: KV-cache scales, and the activation statistics weight quantization uses.
+
+`calibrate_kv_scales` runs the calibration tokens through the decoder with a float paged cache, then reads the
+cache back: per layer, the absolute maximum of the keys (after RoPE, as the cache holds them) and of the values.
+FP8 (E4M3): one scale per layer, amax / 448, repeated over the KV heads (the cache contract's layout); INT8: one
+per KV head, amax / 127. Every scale comes from data: an empty or all-zero calibration is refused, never
+replaced by 1.0.
+
+`activation_stats` records, for every decoder matrix, the inputs it multiplies: the per-input-channel absolute
+maximum (SmoothQuant's statistic) and a bounded random sample of input rows (AWQ's scale search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, InputError
+from .perplexity import EIGHT_BIT, FP8, PagedSequence, kv_cache_name
+from .quantize import linear_weights, set_linear_weight
+
+FP8_MAX, INT8_MAX = 448.0, 127.0
+
+
+def calibration_windows(ids, window: int) -> list[torch.Tensor]:
+    """Token ids split into consecutive windows of at most `window` tokens (each is its own sequence)."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.numel() == 0:
+        raise InputError("the calibration text holds no tokens.")
+    return [ids[i:i + window] for i in range(0, ids.numel(), window)]
+
+
+def calibrate_kv_scales(model, ids, kv_cache_dtype, *, window: int = 512, chunk: int = 256):
+    """[(k_scale, v_scale)] per layer, FP32 [num_kv_heads] each, for an FP8 or INT8 cache (torch dtype or name)."""
+    dtype = {"fp8": FP8, "int8": torch.int8}.get(kv_cache_dtype, kv_cache_dtype)
+    if dtype not in EIGHT_BIT:
+        raise ConfigError(f"KV scales are for fp8 or int8 caches, not {kv_cache_dtype!r}.")
+    cfg = model.cfg
+    amax = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads)
+    with torch.inference_mode():
+        for piece in calibration_windows(ids, min(window, cfg.max_position_embeddings)):
+            seq = PagedSequence.allocate(model, piece.numel(), model.dtype)
+            seq.prefill(model, piece, chunk)
+            written = seq.block_table.long()
+            for n, cache in enumerate(seq.caches):
+                for j, c in enumerate((cache.k, cache.v)):
+                    tokens = c[written].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:piece.numel()]
+                    amax[n, j] = torch.maximum(amax[n, j], tokens.float().abs().amax(dim=(0, 2)).cpu())
+    if not torch.isfinite(amax).all():
+        raise InputError("calibration produced non-finite keys or values: the model overflows on this text.")
+    top = FP8_MAX if dtype == FP8 else INT8_MAX
+    if dtype == FP8:  # one scale per layer
+        amax = amax.amax(dim=2, keepdim=True).expand_as(amax)
+    for n in range(cfg.num_layers):
+        for j, name in enumerate("KV"):
+            if (amax[n, j] <= 0).any():
+                raise InputError(f"calibration saw only zeros in layer {n}'s {name} cache (KV head "
+                                 f"{int((amax[n, j] <= 0).nonzero()[0])}); give a longer, representative --calib "
+                                 "text.")
+    scales = (amax / top).float()
+    return [(scales[n, 0].contiguous(), scales[n, 1].contiguous()) for n in range(cfg.num_layers)]
+
+
+def describe_kv_scales(scales, dtype) -> dict:
+    """The manifest's form: per layer, K and V scales as lists of floats."""
+    return {"dtype": kv_cache_name(dtype) if isinstance(dtype, torch.dtype) else dtype,
+            "granularity": "per-layer" if dtype in (FP8, "fp8") else "per-kv-head",
+            "layers": [{"k_scale": k.tolist(), "v_scale": v.tolist()} for k, v in scales]}
+
+
+@dataclass
+class ActivationStats:
+    absmax: torch.Tensor  # FP32 [in]: max |x| per input channel
+    sample: torch.Tensor  # FP32 [<= max_rows, in]: input rows, drawn uniformly from all seen
+    rows_seen: int = 0
+
+
+class _Recorder(torch.Tensor):
+    """Stands in a weight's place during calibration: records what F.linear multiplies it by, then multiplies."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, stats: dict, key: str, max_rows: int, generator: torch.Generator):
+        t = torch.Tensor._make_subclass(cls, weight, False)
+        t.weight, t.stats, t.key, t.max_rows, t.generator = weight, stats, key, max_rows, generator
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is F.linear:
+                x, w = args[0], args[1]
+                w.record(x.reshape(-1, x.shape[-1]).float())
+                return F.linear(x, w.weight, *args[2:], **kwargs)
+            return func(*args, **kwargs)
+
+    def record(self, x: torch.Tensor) -> None:
+        s = self.stats.get(self.key)
+        if s is None:
+            s = self.stats[self.key] = ActivationStats(torch.zeros(x.shape[1]), torch.zeros(0, x.shape[1]))
+        s.absmax = torch.maximum(s.absmax, x.abs().amax(dim=0).cpu())
+        # reservoir-style: keep a uniform sample of at most max_rows rows over everything seen
+        s.rows_seen += x.shape[0]
+        keep = torch.rand(x.shape[0], generator=self.generator) < self.max_rows / max(s.rows_seen, 1)
+        s.sample = torch.cat([s.sample, x.cpu()[keep]])
+        if s.sample.shape[0] > self.max_rows:
+            idx = torch.randperm(s.sample.shape[0], generator=self.generator)[:self.max_rows]
+            s.sample = s.sample[idx.sort().values]
+
+
+def activation_stats(model, ids, *, window: int = 512, chunk: int = 256, max_rows: int = 512,
+                     seed: int = 0) -> dict[str, ActivationStats]:
+    """{'layers.N.<key>': ActivationStats} of every decoder matrix's input over the calibration tokens."""
+    stats: dict[str, ActivationStats] = {}
+    gen = torch.Generator().manual_seed(seed)
+    originals = linear_weights(model)
+    for key, w in originals.items():
+        if not isinstance(w, torch.Tensor) or type(w) is not torch.Tensor:
+            raise ConfigError(f"'{key}' is already quantized; calibrate on the float model.")
+        set_linear_weight(model, key, _Recorder(w, stats, key, max_rows, gen))
+    try:
+        with torch.inference_mode():
+            for piece in calibration_windows(ids, min(window, model.cfg.max_position_embeddings)):
+                seq = PagedSequence.allocate(model, piece.numel(), model.dtype)
+                seq.prefill(model, piece, chunk)
+    finally:
+        for key, w in originals.items():
+            set_linear_weight(model, key, w)
+    return stats
