@@ -118,6 +118,16 @@ def _note_emulated(precision: str, device: str, a) -> None:
         a._emulation_noted = True
 
 
+def _note_emulated(precision: str, device: str, a) -> None:
+    """Say before anything runs that FP16/BF16 on the CPU is emulated and slow (once per command)."""
+    from .tools.timing import emulation_note
+
+    note = emulation_note(precision, device)
+    if note and not getattr(a, "_emulation_noted", False):
+        err.print(f"[yellow]note:[/] {escape(note)}")
+        a._emulation_noted = True
+
+
 def _has_calibration(a) -> bool:
     return bool(a.calib or (a.calibCache and Path(a.calibCache).exists()))
 
@@ -209,9 +219,10 @@ def _print_build_summary(engine, source: str) -> None:
             out.print(f"  [yellow]{escape(n.name)}[/]: {escape(n.note)}")
     for f in engine.findings:
         if f.get("kind") == "precision-search":
-            kept = ", ".join(f"{k['layer']} (alone: {k['drop_when_only_it_is_quantized']})" for k in f["kept_in_float"])
-            out.print(f"  precision search ({f['budget']}): {f['quantized_layers']} quantized layers; "
-                      f"kept in float: {escape(kept) or 'none'}; {f['engines_built']} engines built")
+            from .quant.search import summary
+
+            for line in summary(f):
+                out.print(f"  {escape(line)}")
         if f.get("kind") == "precision-by-speed":
             from .tools.inspect import describe_finding
 
@@ -234,6 +245,7 @@ def _run_and_report(engine, a) -> int:
     if unknown:
         raise InputError(f"--shapes: {unknown} are not inputs of this engine; "
                          f"its inputs are {[v.name for v in engine.inputs]}.")
+    _note_emulated(engine.precision, engine.target.device, a)
     _note_emulated(engine.precision, engine.target.device, a)
     ctx = engine.create_execution_context(profile=a.profile)
     if a.loadInputs:
