@@ -33,12 +33,15 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 BATCHES = (1, 4, 16, 64)
 CONTEXTS = (1024, 2048, 4096, 8192)
+LONG = (64, 8192)  # the batch and context of the 8-bit cases and the tile sweep
+PREFILLS = ((1, 4096, 4096), (4, 2048, 2048), (8, 512, 4096))  # (sequences, query chunk, context)
+DEVICE = "cuda"
 CACHE_DTYPES = {"bf16": DTYPE, "fp8": pa.FP8, "int8": torch.int8}
 
 
 def copy_bandwidth() -> float:
     """Bytes per second a device-to-device copy moves (read + written)."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda").fill_(1)  # 1 GiB
+    src = torch.empty(1 << 29, dtype=torch.int16, device=DEVICE).fill_(1)  # 1 GiB
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), runs=10)
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
@@ -53,18 +56,18 @@ class Pool:
         shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
         self.scales = {}
         if cache_dtype in pa.CACHE_8BIT:
-            scale = torch.full((KV_HEADS,), 4.0 / (448.0 if cache_dtype == pa.FP8 else 127.0), device="cuda")
+            scale = torch.full((KV_HEADS,), 4.0 / (448.0 if cache_dtype == pa.FP8 else 127.0), device=DEVICE)
             self.scales = dict(k_scale=scale, v_scale=scale)
-            self.k = pa.quantize_kv(torch.randn(shape, dtype=DTYPE, device="cuda"), scale, cache_dtype)
-            self.v = pa.quantize_kv(torch.randn(shape, dtype=DTYPE, device="cuda"), scale, cache_dtype)
+            self.k = pa.quantize_kv(torch.randn(shape, dtype=DTYPE, device=DEVICE), scale, cache_dtype)
+            self.v = pa.quantize_kv(torch.randn(shape, dtype=DTYPE, device=DEVICE), scale, cache_dtype)
         else:
-            self.k = torch.randn(shape, dtype=cache_dtype, device="cuda")
-            self.v = torch.randn(shape, dtype=cache_dtype, device="cuda")
+            self.k = torch.randn(shape, dtype=cache_dtype, device=DEVICE)
+            self.v = torch.randn(shape, dtype=cache_dtype, device=DEVICE)
 
     def tables(self, batch: int, context: int, count: int) -> list[torch.Tensor]:
         """count block tables of batch sequences, over disjoint blocks where the pool holds them."""
         per_seq = -(-context // BLOCK)
-        order = torch.randperm(self.num_blocks - 1, device="cuda") + 1
+        order = torch.randperm(self.num_blocks - 1, device=DEVICE) + 1
         out = []
         for i in range(count):
             start = (i * batch * per_seq) % max(1, self.num_blocks - 1 - batch * per_seq)
@@ -78,10 +81,10 @@ def time_decode(pool: Pool, batch: int, context: int, l2_bytes: int, **kw) -> tu
     io_bytes = 2 * batch * HEADS * HEAD_DIM * 2
     count = max(1, min(64, -(-4 * l2_bytes // kv_bytes)))
     tables = pool.tables(batch, context, count)
-    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     out = torch.empty_like(q)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     scale = 1 / math.sqrt(HEAD_DIM)
 
     def calls():
@@ -96,9 +99,9 @@ def time_decode(pool: Pool, batch: int, context: int, l2_bytes: int, **kw) -> tu
 def time_prefill(pool: Pool, seqs: int, qlen: int, context: int) -> tuple[float, float]:
     """(ms per call, FLOPs of the causal attention) for seqs chunks of qlen queries ending at context."""
     tables = pool.tables(seqs, context, 1)[0]
-    q = torch.randn(seqs * qlen, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    qsl = torch.arange(0, seqs * qlen + 1, qlen, dtype=torch.int32, device="cuda")
-    lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs * qlen, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    qsl = torch.arange(0, seqs * qlen + 1, qlen, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((seqs,), context, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(HEAD_DIM)
     ms = median_ms(lambda: pa.paged_attention(q, pool.k, pool.v, qsl, lens, tables, qlen, context, scale, out=out),
@@ -108,8 +111,8 @@ def time_prefill(pool: Pool, seqs: int, qlen: int, context: int) -> tuple[float,
 
 
 def time_sdpa(seqs: int, length: int) -> float:
-    q = torch.randn(seqs, HEADS, length, HEAD_DIM, dtype=DTYPE, device="cuda")
-    k = torch.randn(seqs, KV_HEADS, length, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(seqs, HEADS, length, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    k = torch.randn(seqs, KV_HEADS, length, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     v = torch.randn_like(k)
     return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), runs=5)
 
@@ -144,12 +147,12 @@ def main() -> None:
 
     lines += ["## Decode (one query per sequence, splits chosen by choose_num_splits)", "",
               "| batch | context | KV cache | splits | us | MB read | GB/s | of copy BW |", "|---|---|---|---|---|---|---|---|"]
-    cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(64, 8192, "fp8"), (64, 8192, "int8")]
+    cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(*LONG, "fp8"), (*LONG, "int8")]
     for b, c, kv in cases:
         if over():
             lines.append(f"| {b} | {c} | {kv} | | skipped (time budget) | | | |")
             continue
-        splits = pa.choose_num_splits(b, KV_HEADS, 1, c, torch.device("cuda"))
+        splits = pa.choose_num_splits(b, KV_HEADS, 1, c, torch.device(DEVICE))
         try:
             us, nbytes = time_decode(pools[kv], b, c, l2)
             gbs = nbytes / (us * 1e-6) / 1e9
@@ -160,17 +163,16 @@ def main() -> None:
         print(lines[-1], flush=True)
         write()
 
-    lines += ["", "## Decode at batch 64, context 8192: tiles and splits", "",
+    lines += ["", f"## Decode at batch {LONG[0]}, context {LONG[1]}: tiles and splits", "",
               "| KV cache | block_n | warps | stages | splits | us | GB/s | of copy BW |", "|---|---|---|---|---|---|---|---|"]
     sweep = [("bf16", 64, 4, 3, 1), ("bf16", 64, 4, 3, 4), ("bf16", 128, 4, 3, None), ("bf16", 32, 4, 4, None),
-             ("bf16", 64, 4, 2, None), ("bf16", 64, 4, 4, None), ("bf16", 128, 8, 3, None),
-             ("fp8", 128, 4, 3, None), ("fp8", 128, 4, 4, None), ("int8", 128, 4, 3, None)]
+             ("bf16", 64, 4, 4, None), ("fp8", 128, 4, 3, None), ("int8", 128, 4, 3, None)]
     for kv, bn, w, st, splits in sweep:
         if over():
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | skipped (time budget) | | |")
             continue
         try:
-            us, nbytes = time_decode(pools[kv], 64, 8192, l2, config=pa.PagedConfig(16, bn, w, st),
+            us, nbytes = time_decode(pools[kv], *LONG, l2, config=pa.PagedConfig(16, bn, w, st),
                                      num_splits=splits)
             gbs = nbytes / (us * 1e-6) / 1e9
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | {us:.1f} | {gbs:.0f} | "
@@ -184,7 +186,7 @@ def main() -> None:
     lines += ["", "## Prefill (BF16 cache; chunks of qlen queries ending at the context's end)", "",
               "| seqs | qlen | context | ms | TFLOP/s | tokens/s | torch SDPA (dense, same causal shape) TFLOP/s |",
               "|---|---|---|---|---|---|---|"]
-    for seqs, qlen, ctx in [(1, 4096, 4096), (4, 2048, 2048), (8, 512, 4096)]:
+    for seqs, qlen, ctx in PREFILLS:
         if over():
             lines.append(f"| {seqs} | {qlen} | {ctx} | skipped (time budget) | | | |")
             continue
