@@ -128,6 +128,16 @@ def _note_emulated(precision: str, device: str, a) -> None:
         a._emulation_noted = True
 
 
+def _note_emulated(precision: str, device: str, a) -> None:
+    """Say before anything runs that FP16/BF16 on the CPU is emulated and slow (once per command)."""
+    from .tools.timing import emulation_note
+
+    note = emulation_note(precision, device)
+    if note and not getattr(a, "_emulation_noted", False):
+        err.print(f"[yellow]note:[/] {escape(note)}")
+        a._emulation_noted = True
+
+
 def _has_calibration(a) -> bool:
     return bool(a.calib or (a.calibCache and Path(a.calibCache).exists()))
 
@@ -158,9 +168,39 @@ def cmd_build(a) -> int:
     if a.saveEngine:
         engine.save(a.saveEngine)
         out.print(f"Engine saved to {a.saveEngine} ({Path(a.saveEngine).stat().st_size / 2**20:.2f} MiB)")
-    if a.skipInference:
-        return 0
-    return _run_and_report(engine, a)
+    saved = a.saveEngine or _save_first_engine(engine, a)
+    rc = 0 if a.skipInference else _run_and_report(engine, a)
+    _print_next_command(saved, a)
+    return rc
+
+
+DEFAULT_ENGINE = "kiln-default.kiln"
+
+
+def _save_first_engine(engine, a) -> str | None:
+    """`kiln build` with no model keeps what it built: DEFAULT_ENGINE in the current directory."""
+    if a.onnx:
+        return None
+    path = Path(DEFAULT_ENGINE)
+    try:
+        engine.save(path)
+    except (OSError, KilnError) as e:
+        err.print(f"[yellow]note:[/] the engine was not saved to {path} in the current directory ({escape(str(e))}); "
+                  "--saveEngine=FILE writes it elsewhere.")
+        return None
+    out.print(f"Engine saved to {path} in the current directory ({path.stat().st_size / 2**20:.2f} MiB; "
+              "--saveEngine=FILE writes it elsewhere)")
+    return str(path)
+
+
+def _print_next_command(saved: str | None, a) -> None:
+    if saved and not a.onnx:
+        out.print(f"Next: kiln inspect {saved}   (layers, fusions, precisions); then your own model: "
+                  "kiln build --onnx=model.onnx --fp16 --saveEngine=model.kiln")
+    elif saved:
+        out.print(f"Next: kiln compare {a.onnx} {saved}   (the engine's outputs against onnxruntime's)")
+    elif a.onnx:
+        out.print(f"Next: add --saveEngine=model.kiln to keep the engine, then kiln compare {a.onnx} model.kiln")
 
 
 def _graph_text(engine) -> str:
@@ -245,6 +285,7 @@ def _run_and_report(engine, a) -> int:
     if unknown:
         raise InputError(f"--shapes: {unknown} are not inputs of this engine; "
                          f"its inputs are {[v.name for v in engine.inputs]}.")
+    _note_emulated(engine.precision, engine.target.device, a)
     _note_emulated(engine.precision, engine.target.device, a)
     _note_emulated(engine.precision, engine.target.device, a)
     ctx = engine.create_execution_context(profile=a.profile)
