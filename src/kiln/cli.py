@@ -118,26 +118,6 @@ def _note_emulated(precision: str, device: str, a) -> None:
         a._emulation_noted = True
 
 
-def _note_emulated(precision: str, device: str, a) -> None:
-    """Say before anything runs that FP16/BF16 on the CPU is emulated and slow (once per command)."""
-    from .tools.timing import emulation_note
-
-    note = emulation_note(precision, device)
-    if note and not getattr(a, "_emulation_noted", False):
-        err.print(f"[yellow]note:[/] {escape(note)}")
-        a._emulation_noted = True
-
-
-def _note_emulated(precision: str, device: str, a) -> None:
-    """Say before anything runs that FP16/BF16 on the CPU is emulated and slow (once per command)."""
-    from .tools.timing import emulation_note
-
-    note = emulation_note(precision, device)
-    if note and not getattr(a, "_emulation_noted", False):
-        err.print(f"[yellow]note:[/] {escape(note)}")
-        a._emulation_noted = True
-
-
 def _has_calibration(a) -> bool:
     return bool(a.calib or (a.calibCache and Path(a.calibCache).exists()))
 
@@ -285,8 +265,6 @@ def _run_and_report(engine, a) -> int:
     if unknown:
         raise InputError(f"--shapes: {unknown} are not inputs of this engine; "
                          f"its inputs are {[v.name for v in engine.inputs]}.")
-    _note_emulated(engine.precision, engine.target.device, a)
-    _note_emulated(engine.precision, engine.target.device, a)
     _note_emulated(engine.precision, engine.target.device, a)
     ctx = engine.create_execution_context(profile=a.profile)
     if a.loadInputs:
