@@ -289,6 +289,8 @@ class LLMEngine:
             self._finish(seq, "length", None, now)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
+        if not isinstance(stop_reason, str):  # a stop string already cut the text where it matched
+            seq.detokenizer.flush()
         seq.finish_time = now
         self.scheduler.finish(seq, reason, stop_reason)
 

@@ -82,11 +82,11 @@ class Scheduler:
                 break  # wait one step: then its prompt blocks are cached and shared instead of recomputed
             fresh = seq.num_preemptions == 0
             cached = self.bm.allocate_cached_prefix(seq)
+            seq.num_computed_tokens = cached
             n = min(seq.num_tokens - cached, budget)
             if not self.bm.can_append(seq, n):
                 self.bm.free_sequence(seq)
                 break
-            seq.num_computed_tokens = cached
             if fresh:
                 self.bm.record_prefix_lookup(seq.prompt_len, cached)
             self.bm.append_slots(seq, n)

@@ -130,3 +130,12 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end of a sequence: emit text still held back (an incomplete character stays as U+FFFD)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
