@@ -105,3 +105,15 @@ def test_gelu_unknown_approximation_is_reported():
     with pytest.raises(UnsupportedError, match="gelu_under_test.*approximate='erf'"):
         kiln.build(_model("Gelu", {"x": x}, opset=20, approximate="erf"),
                    kiln.BuildConfig(device="cpu", progress=False))
+
+
+def test_swiglu_alpha_matches_reference_and_formula():
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {"a": rng.standard_normal((2, 8)).astype(np.float32), "b": rng.standard_normal((2, 8)).astype(np.float32)}
+    model = _model("SwiGLU", feeds, opset=28, alpha=1.702)
+    engine = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+    got = engine.create_execution_context().run(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-6, atol=1e-6)
+    a = feeds["a"]
+    np.testing.assert_allclose(got, a / (1 + np.exp(-1.702 * a)) * feeds["b"], rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import torch
 from onnx import TensorProto, helper
 
 import kiln
-from kiln.errors import UnsupportedError
+from kiln.errors import KilnError, UnsupportedError
 from kiln.ir import dtypes
 from kiln.ops.cast import cast_to
 
@@ -204,3 +204,26 @@ def test_float8_arrays_round_trip():
         t = dtypes.to_torch(a)
         assert dtypes.name_of(t.dtype) == name
         np.testing.assert_array_equal(dtypes.to_numpy(t), a.astype(np.float32))
+
+
+@pytest.mark.parametrize("src, to, x", [
+    (TensorProto.FLOAT, TensorProto.INT32, np.array([1.0, -0.0, np.inf, np.nan], np.float32)),
+    (TensorProto.INT8, TensorProto.UINT8, np.array([-1, 0, 127, -128], np.int8)),
+    (TensorProto.FLOAT16, TensorProto.UINT16, np.array([1.0, -2.5, 65504], np.float16)),
+])
+def test_bitcast_keeps_the_bits(src, to, x):
+    node = helper.make_node("BitCast", ["x"], ["y"], to=to)
+    model = _model([node], [("x", src, list(x.shape))], [("y", to, list(x.shape))], opset=26)
+    (y,) = _run(model, {"x": x})
+    np.testing.assert_array_equal(y, x.view(helper.tensor_dtype_to_np_dtype(to)))
+
+
+def test_bitcast_width_mismatch_and_sub_byte_target_are_refused():
+    node = helper.make_node("BitCast", ["x"], ["y"], to=TensorProto.INT4, name="to_int4")
+    model = _model([node], [("x", TensorProto.UINT8, [2])], [("y", TensorProto.INT4, [2])], opset=26)
+    with pytest.raises(UnsupportedError, match="to_int4.*sub-byte"):
+        _run(model, {"x": np.zeros(2, np.uint8)})
+    node = helper.make_node("BitCast", ["x"], ["y"], to=TensorProto.INT64)
+    model = _model([node], [("x", TensorProto.FLOAT, [2])], [("y", TensorProto.INT64, [2])], opset=26)
+    with pytest.raises(KilnError, match="BitCast_0.*widths must match"):
+        _run(model, {"x": np.zeros(2, np.float32)})

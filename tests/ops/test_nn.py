@@ -173,3 +173,37 @@ def test_einsum_integer():
     (y,) = _kiln(_model("Einsum", {"a": a, "b": b}, opset=12, equation="ij,jk->ki"), {"a": a, "b": b})
     assert y.dtype == np.int64
     np.testing.assert_array_equal(y, (a @ b).T)
+
+
+def test_max_unpool_inverts_max_pool_to_output_shape():
+    """MaxPool (5x5 -> 2x2, indices) then MaxUnpool back to 5x5: indices address output_shape, as in
+    onnxruntime and PyTorch's max_unpool2d."""
+    import torch
+    from onnx import helper
+
+    x = _randn(2, 3, 5, 5)
+    nodes = [helper.make_node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("MaxUnpool", ["p", "i", "s"], ["y"], name="unpool", kernel_shape=[2, 2], strides=[2, 2])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("s", TensorProto.INT64, [4], list(x.shape))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=11)
+    (got,) = _kiln(model, {"x": x})
+    np.testing.assert_array_equal(got, _ort(model, {"x": x})[0])
+    pooled, idx = torch.nn.functional.max_pool2d(torch.from_numpy(x), 2, 2, return_indices=True)
+    np.testing.assert_array_equal(got, torch.nn.functional.max_unpool2d(pooled, idx, 2, 2, output_size=(5, 5)))
+
+
+def test_det_batched_and_fp16():
+    from onnx import helper
+
+    x = _randn(4, 3, 3)
+    got = _against_ort("Det", {"x": x}, rtol=1e-4, atol=1e-5)[0]
+    assert got.shape == (4,)
+    h = x.astype(np.float16)
+    node = helper.make_node("Det", ["x"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, h.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=11)
+    (got16,) = _kiln(model, {"x": h})  # torch has no FP16 LU: factored in FP32, rounded once
+    np.testing.assert_allclose(got16.astype(np.float32), np.linalg.det(h.astype(np.float32)), rtol=2e-3, atol=2e-3)

@@ -107,3 +107,18 @@ def test_cumsum_fp16_matches_onnxruntime(exclusive, reverse):
     model.graph.initializer.append(helper.make_tensor("axis", TensorProto.INT64, [], [1]))
     _, got = _kiln(model, x, fp16=True)
     np.testing.assert_allclose(got, _ort(model, x), rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("exclusive, reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumprod_modes_on_integers_and_axis_input(exclusive, reverse):
+    x = rng.integers(-3, 4, (3, 5)).astype(np.int64)
+    model = _model("CumProd", x, opset=26, axes=None, exclusive=exclusive, reverse=reverse)
+    axis = helper.make_tensor("axis", TensorProto.INT64, [], [-1])
+    model.graph.initializer.append(axis)
+    model.graph.node[0].input.append("axis")
+    _, got = _kiln(model, x)
+    y = np.flip(x, 1) if reverse else x
+    want = np.cumprod(y, axis=1)
+    if exclusive:
+        want = np.concatenate([np.ones_like(want[:, :1]), want[:, :-1]], axis=1)
+    np.testing.assert_array_equal(got, np.flip(want, 1) if reverse else want)

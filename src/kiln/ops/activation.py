@@ -77,6 +77,13 @@ def swish(node, x):
     return x * torch.sigmoid(node.attr("alpha", 1.0) * x)
 
 
+@register("SwiGLU", since=28)
+def swiglu(node, a, b):
+    if a.shape != b.shape:
+        raise ValueError(f"SwiGLU gate {tuple(a.shape)} and value {tuple(b.shape)} must have one shape (no broadcasting)")
+    return a * torch.sigmoid(node.attr("alpha", 1.0) * a) * b
+
+
 @register("Softplus")
 def softplus(node, x):
     return F.softplus(x)

@@ -1,4 +1,4 @@
-"""Cast and CastLike: all numeric ONNX types, float8 saturation, the narrow types.
+"""Cast, CastLike and BitCast: all numeric ONNX types, float8 saturation, the narrow types.
 
 Narrow types (int4, float4e2m1...) come back in their carrier dtype (see
 kiln.ir.dtypes) holding exactly the values the ONNX type would hold.
@@ -154,3 +154,24 @@ def cast_like(node, x, like):
     # CastLikes into Casts at import, so the carrier's own type is right here.
     to = dtypes.torch_to_onnx(like.dtype)
     return cast_to(x, to, bool(node.attr("saturate", 1)), node.attr("round_mode", "up"))
+
+
+def _check_bitcast(node) -> str | None:
+    to = node.attr("to")
+    if to in dtypes.NARROW:  # held in 8-bit carriers: their bits are not the ONNX type's
+        return f"BitCast to the sub-byte type {dtypes.onnx_type_name(to)} is not supported"
+    try:
+        dtypes.onnx_to_torch(to)
+    except KeyError:
+        return f"BitCast to {dtypes.onnx_type_name(to)} is not supported"
+    return None
+
+
+@register("BitCast", keeps_input_types=True, check=_check_bitcast, since=26)
+def bitcast(node, x):
+    """The same bytes read as type `to` (little endian, as every target Kiln builds for)."""
+    to = dtypes.onnx_to_torch(node.attr("to"))
+    if x.element_size() != to.itemsize:
+        raise ValueError(f"BitCast from {x.dtype} ({8 * x.element_size()} bits) to {to} ({8 * to.itemsize} bits): "
+                         "the widths must match")
+    return x.contiguous().view(to)

@@ -1,4 +1,4 @@
-"""Neural-network layers: convolution, pooling, GEMM/MatMul/Einsum, LRN.
+"""Neural-network layers: convolution, pooling and unpooling, GEMM/MatMul/Einsum/Det, LRN.
 
 torch.nn.functional does the work (cuDNN/cuBLAS on GPU). ONNX allows padding
 torch's layers do not take (asymmetric, larger than half the kernel, SAME_*),
@@ -312,6 +312,23 @@ def max_pool(node, x, y_scale=None):
     return y.to(dtype), _flat_indices(idx, list(x.shape[2:]), pad_begin, padded, node.attr("storage_order", 0))
 
 
+@register("MaxUnpool", check=_check_pool, host_inputs=(2,), since=9)
+def max_unpool(node, x, indices, output_shape=None):
+    """Zeros with each pooled value put back at its MaxPool index, flat over the whole output tensor.
+    With output_shape the indices address that shape, as in onnxruntime and PyTorch (ONNX's reference
+    evaluator instead unpools to the inferred shape and pads it: docs/operators.md)."""
+    n = _spatial_rank(node, x)
+    if output_shape is not None:
+        shape = [int(d) for d in output_shape.reshape(-1).tolist()]
+    else:
+        kernel = list(node.attr("kernel_shape"))
+        strides, pads = _ints(node, "strides", n, 1), _ints(node, "pads", 2 * n, 0)
+        shape = list(x.shape[:2]) + [(x.shape[2 + i] - 1) * strides[i] + kernel[i] - pads[i] - pads[n + i]
+                                     for i in range(n)]
+    y = torch.zeros(math.prod(shape), dtype=x.dtype, device=x.device)
+    return y.scatter(0, indices.reshape(-1).long(), x.reshape(-1)).reshape(shape)
+
+
 @register("AveragePool", check=_check_pool)
 def average_pool(node, x):
     kernel, strides, dilations, pads, out = _pool_geometry(node, x)
@@ -421,6 +438,13 @@ def gemm(node, a, b, c=None):
     if c is not None and beta != 0:
         y = y + (c * beta).to(a.dtype) if beta != 1 else y + c
     return y
+
+
+@register("Det", since=11)
+def det(node, x):
+    # torch's LU has no FP16/BF16 kernels: factor in FP32 and round the determinant once.
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    return torch.linalg.det(x.float() if low else x).to(x.dtype)
 
 
 def _check_einsum(node):

@@ -1,4 +1,4 @@
-"""Reductions: Reduce*, ArgMax/ArgMin, CumSum."""
+"""Reductions: Reduce*, ArgMax/ArgMin, CumSum, CumProd."""
 
 import torch
 
@@ -111,6 +111,20 @@ def cumsum(node, x, axis):
     y = torch.cumsum(y, dim, dtype=torch.float32 if y.dtype in _LOW else y.dtype)
     if node.attr("exclusive", 0) and y.shape[dim]:  # shift by one: element i sums elements before i
         y = torch.cat([torch.zeros_like(y.narrow(dim, 0, 1)), y.narrow(dim, 0, y.shape[dim] - 1)], dim)
+    if node.attr("reverse", 0):
+        y = y.flip(dim)
+    return y.to(x.dtype)
+
+
+@register("CumProd", host_inputs=(1,), keep_fp32="products overflow FP16's range (max 65504)", since=26)
+def cumprod(node, x, axis):
+    dim = int(axis.reshape(-1)[0])
+    y = x.to(torch.int64) if x.dtype in _WIDE_UNSIGNED else x  # wraps modulo 2**bits like the unsigned type
+    if node.attr("reverse", 0):
+        y = y.flip(dim)
+    y = torch.cumprod(y, dim, dtype=torch.float32 if y.dtype in _LOW else y.dtype)
+    if node.attr("exclusive", 0) and y.shape[dim]:  # shift by one: element i multiplies the elements before i
+        y = torch.cat([torch.ones_like(y.narrow(dim, 0, 1)), y.narrow(dim, 0, y.shape[dim] - 1)], dim)
     if node.attr("reverse", 0):
         y = y.flip(dim)
     return y.to(x.dtype)
