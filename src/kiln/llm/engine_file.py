@@ -5,13 +5,14 @@ atomically, every member checksummed, stamped with the GPU and versions it was b
 
     manifest.json          format "kiln-llm-engine", versions, target, build config, the architecture
                            (the Hugging Face config dict), per-layer precisions, quantization, the KV-cache
-                           layout and its calibrated per-layer scales, perplexity when measured, the sha256 of
-                           every other member and of the manifest itself (manifest_sha256)
+                           layout and its calibrated per-layer scales, perplexity when measured
     tokenizer.json         the `tokenizers` tokenizer
     tokenizer_config.json  its special tokens, BOS rule and chat template
     weights.safetensors    float tensors by transformers' names (embeddings, norms, biases, LM head, and any
                            matrix left in float); quantized matrices as '<key>.codes', '<key>.scale'
                            (+ '.zero', '.input_scale'), key = 'layers.N.qkv|o|gate_up|down'
+    checksums.json         SHA-256 and size of every member above, the manifest included (serialize.py's
+                           format-2 convention); a member that does not match is a refusal
 
 `read_llm_engine(path)` checks every digest and the target, and returns an `LLMEngineFile`;
 `load_llm_engine(path)` returns (hf_config, tensors, tokenizer, extras) for kiln.llm.engine.LLMEngine, where the
@@ -41,6 +42,10 @@ from .perplexity import EIGHT_BIT, kv_cache_name, resolve_kv_dtype
 
 FORMAT = "kiln-llm-engine"
 FORMAT_VERSION = 1
+MANIFEST, WEIGHTS, TOKENIZER, TOKENIZER_CONFIG, CHECKSUMS = (
+    "manifest.json", "weights.safetensors", "tokenizer.json", "tokenizer_config.json", "checksums.json")
+MEMBERS = (MANIFEST, WEIGHTS, TOKENIZER, TOKENIZER_CONFIG)  # the members checksums.json covers
+MAX_MANIFEST_BYTES = 64 * 2**20
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 KV_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -50,9 +55,10 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _manifest_digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return _sha(json.dumps(body, sort_keys=True).encode())
+def checksums_of(members: dict[str, bytes]) -> bytes:
+    """checksums.json for `members`, in serialize.py's format."""
+    digests = {name: {"sha256": _sha(members[name]), "size": len(members[name])} for name in MEMBERS}
+    return json.dumps({"format": "kiln-checksums", "algorithm": "sha256", "members": digests}, indent=2).encode()
 
 
 # --- the model a command works on ----------------------------------------------------------------------------
@@ -181,8 +187,7 @@ def _tokenizer_members(tokenizer) -> dict[str, bytes]:
     cfg = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
            "eos_token_ids": sorted(tokenizer.eos_token_ids), "chat_template": tokenizer.chat_template,
            "add_bos_token": bool(getattr(tokenizer, "_prepend_bos", False))}
-    return {"tokenizer.json": tokenizer._tok.to_str().encode(),
-            "tokenizer_config.json": json.dumps(cfg, indent=1).encode()}
+    return {TOKENIZER: tokenizer._tok.to_str().encode(), TOKENIZER_CONFIG: json.dumps(cfg, indent=1).encode()}
 
 
 def layer_table(cfg, quantized: dict, method: str, kv_dtype_name: str, kv_scales) -> list[dict]:
@@ -224,7 +229,7 @@ def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: 
         for part, t in q.tensors().items():
             tensors[f"{key}.{part}"] = t.detach().contiguous().cpu()
     kv_dtype = resolve_kv_dtype(prepared.kv_cache_dtype, model.dtype)
-    members = {"weights.safetensors": st_save(tensors), **_tokenizer_members(prepared.tokenizer)}
+    members = {WEIGHTS: st_save(tensors), **_tokenizer_members(prepared.tokenizer)}
     kv = {"dtype": prepared.kv_cache_dtype, "layout": KV_LAYOUT, "block_size": build_config.get("block_size", 16),
           "bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
           "quantization": ("stored = x / scale, FP8 E4M3 saturated to +-448; one scale per layer"
@@ -247,15 +252,14 @@ def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: 
         "layers": layer_table(cfg, prepared.quantized, prepared.weights, prepared.kv_cache_dtype, prepared.kv_scales),
         "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         "perplexity": perplexity,
-        "checksums": {k: _sha(v) for k, v in members.items()},
     }
-    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    members[MANIFEST] = json.dumps(manifest, indent=1).encode()
+    members[CHECKSUMS] = checksums_of(members)
 
     def write(f):
         with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
-            z.writestr("manifest.json", json.dumps(manifest, indent=1))
-            for name, data in members.items():
-                z.writestr(name, data)
+            for name in (*MEMBERS, CHECKSUMS):
+                z.writestr(name, members[name])
 
     atomic_write(path, write, EngineFileError)
     return manifest
@@ -288,32 +292,68 @@ class LLMEngineFile:
         return out
 
 
-def _members(path: Path) -> dict[str, bytes]:
-    from ..engine.serialize import _read
+def _rebuild(path, why: str) -> EngineFileError:
+    return EngineFileError(f"'{path}' {why}. Rebuild it with `kiln llm build`.")
 
-    return _read(path)
+
+def _members(path: Path) -> dict[str, bytes]:
+    """The engine's members, each stored uncompressed at the size checksums.json records and matching its
+    SHA-256 (the checks serialize.py applies to every Kiln engine)."""
+    from ..engine.serialize import _member
+
+    if not path.is_file():
+        raise EngineFileError(f"engine file '{path}' does not exist." if not path.exists()
+                              else f"engine path '{path}' is not a file.")
+    on_disk = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = [i.filename for i in z.infolist()]
+            if len(names) > 64 or len(set(names)) != len(names):
+                raise _rebuild(path, f"is not a Kiln LLM engine: its zip directory has {len(names)} entries")
+            if MANIFEST not in names or CHECKSUMS not in names:
+                raise _rebuild(path, f"is not a Kiln LLM engine (no {MANIFEST if MANIFEST not in names else CHECKSUMS})")
+            try:
+                digests = json.loads(_member(z, path, CHECKSUMS, None, 64 * 2**10))["members"]
+            except (ValueError, KeyError, TypeError):
+                raise _rebuild(path, "is corrupted: checksums.json does not list the members' digests") from None
+            out = {}
+            for name in MEMBERS:
+                d = digests.get(name) if isinstance(digests, dict) else None
+                if name not in names or not isinstance(d, dict) or not isinstance(d.get("size"), int) \
+                        or not 0 <= d["size"] <= on_disk:
+                    raise _rebuild(path, f"is incomplete or corrupted: no valid member {name} and digest")
+                data = _member(z, path, name, d["size"], MAX_MANIFEST_BYTES if name == MANIFEST else on_disk)
+                if _sha(data) != d.get("sha256"):
+                    raise _rebuild(path, f"is corrupted or was modified: checksum of {name} does not match "
+                                         "checksums.json")
+                out[name] = data
+            return out
+    except zipfile.BadZipFile:
+        raise EngineFileError(f"'{path}' is not a Kiln engine: the file is truncated, corrupted, or of another "
+                              "format (a Kiln engine is a zip archive). Rebuild it with `kiln llm build`.") from None
+    except (zipfile.LargeZipFile, OSError, EOFError, NotImplementedError, RuntimeError) as e:
+        raise EngineFileError(f"'{path}' cannot be read as a Kiln engine: {e}.") from None
 
 
 def read_manifest(path) -> dict:
-    """The manifest after its own digest is checked (for `kiln inspect`)."""
+    """The manifest, after every member's checksum is verified (for `kiln inspect`)."""
     path = Path(path)
-    m = _parse_manifest(path, _members(path))
-    return m
+    return _parse_manifest(path, _members(path))
 
 
 def _parse_manifest(path: Path, members: dict) -> dict:
     try:
-        m = json.loads(members["manifest.json"])
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        m = json.loads(members[MANIFEST])
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise EngineFileError(f"'{path}': manifest.json is corrupted (not JSON).") from None
-    if m.get("format") != FORMAT:
-        raise EngineFileError(f"'{path}' is not a Kiln LLM engine (format {m.get('format')!r}).")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise EngineFileError(f"'{path}' is not a Kiln LLM engine (format {str(m.get('format'))[:40]!r}).")
     if m.get("format_version") != FORMAT_VERSION:
-        raise EngineFileError(f"'{path}' uses LLM engine format {m.get('format_version')}, this Kiln reads "
-                              f"format {FORMAT_VERSION}; rebuild it with `kiln llm build`.")
-    if m.get("manifest_sha256") != _manifest_digest(m):
-        raise EngineFileError(f"'{path}' is corrupted: manifest.json does not match its own digest "
-                              "(manifest_sha256). Rebuild it.")
+        raise EngineFileError(f"'{path}' uses LLM engine format {str(m.get('format_version'))[:20]}, this Kiln "
+                              f"reads format {FORMAT_VERSION}; rebuild it with `kiln llm build`.")
+    for key in ("target", "versions", "architecture", "quantization", "kv_cache", "layers", "build_config"):
+        if not isinstance(m.get(key), (dict, list)):
+            raise _rebuild(path, f"is malformed: manifest.json has no valid '{key}'")
     return m
 
 
@@ -332,16 +372,13 @@ def read_llm_engine(path, device: str = "auto") -> LLMEngineFile:
     path = Path(path)
     members = _members(path)
     m = _parse_manifest(path, members)
-    for name, digest in m.get("checksums", {}).items():
-        if name not in members or _sha(members[name]) != digest:
-            raise EngineFileError(f"'{path}' is corrupted: checksum of {name} does not match its manifest. Rebuild it.")
     _check_compatible(path, m, device)
     try:
-        stored = st_load(members["weights.safetensors"])
+        stored = st_load(members[WEIGHTS])
         from tokenizers import Tokenizer as HFTokenizer
 
-        tok_cfg = json.loads(members["tokenizer_config.json"])
-        hf_tok = HFTokenizer.from_str(members["tokenizer.json"].decode())
+        tok_cfg = json.loads(members[TOKENIZER_CONFIG])
+        hf_tok = HFTokenizer.from_str(members[TOKENIZER].decode())
     except Exception as e:  # safetensors / tokenizers raise their own types on malformed data
         raise EngineFileError(f"'{path}' cannot be decoded: {e}") from None
     tokenizer = Tokenizer(hf_tok, bos_token=tok_cfg.get("bos_token"),

@@ -417,6 +417,11 @@ def add_command(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     con = common.console()
+    from ..llm import engine_file
+
+    if engine_file.is_llm_engine(args.engine):  # a `kiln llm build` engine: its own manifest and table
+        engine_file.render_inspection(args.engine, con)
+        return 0
     ins = inspect_engine(args.engine, measure=not args.no_run, device=args.device)
     render(ins, con, show_host=not args.device_only)
     if args.json:
