@@ -226,7 +226,8 @@ def _threads(n: int | None):
 
 
 def _stable(xs: list[float]) -> bool:
-    """The median of all runs moved less than STABLE_MEDIAN_CHANGE when the last window was added."""
+    """The median of all runs moved less than STABLE_MEDIAN_CHANGE when the last window was added (the
+    median resists stalls; the noise warnings still report them)."""
     if len(xs) < MIN_STABLE_RUNS or len(xs) % STABLE_WINDOW:
         return False
     now, before = statistics.median(xs), statistics.median(xs[:-STABLE_WINDOW])
