@@ -53,6 +53,9 @@ DIVERGES = {
     "test_maxunpool_export_with_output_shape":
         "with output_shape, MaxUnpool's indices address the output shape, as in onnxruntime and PyTorch; "
         "ONNX's reference unpools to the inferred shape and pads it",
+    **{name: "the expected values carry numpy's FP32 FFT rounding (1.9e-7) where the exact result, which Kiln "
+             "returns, is 0: the case's absolute tolerance of 1e-7 is below FP32 noise on values near 50"
+       for name in ("test_dft_inverse", "test_dft_inverse_opset19")},
 }
 
 

@@ -1,6 +1,6 @@
 """Hand tests for random.py. ONNX cannot check random values, so these check shapes,
-dtypes, seeding and distribution moments; the window / STFT / mel ops are checked
-against torch and the ONNX reference implementation."""
+dtypes, seeding and distribution moments; the window / DFT / STFT / mel ops are checked
+against torch, numpy and the ONNX reference implementation."""
 
 import numpy as np
 import pytest
@@ -153,3 +153,26 @@ def test_mel_weight_matrix_matches_onnx_reference():
     assert y.shape == (257, 12) and y.dtype == np.float64
     np.testing.assert_allclose(y, want, atol=1e-12)
     assert (y.max(axis=0) == 1.0).all()  # every filter peaks at 1
+
+
+def test_dft_onesided_real_spectrum_and_its_inverse():
+    """rfft of a padded real signal on axis 1 (opset 20: axis and length as inputs), then the real
+    inverse (onesided + inverse) of that half spectrum gives the padded signal back."""
+    x = np.random.default_rng(0).standard_normal((2, 6, 3, 1)).astype(np.float32)
+    n = np.array(8, np.int64)
+    inits = [helper.make_tensor("n", TensorProto.INT64, [], [8]), helper.make_tensor("axis", TensorProto.INT64, [], [1])]
+    fwd = _model("DFT", {"x": x}, opset=20, inits=inits, onesided=1)
+    spectrum = _engine(fwd).create_execution_context().run({"x": x})["y"]
+    want = np.fft.rfft(x[..., 0], n=int(n), axis=1)
+    np.testing.assert_allclose(spectrum, np.stack([want.real, want.imag], -1), rtol=1e-5, atol=1e-5)
+    inv = _model("DFT", {"s": spectrum}, opset=20, inits=inits, onesided=1, inverse=1)
+    signal = _engine(inv).create_execution_context().run({"s": spectrum})["y"]
+    padded = np.concatenate([x, np.zeros((2, 2, 3, 1), np.float32)], axis=1)
+    np.testing.assert_allclose(signal, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_dft_opset17_axis_attribute_matches_reference():
+    x = np.random.default_rng(1).standard_normal((1, 4, 5, 2)).astype(np.float32)  # complex input
+    model = _model("DFT", {"x": x}, opset=17, axis=2, inverse=1)
+    got = _engine(model).create_execution_context().run({"x": x})["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)

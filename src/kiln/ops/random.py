@@ -1,4 +1,4 @@
-"""Random generators, and the signal ops: windows, STFT, mel filter bank.
+"""Random generators, and the signal ops: windows, DFT, STFT, mel filter bank.
 
 A random op with a `seed` attribute draws from its own generator seeded with it
 on every run, so its output is reproducible (run to run and engine to engine);
@@ -123,6 +123,36 @@ def _as_complex(x: torch.Tensor) -> torch.Tensor:
     """[..., 1] (real) or [..., 2] (real, imaginary) -> a real or complex tensor without that axis."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return x[..., 0] if x.shape[-1] == 1 else torch.complex(x[..., 0], x[..., 1])
+
+
+def _check_dft(node):
+    if node.attr("onesided", 0) not in (0, 1) or node.attr("inverse", 0) not in (0, 1):
+        return "DFT onesided and inverse must be 0 or 1"
+    return None
+
+
+@register("DFT", host_inputs=(1, 2), check=_check_dft, since=17)
+def dft(node, x, dft_length=None, axis=None):
+    """Fourier transform along `axis` of a real ([..., 1]) or complex ([..., 2]) signal; onesided with
+    inverse is the real inverse (IRFFT): its output is real."""
+    if node.opset < 20:  # the axis was an attribute, counted among the signal axes
+        axis = node.attr("axis", 1)
+    axis = -2 if axis is None else int(axis.reshape(-1)[0]) if isinstance(axis, torch.Tensor) else int(axis)
+    dim = axis % x.dim()
+    if dim == x.dim() - 1:
+        raise ValueError(f"DFT axis {axis} is the real/imaginary axis")
+    inverse, onesided = bool(node.attr("inverse", 0)), bool(node.attr("onesided", 0))
+    if dft_length is not None:
+        n = int(dft_length.reshape(-1)[0]) if isinstance(dft_length, torch.Tensor) else int(dft_length)
+    else:
+        n = 2 * (x.shape[dim] - 1) if inverse and onesided else x.shape[dim]
+    signal = _as_complex(x)
+    if inverse and onesided:
+        return torch.fft.irfft(signal, n=n, dim=dim).unsqueeze(-1).to(x.dtype)
+    y = torch.fft.ifft(signal, n=n, dim=dim) if inverse else torch.fft.fft(signal, n=n, dim=dim)
+    if onesided:
+        y = y.narrow(dim, 0, n // 2 + 1)
+    return torch.stack([y.real, y.imag], dim=-1).to(x.dtype)
 
 
 @register("STFT", host_inputs=(1, 3), since=17)
