@@ -81,3 +81,23 @@ def test_gqa_9_over_3(tiny_gqa9):
 ])
 def test_other_families(tmp_path, arch, kw):
     _check(make_tiny_model(tmp_path / arch, arch, layers=2, vocab=320, **kw))
+
+
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("qwen3", {"heads": 6, "kv_heads": 2, "hidden": 48}),
+                                      ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 16})])
+def test_fused_ops_match_torch_forms(tmp_path, arch, kw):
+    """The CUDA path's Triton fusions (RoPE in place, act * up, add + RMSNorm), run by Triton's interpreter."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    path = make_tiny_model(tmp_path / arch, arch, layers=2, vocab=320, **kw)
+    hf, tensors, tok = load_hf_dir(path)
+    cfg = ModelConfig.from_hf(hf)
+    a = tok.encode("The potter lit the fire, and every evening the pots came out hard.")
+    table = list(range(-(-len(a) // BS)))
+    outs = []
+    for fused in (False, True):
+        model = DecoderModel(cfg, tensors, torch.float32, "cpu", fused=fused)
+        outs.append(_step(model, _caches(cfg), [(a, 0, table)]))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)

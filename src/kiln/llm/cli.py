@@ -24,7 +24,8 @@ _SUBCOMMANDS = ["kiln.llm.engine_file", "kiln.llm.perplexity", "kiln.serve.llm_c
 
 def _engine_kwargs(a) -> dict:
     kw = dict(device=a.device, kv_cache_dtype=a.kv_cache_dtype, dtype=a.dtype, block_size=a.block_size,
-              enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager)
+              enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
+              quantization=a.weights, kv_calib=a.calib)
     for key in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(a, key, None) is not None:
             kw[key] = getattr(a, key)
@@ -36,7 +37,10 @@ def _add_engine_options(p) -> None:
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's; float32 on CPU), bf16, fp16, fp32")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), bf16, fp8, int8 (8-bit caches "
-                   "need the calibrated scales a .kiln engine carries)")
+                   "need calibrated scales: those a .kiln engine carries, or --calib)")
+    p.add_argument("--calib", metavar="TEXT", help="text file to calibrate 8-bit KV scales on")
+    p.add_argument("--weights", choices=["none", "fp8", "int8"], help="quantize the weights at load (engines "
+                   "built by `kiln llm build` carry theirs, including the calibrated w8a8 and int4-awq)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool (default: from free GPU memory)")

@@ -102,8 +102,9 @@ class LLMEngine:
                  kv_cache_dtype: str = "auto", device: str = "auto", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, block_size: int = 16, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, seed: int = 0, kv_scales=None, enforce_eager: bool = False,
-                 model_name: str = "model"):
+                 enable_prefix_caching: bool = True, seed: int = 0, kv_scales=None, kv_calib=None,
+                 quantization: str | None = None, quantized_weights: dict | None = None,
+                 enforce_eager: bool = False, model_name: str = "model"):
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -124,17 +125,29 @@ class LLMEngine:
             raise ConfigError(f"max_model_len = {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
         kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, torch_dtype)
-        if kv_dtype in (torch.float8_e4m3fn, torch.int8):
-            if kv_scales is None:
-                raise ConfigError(
-                    f"kv_cache_dtype {kv_cache_dtype!r} needs calibrated per-layer K/V scales: build an engine "
-                    "with `kiln llm build --kv-cache-dtype ... --calib TEXT` or pass kv_scales (from "
-                    "kiln.llm.calibrate.calibrate_kv_scales); Kiln never assumes a scale of 1.0.")
-            if len(kv_scales) != cfg.num_layers:
-                raise ConfigError(f"kv_scales has {len(kv_scales)} entries; the model has {cfg.num_layers} layers.")
-        else:
-            kv_scales = None
+        eight_bit = kv_dtype in (torch.float8_e4m3fn, torch.int8)
+        if eight_bit and kv_scales is None and kv_calib is None:
+            raise ConfigError(
+                f"kv_cache_dtype {kv_cache_dtype!r} needs calibrated per-layer K/V scales: build an engine with "
+                "`kiln llm build --kv-cache-dtype ... --calib TEXT`, give kv_calib (a text file; --calib on the "
+                "CLI) or pass kv_scales; Kiln never assumes a scale of 1.0.")
         self.model = DecoderModel(cfg, tensors, torch_dtype, self.device)
+        from kiln.llm import quantize
+
+        if quantized_weights:  # a .kiln engine's stored matrices
+            quantize.install(self.model, quantized_weights)
+        elif quantization not in (None, "none"):
+            quantize.quantize_model(self.model, quantize.check_method(quantization))
+        if not eight_bit:
+            kv_scales = None
+        elif kv_scales is None:
+            from kiln.llm.calibrate import calibrate_kv_scales
+            from kiln.llm.perplexity import read_text_tokens
+
+            kv_scales = calibrate_kv_scales(self.model, read_text_tokens(tokenizer, kv_calib, 2048), kv_dtype)
+        if eight_bit and len(kv_scales) != cfg.num_layers:
+            raise ConfigError(f"kv_scales has {len(kv_scales)} entries; the model has {cfg.num_layers} layers.")
+        self.kv_scales = kv_scales
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         if num_kv_blocks is None:
             num_kv_blocks = self._blocks_that_fit(per_block, gpu_memory_utilization, max_num_batched_tokens,
@@ -155,9 +168,12 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model, **kwargs) -> "LLMEngine":
         hf_config, tensors, tokenizer, extras = load_model(model)
-        for key in ("kv_cache_dtype", "kv_scales"):
-            if key in extras and kwargs.get(key) in (None, "auto"):
+        # What a built engine fixed (KV dtype and scales, quantized matrices, its limits) are the defaults.
+        for key in ("kv_cache_dtype", "kv_scales", "quantized_weights", "max_model_len", "max_num_seqs"):
+            if extras.get(key) is not None and kwargs.get(key) in (None, "auto"):
                 kwargs[key] = extras[key]
+        if kwargs.get("kv_cache_dtype") not in (None, "auto", extras.get("kv_cache_dtype")):
+            kwargs.pop("kv_scales", None)  # the engine's scales are for its own cache dtype
         kwargs.setdefault("model_name", Path(model).name)
         return cls(hf_config, tensors, tokenizer, **kwargs)
 

@@ -127,8 +127,11 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 class DecoderModel:
     """Weights on `device` in `dtype`; `forward` runs one packed step, `compute_logits` the LM head."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                 fused: bool | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        # Triton fusions (fused_ops.py) on CUDA; the torch forms elsewhere (or under TRITON_INTERPRET in tests).
+        self.fused = self.device.type == "cuda" if fused is None else fused
         tensors = normalize_names(tensors)
 
         def w(name):
@@ -202,28 +205,63 @@ class DecoderModel:
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         eps, off = cfg.norm_eps, cfg.norm_offset
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        delta = None  # the last block's output, added to the residual stream h by the next norm
         for n, L in enumerate(self.layers):
-            x = rms_norm(h, L["input_norm"], eps, off)
+            x, h = self._add_norm(delta, h, L["input_norm"])
             qkv = F.linear(x, L["qkv"], L.get("qkv_bias"))
             q = qkv[:, :qd].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, qd:qd + kvd].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, qd + kvd:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qd + kvd:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
                 q, k = rms_norm(q, L["q_norm"], eps, off), rms_norm(k, L["k_norm"], eps, off)
-            q, k = self.ropes[n](q, positions), self.ropes[n](k, positions)
+            q, k = self._rope(n, q, k, qkv, positions)
             o = paged_attention(q, k, v, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n],
                                 cfg.attn_logit_softcap)
             o = F.linear(o.reshape(-1, qd), L["o"])
             if cfg.sandwich_norms:
-                h = h + rms_norm(o, L["post_attn_norm"], eps, off)
-                x = rms_norm(h, L["pre_ffn_norm"], eps, off)
+                x, h = self._add_norm(rms_norm(o, L["post_attn_norm"], eps, off), h, L["pre_ffn_norm"])
             else:
-                h = h + o
-                x = rms_norm(h, L["post_attn_norm"], eps, off)
-            gate, up = F.linear(x, L["gate_up"]).chunk(2, dim=-1)
-            x = F.linear(activation(cfg.hidden_act, gate) * up, L["down"])
-            h = h + (rms_norm(x, L["post_ffn_norm"], eps, off) if cfg.sandwich_norms else x)
-        return rms_norm(h, self.norm, eps, off)
+                x, h = self._add_norm(o, h, L["post_attn_norm"])
+            x = F.linear(self._act_and_mul(F.linear(x, L["gate_up"])), L["down"])
+            delta = rms_norm(x, L["post_ffn_norm"], eps, off) if cfg.sandwich_norms else x
+        return self._add_norm(delta, h, self.norm)[0]
+
+    def _add_norm(self, delta, h, weight):
+        """(RMSNorm(h + delta), h + delta); delta None: (RMSNorm(h), h)."""
+        cfg = self.cfg
+        if self.fused and cfg.norm_offset == 0:
+            from kiln.llm import fused_ops
+
+            if delta is None:
+                return fused_ops.rms_norm(h, weight, cfg.norm_eps), h
+            return fused_ops.add_rms_norm(delta, h, weight, cfg.norm_eps)
+        if delta is not None:
+            h = h + delta
+        return rms_norm(h, weight, cfg.norm_eps, cfg.norm_offset), h
+
+    def _rope(self, n, q, k, qkv, positions):
+        rope = self.ropes[n]
+        if not self.fused:
+            return rope(q, positions), rope(k, positions)
+        from kiln.llm import fused_ops
+
+        if self.cfg.qk_norm:  # q and k are fresh tensors
+            fused_ops.rope_(q, positions, rope.cos, rope.sin, rope.dim)
+            fused_ops.rope_(k, positions, rope.cos, rope.sin, rope.dim)
+        else:  # q's heads then k's, in place in the projection's output: one launch
+            heads = self.cfg.num_heads + self.cfg.num_kv_heads
+            qk = qkv[:, :heads * self.cfg.head_dim].view(-1, heads, self.cfg.head_dim)
+            fused_ops.rope_(qk, positions, rope.cos, rope.sin, rope.dim)
+        return q, k
+
+    def _act_and_mul(self, gate_up):
+        act = self.cfg.hidden_act
+        if self.fused and act in ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+            from kiln.llm import fused_ops
+
+            return fused_ops.act_and_mul(gate_up, gelu=act != "silu")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return activation(act, gate) * up
 
     def _forward_gpt2(self, input_ids, positions, md, caches):
         cfg = self.cfg
