@@ -44,6 +44,7 @@ def test_val_range_spelling_and_use(text_engine):
     assert parse_val_range(["input_ids:[0,9],attention_mask:[1,1]"]) == {"input_ids": (0, 9),
                                                                           "attention_mask": (1, 1)}
     assert parse_val_range("-1.5,2e0") == {None: (-1.5, 2.0)}
+    assert parse_val_range("input_1:0:-1,1") == {"input_1:0": (-1.0, 1.0)}  # TensorFlow-style names
     with pytest.raises(ConfigError, match="not inputs of the engine"):
         parse_val_range("ids:0,3", ["input_ids"])
     with pytest.raises(ConfigError, match="is empty"):

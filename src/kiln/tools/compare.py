@@ -564,9 +564,9 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
             for line in render_histogram(o.histogram):
                 con.print(f"[I]       {line}")
         if o.vacuous:
-            con.print(f"[W]     VACUOUS CHECK: an engine returning the constant {o.constant_that_passes:.5g} everywhere "
-                      f"would pass this tolerance too; it is wider than the output's spread and proves nothing. "
-                      f"Tighten --atol/--rtol (the default is relative to the output's RMS).")
+            con.print(f"[W]     VACUOUS CHECK: an engine returning the constant {o.constant_that_passes:.5g} "
+                      "everywhere would pass this tolerance too; it is wider than the output's spread and proves "
+                      "nothing. Tighten --atol/--rtol (the default is relative to the output's RMS).")
         if o.verdict == "INCONCLUSIVE":
             con.print(f"[E]     INCONCLUSIVE | Output: '{o.name}' | within tolerance, but the check is vacuous "
                       "(--accept-vacuous counts it as passed)")

@@ -31,7 +31,8 @@ from ..errors import ConfigError
 _PASS_THROUGH = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
 _MASK_NAME = re.compile(r"(^|[_.\-])(attention_?)?mask($|[_.\-])|attn_?mask|padding_?mask", re.I)
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_RANGE = re.compile(rf"(?:([^\s,:\[\]]+):)?\[?\s*({_NUM})\s*,\s*({_NUM})\s*\]?")
+# NAME:LO,HI or NAME:[LO,HI]; a name may hold colons itself (TensorFlow's "input_1:0")
+_RANGE = re.compile(rf"(?:([^\s,\[\]]+):)?\[?\s*({_NUM})\s*,\s*({_NUM})\s*\]?")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class InputRule:
     hi: float = 1.0
     source: str = ""  # the embedding table or flag behind the rule
 
-    def describe(self, integer: bool) -> str:
+    def describe(self) -> str:
         if self.kind == "range":
             return f"uniform in [{self.lo:g}, {self.hi:g}] (--valRange)"
         if self.kind == "token-ids":
@@ -178,9 +179,4 @@ def synthetic_inputs(engine, profile: int = 0, pick: int = 1, shapes: dict | Non
 
 def describe(engine, val_range: dict | None = None) -> dict[str, str]:
     """{input: how its synthetic values are drawn}."""
-    rules = input_rules(engine, val_range)
-    out = {}
-    for v in engine.inputs:
-        dtype = v.dtype or torch.float32
-        out[v.name] = rules[v.name].describe(not dtype.is_floating_point)
-    return out
+    return {name: rule.describe() for name, rule in input_rules(engine, val_range).items()}
