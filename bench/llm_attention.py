@@ -47,6 +47,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def read_bandwidth() -> float:
+    """Bytes per second torch's sum reads (2 GiB of FP32): a stream of reads, as decode attention is."""
+    src = torch.ones(1 << 29, dtype=torch.float32, device=DEVICE)
+    sink = torch.empty((), device=DEVICE)
+    ms = median_ms(lambda: torch.sum(src, dim=0, out=sink), runs=10)
+    return src.numel() * src.element_size() / (ms * 1e-3)
+
+
 class Pool:
     """One cache of every block the largest case needs, filled with random values (8-bit codes through
     reshape_and_cache's quantization rules)."""
@@ -96,7 +104,7 @@ def time_decode(pool: Pool, batch: int, context: int, l2_bytes: int, **kw) -> tu
     return median_ms(calls, runs=10) * 1e3 / count, kv_bytes + io_bytes
 
 
-def time_prefill(pool: Pool, seqs: int, qlen: int, context: int) -> tuple[float, float]:
+def time_prefill(pool: Pool, seqs: int, qlen: int, context: int, **kw) -> tuple[float, float]:
     """(ms per call, FLOPs of the causal attention) for seqs chunks of qlen queries ending at context."""
     tables = pool.tables(seqs, context, 1)[0]
     q = torch.randn(seqs * qlen, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
@@ -104,8 +112,8 @@ def time_prefill(pool: Pool, seqs: int, qlen: int, context: int) -> tuple[float,
     lens = torch.full((seqs,), context, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(HEAD_DIM)
-    ms = median_ms(lambda: pa.paged_attention(q, pool.k, pool.v, qsl, lens, tables, qlen, context, scale, out=out),
-                   runs=5)
+    ms = median_ms(lambda: pa.paged_attention(q, pool.k, pool.v, qsl, lens, tables, qlen, context, scale, out=out,
+                                              **kw), runs=5)
     keys = sum(context - qlen + j + 1 for j in range(qlen))  # keys each query head attends, summed over queries
     return ms, 4.0 * seqs * HEADS * HEAD_DIM * keys
 
@@ -120,7 +128,7 @@ def time_sdpa(seqs: int, length: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for llm-attention.md")
-    ap.add_argument("--budget", type=float, default=55.0, help="seconds after which no new case starts")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds after which no new case starts")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -137,36 +145,40 @@ def main() -> None:
     def over() -> bool:
         return time.time() - t0 > args.budget
 
-    bw = copy_bandwidth()
-    lines += [f"Device-to-device copy (1 GiB, read + written): {bw / 1e9:.0f} GB/s.", ""]
+    bw, rbw = copy_bandwidth(), read_bandwidth()
+    lines += [f"Device-to-device copy (1 GiB, read + written): {bw / 1e9:.0f} GB/s; read (torch.sum of 2 GiB): "
+              f"{rbw / 1e9:.0f} GB/s.", ""]
     l2 = props.L2_cache_size
     pools = {"bf16": Pool(DTYPE, max(BATCHES) * max(CONTEXTS))}
     for name in ("fp8", "int8"):
         pools[name] = Pool(CACHE_DTYPES[name], max(BATCHES) * max(CONTEXTS))
-    print(f"setup {time.time() - t0:.1f}s, copy {bw / 1e9:.0f} GB/s", flush=True)
+    print(f"setup {time.time() - t0:.1f}s, copy {bw / 1e9:.0f} GB/s, read {rbw / 1e9:.0f} GB/s", flush=True)
 
     lines += ["## Decode (one query per sequence, splits chosen by choose_num_splits)", "",
-              "| batch | context | KV cache | splits | us | MB read | GB/s | of copy BW |", "|---|---|---|---|---|---|---|---|"]
+              "| batch | context | KV cache | splits | us | MB read | GB/s | of read BW | of copy BW |",
+              "|---|---|---|---|---|---|---|---|---|"]
     cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(*LONG, "fp8"), (*LONG, "int8")]
     for b, c, kv in cases:
         if over():
-            lines.append(f"| {b} | {c} | {kv} | | skipped (time budget) | | | |")
+            lines.append(f"| {b} | {c} | {kv} | | skipped (time budget) | | | | |")
             continue
         splits = pa.choose_num_splits(b, KV_HEADS, 1, c, torch.device(DEVICE))
         try:
             us, nbytes = time_decode(pools[kv], b, c, l2)
             gbs = nbytes / (us * 1e-6) / 1e9
             lines.append(f"| {b} | {c} | {kv} | {splits} | {us:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
-                         f"{gbs * 1e9 / bw:.0%} |")
+                         f"{gbs * 1e9 / rbw:.0%} | {gbs * 1e9 / bw:.0%} |")
         except Exception as e:  # noqa: BLE001  (a failing case is reported, the others still run)
-            lines.append(f"| {b} | {c} | {kv} | {splits} | fail {type(e).__name__}: {str(e)[:100]} | | | |")
+            lines.append(f"| {b} | {c} | {kv} | {splits} | fail {type(e).__name__}: {str(e)[:100]} | | | | |")
         print(lines[-1], flush=True)
         write()
 
     lines += ["", f"## Decode at batch {LONG[0]}, context {LONG[1]}: tiles and splits", "",
-              "| KV cache | block_n | warps | stages | splits | us | GB/s | of copy BW |", "|---|---|---|---|---|---|---|---|"]
-    sweep = [("bf16", 64, 4, 3, 1), ("bf16", 64, 4, 3, 4), ("bf16", 128, 4, 3, None), ("bf16", 32, 4, 4, None),
-             ("bf16", 64, 4, 4, None), ("fp8", 128, 4, 3, None), ("int8", 128, 4, 3, None)]
+              "| KV cache | block_n | warps | stages | splits | us | GB/s | of read BW |", "|---|---|---|---|---|---|---|---|"]
+    sweep = [("bf16", 128, 4, 3, 1), ("bf16", 128, 4, 3, 4), ("bf16", 128, 4, 2, None), ("bf16", 128, 8, 3, None),
+             ("bf16", 64, 4, 3, None), ("bf16", 64, 8, 4, None),
+             ("fp8", 64, 4, 3, None), ("fp8", 128, 4, 4, None), ("fp8", 256, 4, 3, None), ("fp8", 256, 8, 2, None),
+             ("int8", 64, 4, 3, None), ("int8", 256, 4, 3, None)]
     for kv, bn, w, st, splits in sweep:
         if over():
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | skipped (time budget) | | |")
@@ -176,7 +188,7 @@ def main() -> None:
                                      num_splits=splits)
             gbs = nbytes / (us * 1e-6) / 1e9
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | {us:.1f} | {gbs:.0f} | "
-                         f"{gbs * 1e9 / bw:.0%} |")
+                         f"{gbs * 1e9 / rbw:.0%} |")
         except Exception as e:  # noqa: BLE001
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | fail {type(e).__name__}: "
                          f"{str(e)[:100]} | | |")
@@ -197,6 +209,21 @@ def main() -> None:
                          f"{seqs * qlen / (ms * 1e-3):.3g} | {sdpa} |")
         except Exception as e:  # noqa: BLE001
             lines.append(f"| {seqs} | {qlen} | {ctx} | fail {type(e).__name__}: {str(e)[:100]} | | | |")
+        print(lines[-1], flush=True)
+        write()
+    seqs, qlen, ctx = PREFILLS[0]
+    lines += ["", f"## Prefill tiles ({seqs} x {qlen} queries, context {ctx})", "",
+              "| block_m | block_n | warps | stages | ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+    for bm, bn, w, st in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                          (128, 32, 8, 3)]:
+        if over():
+            lines.append(f"| {bm} | {bn} | {w} | {st} | skipped (time budget) | |")
+            continue
+        try:
+            ms, flops = time_prefill(pools["bf16"], seqs, qlen, ctx, config=pa.PagedConfig(bm, bn, w, st))
+            lines.append(f"| {bm} | {bn} | {w} | {st} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.0f} |")
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"| {bm} | {bn} | {w} | {st} | fail {type(e).__name__}: {str(e)[:100]} | |")
         print(lines[-1], flush=True)
         write()
     lines += ["", f"Total {time.time() - t0:.0f} s."]

@@ -123,9 +123,10 @@ def dense_result(b: Batch, softmax_scale, sliding_window=None, logits_soft_cap=N
     return torch.cat(outs)
 
 
-# a mixed step: two decodes, a first prefill chunk, a later chunk, a decode at a block edge
+# a mixed step: two decodes, a first prefill chunk, a later chunk, a decode at a block edge (TINY reads the long
+# ones through unmasked key tiles below their first query, then masked ones)
 MIXED_QLENS = [1, 1, 7, 5, 1]
-MIXED_SEQ_LENS = [9, 1, 7, 13, 8]
+MIXED_SEQ_LENS = [35, 1, 7, 37, 8]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -318,7 +319,7 @@ def attention(kv, split, block_m, g, window=False, cap=False):
                  softmax_scale="fp32", soft_cap="fp32")
     cx = dict(HEAD_DIM=128, G=g, G_PAD=g_pad, BLOCK_Q=block_m // g_pad, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=128,
               BLOCK_SIZE=16, KV_SCALED=kv != "*bf16", HAS_WINDOW=window, HAS_CAP=cap, SPLIT=split,
-              CDT=tl.bfloat16, PREC="tf32")
+              CDT=tl.bfloat16 if kv == "*bf16" else tl.float16, CLAMP_Q=kv != "*bf16", PREC="tf32")
     return source(pa._paged_attention_kernel, types, cx)
 
 def cache(quant, ptr):

@@ -232,13 +232,50 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
 
 
 @triton.jit
+def _attend_tiles(q, m_i, l_i, acc, lo, hi, k_hi, pos, bt_row, k_head, v_head, skb, sko, svb, svo, qk_scale,
+                  soft_cap, window, d_ok, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
+    """The online softmax over keys lo..hi (hi a multiple of BLOCK_N unless it is k_hi), gathered through the
+    block table. MASKED: apply the causal (and window) mask and the end of the context; off, every key is seen."""
+    rn = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        kn = start + rn
+        n_ok = kn < k_hi
+        blk = tl.load(bt_row + kn // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = kn % BLOCK_SIZE
+        kt = tl.load(k_head + (blk * skb + off * sko)[None, :], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        sc = tl.dot(q, kt.to(CDT), input_precision=PREC) * qk_scale
+        if HAS_CAP:  # cap * tanh(x / cap), tanh through exp2 (saturates cleanly at +-1)
+            sc = soft_cap * (1.0 - 2.0 / (tl.math.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
+            sc = sc * 1.4426950408889634
+        if MASKED:
+            see = n_ok[None, :] & (kn[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                see = see & (kn[None, :] > pos[:, None] - window)
+            sc = tl.where(see, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: nothing to subtract
+        else:
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_ref = m_new
+        p = tl.math.exp2(sc - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_head + (blk * svb + off * svo)[:, None], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(CDT), vt.to(CDT), acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ks_ptr, vs_ptr,
                             po_ptr, pml_ptr, num_seqs, seq_steps, softmax_scale, soft_cap, window, split_len,
                             sqt, sqh, sot, soh, skb, sko, skh, svb, svo, svh, sbt, spt, sph, sps, smt, smh,
                             HEAD_DIM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                            HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
+                            HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr, CLAMP_Q: tl.constexpr,
+                            PREC: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,11 +301,13 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
     head = kvh * G + g
     pos = ctx + qi
     rd = tl.arange(0, BLOCK_D)
-    rn = tl.arange(0, BLOCK_N)
     d_ok = rd < HEAD_DIM  # a constant where HEAD_DIM == BLOCK_D
     q_rows = (q_start + qi).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * sqt + head[:, None] * sqh + rd[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if CLAMP_Q:  # BF16 queries computed in FP16 (8-bit caches): kept finite
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    q = q.to(CDT)
 
     # keys any of the block's queries may see, within this program's split of the context
     k_hi = tl.minimum(ctx + (qb + 1) * BLOCK_Q, seq_len)
@@ -297,28 +336,16 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_N):
-        kn = start + rn
-        n_ok = kn < k_hi
-        blk = tl.load(bt_row + kn // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        off = kn % BLOCK_SIZE
-        kt = tl.load(k_head + (blk * skb + off * sko)[None, :], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        sc = tl.dot(q, kt.to(CDT), input_precision=PREC) * qk_scale
-        if HAS_CAP:  # cap * tanh(x / cap), tanh through exp2 (saturates cleanly at +-1)
-            sc = soft_cap * (1.0 - 2.0 / (tl.math.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
-            sc = sc * 1.4426950408889634
-        see = n_ok[None, :] & (kn[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            see = see & (kn[None, :] > pos[:, None] - window)
-        sc = tl.where(see, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: nothing to subtract
-        p = tl.math.exp2(sc - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_head + (blk * svb + off * svo)[:, None], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(p.to(CDT), vt.to(CDT), acc * alpha[:, None], input_precision=PREC)
-        m_i = m_new
+    if HAS_WINDOW:
+        mid = k_lo
+    else:  # keys below the block's first query are seen by all its queries: those tiles need no mask
+        mid = tl.minimum(tl.maximum((ctx + qb * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, k_lo), k_hi)
+        m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, k_lo, mid, k_hi, pos, bt_row, k_head, v_head, skb, sko,
+                                      svb, svo, qk_scale, soft_cap, window, d_ok, False, False, HAS_CAP,
+                                      BLOCK_N, BLOCK_SIZE, CDT, PREC)
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, mid, k_hi, k_hi, pos, bt_row, k_head, v_head, skb, sko, svb,
+                                  svo, qk_scale, soft_cap, window, d_ok, True, HAS_WINDOW, HAS_CAP, BLOCK_N,
+                                  BLOCK_SIZE, CDT, PREC)
 
     seen = l_i > 0.0  # false only for a split that holds none of a query's keys
     out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
@@ -371,17 +398,28 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_config(max_query_len: int, group: int, head_dim: int) -> PagedConfig:
-    """Decode (one query a sequence): the fewest rows tl.dot takes, holding the query heads of one KV head;
-    prefill chunks: 64 rows. 64 keys a step (32 for head dims above 128, to stay in registers)."""
+    """Decode (one query a sequence): the fewest rows tl.dot takes, holding the query heads of one KV head, and
+    128 keys a step (64 above head dim 128); prefill chunks: 128 rows, 64 keys, 8 warps (64 rows, 32 keys, 4
+    warps above head dim 128, to stay in registers)."""
     g_pad = triton.next_power_of_2(group)
-    block_n = 64 if head_dim <= 128 else 32
     if max_query_len == 1:
-        return PagedConfig(max(16, g_pad), block_n, 4, 3)
-    return PagedConfig(max(64, g_pad), block_n, 4, 2)
+        return PagedConfig(max(16, g_pad), 128 if head_dim <= 128 else 64, 4, 3)
+    if head_dim <= 128:
+        return PagedConfig(max(128, g_pad), 64, 8, 3)
+    return PagedConfig(max(64, g_pad), 32, 4, 2)
+
+
+def compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The type of the tiles fed to tl.dot: q's, but FP16 for 8-bit caches under 16-bit queries (FP8 E4M3 and
+    INT8 codes convert to FP16 exactly, FP8 in one instruction per pair where BF16 takes several; BF16
+    queries are clamped to FP16's range)."""
+    if cache_dtype in CACHE_8BIT and q_dtype != torch.float32:
+        return torch.float16
+    return q_dtype
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                      device: torch.device, min_split_len: int = 512) -> int:
+                      device: torch.device, min_split_len: int = 256) -> int:
     """Slices of the context per (sequence, KV head) for decode: enough programs for four a multiprocessor,
     each slice at least min_split_len keys; 1 (single pass) for prefill or when the batch fills the GPU."""
     if max_query_len != 1:
@@ -428,6 +466,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     else:
         partial = max_sum = o
     scaled = k_cache.dtype in CACHE_8BIT
+    cdt = compute_dtype(q.dtype, k_cache.dtype)
     qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
@@ -442,8 +481,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         *(max_sum.stride()[:2] if splits > 1 else (0, 0)),
         HEAD_DIM=d, G=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1], KV_SCALED=scaled,
-        HAS_WINDOW=bool(sliding_window), HAS_CAP=bool(logits_soft_cap), SPLIT=splits > 1, CDT=_TL[q.dtype],
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_WINDOW=bool(sliding_window), HAS_CAP=bool(logits_soft_cap), SPLIT=splits > 1, CDT=_TL[cdt],
+        CLAMP_Q=q.dtype == torch.bfloat16 and cdt == torch.float16,
+        PREC="ieee" if cdt == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             partial, max_sum, o, qsl, num_seqs, splits, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0), o.stride(1),
