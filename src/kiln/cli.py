@@ -280,6 +280,10 @@ def _run_and_report(engine, a) -> int:
         val_range = parse_val_range(a.valRange, [v.name for v in engine.inputs])
         input_sets = [engine.random_inputs(a.profile, shapes=shapes, seed=seed, val_range=val_range)
                       for seed in range(4)]
+        from .tools.synthetic import describe
+
+        out.print("Synthetic inputs (--loadInputs gives real ones): "
+                  + "; ".join(f"{k}: {how}" for k, how in describe(engine, val_range).items()))
     dev = engine.target.device
     input_sets = [{k: x.to(dev) for k, x in s.items()} for s in input_sets]
     for name, x in input_sets[0].items():
