@@ -112,7 +112,7 @@ def correctness(device: str) -> dict:
     ref = load_hf_reference(path).to(device)
     from kiln.llm import LLM, SamplingParams
 
-    llm = LLM(path, device=device, max_model_len=256, max_num_seqs=8)
+    llm = LLM(path, device=device, max_model_len=256, max_num_seqs=8, num_kv_blocks=256)
     prompts = ["Hello world", "The potter lit the fire and", "Once upon a time there was a small kiln", "0 1 2"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     equal = []
@@ -123,6 +123,8 @@ def correctness(device: str) -> dict:
         equal.append(g[0, ids.shape[1]:].tolist() == o.outputs[0].token_ids)
     r = llm.llm_engine.runner
     s = llm.llm_engine.stats()
+    del llm, ref
+    gc.collect()
     return {"prompts": len(prompts), "tokens_equal_to_hf": equal, "cuda_graphs": sorted(r.graphs),
             "cuda_graph_error": r.graph_error, "blocks_free_after": s["kv_blocks_free"] == s["kv_blocks_total"]}
 

@@ -169,3 +169,19 @@ def test_chat_template(tiny_llama):
     assert out.prompt_token_ids[0] == llm.tokenizer.bos_token_id
     assert out.prompt_token_ids.count(llm.tokenizer.bos_token_id) == 1
     assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False).endswith("<|assistant|>\n")
+
+
+def test_decode_steps_from_static_buffers(tiny_llama, reference_tokens):
+    """The CUDA-graph path's padded static buffers (bucket sizes 1, 2, 4), run eagerly on the CPU: batches of
+    3 and 2 sit in buckets of 4 and 2 with rows that write nowhere; tokens stay those of transformers."""
+    from kiln.llm.runner import graph_buckets
+
+    llm = LLM(tiny_llama, max_model_len=256, max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    runner.make_static_buffers(4)
+    runner.graphs = {b: runner.static_decode_step(b) for b in graph_buckets(4)}
+    lens = [12, 4, 12, 7]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
+    for p, n, o in zip(PROMPTS, lens, llm.generate(PROMPTS, params)):
+        assert o.outputs[0].token_ids == reference_tokens[p][:n]
+    no_leak(llm)

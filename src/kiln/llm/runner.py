@@ -57,7 +57,7 @@ class ModelRunner:
             self.caches.append(LayerCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                           torch.zeros(shape, dtype=kv_dtype, device=self.device), ks, vs))
         self.sampler = Sampler()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict = {}  # bucket batch size -> callable running a decode step from the static buffers
         self.graph_error: str | None = None
         if use_cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(max_num_seqs)
@@ -92,7 +92,10 @@ class ModelRunner:
         samplers = [s for s, n in zip(step.seqs, step.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
         bucket = self._bucket(len(step.seqs)) if step.is_decode_only else None
         if bucket is not None:
-            logits = self._replay(bucket, ids, positions, slots, seq_lens, tables)[:len(step.seqs)]
+            logits = self._replay(bucket, ids, positions, slots, seq_lens, tables)
+            # Every row is a one-token query; the ones that end their sequence's tokens sample (a one-token
+            # prompt chunk mid-prompt does not).
+            logits = logits[:len(step.seqs)] if len(sample_rows) == len(step.seqs) else logits[sample_rows]
         else:
             dev = self.device
 
@@ -116,26 +119,32 @@ class ModelRunner:
                 return b
         return None
 
-    def capture_graphs(self, max_num_seqs: int) -> None:
-        dev, mb = self.device, self.max_blocks_per_seq
-        n = max(graph_buckets(max_num_seqs))
+    def make_static_buffers(self, max_num_seqs: int) -> None:
+        """Inputs of decode steps at fixed addresses (what captured graphs read), sized for the largest bucket."""
+        dev, n = self.device, max(graph_buckets(max_num_seqs))
         self.g_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.g_pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.g_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.g_starts = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.g_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.g_tables = torch.zeros((n, mb), dtype=torch.int32, device=dev)
-        self.g_out: dict[int, torch.Tensor] = {}
+        self.g_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+
+    def static_decode_step(self, b: int):
+        """A function running a decode step of b rows from the static buffers, returning logits [b, vocab]."""
+        md = AttentionMetadata(self.g_slots[:b], self.g_starts[:b + 1], self.g_lens[:b], self.g_tables[:b],
+                               max_query_len=1, max_seq_len=self.max_model_len)
+
+        def run():
+            return self.model.compute_logits(self.model.forward(self.g_ids[:b], self.g_pos[:b], md, self.caches))
+
+        return run
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        self.make_static_buffers(max_num_seqs)
         pool = None
         try:
             for b in sorted(graph_buckets(max_num_seqs), reverse=True):
-                md = AttentionMetadata(self.g_slots[:b], self.g_starts[:b + 1], self.g_lens[:b],
-                                       self.g_tables[:b], max_query_len=1, max_seq_len=self.max_model_len)
-
-                def run():
-                    return self.model.compute_logits(self.model.forward(self.g_ids[:b], self.g_pos[:b], md,
-                                                                        self.caches))
-
+                run = self.static_decode_step(b)
                 with torch.inference_mode():
                     stream = torch.cuda.Stream()
                     stream.wait_stream(torch.cuda.current_stream())
@@ -144,15 +153,17 @@ class ModelRunner:
                     torch.cuda.current_stream().wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.g_out[b] = run()
+                        out = run()
                 pool = graph.pool()
-                self.graphs[b] = graph
+                self.graphs[b] = _Replay(graph, out)
             torch.cuda.synchronize()
         except Exception as e:  # e.g. a kernel that syncs with the host: decode runs eagerly
             self.graphs.clear()
-            self.g_out = {}
             self.graph_error = f"{type(e).__name__}: {e}"
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except RuntimeError:
+                pass
 
     def _replay(self, b, ids, positions, slots, seq_lens, tables):
         n = len(ids)
@@ -164,5 +175,15 @@ class ModelRunner:
         self.g_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
         w = len(tables[0])
         self.g_tables[:n, :w].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
-        self.graphs[b].replay()
-        return self.g_out[b]
+        return self.graphs[b]()
+
+
+class _Replay:
+    """A captured decode step: replaying it refreshes `out` in place."""
+
+    def __init__(self, graph, out):
+        self.graph, self.out = graph, out
+
+    def __call__(self):
+        self.graph.replay()
+        return self.out

@@ -134,6 +134,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
         """logits [S, vocab] FP32 of the sequences that sample; returns their next tokens and top logprobs."""
         params = [s.params for s in seqs]
+        if all(p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+               and not p.frequency_penalty and not p.min_tokens for p in params):
+            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)  # the common serving case: one kernel
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = None
         if any(n is not None for n in want_logprobs):
