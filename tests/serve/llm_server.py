@@ -17,7 +17,9 @@ READY = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)")
 
 class ServerProcess:
     def __init__(self, model: Path, *args: str, api_key: str | None = None, timeout: float = 120.0):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # One intra-op thread: on a small shared CPU, torch's OpenMP threads waiting for each other made the
+        # CPU engine's prefill many times slower.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("KILN_API_KEY", None)
         cmd = [sys.executable, "-m", "kiln", "llm", "serve", str(model), "--device", "cpu", "--port", "0", *args]
         if api_key:

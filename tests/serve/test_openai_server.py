@@ -10,6 +10,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 
 from kiln.llm.engine import LLM, SamplingParams
 
@@ -30,7 +31,10 @@ def server(tiny_llm):
 
 @pytest.fixture(scope="module")
 def offline(tiny_llm):
-    return LLM(str(tiny_llm), device="cpu", max_num_seqs=64, num_kv_blocks=256, max_model_len=512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server process runs (tests/serve/llm_server.py)
+    yield LLM(str(tiny_llm), device="cpu", max_num_seqs=64, num_kv_blocks=256, max_model_len=512)
+    torch.set_num_threads(threads)
 
 
 def client(server, key=KEY, **kw):

@@ -68,7 +68,7 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def wait_ready(self, client, models: list[str], timeout: float = 90.0) -> None:
+    def wait_ready(self, client, models: list[str], timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
