@@ -35,6 +35,7 @@ BATCHES = (1, 4, 16, 64)
 CONTEXTS = (1024, 2048, 4096, 8192)
 LONG = (64, 8192)  # the batch and context of the 8-bit cases and the tile sweep
 PREFILLS = ((1, 4096, 4096), (4, 2048, 2048), (8, 512, 4096))  # (sequences, query chunk, context)
+CHECKED_PREFILL = (512, 4096)  # (query chunk, context) of the prefill tiles' error check
 DEVICE = "cuda"
 CACHE_DTYPES = {"bf16": DTYPE, "fp8": pa.FP8, "int8": torch.int8}
 
@@ -102,6 +103,30 @@ def time_decode(pool: Pool, batch: int, context: int, l2_bytes: int, **kw) -> tu
     calls()
     torch.cuda.synchronize()
     return median_ms(calls, runs=10) * 1e3 / count, kv_bytes + io_bytes
+
+
+def decode_error(pool: Pool, context: int, **kw) -> float:
+    """Largest difference from paged_attention_reference over 4 sequences of this context (the tile checked)."""
+    batch = 4
+    table = pool.tables(batch, context, 1)[0]
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([context - 37 * i for i in range(batch)], dtype=torch.int32, device=DEVICE)
+    args = (q, pool.k, pool.v, qsl, lens, table, 1, context, 1 / math.sqrt(HEAD_DIM))
+    got = pa.paged_attention(*args, **pool.scales, **kw)
+    return (got.float() - pa.paged_attention_reference(*args, **pool.scales).float()).abs().max().item()
+
+
+def prefill_error(pool: Pool, **kw) -> float:
+    """Largest difference from paged_attention_reference: one CHECKED_PREFILL chunk."""
+    qlen, context = CHECKED_PREFILL
+    table = pool.tables(1, context, 1)[0]
+    q = torch.randn(qlen, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    qsl = torch.tensor([0, qlen], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
+    args = (q, pool.k, pool.v, qsl, lens, table, qlen, context, 1 / math.sqrt(HEAD_DIM))
+    got = pa.paged_attention(*args, **kw)
+    return (got.float() - pa.paged_attention_reference(*args).float()).abs().max().item()
 
 
 def time_prefill(pool: Pool, seqs: int, qlen: int, context: int, **kw) -> tuple[float, float]:
@@ -174,24 +199,26 @@ def main() -> None:
         write()
 
     lines += ["", f"## Decode at batch {LONG[0]}, context {LONG[1]}: tiles and splits", "",
-              "| KV cache | block_n | warps | stages | splits | us | GB/s | of read BW |", "|---|---|---|---|---|---|---|---|"]
+              "| KV cache | block_n | warps | stages | splits | us | GB/s | of read BW | max error vs reference |",
+              "|---|---|---|---|---|---|---|---|---|"]
     sweep = [("bf16", 128, 4, 3, 1), ("bf16", 128, 4, 3, 4), ("bf16", 128, 4, 2, None), ("bf16", 128, 8, 3, None),
              ("bf16", 64, 4, 3, None), ("bf16", 64, 8, 4, None),
              ("fp8", 64, 4, 3, None), ("fp8", 128, 4, 4, None), ("fp8", 256, 4, 3, None), ("fp8", 256, 8, 2, None),
              ("int8", 64, 4, 3, None), ("int8", 256, 4, 3, None)]
     for kv, bn, w, st, splits in sweep:
         if over():
-            lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | skipped (time budget) | | |")
+            lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | skipped (time budget) | | | |")
             continue
         try:
-            us, nbytes = time_decode(pools[kv], *LONG, l2, config=pa.PagedConfig(16, bn, w, st),
-                                     num_splits=splits)
+            cfg = pa.PagedConfig(16, bn, w, st)
+            us, nbytes = time_decode(pools[kv], *LONG, l2, config=cfg, num_splits=splits)
             gbs = nbytes / (us * 1e-6) / 1e9
+            err = decode_error(pools[kv], LONG[1], config=cfg, num_splits=splits)
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | {us:.1f} | {gbs:.0f} | "
-                         f"{gbs * 1e9 / rbw:.0%} |")
+                         f"{gbs * 1e9 / rbw:.0%} | {err:.2g} |")
         except Exception as e:  # noqa: BLE001
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | fail {type(e).__name__}: "
-                         f"{str(e)[:100]} | | |")
+                         f"{str(e)[:100]} | | | |")
         print(lines[-1], flush=True)
         write()
 
@@ -213,17 +240,20 @@ def main() -> None:
         write()
     seqs, qlen, ctx = PREFILLS[0]
     lines += ["", f"## Prefill tiles ({seqs} x {qlen} queries, context {ctx})", "",
-              "| block_m | block_n | warps | stages | ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+              "| block_m | block_n | warps | stages | ms | TFLOP/s | max error vs reference |",
+              "|---|---|---|---|---|---|---|"]
     for bm, bn, w, st in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
                           (128, 32, 8, 3)]:
         if over():
-            lines.append(f"| {bm} | {bn} | {w} | {st} | skipped (time budget) | |")
+            lines.append(f"| {bm} | {bn} | {w} | {st} | skipped (time budget) | | |")
             continue
         try:
-            ms, flops = time_prefill(pools["bf16"], seqs, qlen, ctx, config=pa.PagedConfig(bm, bn, w, st))
-            lines.append(f"| {bm} | {bn} | {w} | {st} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.0f} |")
+            cfg = pa.PagedConfig(bm, bn, w, st)
+            ms, flops = time_prefill(pools["bf16"], seqs, qlen, ctx, config=cfg)
+            err = prefill_error(pools["bf16"], config=cfg)
+            lines.append(f"| {bm} | {bn} | {w} | {st} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.0f} | {err:.2g} |")
         except Exception as e:  # noqa: BLE001
-            lines.append(f"| {bm} | {bn} | {w} | {st} | fail {type(e).__name__}: {str(e)[:100]} | |")
+            lines.append(f"| {bm} | {bn} | {w} | {st} | fail {type(e).__name__}: {str(e)[:100]} | | |")
         print(lines[-1], flush=True)
         write()
     lines += ["", f"Total {time.time() - t0:.0f} s."]
