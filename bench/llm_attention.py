@@ -111,7 +111,7 @@ def decode_error(pool: Pool, context: int, **kw) -> float:
     table = pool.tables(batch, context, 1)[0]
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([context - 37 * i for i in range(batch)], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([context - context * i // 8 for i in range(batch)], dtype=torch.int32, device=DEVICE)
     args = (q, pool.k, pool.v, qsl, lens, table, 1, context, 1 / math.sqrt(HEAD_DIM))
     got = pa.paged_attention(*args, **pool.scales, **kw)
     return (got.float() - pa.paged_attention_reference(*args, **pool.scales).float()).abs().max().item()
