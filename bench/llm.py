@@ -153,6 +153,10 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
             r["roofline_fraction"] = r["output_tok_s"] / rf["roofline_tok_s"]
             if r.get("decode_step_ms"):
                 r["decode_step_fraction_of_roofline"] = rf["roofline_step_ms"] / r["decode_step_ms"]
+        if eng.device.type == "cuda" and eng.runner.graphs:
+            r["graph_replay_ms"] = replay_ms(eng, b)
+            if r.get("decode_step_ms"):
+                r["host_fraction_of_step"] = 1 - r["graph_replay_ms"] / r["decode_step_ms"]
         out[f"batch{b}"] = r
         log(f"kiln {quant or dtype_name} kv={kv} batch {b}: {r['output_tok_s']:.1f} tok/s, "
             f"decode step {r.get('decode_step_ms') or 0:.2f} ms, roofline {r.get('roofline_tok_s') or 0:.1f}")
@@ -160,6 +164,44 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return out
+
+
+def replay_ms(eng, b: int, iters: int = 20) -> float:
+    """GPU time of one decode step's graph at batch b (static buffers as the last step left them)."""
+    run = eng.runner.graphs[eng.runner._bucket(b)]
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def prefix_caching(tensors, cfg, device, dtype_name, prefix_len=1024, suffix_len=32, n=64) -> dict:
+    """64 requests sharing a prefix_len-token prefix (already cached by one earlier request), one output token
+    each: TTFT with prefix caching on and off."""
+    out = {}
+    vocab = cfg["vocab_size"]
+    prefix = bm.random_prompts(vocab, [prefix_len], seed=5)[0]
+    prompts = [prefix + p for p in bm.random_prompts(vocab, [suffix_len] * n, seed=6)]
+    for caching in (True, False):
+        eng = LLMEngine(cfg, tensors, _NoTokenizer(), dtype=dtype_name, device=device, max_num_seqs=n,
+                        max_num_batched_tokens=8192, max_model_len=prefix_len + suffix_len + 16,
+                        num_kv_blocks=(n + 2) * ((prefix_len + suffix_len) // 16 + 2),
+                        enable_prefix_caching=caching, enforce_eager=True)
+        bm.run_requests(eng, [prefix + [7] * suffix_len], [1])  # the earlier request that fills the cache
+        r = bm.run_requests(eng, prompts, [1] * n)
+        s = eng.stats()
+        out["on" if caching else "off"] = {"ttft_ms_p50": r["ttft_ms_p50"], "ttft_ms_p99": r["ttft_ms_p99"],
+                                           "wall_s": r["wall_s"], "prefix_cache_hits": s["prefix_cache_hits"],
+                                           "prefix_cache_queries": s["prefix_cache_queries"]}
+        del eng
+        gc.collect()
+    out["ttft_p50_speedup"] = out["off"]["ttft_ms_p50"] / out["on"]["ttft_ms_p50"]
+    out["prefix_len"], out["suffix_len"], out["requests"] = prefix_len, suffix_len, n
     return out
 
 
@@ -241,6 +283,25 @@ def render(res: dict, args) -> str:
                   f"gpu_memory_utilization 0.85 with the HF model also resident; device-copy bandwidth "
                   f"{f(k.get('copy_bandwidth_GBs'), '.0f')} GB/s (read + write of a 1 GiB copy). Engine setup "
                   f"(weights fused, KV allocated, CUDA graphs captured) {f(k.get('engine_setup_s'))} s."]
+    for name in ("kiln", "kiln_fp8"):
+        run = res.get(name)
+        if isinstance(run, dict) and "error" not in run:
+            for b in args.batches:
+                r = run.get(f"batch{b}", {})
+                if r.get("graph_replay_ms"):
+                    lines.append(f"- {name} batch {b}: decode step {r['decode_step_ms']:.2f} ms wall, its CUDA graph "
+                                 f"{r['graph_replay_ms']:.2f} ms on the GPU: host share "
+                                 f"{100 * r['host_fraction_of_step']:.0f}% of the step")
+    pc = res.get("prefix_caching")
+    if isinstance(pc, dict):
+        if "error" in pc:
+            lines.append(f"- prefix caching: {pc['error']}")
+        else:
+            lines.append(f"- prefix caching, {pc['requests']} requests sharing a cached {pc['prefix_len']}-token "
+                         f"prefix (+{pc['suffix_len']} own tokens), one "
+                         f"output token: TTFT p50 {pc['on']['ttft_ms_p50']:.1f} ms with caching, "
+                         f"{pc['off']['ttft_ms_p50']:.1f} ms without ({pc['ttft_p50_speedup']:.1f}x); hits "
+                         f"{pc['on']['prefix_cache_hits']} of {pc['on']['prefix_cache_queries']} prompt tokens")
     lines += ["", "Roofline: a decode step reads every weight once plus each sequence's K/V (average context "
               "= prompt + half the output); bound = batch / ((weight bytes + KV bytes) / bandwidth). "
               "TTFT/e2e are measured from submitting all requests at once; TPOT = (last - first token) / "
@@ -299,6 +360,12 @@ def main():
         section(res, "kiln_fp8", fp8_run)
     else:
         res["kiln_fp8"] = {"error": "skipped (time budget)"}
+    save()
+    if time.perf_counter() - T0 < args.budget_s - 25:
+        prefix_len = 1024 if not args.tiny else 64
+        section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name, prefix_len)
+    else:
+        res["prefix_caching"] = {"error": "skipped (time budget)"}
     save()
     log(f"done; wrote {out / 'H200-llm.md'}")
     print(render(res, args))
