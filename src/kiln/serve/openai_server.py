@@ -10,10 +10,11 @@ Streaming responses are server-sent events (`data: {...}` chunks, then `data: [D
 `stream_options.include_usage` every chunk carries `"usage": null` and a last chunk with no choices carries the
 token counts, as OpenAI sends them.
 
-Admission is bounded: at most max_num_seqs + max_waiting engine requests are admitted at once; past that a
-request gets 429 with Retry-After, and reaches no model. A client that goes away mid-stream has its request
-aborted, which returns its KV blocks to the pool before the engine's next step. SIGTERM (or SIGINT) stops
-admissions (503), lets the admitted requests finish (up to drain_timeout seconds), then exits.
+What a request means (parsing, admission and its 429, engine submission, response JSON and SSE chunks) is
+kiln/serve/service.py's; this module is the HTTP layer: routes, the API key, error bodies, streaming writes,
+and the process lifecycle. A client that goes away mid-stream cancels its handler (aiohttp's handler
+cancellation), which closes the stream and so aborts its request. SIGTERM (or SIGINT) stops admissions (503),
+lets the admitted requests finish (up to drain_timeout seconds), then exits.
 """
 
 from __future__ import annotations
@@ -23,53 +24,25 @@ import hmac
 import json
 import signal
 import sys
-import time
-from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import KilnError
-from .async_engine import ACCEPTED, AsyncLLMEngine, EngineFailure
-from .metrics import ServerMetrics
-from .protocol import APIError, GenerationRequest, chat_logprobs, completion_logprobs, parse_chat, parse_completion
-from .protocol import usage as usage_of
+from .protocol import APIError
+from .service import OpenAIService
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-
-
-@dataclass
-class _Choice:
-    """What has been sent of one choice (one sequence) so far."""
-
-    text_sent: int = 0
-    tokens_sent: int = 0
-    finish_reason: str | None = None
-    started: bool = False  # chat: the role delta went out
-
-
-@dataclass
-class _Progress:
-    arrival: float
-    last_token: dict = field(default_factory=dict)  # engine request id -> time its last token reached us
-    first_token: float | None = None
 
 
 class OpenAIServer:
     def __init__(self, engine, *, model_name: str | None = None, api_key: str | None = None,
                  max_waiting: int = 1024, drain_timeout: float = 30.0):
+        self.service = OpenAIService(engine, model_name=model_name, max_waiting=max_waiting,
+                                     drain_timeout=drain_timeout)
         self.engine = engine
-        self.model_name = model_name or engine.model_name
+        self.model_name = self.service.model_name
         self.api_key = api_key or None
-        self.async_engine = AsyncLLMEngine(engine)
-        self.metrics = ServerMetrics(self.async_engine.stats, self.model_name)
-        self.max_admitted = engine.scheduler.max_num_seqs + max_waiting
-        self.admitted = 0  # engine requests admitted and not yet finished (event-loop thread only)
-        self.draining = False
-        self.drain_timeout = drain_timeout
-        self._drained = asyncio.Event()
 
-    # --- the application ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=8 * 2**20)
         app.router.add_post("/v1/completions", self.completions)
@@ -84,7 +57,7 @@ class OpenAIServer:
         try:
             return await handler(request)
         except APIError as e:
-            self.metrics.rejected.labels(self.model_name, str(e.status)).inc()
+            self.service.metrics.rejected.labels(self.model_name, str(e.status)).inc()
             return web.json_response(e.body(), status=e.status, headers=e.headers)
         except web.HTTPException as e:
             if e.status < 400:
@@ -108,213 +81,46 @@ class OpenAIServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}.") from None
 
-    # --- endpoints ----------------------------------------------------------------------------------------
     async def health(self, request):
-        if self.draining:
+        if self.service.draining:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln",
-            "max_model_len": self.engine.max_model_len}]})
+        return web.json_response(self.service.models())
 
     async def prometheus(self, request):
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self.service.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def completions(self, request):
-        body = await self._json(request)
-        e = self.engine
-        req = parse_completion(body, self.model_name, e.tokenizer, e.model_config.vocab_size, e.max_model_len)
-        return await self._generate(request, req)
+        return await self._generate(request, self.service.parse("completion", await self._json(request)))
 
     async def chat_completions(self, request):
-        body = await self._json(request)
-        e = self.engine
-        req = parse_chat(body, self.model_name, e.tokenizer, e.model_config.vocab_size, e.max_model_len)
-        return await self._generate(request, req)
+        return await self._generate(request, self.service.parse("chat", await self._json(request)))
 
-    # --- generation ---------------------------------------------------------------------------------------
-    def _admit(self, count: int) -> None:
-        if self.draining:
-            raise APIError("the server is shutting down and takes no new requests.", status=503,
-                           type_="server_error", headers={"Retry-After": "5"})
-        if self.admitted + count > self.max_admitted:
-            raise APIError(f"the server's queue is full ({self.admitted} requests admitted, at most "
-                           f"{self.max_admitted}); retry later.", status=429, type_="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"})
-        self.admitted += count
-
-    def _release(self, count: int) -> None:
-        self.admitted -= count
-        if self.draining and self.admitted == 0:
-            self._drained.set()
-
-    async def _generate(self, request, req: GenerationRequest):
-        rids = [f"{req.id}-{i}" for i in range(len(req.prompts))]
-        self._admit(len(rids))
-        sink: asyncio.Queue = asyncio.Queue()
-        progress = _Progress(time.perf_counter())
-        unfinished = set()
+    async def _generate(self, request, req):
+        if not req.stream:
+            return web.json_response(await self.service.complete(req))
+        chunks = await self.service.open_stream(req)
         try:
-            for rid, ids in zip(rids, req.prompts):
-                self.async_engine.add(rid, ids, req.params, sink)
-                unfinished.add(rid)
-            early = await self._await_acceptance(sink, len(rids))
-            if req.stream:
-                return await self._stream(request, req, rids, sink, early, unfinished, progress)
-            return await self._collect(req, rids, sink, early, unfinished, progress)
-        finally:
-            for rid in unfinished:  # client gone, an error, or cancelled: free the blocks now
-                self.async_engine.abort(rid)
-            if unfinished:
-                self.metrics.aborted.labels(self.model_name).inc()
-            self._release(len(rids))
-
-    async def _await_acceptance(self, sink, count: int) -> list:
-        accepted, early = 0, []
-        while accepted < count:
-            item = await sink.get()
-            if item is ACCEPTED:
-                accepted += 1
-            elif isinstance(item, KilnError):
-                raise APIError(str(item))
-            elif isinstance(item, EngineFailure):
-                raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
-            else:
-                early.append(item)  # an output of a prompt accepted before the others
-        return early
-
-    async def _outputs(self, sink, early: list, unfinished: set, progress: _Progress):
-        """Engine outputs of this request until every prompt finished; observes the latency histograms."""
-        items = list(early)
-        while unfinished:
-            item = items.pop(0) if items else await sink.get()
-            if isinstance(item, EngineFailure):
-                raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
-            now = time.perf_counter()
-            last = progress.last_token.get(item.request_id)
-            if last is None:
-                if progress.first_token is None:
-                    progress.first_token = now
-                    self.metrics.ttft.labels(self.model_name).observe(now - progress.arrival)
-            else:
-                self.metrics.itl.labels(self.model_name).observe(now - last)
-            progress.last_token[item.request_id] = now
-            if item.finished:
-                unfinished.discard(item.request_id)
-                for c in item.outputs:
-                    self.metrics.finished.labels(self.model_name, c.finish_reason or "stop").inc()
-            yield item
-        self.metrics.e2e.labels(self.model_name).observe(time.perf_counter() - progress.arrival)
-
-    def _choice_extras(self, req, c, new_ids, prompt_ids, state: _Choice | None, offset: int) -> dict:
-        extras = {}
-        if req.return_token_ids:
-            extras["token_ids"] = new_ids
-            if state is None or not state.started:
-                extras["prompt_token_ids"] = prompt_ids
-        if req.logprobs is not None and c.logprobs is not None:
-            lps = c.logprobs[len(c.token_ids) - len(new_ids):]
-            tok = self.engine.tokenizer
-            extras["logprobs"] = (chat_logprobs(tok, new_ids, lps, req.logprobs) if req.kind == "chat"
-                                  else completion_logprobs(tok, new_ids, lps, offset))
-        else:
-            extras["logprobs"] = None
-        return extras
-
-    async def _collect(self, req, rids, sink, early, unfinished, progress):
-        final = {}
-        async for out in self._outputs(sink, early, unfinished, progress):
-            if out.finished:
-                final[out.request_id] = out
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        n = req.params.n
-        for i, rid in enumerate(rids):
-            out = final[rid]
-            prompt_tokens += len(out.prompt_token_ids)
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                extras = self._choice_extras(req, c, list(c.token_ids), out.prompt_token_ids, None, 0)
-                choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, **extras}
-                if req.kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                else:
-                    choice["text"] = c.text
-                choices.append(choice)
-        body = {"id": req.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-                "created": req.created, "model": req.model, "choices": choices,
-                "usage": usage_of(prompt_tokens, completion_tokens)}
-        return web.json_response(body)
-
-    async def _stream(self, request, req, rids, sink, early, unfinished, progress):
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-        n = req.params.n
-        states: dict[tuple[str, int], _Choice] = {}
-        prompt_tokens = {}
-
-        def chunk(choices, usage=None):
-            body = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
-            if req.include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n".encode()
-
-        try:
-            async for out in self._outputs(sink, early, unfinished, progress):
-                i = rids.index(out.request_id)
-                prompt_tokens[out.request_id] = len(out.prompt_token_ids)
-                choices = []
-                for c in out.outputs:
-                    st = states.setdefault((out.request_id, c.index), _Choice())
-                    new_text, new_ids = c.text[st.text_sent:], list(c.token_ids[st.tokens_sent:])
-                    finishing = c.finish_reason is not None and st.finish_reason is None
-                    if not new_text and not new_ids and not finishing:
-                        continue
-                    extras = self._choice_extras(req, c, new_ids, out.prompt_token_ids, st, st.text_sent)
-                    choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, **extras}
-                    if req.kind == "chat":
-                        choice["delta"] = {"content": new_text} if st.started else {"role": "assistant",
-                                                                                   "content": new_text}
-                    else:
-                        choice["text"] = new_text
-                    st.started = True
-                    st.text_sent, st.tokens_sent, st.finish_reason = len(c.text), len(c.token_ids), c.finish_reason
-                    choices.append(choice)
-                if choices:
-                    await resp.write(chunk(choices))
-            if req.include_usage:
-                completion = sum(s.tokens_sent for s in states.values())
-                await resp.write(chunk([], usage_of(sum(prompt_tokens.values()), completion)))
-            await resp.write(b"data: [DONE]\n\n")
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            await resp.prepare(request)
+            async for chunk in chunks:
+                await resp.write(chunk)
             await resp.write_eof()
-        except (ConnectionResetError, ConnectionError):
-            pass  # the client went away: _generate's finally aborts what is unfinished
-        except APIError as e:  # the engine failed mid-stream: the status line is gone, say it in the stream
-            try:
-                await resp.write(f"data: {json.dumps(e.body())}\n\n".encode())
-            except ConnectionError:
-                pass
+        except ConnectionError:
+            pass  # the client went away: closing the stream below aborts what is unfinished
+        finally:
+            await chunks.aclose()
         return resp
-
-    # --- lifecycle ----------------------------------------------------------------------------------------
-    async def drain(self) -> bool:
-        """Stop admitting, wait for the admitted requests; False if drain_timeout passed first."""
-        self.draining = True
-        if self.admitted == 0:
-            return True
-        try:
-            await asyncio.wait_for(self._drained.wait(), self.drain_timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
 
 async def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, ready=None) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop. `ready(host, port)` is called once listening."""
     loop = asyncio.get_running_loop()
-    server.async_engine.start()
+    service = server.service
+    service.async_engine.start()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048)
@@ -326,8 +132,8 @@ async def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 
     if ready is not None:
         ready(host, bound)
     await stop.wait()
-    drained = await server.drain()
+    drained = await service.drain()
     print(f"kiln llm serve: {'drained' if drained else 'drain timed out with'} "
-          f"{server.admitted} requests in flight; stopping.", file=sys.stderr, flush=True)
+          f"{service.admitted} requests in flight; stopping.", file=sys.stderr, flush=True)
     await runner.cleanup()
-    server.async_engine.stop()
+    service.async_engine.stop()
