@@ -1,0 +1,409 @@
+"""The model zoo benchmark: build every zoo model (bench/zoo_models.py) with Kiln at each precision and batch,
+check it against its reference and time it against eager PyTorch and torch.compile.
+
+    python bench/zoo.py --out DIR [--precisions fp32,fp16,bf16,int8,fp8] [--batches 1,32] [--models a,b]
+                        [--size real|tiny] [--device auto|cuda|cpu] [--case-timeout S] [--time-limit S]
+
+Prints the table and writes DIR/zoo.md and DIR/zoo.json: model, precision, batch, Kiln ms, torch.compile ms,
+eager ms, ratio (Kiln over torch.compile, else over eager), error against the reference (relative L2 over
+the outputs, the worst output), build seconds, status (ok, mismatch, or failed with the reason). The
+reference is the FP32 model: eager PyTorch for modules, onnxruntime on the CPU for the real ONNX files
+(whose "eager" column is onnxruntime's CPU time, two threads). Every case runs in its own try/except under
+a time limit, so one failure never stops the table. 8-bit rows calibrate on random inputs and compare
+their timings with torch at FP16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+import zoo_models  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln import BuildConfig, Profile  # noqa: E402
+
+PRECISIONS = {"fp32": {}, "tf32": {"tf32": True}, "fp16": {"fp16": True}, "bf16": {"bf16": True},
+              "int8": {"int8": True, "fp16": True}, "fp8": {"fp8": True, "fp16": True}}
+# Relative L2 against FP32 within which a row reads "ok" (8-bit: a loose bound on random weights and inputs).
+TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 2e-2, "bf16": 5e-2, "int8": 0.25, "fp8": 0.25}
+_TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float16, "fp8": torch.float16}
+
+
+@dataclass
+class Row:
+    model: str
+    precision: str
+    batch: int
+    kiln_ms: float | None = None
+    compile_ms: float | None = None
+    eager_ms: float | None = None
+    ratio: float | None = None
+    rel_l2: float | None = None
+    build_s: float | None = None
+    status: str = "not run"
+    source: str = ""
+    findings: int = 0  # the engine's findings (precision kept in FP32, tactics dropped, ...)
+
+
+class CaseTimeout(Exception):
+    pass
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise CaseTimeout in this (main) thread after `seconds`; code inside a long C call stops when it returns."""
+    if not seconds or seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise CaseTimeout(f"over the {seconds:.0f} s limit")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class _ByPosition(torch.nn.Module):
+    """A module whose keyword arguments are given by position: ONNX inputs are positional."""
+
+    def __init__(self, module, keywords):
+        super().__init__()
+        self.module, self.keywords = module, list(keywords)
+
+    def forward(self, *args):
+        n = len(args) - len(self.keywords)
+        return self.module(*args[:n], **dict(zip(self.keywords, args[n:])))
+
+
+def _leaves(out) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [x for x in pytree.tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+
+
+def rel_l2(outs, refs) -> float:
+    """The worst relative L2 error over the outputs. Differences below one part in a million of
+    max(1, max |ref|) count as none: onnxruntime's approximate exp/sigmoid differ from exact ones by ~1e-7
+    absolute, which on an output of values near 1e-6 (PP-OCR's probability map on random images) would
+    read as a relative error of several percent."""
+    if len(outs) != len(refs):
+        raise ValueError(f"the engine returns {len(outs)} outputs, the reference {len(refs)}")
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o = np.asarray(o.detach().cpu().float() if isinstance(o, torch.Tensor) else o, dtype=np.float64)
+        r = np.asarray(r.detach().cpu().float() if isinstance(r, torch.Tensor) else r, dtype=np.float64)
+        if o.shape != r.shape:
+            raise ValueError(f"an output of shape {o.shape} where the reference has {r.shape}")
+        if not np.isfinite(o).all() and np.isfinite(r).all():
+            return float("inf")
+        d = o - r
+        finite = np.isfinite(r)
+        scale = max(1.0, float(np.abs(r[finite]).max())) if finite.any() else 1.0
+        d = np.where(np.abs(d) <= 1e-6 * scale, 0.0, d)
+        d = np.where(np.isnan(d) & np.isnan(r) & np.isnan(o), 0.0, d)
+        denom = np.linalg.norm(r[finite]) if finite.any() else 0.0
+        err = np.linalg.norm(d) / denom if denom > 0 else np.linalg.norm(d)
+        worst = max(worst, float(err))
+    return worst
+
+
+@dataclass
+class Prepared:
+    """A zoo model at one batch: its ONNX model, inputs and FP32 reference outputs."""
+
+    spec: zoo_models.Spec
+    onnx_model: object  # onnx.ModelProto or a path
+    feeds: dict  # ONNX input name -> tensor (CPU)
+    reference: list
+    torch_module: torch.nn.Module | None
+    torch_args: tuple
+    export_s: float
+
+
+def prepare(entry: zoo_models.Entry, size: str, batch: int) -> Prepared:
+    spec = entry.make(size, batch)
+    if spec.onnx_path is not None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        sess = ort.InferenceSession(spec.onnx_path, opts, providers=["CPUExecutionProvider"])
+        feeds = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in spec.feeds.items()}
+        ref = sess.run(None, spec.feeds)
+        return Prepared(spec, spec.onnx_path, feeds, ref, None, (), 0.0)
+    module = spec.module.eval()
+    target = _ByPosition(module, spec.kwargs) if spec.kwargs else module
+    args = tuple(spec.args) + tuple(spec.kwargs.values())
+    with torch.no_grad():
+        ref = _leaves(target(*args))
+    t0 = time.perf_counter()
+    model, _ = kiln.from_torch(target, args)
+    export_s = time.perf_counter() - t0
+    inits = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in inits]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(names) != len(tensors):
+        raise ValueError(f"the exported model has {len(names)} inputs for {len(tensors)} tensor arguments")
+    return Prepared(spec, model, dict(zip(names, tensors)), ref, target, args, export_s)
+
+
+def build(prep: Prepared, precision: str, device: str, progress: bool = False, validate: bool = True):
+    shapes = {k: tuple(v.shape) for k, v in prep.feeds.items()}
+    extra = dict(PRECISIONS[precision])
+    if "int8" in extra or "fp8" in extra:
+        g = torch.Generator().manual_seed(2)
+        extra["calib"] = [{k: (v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v).numpy()
+                           for k, v in prep.feeds.items()} for _ in range(8)]
+    config = BuildConfig(profiles=[Profile({k: (s, s, s) for k, s in shapes.items()})], device=device,
+                         progress=progress, validate=validate, **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return kiln.build(prep.onnx_model, config)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, calls: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back calls (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(calls):
+                fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _torch_peer(prep: Prepared, precision: str, device):
+    """The torch module and arguments at the row's precision on the device (8-bit rows: FP16)."""
+    dtype = _TORCH_DTYPE.get(precision, torch.float32)
+    module = prep.torch_module.to(device=device, dtype=dtype)
+    args = tuple(a.to(device=device, dtype=dtype) if a.is_floating_point() else a.to(device) for a in prep.torch_args)
+    return module, args
+
+
+def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, timing: bool,
+             torch_compile: bool, calls: int = 20, validate: bool = True) -> Row:
+    """One row. validate=False skips the build's own validation runs (the comparison below runs the engine
+    anyway; CI saves two runs a model) and with them the FP16/BF16 precision guard."""
+    row = Row(entry.name, precision, batch, source=entry.source)
+    engine = build(prep, precision, device, validate=validate)
+    row.build_s = round(engine.build_seconds, 2)
+    row.findings = len(engine.findings)
+    dev = engine.target.device
+    ctx = engine.create_execution_context()
+    feeds = {k: v.to(dev) for k, v in prep.feeds.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = list(ctx.run(feeds).values())
+    row.rel_l2 = rel_l2(outs, prep.reference)
+    row.status = "ok" if row.rel_l2 <= TOLERANCE[precision] else f"mismatch (tolerance {TOLERANCE[precision]:g})"
+    if not timing:
+        return row
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row.kiln_ms = round(time_ms(lambda: ctx.run(feeds, copy_outputs=False), dev, calls), 4)
+    del ctx, engine
+    if prep.torch_module is None:  # a real ONNX file: onnxruntime's CPU time stands in for eager
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        sess = ort.InferenceSession(prep.spec.onnx_path, opts, providers=["CPUExecutionProvider"])
+        row.eager_ms = round(time_ms(lambda: sess.run(None, prep.spec.feeds), torch.device("cpu"), 3, 3, 1), 4)
+    else:
+        module, args = _torch_peer(prep, precision, dev)
+        with torch.no_grad():
+            try:
+                row.eager_ms = round(time_ms(lambda: module(*args), dev, calls), 4)
+            except Exception as e:  # eager at this precision may not run (BF16 LSTM on the CPU, say)
+                row.status += f"; eager failed: {type(e).__name__}"
+            if torch_compile and dev.type == "cuda":
+                try:
+                    torch._dynamo.reset()
+                    fast = torch.compile(module, mode="reduce-overhead")
+                    for _ in range(3):
+                        fast(*args)
+                    row.compile_ms = round(time_ms(lambda: fast(*args), dev, calls), 4)
+                except Exception as e:
+                    row.status += f"; torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                finally:
+                    torch._dynamo.reset()
+        prep.torch_module.to(device="cpu", dtype=torch.float32)
+    peer = row.compile_ms or row.eager_ms
+    row.ratio = round(row.kiln_ms / peer, 3) if peer else None
+    return row
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+def run(entries, precisions, batches, device: str, size: str, timing: bool, torch_compile: bool,
+        case_timeout: float, time_limit_s: float, log=print) -> list[Row]:
+    rows: list[Row] = []
+    start = time.perf_counter()
+    for entry in entries:
+        missing = [m for m in entry.needs if __import__("importlib").util.find_spec(m) is None]
+        for batch in batches:
+            cases = [Row(entry.name, p, batch, source=entry.source) for p in precisions]
+            if missing:
+                for r in cases:
+                    r.status = f"skipped: needs {', '.join(missing)}"
+                rows += cases
+                continue
+            if time_limit_s and time.perf_counter() - start > time_limit_s:
+                for r in cases:
+                    r.status = "skipped: the zoo's time limit was reached"
+                rows += cases
+                continue
+            try:
+                with time_limit(case_timeout):
+                    prep = prepare(entry, size, batch)
+            except BaseException as e:  # noqa: BLE001  (a model that cannot be made or exported is a row)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                for r in cases:
+                    r.status = f"failed: export: {_reason(e)}"
+                rows += cases
+                log(f"{entry.name} b{batch}: export failed: {_reason(e)}")
+                continue
+            if prep.spec.fixed_batch is not None and batch != prep.spec.fixed_batch:
+                for r in cases:
+                    r.status = f"skipped: the model's batch is fixed at {prep.spec.fixed_batch}"
+                rows += cases
+                continue
+            for precision in precisions:
+                t0 = time.perf_counter()
+                try:
+                    with time_limit(case_timeout):
+                        row = run_case(entry, prep, precision, batch, device, timing, torch_compile)
+                except BaseException as e:  # noqa: BLE001
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
+                    row = Row(entry.name, precision, batch, source=entry.source, status=f"failed: {_reason(e)}")
+                    if os.environ.get("ZOO_TRACEBACK"):
+                        traceback.print_exc()
+                finally:
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                log(f"{entry.name} {precision} b{batch}: {row.status} (rel L2 {row.rel_l2}, kiln {row.kiln_ms} ms, "
+                    f"compile {row.compile_ms}, eager {row.eager_ms}, build {row.build_s} s; "
+                    f"{time.perf_counter() - t0:.1f} s)")
+    return rows
+
+
+def _fmt(v, digits=3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v or v in (float("inf"),):
+            return str(v)
+        return f"{v:.2e}" if (abs(v) < 1e-2 and v != 0) else f"{v:.{digits}f}"
+    return str(v)
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| model | precision | batch | Kiln ms | torch.compile ms | eager ms | ratio | rel L2 vs FP32 ref | "
+            "build s | status |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r.model} | {r.precision} | {r.batch} | {_fmt(r.kiln_ms)} | {_fmt(r.compile_ms)} | {_fmt(r.eager_ms)} | "
+        f"{_fmt(r.ratio)} | {_fmt(r.rel_l2)} | {_fmt(r.build_s, 1)} | {r.status.replace('|', '/')} |\n" for r in rows)
+
+
+def summary(rows: list[Row]) -> str:
+    lines = []
+    for p in dict.fromkeys(r.precision for r in rows):
+        mine = [r for r in rows if r.precision == p and not r.status.startswith("skipped")]
+        ok = sum(r.status.startswith("ok") for r in mine)
+        ratios = [r.ratio for r in mine if r.ratio and r.status.startswith("ok")]
+        geo = float(np.exp(np.mean(np.log(ratios)))) if ratios else None
+        lines.append(f"- {p}: {ok} of {len(mine)} cases built and matched"
+                     + (f"; geometric mean ratio {geo:.2f} over {len(ratios)}" if geo else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--precisions", default="fp32")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
+    ap.add_argument("--size", default="real", choices=("real", "tiny"))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--case-timeout", type=float, default=300.0)
+    ap.add_argument("--time-limit", type=float, default=0.0, help="seconds for the whole zoo (0: none)")
+    ap.add_argument("--shard", default="", help="I/N: every Nth model from the Ith (parallel runs)")
+    a = ap.parse_args(argv)
+    entries = zoo_models.by_name(a.models.split(",")) if a.models else list(zoo_models.ZOO)
+    if a.shard:
+        i, n = (int(v) for v in a.shard.split("/"))
+        entries = entries[i::n]
+    precisions = [p.strip() for p in a.precisions.split(",") if p.strip()]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        raise SystemExit(f"unknown precision(s) {bad}; choose from {sorted(PRECISIONS)}")
+    batches = [int(b) for b in a.batches.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    device = a.device
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and device != "cpu" else platform.processor()
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python bench/zoo.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows = run(entries, precisions, batches, device, a.size, not a.no_timing, not a.no_torch_compile,
+               a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True))
+    text = (f"# Kiln model zoo\n\n{started} on {gpu}; torch {torch.__version__}; command: `{command}`\n\n"
+            f"{summary(rows)}\n\n{table(rows)}")
+    print(text)
+    with open(os.path.join(a.out, "zoo.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(a.out, "zoo.json"), "w") as f:
+        json.dump({"date": started, "device": gpu, "torch": torch.__version__, "command": command,
+                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
