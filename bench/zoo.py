@@ -280,8 +280,31 @@ def _reason(e: BaseException) -> str:
 
 
 def run(entries, precisions, batches, device: str, size: str, timing: bool, torch_compile: bool,
-        case_timeout: float, time_limit_s: float, log=print) -> list[Row]:
-    rows: list[Row] = []
+        case_timeout: float, time_limit_s: float, log=print, on_row=None) -> list[Row]:
+    """Every case of every entry; on_row(rows) after each row (main writes the files as it goes)."""
+    rows = _Rows(on_row)
+    _cases(rows, entries, precisions, batches, device, size, timing, torch_compile, case_timeout, time_limit_s, log)
+    return list(rows)
+
+
+class _Rows(list):
+    def __init__(self, on_row):
+        super().__init__()
+        self.on_row = on_row
+
+    def append(self, row):
+        super().append(row)
+        if self.on_row:
+            self.on_row(list(self))
+
+    def __iadd__(self, more):
+        for r in more:
+            self.append(r)
+        return self
+
+
+def _cases(rows, entries, precisions, batches, device, size, timing, torch_compile, case_timeout, time_limit_s,
+           log) -> None:
     start = time.perf_counter()
     for entry in entries:
         missing = [m for m in entry.needs if __import__("importlib").util.find_spec(m) is None]
@@ -331,7 +354,6 @@ def run(entries, precisions, batches, device: str, size: str, timing: bool, torc
                 log(f"{entry.name} {precision} b{batch}: {row.status} (rel L2 {row.rel_l2}, kiln {row.kiln_ms} ms, "
                     f"compile {row.compile_ms}, eager {row.eager_ms}, build {row.build_s} s; "
                     f"{time.perf_counter() - t0:.1f} s)")
-    return rows
 
 
 def _fmt(v, digits=3) -> str:
@@ -392,16 +414,19 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and device != "cpu" else platform.processor()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = "python bench/zoo.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    def write(rows) -> str:
+        text = (f"# Kiln model zoo\n\n{started} on {gpu}; torch {torch.__version__}; command: `{command}`\n\n"
+                f"{summary(rows)}\n\n{table(rows)}")
+        with open(os.path.join(a.out, "zoo.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(a.out, "zoo.json"), "w") as f:
+            json.dump({"date": started, "device": gpu, "torch": torch.__version__, "command": command,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+        return text
+
     rows = run(entries, precisions, batches, device, a.size, not a.no_timing, not a.no_torch_compile,
-               a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True))
-    text = (f"# Kiln model zoo\n\n{started} on {gpu}; torch {torch.__version__}; command: `{command}`\n\n"
-            f"{summary(rows)}\n\n{table(rows)}")
-    print(text)
-    with open(os.path.join(a.out, "zoo.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(a.out, "zoo.json"), "w") as f:
-        json.dump({"date": started, "device": gpu, "torch": torch.__version__, "command": command,
-                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+               a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True), on_row=write)
+    print(write(rows))
     return 0
 
 
