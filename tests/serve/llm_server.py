@@ -1,5 +1,5 @@
-"""A real `kiln llm serve` process on 127.0.0.1 for the tests: started with --port 0, its port read from the
-line it prints once listening."""
+"""A real `kiln llm serve` process on 127.0.0.1 for the tests: started with --port 0 (or a given port), the
+port read from the line it prints once listening."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ READY = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *args: str, api_key: str | None = None, timeout: float = 120.0):
+    def __init__(self, model: Path, *args: str, api_key: str | None = None, timeout: float = 120.0, port: int = 0):
         # One intra-op thread: on a small shared CPU, torch's OpenMP threads waiting for each other made the
         # CPU engine's prefill many times slower.
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("KILN_API_KEY", None)
-        cmd = [sys.executable, "-m", "kiln", "llm", "serve", str(model), "--device", "cpu", "--port", "0", *args]
+        cmd = [sys.executable, "-m", "kiln", "llm", "serve", str(model), "--device", "cpu", "--port", str(port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -1,4 +1,5 @@
-"""`kiln llm serve MODEL`: the OpenAI-compatible server (kiln/serve/openai_server.py) on one engine.
+"""`kiln llm serve MODEL`: the OpenAI-compatible server (kiln/serve/openai_server.py) on one engine, or on N
+engine replicas with --replicas N / --autoscale MIN:MAX (Ray Serve, kiln/serve/ray_serve.py).
 
     kiln llm serve ./SmolLM2-135M --port 8000 --api-key $KEY
     curl -H "Authorization: Bearer $KEY" localhost:8000/v1/completions \\
@@ -24,6 +25,8 @@ def cmd_serve(a) -> int:
 
     kw = _engine_kwargs(a)
     kw["seed"] = a.seed
+    if a.replicas is not None or a.autoscale:
+        return _serve_on_ray(a, kw)
     engine = LLMEngine.from_model(a.model, **kw)
     server = OpenAIServer(engine, model_name=a.served_model_name, api_key=a.api_key or os.environ.get("KILN_API_KEY"),
                           max_waiting=a.max_waiting, drain_timeout=a.drain_timeout)
@@ -35,6 +38,41 @@ def cmd_serve(a) -> int:
               f"{', API key required' if server.api_key else ''})", flush=True)
 
     asyncio.run(run_server(server, a.host, a.port, ready))
+    return 0
+
+
+def _serve_on_ray(a, engine_kwargs: dict) -> int:
+    from kiln.errors import ConfigError
+
+    try:
+        from . import ray_serve
+    except ImportError as e:
+        raise ConfigError(f"--replicas/--autoscale run on Ray Serve, which is not installed ({e}): "
+                          "pip install 'kiln[ray]'.") from None
+    autoscale = None
+    if a.autoscale:
+        try:
+            lo, hi = (int(x) for x in a.autoscale.split(":"))
+        except ValueError:
+            raise ConfigError(f"--autoscale {a.autoscale!r}: write MIN:MAX replicas, e.g. 1:4.") from None
+        if not 0 <= lo <= hi or hi < 1:
+            raise ConfigError(f"--autoscale {a.autoscale!r}: need 0 <= MIN <= MAX and MAX >= 1.")
+        autoscale = (lo, hi)
+    elif a.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, not {a.replicas}.")
+    if a.port == 0:
+        raise ConfigError("--port 0 is not available with Ray Serve (its proxy needs a fixed port).")
+    name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
+    api_key = a.api_key or os.environ.get("KILN_API_KEY")
+
+    def ready(host, port):
+        how = f"autoscaling {autoscale[0]}..{autoscale[1]}" if autoscale else f"{a.replicas}"
+        print(f"kiln llm serve: serving '{name}' on http://{host}:{port} (Ray Serve, {how} replicas"
+              f"{', API key required' if api_key else ''})", flush=True)
+
+    ray_serve.run(a.model, engine_kwargs, host=a.host, port=a.port, replicas=a.replicas or 1,
+                  ray_address=a.ray_address, ready=ready, model_name=name, api_key=api_key,
+                  max_waiting=a.max_waiting, drain_timeout=a.drain_timeout, autoscale=autoscale)
     return 0
 
 
@@ -54,6 +92,11 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for admitted requests to finish (default 30)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N engine replicas on Ray Serve behind one endpoint (needs kiln[ray])")
+    p.add_argument("--autoscale", metavar="MIN:MAX", help="Ray Serve autoscaling between MIN and MAX replicas")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one; "
+                   "'auto' finds a running cluster)")
     p.set_defaults(func=cmd_serve)
     return p
 
