@@ -145,9 +145,10 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
     vocab = cfg["vocab_size"]
     for b in batches:
         prompts = bm.random_prompts(vocab, [in_len] * b, seed=b)
-        # Warm-up at the measured shapes: Triton specializes kernels on argument values (e.g. a sequence count
-        # divisible by 16), so a smaller warm-up would leave a compile inside the first timed prefill.
-        bm.run_requests(eng, prompts, [2] * b)
+        # Warm-up at the measured shapes (Triton specializes kernels on argument values, e.g. a sequence count
+        # divisible by 16, so a smaller warm-up could leave a compile inside the first timed prefill), with other
+        # prompts than the timed ones, which must not find their prefixes cached.
+        bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + b), [2] * b)
         r = bm.run_requests(eng, prompts, [out_len] * b)
         if bw:
             rf = bm.roofline(eng, b, in_len + out_len / 2, bw)
