@@ -100,6 +100,9 @@ def test_completion_and_chat_follow_the_model(server, offline):
     ref = offline.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
     assert r.choices[0].text == ref.outputs[0].text and r.usage.completion_tokens == 6
+    lp = c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=3, temperature=0, logprobs=2).choices[0]
+    assert len(lp.logprobs.tokens) == 3 and all(len(t) <= 2 for t in lp.logprobs.top_logprobs)
+    assert all(v <= 0 for v in lp.logprobs.token_logprobs)
 
     messages = [{"role": "system", "content": "You are a potter."}, {"role": "user", "content": "what is a kiln?"}]
     tok = offline.tokenizer
@@ -111,6 +114,9 @@ def test_completion_and_chat_follow_the_model(server, offline):
     assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
     assert r.choices[0].message.content == ref.outputs[0].text and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(prompt_ids)
+    lp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, logprobs=True,
+                                   top_logprobs=2).choices[0].logprobs.content
+    assert len(lp) == 2 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
     chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"

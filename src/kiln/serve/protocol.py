@@ -121,7 +121,7 @@ def _stream_options(body: dict) -> bool:
     opts = body.get("stream_options")
     if opts is None:
         return False
-    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
         raise APIError("'stream_options' must be an object with 'include_usage'.", param="stream_options")
     if not body.get("stream"):
         raise APIError("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
@@ -242,7 +242,10 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], o
         s = tokenizer.decode([tok], skip_special_tokens=False)
         tokens.append(s)
         token_lps.append(lp.get(tok))
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.items()})
+        top = {}
+        for t, v in sorted(lp.items(), key=lambda kv: -kv[1]):  # two ids may decode alike: keep the likelier
+            top.setdefault(tokenizer.decode([t], skip_special_tokens=False), v)
+        tops.append(top)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
