@@ -245,6 +245,16 @@ def test_kernel_writes_out_and_leaves_padding_rows():
         assert bool((out[3:] == 7.0).all())
 
 
+def test_split_k_reads_a_context_longer_than_max_seq_len():
+    """The splits are sized from max_seq_len; a longer context (a CUDA graph captured at a shorter step) falls to
+    the last split, which reads to its end."""
+    b = make_batch([1, 3], [100, 60], 4, 2, 16, device=DEV)
+    args = list(b.args())
+    args[7] = 48  # three splits of 16 keys under TINY
+    got = pa.paged_attention(*args, 0.3, num_splits=3, config=TINY)
+    torch.testing.assert_close(got, pa.paged_attention_reference(*b.args(), 0.3), atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_default_choices_on_a_decode_batch():
     b = make_batch([1] * 3, [3, 40, 11], 8, 2, 16, block_size=8, device=DEV)
     torch.testing.assert_close(pa.paged_attention(*b.args(), 0.3), pa.paged_attention_reference(*b.args(), 0.3),
@@ -330,7 +340,8 @@ def cache(quant, ptr):
 
 merge = source(pa._merge_splits_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16", qsl_ptr="*i32"),
                dict(HEAD_DIM=128, S_PAD=4, BLOCK_D=128))
-cases = [("decode bf16", attention("*bf16", False, 16, 4), 3), ("decode fp8 split", attention("*fp8e4nv", True, 16, 4), 3),
+cases = [("decode bf16", attention("*bf16", False, 16, 4), 3),
+         ("decode fp8 split", attention("*fp8e4nv", True, 16, 4), 3),
          ("decode int8 window cap", attention("*i8", False, 16, 4, True, True), 3),
          ("prefill bf16 gqa 3", attention("*bf16", False, 64, 3), 2), ("merge", merge, 1),
          ("cache fp8", cache("fp8", "*fp8e4nv"), 1), ("cache int8", cache("int8", "*i8"), 1),

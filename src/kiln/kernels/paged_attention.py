@@ -18,10 +18,13 @@ signatures run on CUDA (and under TRITON_INTERPRET=1 on small shapes).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from ..errors import ShapeError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -117,7 +120,6 @@ def paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, bl
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,20 +130,15 @@ def paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, bl
 # blocks of all sequences are numbered one after another (sequence s's first block is
 # query_start_loc[s] // BLOCK_Q + s, an upper bound that needs no host sync); a program finds its sequence by
 # binary search over query_start_loc. It walks the keys its queries may see BLOCK_N at a time, gathering them
-# through the block table, with the online softmax in base 2 and FP32 accumulators. 8-bit codes convert exactly
-# to the query's float type; their KV head's scales are one number per program, folded into the softmax scale
-# (k) and the final normalization (v).
+# through the block table, with the online softmax in base 2 and FP32 accumulators. Tiles below the block's
+# first query are seen by every query and skip the mask. 8-bit codes convert exactly to the dot's type
+# (compute_dtype); their KV head's scales are one number per program, folded into the softmax scale (k) and
+# the final normalization (v).
 #
 # Split-K (decode with long contexts and too few programs to fill the GPU): each program covers one slice of
 # the context and writes its normalized partial output with its row max and sum; a second kernel merges the
 # slices.
 
-import triton  # noqa: E402  (kept below the references: they must run where Triton is absent)
-import triton.language as tl  # noqa: E402
-
-from ..errors import ShapeError  # noqa: E402
-
-_LOG2E = 1.4426950408889634
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_HEAD_DIM = 256
 
@@ -271,9 +268,9 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, k_hi, pos, bt_row, k_head, v_head, s
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ks_ptr, vs_ptr,
                             po_ptr, pml_ptr, num_seqs, seq_steps, softmax_scale, soft_cap, window, split_len,
                             sqt, sqh, sot, soh, skb, sko, skh, svb, svo, svh, sbt, spt, sph, sps, smt, smh,
-                            HEAD_DIM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                             HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr, CLAMP_Q: tl.constexpr,
                             PREC: tl.constexpr):
     pid = tl.program_id(0)
@@ -316,7 +313,9 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
         k_lo = tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0)
     if SPLIT:
         k_lo = tl.maximum(k_lo, split * split_len)
-        k_hi = tl.minimum(k_hi, (split + 1) * split_len)
+        # the last split takes the rest of the context: one longer than max_seq_len (a CUDA graph captured at a
+        # shorter step, say) is still read whole
+        k_hi = tl.where(split < tl.num_programs(2) - 1, tl.minimum(k_hi, (split + 1) * split_len), k_hi)
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
 
     if KV_SCALED:
@@ -486,6 +485,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         PREC="ieee" if cdt == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            partial, max_sum, o, qsl, num_seqs, splits, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0), o.stride(1),
+            partial, max_sum, o, qsl, num_seqs, splits, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0),
+            o.stride(1),
             HEAD_DIM=d, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
     return o
