@@ -160,7 +160,8 @@ def test_dft_onesided_real_spectrum_and_its_inverse():
     inverse (onesided + inverse) of that half spectrum gives the padded signal back."""
     x = np.random.default_rng(0).standard_normal((2, 6, 3, 1)).astype(np.float32)
     n = np.array(8, np.int64)
-    inits = [helper.make_tensor("n", TensorProto.INT64, [], [8]), helper.make_tensor("axis", TensorProto.INT64, [], [1])]
+    inits = [helper.make_tensor("n", TensorProto.INT64, [], [8]),
+             helper.make_tensor("axis", TensorProto.INT64, [], [1])]
     fwd = _model("DFT", {"x": x}, opset=20, inits=inits, onesided=1)
     spectrum = _engine(fwd).create_execution_context().run({"x": x})["y"]
     want = np.fft.rfft(x[..., 0], n=int(n), axis=1)

@@ -54,7 +54,8 @@ def _type_name(t: onnx.TypeProto) -> str:
     if kind in ("sequence_type", "optional_type"):
         return f"{kind.removesuffix('_type')}({_type_name(getattr(t, kind).elem_type)})"
     if kind == "map_type":
-        return f"map({onnx.TensorProto.DataType.Name(t.map_type.key_type).lower()}, {_type_name(t.map_type.value_type)})"
+        key = onnx.TensorProto.DataType.Name(t.map_type.key_type).lower()
+        return f"map({key}, {_type_name(t.map_type.value_type)})"
     return "unknown"
 
 
@@ -70,9 +71,9 @@ def _value(vi: onnx.ValueInfoProto, g: onnx.GraphProto) -> Value:
     try:
         dtype = dtypes.onnx_to_torch(tt.elem_type) if tt.elem_type else None
     except KeyError as e:
-        raise UnsupportedError(
-            f"graph value '{vi.name}'{_nodes_using(vi.name, g)} has element type {e}, which Kiln does not support"
-            + (" (Kiln, like TensorRT, has numeric tensors only)." if tt.elem_type == onnx.TensorProto.STRING else ".")) from None
+        why = " (Kiln, like TensorRT, has numeric tensors only)" if tt.elem_type == onnx.TensorProto.STRING else ""
+        raise UnsupportedError(f"graph value '{vi.name}'{_nodes_using(vi.name, g)} has element type {e}, "
+                               f"which Kiln does not support{why}.") from None
     shape = None
     if tt.HasField("shape"):
         shape = tuple(

@@ -80,7 +80,8 @@ def swish(node, x):
 @register("SwiGLU", since=28)
 def swiglu(node, a, b):
     if a.shape != b.shape:
-        raise ValueError(f"SwiGLU gate {tuple(a.shape)} and value {tuple(b.shape)} must have one shape (no broadcasting)")
+        raise ValueError(f"SwiGLU gate {tuple(a.shape)} and value {tuple(b.shape)} must have one shape "
+                         "(no broadcasting)")
     return a * torch.sigmoid(node.attr("alpha", 1.0) * a) * b
 
 
