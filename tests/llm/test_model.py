@@ -74,6 +74,9 @@ def test_gqa_9_over_3(tiny_gqa9):
     ("qwen3", {"heads": 6, "kv_heads": 2, "hidden": 48}),
     ("qwen2", {}),
     ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 16}),
+    ("gemma3_text", {"sliding_window": 8, "query_pre_attn_scalar": 16, "rope_scaling": {
+        "rope_type": "linear", "factor": 8.0}, "layer_types": ["sliding_attention", "full_attention"]}),
+    ("mistral", {"sliding_window": 8}),
     ("llama", {"tie_embeddings": True, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}}),

@@ -57,6 +57,7 @@ def _hf_model(arch: str, cfg: dict):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
     }[arch]
     return model_cls(config_cls(**cfg))
@@ -66,7 +67,8 @@ def make_tiny_model(out, arch: str = "llama", *, vocab: int = 384, layers: int =
                     kv_heads: int = 2, hidden: int = 64, intermediate: int = 128, head_dim: int | None = None,
                     max_positions: int = 512, tie_embeddings: bool = False, rope_scaling: dict | None = None,
                     seed: int = 0, init_std: float = 0.1, **extra) -> Path:
-    """Write a tiny HF checkpoint of `arch` (llama, mistral, qwen2, qwen3, gemma2, gpt2) into `out`."""
+    """Write a tiny HF checkpoint of `arch` (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2) into
+    `out`."""
     import torch
 
     out = Path(out)
