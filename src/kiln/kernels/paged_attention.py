@@ -266,7 +266,7 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, k_hi, pos, bt_row, k_head, v_head, s
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ks_ptr, vs_ptr,
-                            po_ptr, pml_ptr, num_seqs, seq_steps, softmax_scale, soft_cap, window, split_len,
+                            po_ptr, pml_ptr, num_seqs, seq_steps, softmax_scale, soft_cap, window,
                             sqt, sqh, sot, soh, skb, sko, skh, svb, svo, svh, sbt, spt, sph, sps, smt, smh,
                             HEAD_DIM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -312,10 +312,11 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
     if HAS_WINDOW:
         k_lo = tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0)
     if SPLIT:
+        # this sequence's context in equal slices of whole key tiles: sized by its own length, not by
+        # max_seq_len (a CUDA graph captured at max_model_len still spreads a short context over the splits)
+        split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         k_lo = tl.maximum(k_lo, split * split_len)
-        # the last split takes the rest of the context: one longer than max_seq_len (a CUDA graph captured at a
-        # shorter step, say) is still read whole
-        k_hi = tl.where(split < tl.num_programs(2) - 1, tl.minimum(k_hi, (split + 1) * split_len), k_hi)
+        k_hi = tl.minimum(k_hi, (split + 1) * split_len)
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
 
     if KV_SCALED:
@@ -432,8 +433,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
                     softmax_scale, k_scale=None, v_scale=None, sliding_window=None, logits_soft_cap=None, out=None,
                     *, num_splits: int | None = None, config: PagedConfig | None = None):
     """Triton version of paged_attention_reference. num_splits: context slices for the split-K path (None:
-    choose_num_splits; 1: single pass); config: the tile (None: choose_config). Rows of q past
-    query_start_loc[-1] (padding) are left as they are in `out`."""
+    choose_num_splits; 1: single pass); config: the tile (None: choose_config). max_query_len and max_seq_len
+    only steer those choices: the kernel reads each sequence's lengths from query_start_loc and seq_lens. Rows
+    of q past query_start_loc[-1] (padding) are left as they are in `out`."""
     num_tokens, num_heads, d = q.shape
     kvh = k_cache.shape[2]
     if num_heads % kvh:
@@ -456,9 +458,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     block_m = block_q * g_pad
     block_d = max(16, triton.next_power_of_2(d))
     splits = num_splits or choose_num_splits(num_seqs, kvh, max_query_len, max_seq_len, q.device)
-    split_len = -(-max(max_seq_len, 1) // splits)
-    split_len = -(-split_len // cfg.block_n) * cfg.block_n
-    splits = -(-max(max_seq_len, 1) // split_len)
+    splits = max(1, min(splits, -(-max_seq_len // cfg.block_n)))  # no more slices than key tiles
     if splits > 1:
         partial = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
         max_sum = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device)
@@ -474,7 +474,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         q, k_cache, v_cache, o, qsl, lens, tables, _scales(k_scale, q) if scaled else q,
         _scales(v_scale, q) if scaled else q, partial, max_sum, num_seqs,
         max(1, (num_seqs - 1).bit_length()), float(softmax_scale),
-        float(logits_soft_cap or 0.0), int(sliding_window or 0), split_len,
+        float(logits_soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         tables.stride(0), *(partial.stride()[:3] if splits > 1 else (0, 0, 0)),
         *(max_sum.stride()[:2] if splits > 1 else (0, 0)),
