@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from contextlib import nullcontext
@@ -16,11 +17,12 @@ import onnx
 
 from .. import passes
 from ..errors import ConfigError, UnsupportedError
+from ..frontend.check import preflight
 from ..ir.from_onnx import model_to_graph
 from ..ir.graph import Graph
 from ..ops.registry import unsupported_reason
 from ..passes.insert_qdq import KEPT_IN_FLOAT
-from . import layout, placement, precision, quantized_io
+from . import footprint, layout, placement, precision, quantized_io
 from .config import BuildConfig, Profile, fmt_shape
 from .engine import Engine
 from .target import resolve, versions
@@ -212,9 +214,11 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             graph = model
         else:
             proto = mark_dynamic_dims(model) if isinstance(model, onnx.ModelProto) else load_onnx(model)
+            preflight(proto, f"'{model}'" if isinstance(model, (str, os.PathLike)) else "the model")
             graph = model_to_graph(proto)
         check_supported(graph)
         profiles = resolve_profiles(graph, config)
+        footprint.check(graph, profiles, target)  # before any tensor of the profile is allocated
         precision.pin(graph, config.layer_precisions)
         calibration = None
         if config.quantized:
