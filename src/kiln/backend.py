@@ -6,26 +6,42 @@ shapes of the inputs it is given, then executes it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
+from .errors import InputError
 from .ir import dtypes
 from .ir.from_onnx import model_to_graph
 from .ops import unsupported_reason
 
 
 class KilnRep(BackendRep):
+    """A prepared model: one engine per input shape, the `max_engines` most recently used kept (LRU)."""
+
+    max_engines = 8
+
     def __init__(self, model: onnx.ModelProto, device: str, input_names: list[str]):
         self.model = model
         self.device = "cpu" if device.upper() == "CPU" else "cuda"
         self.input_names = input_names
-        self._engines: dict = {}
+        self._engines: OrderedDict = OrderedDict()
+
+    def _feeds(self, inputs) -> dict:
+        if isinstance(inputs, dict):
+            return dict(inputs)
+        inputs = list(inputs)
+        if len(inputs) > len(self.input_names):
+            raise InputError(f"{len(inputs)} inputs were given by position, but the model has "
+                             f"{len(self.input_names)}: {self.input_names}. Pass one array per model input.")
+        return dict(zip(self.input_names, inputs))
 
     def run(self, inputs, **kwargs):
         from .engine.builder import BuildConfig, build
 
-        feeds = dict(inputs) if isinstance(inputs, dict) else dict(zip(self.input_names, inputs))
+        feeds = self._feeds(inputs)
         key = tuple((k, np.shape(v)) for k, v in feeds.items())
         engine = self._engines.get(key)
         if engine is None:
@@ -33,6 +49,9 @@ class KilnRep(BackendRep):
             config = BuildConfig(shapes=shapes, device=self.device, progress=False, validate=False)
             engine = build(self.model, config)
             self._engines[key] = engine
+            while len(self._engines) > self.max_engines:
+                self._engines.popitem(last=False)
+        self._engines.move_to_end(key)
         outputs = engine.create_execution_context().run(feeds)
         return tuple(dtypes.to_numpy(t) if hasattr(t, "detach") else t for t in outputs.values())
 
@@ -40,13 +59,22 @@ class KilnRep(BackendRep):
 class KilnBackend(Backend):
     @classmethod
     def is_compatible(cls, model, device="CPU", **kwargs):
+        from .errors import KilnError
+        from .frontend.check import preflight
+
+        try:
+            preflight(model, "the model")
+        except KilnError:
+            return False
         graph = model_to_graph(model)
         return all(unsupported_reason(n) is None for n in graph.walk())
 
     @classmethod
     def prepare(cls, model, device="CPU", **kwargs):
         from .engine.builder import check_supported
+        from .frontend.check import preflight
 
+        preflight(model, "the model")  # a missing initializer or a cycle is a ModelError here, not a KeyError
         graph = model_to_graph(model)
         check_supported(graph)  # unsupported ops fail here, before any run
         return KilnRep(model, device, [v.name for v in graph.inputs])

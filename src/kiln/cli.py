@@ -124,9 +124,18 @@ def _has_calibration(a) -> bool:
 
 # --- kiln build ---------------------------------------------------------------
 def cmd_build(a) -> int:
+    from .engine import signing
     from .engine.builder import build
     from .engine.config import Profile
+    from .errors import EngineFileError
+    from .fileio import check_destination
 
+    _check_run_options(a)
+    if a.sign and not a.saveEngine:
+        raise ConfigError("--sign signs the saved engine: give --saveEngine=FILE too.")
+    sign_key = signing.load_key(a.sign) if a.sign else None
+    if a.saveEngine:  # before the build: a destination that cannot be written fails now, not after it
+        check_destination(a.saveEngine, EngineFileError, "--saveEngine")
     config = _config_from_args(a)
     if a.onnx:
         model, source = a.onnx, a.onnx
@@ -146,7 +155,9 @@ def cmd_build(a) -> int:
         engine.build_config["calibration"]["data"] = str(Path(a.calib).resolve())
     _print_build_summary(engine, source)
     if a.saveEngine:
-        engine.save(a.saveEngine)
+        from .engine.serialize import save
+
+        save(engine, a.saveEngine, sign_key=sign_key)
         out.print(f"Engine saved to {a.saveEngine} ({Path(a.saveEngine).stat().st_size / 2**20:.2f} MiB)")
     saved = a.saveEngine or _save_first_engine(engine, a)
     rc = 0 if a.skipInference else _run_and_report(engine, a)
@@ -303,13 +314,33 @@ def _run_and_report(engine, a) -> int:
     return 0
 
 
+def _check_run_options(a) -> None:
+    """Option values argparse's types cannot refuse: counts and times, the device, output destinations."""
+    from .engine.serialize import check_device
+    from .fileio import check_destination
+
+    if a.iterations is not None and a.iterations <= 0:  # None: up to 100, stopping once stable
+        raise ConfigError(f"--iterations must be at least 1, not {a.iterations}.")
+    for flag, value in (("--duration", a.duration), ("--warmUp", a.warmUp)):
+        if not value >= 0:  # also refuses NaN
+            raise ConfigError(f"{flag} must be zero or more, not {value}.")
+    check_device(a.device)
+    if a.exportOutput:
+        check_destination(a.exportOutput, ConfigError, "--exportOutput")
+
+
 def cmd_run(a) -> int:
     if bool(a.loadEngine) == bool(a.onnx):
         raise ConfigError("kiln run needs exactly one of --loadEngine=FILE or --onnx=FILE.")
+    _check_run_options(a)
+    if a.verifyKey and not a.loadEngine:
+        raise ConfigError("--verify-key checks an engine file: use it with --loadEngine=FILE.")
     if a.loadEngine:
+        from .engine import signing
         from .engine.serialize import load
 
-        engine = load(a.loadEngine, device=a.device)
+        key = signing.load_key(a.verifyKey) if a.verifyKey else None
+        engine = load(a.loadEngine, device=a.device, verify_key=key)
         if a.noCudaGraph:
             engine.build_config["cuda_graphs"] = False
     else:
@@ -321,12 +352,18 @@ def cmd_run(a) -> int:
 
 # --- main ---------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kiln", description="Compile ONNX/PyTorch models into verified GPU engines.")
+    p = argparse.ArgumentParser(
+        prog="kiln", description="Compile ONNX/PyTorch models into verified GPU engines.",
+        epilog="MODULE:FACTORY and MODULE:FUNCTION references (--torch, --reference, --metric) are imported from "
+               "Python's import path (PYTHONPATH, installed packages); Kiln never adds the current directory to it. "
+               "For a file in the current directory, give its path: ./models.py:make_model.")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build an engine (like trtexec --onnx= --saveEngine=) and time it")
     _add_build_options(b)
     b.add_argument("--saveEngine", metavar="FILE", help="write the engine here")
+    b.add_argument("--sign", metavar="KEYFILE", help="sign the saved engine with this secret key (HMAC-SHA256; at "
+                   "least 16 bytes), so `kiln run|inspect --verify-key KEYFILE` accepts only engines you built")
     b.add_argument("--skipInference", action="store_true", help="build only; do not time the engine")
     _add_run_options(b)
     b.set_defaults(func=cmd_build)
@@ -334,6 +371,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run and time an engine (--loadEngine=) or an ONNX model (--onnx=)")
     _add_build_options(r)
     r.add_argument("--loadEngine", metavar="FILE")
+    r.add_argument("--verify-key", dest="verifyKey", metavar="KEYFILE",
+                   help="refuse the engine unless it was signed with this key (kiln build --sign KEYFILE)")
     _add_run_options(r)
     r.set_defaults(func=cmd_run)
 

@@ -50,6 +50,11 @@ _LAYER_FIELDS = ("precision", "placement", "tactic", "profile_tactics", "sources
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
+class ForeignEngineError(EngineFileError):
+    """An intact engine built for another GPU, software version or installation: it cannot run here, but its
+    manifest can still be inspected (every other EngineFileError means the file itself cannot be trusted)."""
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -249,10 +254,10 @@ def check_device(device: str, flag: str = "--device") -> str:
 
 
 def _check_versions(path: Path, m: dict, keys) -> None:
-    ours, theirs = m["versions"], versions()
+    ours, theirs = m.get("versions") or {}, versions()
     for key in keys:
         if ours.get(key) != theirs.get(key):
-            raise EngineFileError(
+            raise ForeignEngineError(
                 f"'{path}' was built with {key} {ours.get(key)}, but this machine runs {key} "
                 f"{theirs.get(key)}. Kernel choices and tactics are only valid for the versions they were "
                 "timed with: rebuild the engine here."
@@ -261,29 +266,32 @@ def _check_versions(path: Path, m: dict, keys) -> None:
 
 def _check_compatible(path: Path, m: dict, device: str) -> Target:
     device = check_device(device)
-    built = m["target"]
-    if built["kind"] == "cuda":
+    built = m.get("target") if isinstance(m.get("target"), dict) else {}
+    if built.get("kind") == "cuda":
         if device == "cpu":
-            raise EngineFileError(f"'{path}' was built for {built['name']} (compute capability "
-                                  f"{built['capability']}); it cannot run on the CPU. Rebuild it with --device=cpu.")
+            raise ForeignEngineError(f"'{path}' was built for {built.get('name')} (compute capability "
+                                     f"{built.get('capability')}); it cannot run on the CPU. Rebuild it with "
+                                     "--device=cpu.")
         try:
             here = resolve(device if device != "auto" else "cuda")
         except Exception:
-            raise EngineFileError(
+            raise ForeignEngineError(
                 f"'{path}' was built for {built.get('name')} (compute capability {built.get('capability')}), "
                 "but this machine has no CUDA GPU. Rebuild the engine here (kiln build builds for the CPU "
                 "target when there is no GPU)."
             ) from None
         if here.capability != built.get("capability"):
-            raise EngineFileError(
+            raise ForeignEngineError(
                 f"'{path}' was built for {built.get('name')} (compute capability {built.get('capability')}) but "
                 f"this GPU is {here.name} (compute capability {here.capability}). Engines do not port across "
                 "GPU architectures: rebuild it on this GPU."
             )
         _check_versions(path, m, ("kiln", "torch", "cuda"))
         return here
+    if built.get("kind") != "cpu":
+        raise EngineFileError(f"'{path}' names an unknown target {str(built)[:80]}.")
     if device.startswith("cuda"):
-        raise EngineFileError(f"'{path}' was built for the CPU target; rebuild it for the GPU.")
+        raise ForeignEngineError(f"'{path}' was built for the CPU target; rebuild it for the GPU.")
     _check_versions(path, m, ("kiln", "torch"))  # as TensorRT: an engine runs only on the versions that built it
     return resolve("cpu")
 
@@ -351,7 +359,7 @@ def _check_tactics(path, graph) -> None:
     for node in graph.nodes:
         for name in {node.tactic, *node.profile_tactics}:
             if not offered(node, name):
-                raise EngineFileError(
+                raise ForeignEngineError(
                     f"'{path}': layer '{node.name}' ({node.op_type}) was built to run tactic '{name}', which this "
                     "installation of Kiln does not offer (cudnn_graph_* tactics need the optional cudnn-frontend "
                     "package: pip install 'kiln[cudnn]'; triton_tma_* ones a Triton with TMA descriptors). Install "

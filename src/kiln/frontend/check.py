@@ -32,7 +32,7 @@ from pathlib import Path
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from ..errors import ConfigError, KilnError, ModelError
+from ..errors import ConfigError, KilnError, ModelError, UnsupportedError
 from ..ir import dtypes
 from ..ir.graph import Node
 from . import external_data
@@ -298,6 +298,9 @@ def _structure(report: CheckReport, model: onnx.ModelProto, inferred: onnx.Model
         names = ", ".join(f"'{s.values.name}'" for s in g.sparse_initializer[:5])
         report.other_problems.append(f"the graph has sparse initializers ({names}), which Kiln does not support.")
     report.missing_inputs = missing_inputs(g)
+    problem = opset_problem(model)
+    if problem:
+        report.other_problems.append(f"the model {problem}")
 
 
 def _kiln_type(elem_type: int) -> bool:
@@ -508,3 +511,146 @@ def main(argv: list[str] | None = None) -> int:  # for `python -m kiln.frontend.
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------- the builder's pre-flight
+
+
+_TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "elem type", "type mismatch", "Type Error")
+TYPE_CHECK_MAX_BYTES = 256 * 2**20  # larger models skip the type check (onnx would copy them whole)
+
+
+def preflight(model: onnx.ModelProto, label: str) -> None:
+    """What `kiln check` reports as a problem and a build must refuse up front, naming the node: an opset newer
+    than onnx knows, node inputs nothing provides (a missing initializer), values read before they are computed
+    (a cycle), a value computed twice, and type errors (Add(float32, int64), a declared output type that
+    differs from what the graph computes) that onnx's strict type inference finds."""
+    problem = opset_problem(model)
+    if problem:
+        raise UnsupportedError(f"{label} {problem}")
+    g = model.graph
+    missing = missing_inputs(g)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelError(f"{label}: {missing[0].describe()}{more}; a build cannot compute it. "
+                         "`kiln check` lists every such problem.")
+    _check_order_and_ssa(g, label)
+    opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
+    if opset is not None:
+        for node, node_label, _ in _walk(g, frozenset()):
+            _check_schema(node, node_label, opset, label)
+    if not external_data.has_external_data(model) and not _too_big_to_type_check(model):
+        try:
+            onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        except Exception as e:  # noqa: BLE001 - onnx raises InferenceError, ValidationError or RuntimeError
+            msg = _one_line(str(e))
+            if any(t in msg for t in _TYPE_ERRORS):
+                msg = re.sub(r"\((\d+)\) vs \((\d+)\)",  # onnx writes element types as numbers
+                             lambda m: f"{_type_name(int(m.group(1)))} vs {_type_name(int(m.group(2)))}", msg)
+                node = node_in_message(msg)
+                where = f"node '{node}'" if node else "a node"
+                raise ModelError(f"{label}: {where} has inconsistent element types ({msg[:400]}). onnxruntime "
+                                 "refuses such a model too; fix the types (a Cast) in the exporter.") from None
+
+
+def _check_schema(node: onnx.NodeProto, node_label: str, opset: int, label: str) -> None:
+    """The node's input/output counts and attribute names against its ONNX schema (what onnx.checker checks
+    of a node; its other demands, such as every value_info carrying a shape, a build does not need)."""
+    if node.domain not in ("", "ai.onnx"):
+        return
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except Exception:  # noqa: BLE001 - no such op at this opset: the operator report names it
+        return
+    n_in = len(node.input)
+    while n_in and not node.input[n_in - 1]:
+        n_in -= 1  # trailing optional inputs left empty
+    if not schema.min_input <= n_in <= schema.max_input:
+        want = (f"{schema.min_input}" if schema.min_input == schema.max_input
+                else f"{schema.min_input} to {schema.max_input}")
+        raise ModelError(f"{label}: node '{node_label}' ({node.op_type}) has {n_in} input(s); {node.op_type} at "
+                         f"opset {schema.since_version} takes {want}.")
+    if not schema.min_output <= len(node.output) <= schema.max_output:
+        raise ModelError(f"{label}: node '{node_label}' ({node.op_type}) has {len(node.output)} output(s); "
+                         f"{node.op_type} has {schema.min_output} to {schema.max_output}.")
+    unknown = [a.name for a in node.attribute if a.name not in schema.attributes]
+    if unknown:
+        raise ModelError(f"{label}: node '{node_label}' ({node.op_type}) has attribute(s) {unknown}, which "
+                         f"{node.op_type} does not have (its attributes: {sorted(schema.attributes) or 'none'}).")
+
+
+def opset_problem(model: onnx.ModelProto) -> str | None:
+    """Why the model's ONNX operator set cannot be built, or None."""
+    newest = onnx.defs.onnx_opset_version()
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and not 1 <= imp.version <= newest:
+            return (f"imports the ONNX operator set version {imp.version}; the operator sets run from 1 to {newest} "
+                    f"(onnx {onnx.__version__}). Export the model at a real opset (17 or newer).")
+    return None
+
+
+def _too_big_to_type_check(model: onnx.ModelProto) -> bool:
+    try:
+        return model.ByteSize() > TYPE_CHECK_MAX_BYTES
+    except Exception:  # noqa: BLE001 - over 2 GB, protobuf cannot even measure it
+        return True
+
+
+def _check_order_and_ssa(graph: onnx.GraphProto, label: str, outer: frozenset[str] = frozenset()) -> None:
+    """Every value is computed once, before any node reads it (ONNX's topological order)."""
+    known = set(outer) | {v.name for v in graph.input} | {t.name for t in graph.initializer} \
+        | {s.values.name for s in graph.sparse_initializer}
+    producer: dict[str, str] = {}
+    names = [n.name or f"{n.op_type}_{i}" for i, n in enumerate(graph.node)]
+    for i, n in enumerate(graph.node):
+        for o in n.output:
+            if not o:
+                continue
+            if o in producer or (o in known and o not in outer):
+                first = f"node '{producer[o]}'" if o in producer else "a graph input or initializer"
+                raise ModelError(f"{label}: node '{names[i]}' computes '{o}', which {first} already provides; each "
+                                 "value must be computed once (ONNX's single-assignment form), as onnx.checker and "
+                                 "onnxruntime require.")
+            producer[o] = names[i]
+    done = set(known)
+    for i, n in enumerate(graph.node):
+        for name in n.input:
+            if name and name not in done:
+                cycle = _cycle(graph, names)
+                why = (f"the graph has a cycle ({' -> '.join(cycle)})" if cycle else
+                       "the nodes are not in topological order, which ONNX requires")
+                raise ModelError(f"{label}: node '{names[i]}' reads '{name}' before node "
+                                 f"'{producer.get(name, '?')}' computes it: {why}.")
+        done.update(o for o in n.output if o)
+        for a in n.attribute:
+            subs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []
+            for sub in subs:
+                _check_order_and_ssa(sub, f"{label} (node '{names[i]}', attribute {a.name})", frozenset(done | outer))
+
+
+def _cycle(graph: onnx.GraphProto, names: list[str]) -> list[str]:
+    """The nodes of one cycle, or [] when the graph is acyclic (only out of order)."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    reads = [[producer[x] for x in n.input if x in producer] for n in graph.node]
+    state = [0] * len(reads)  # 0 new, 1 on the stack, 2 done
+    for start in range(len(reads)):
+        if state[start]:
+            continue
+        stack = [(start, iter(reads[start]))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state[nxt] == 1:
+                loop = path[path.index(nxt):] + [nxt]
+                return [names[k] for k in reversed(loop)]
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                stack.append((nxt, iter(reads[nxt])))
+                path.append(nxt)
+    return []

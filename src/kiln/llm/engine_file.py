@@ -360,8 +360,12 @@ def _parse_manifest(path: Path, members: dict) -> dict:
 def is_llm_engine(path) -> bool:
     try:
         with zipfile.ZipFile(path) as z:
-            return json.loads(z.read("manifest.json")).get("format") == FORMAT
-    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError):
+            info = z.getinfo("manifest.json")  # never inflate or read an oversized member of an untrusted file
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > 64 * 2**20:
+                return False
+            m = json.loads(z.read("manifest.json"))
+            return isinstance(m, dict) and m.get("format") == FORMAT
+    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return False
 
 

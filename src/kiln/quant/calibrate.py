@@ -305,7 +305,9 @@ def _read(data, names: list[str], what: str) -> list[dict]:
             if len(names) != 1:
                 raise InputError(f"{what}: a bare .npy file fits a model with one input, but this one has "
                                  f"{names}; give NAME:FILE.npy,... or a .npz keyed by input name.")
-            return [{names[0]: np.load(spec, allow_pickle=False)}]
+            from ..tools.common import read_npy
+
+            return [{names[0]: read_npy(spec, what, names[0])}]
         if not p.exists() and ":" not in spec:
             raise InputError(f"{what}: '{spec}' does not exist.")
         return load_samples(spec, names, what=what)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -74,8 +75,8 @@ def atomic_write_json(path, obj) -> None:
 # --- engines --------------------------------------------------------------------------------------
 
 
-def load_engine(engine, device: str = "auto"):
-    """An Engine object, or the path of a .kiln file."""
+def load_engine(engine, device: str = "auto", verify_key: bytes | None = None):
+    """An Engine object, or the path of a .kiln file (refused unless signed with verify_key, when given)."""
     from ..engine.engine import Engine
     from ..engine.serialize import load
 
@@ -87,7 +88,7 @@ def load_engine(engine, device: str = "auto"):
             f"'{path}' is an ONNX model, not an engine: build one first with "
             f"`kiln build --onnx={path} --saveEngine=model.kiln`."
         )
-    return load(path, device=device)
+    return load(path, device=device, verify_key=verify_key)
 
 
 def fmt_shape(shape) -> str:
@@ -122,12 +123,42 @@ def random_feeds(engine, profile: int = 0, seed: int = 0, shapes: dict | None = 
     return {k: x if x.dtype == torch.bfloat16 else dtypes.to_numpy(x) for k, x in feeds.items()}
 
 
+# What numpy raises for a file that is not what its name says: not a zip, a truncated or damaged zip or .npy,
+# pickled (object) arrays, a member that is not an array.
+_UNREADABLE = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError)
+
+
 def _read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not hasattr(z, "files"):
+            raise ValueError("it holds a single array (.npy), not arrays by name")
+        with z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise InputError(f"{what}: '{path}' cannot be read as a .npz file ({e}).") from None
+    except _UNREADABLE as e:
+        raise InputError(f"{what}: '{path}' cannot be read as a .npz file ({_reason(e)}); give a .npz written by "
+                         "numpy.savez, keyed by input name.") from None
+
+
+def read_npy(path, what: str, name: str | None = None) -> np.ndarray:
+    """One array from a .npy file, or an InputError naming the file (and the input it was meant for)."""
+    label = f" for input '{name}'" if name else ""
+    try:
+        a = np.load(path, allow_pickle=False)
+    except _UNREADABLE as e:
+        raise InputError(f"{what}: '{path}'{label} cannot be read as a .npy file ({_reason(e)}).") from None
+    if not isinstance(a, np.ndarray):
+        a.close()
+        raise InputError(f"{what}: '{path}'{label} is a .npz archive, not a .npy array; give it as the whole spec "
+                         "(a .npz keyed by input name).")
+    return a
+
+
+def _reason(e: Exception) -> str:
+    text = str(e)
+    if "pickled" in text:
+        return "it holds pickled (object) data, which Kiln never loads"
+    return (text or type(e).__name__)[:200]
 
 
 def load_samples(spec: str, input_names: list[str], what: str = "--loadInputs",
@@ -152,11 +183,16 @@ def load_samples(spec: str, input_names: list[str], what: str = "--loadInputs",
             name, f = item.rsplit(":", 1)
             if not Path(f).is_file():
                 raise InputError(f"{what}: file '{f}' for input '{name}' does not exist.")
-            data[name] = np.load(f, allow_pickle=False)
+            data[name] = read_npy(f, what, name)
         samples = [(Path(spec), data)]
     out = []
     for f, data in samples:
         data = {k: v for k, v in data.items() if k not in ignore}
+        for k, v in data.items():
+            if not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
+                kind = v.dtype if isinstance(v, np.ndarray) else type(v).__name__
+                raise InputError(f"{what}: in '{f}', input '{k}' holds {kind} values; Kiln's inputs are numbers "
+                                 "(bool, integer or floating point).")
         unknown = [k for k in data if k not in input_names]
         missing = [k for k in input_names if k not in data]
         if unknown or missing:
@@ -237,14 +273,18 @@ def load_callable(spec: str, what: str) -> Callable:
             module = importlib.util.module_from_spec(s)
             sys.modules[name] = module
             s.loader.exec_module(module)
-        else:
-            if "" not in sys.path and os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
+        else:  # from sys.path as it is: the current directory is not added (code there is not run unasked)
             module = importlib.import_module(mod_name)
     except KilnError:
         raise
     except ImportError as e:
-        raise ConfigError(f"{what}: cannot import module '{mod_name}' ({e}).") from None
+        here = Path(mod_name.split(".")[0] + ".py")
+        hint = (f" '{here}' is in the current directory, which Kiln does not add to the import path: give the file "
+                f"itself ({Path('.') / here}:{fn_name}) or set PYTHONPATH." if here.is_file() or Path(here.stem).is_dir()
+                else "")
+        raise ConfigError(f"{what}: cannot import module '{mod_name}' ({e}).{hint}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module raised while being imported
+        raise ConfigError(f"{what}: importing '{mod_name}' failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if fn is None or not callable(fn):
         raise ConfigError(f"{what}: module '{mod_name}' has no callable '{fn_name}'.")
@@ -253,7 +293,10 @@ def load_callable(spec: str, what: str) -> Callable:
 
 def load_torch_module(spec: str, what: str = "--torch") -> torch.nn.Module:
     factory = load_callable(spec, what)
-    module = factory() if not isinstance(factory, torch.nn.Module) else factory
+    try:
+        module = factory() if not isinstance(factory, torch.nn.Module) else factory
+    except Exception as e:  # noqa: BLE001 - the user's factory raised
+        raise ConfigError(f"{what}: calling '{spec}' raised {type(e).__name__}: {e}") from None
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"{what}: '{spec}' returned a {type(module).__name__}, not a torch.nn.Module.")
     return module.eval()

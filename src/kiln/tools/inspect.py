@@ -208,19 +208,21 @@ def _merge_findings(engine_findings: list[dict], graph_findings: list[dict]) -> 
     return out
 
 
-def inspect_engine(engine, measure: bool = True, device: str = "auto") -> Inspection:
+def inspect_engine(engine, measure: bool = True, device: str = "auto", verify_key: bytes | None = None) -> Inspection:
     """Inspect an Engine or a .kiln path. An engine that cannot run here (built for another GPU) is
     inspected from its manifest, without shapes."""
     is_path = isinstance(engine, (str, os.PathLike))
     source = str(engine) if is_path else "engine (in memory)"
     try:
-        engine = common.load_engine(engine, device)
+        engine = common.load_engine(engine, device, verify_key=verify_key)
     except EngineFileError as e:
-        if is_path:
+        from ..engine.serialize import ForeignEngineError
+
+        if is_path and isinstance(e, ForeignEngineError):  # intact, built elsewhere: shown from its manifest
             from ..engine.serialize import read_manifest
 
             try:
-                m = read_manifest(engine)
+                m = read_manifest(engine, verify_key)  # integrity and signature first: a damaged engine fails
             except Exception:
                 raise e from None
             if m.get("format") != "kiln-engine":
@@ -411,6 +413,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-run", action="store_true", help="do not run the engine to measure shapes (faster)")
     p.add_argument("--device-only", action="store_true", help="hide host (shape-arithmetic) layers in the table")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    p.add_argument("--verify-key", dest="verify_key", metavar="KEYFILE",
+                   help="refuse the engine unless it was signed with this key (kiln build --sign KEYFILE)")
     p.set_defaults(func=run)
     return p
 
@@ -422,7 +426,10 @@ def run(args) -> int:
     if engine_file.is_llm_engine(args.engine):  # a `kiln llm build` engine: its own manifest and table
         engine_file.render_inspection(args.engine, con)
         return 0
-    ins = inspect_engine(args.engine, measure=not args.no_run, device=args.device)
+    from ..engine.signing import load_key
+
+    key = load_key(args.verify_key) if args.verify_key else None
+    ins = inspect_engine(args.engine, measure=not args.no_run, device=args.device, verify_key=key)
     render(ins, con, show_host=not args.device_only)
     if args.json:
         common.atomic_write_json(args.json, ins.to_json())
