@@ -185,3 +185,25 @@ def test_decode_steps_from_static_buffers(tiny_llama, reference_tokens):
     for p, n, o in zip(PROMPTS, lens, llm.generate(PROMPTS, params)):
         assert o.outputs[0].token_ids == reference_tokens[p][:n]
     no_leak(llm)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_8bit_kv_cache_with_calibrated_scales(tiny_llama, kv):
+    """8-bit caches take scales calibrated on text (per KV head for INT8, one per layer for FP8); the first
+    token's distribution stays close to the float cache's."""
+    from pathlib import Path
+
+    text = Path(__file__).parent / "data" / "hamlet_act1.txt"
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=0, ignore_eos=True)
+    ref = LLM(tiny_llama, max_model_len=256).generate(PROMPTS, params)
+    llm = LLM(tiny_llama, max_model_len=256, kv_cache_dtype=kv, kv_calib=str(text))
+    eng = llm.llm_engine
+    assert eng.runner.caches[0].k.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+    k_scale = eng.kv_scales[0][0]
+    assert k_scale.shape == (2,) and (k_scale > 0).all() and not torch.allclose(k_scale, torch.ones(2))
+    assert (k_scale[0] == k_scale[1]) == (kv == "fp8")
+    for a, b in zip(llm.generate(PROMPTS, params), ref):
+        (ta, la), = a.outputs[0].logprobs[0].items()
+        (tb, lb), = b.outputs[0].logprobs[0].items()
+        assert ta == tb and la == pytest.approx(lb, abs=0.05)
+    no_leak(llm)
