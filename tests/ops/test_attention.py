@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import kiln
-from kiln.errors import UnsupportedError
+from kiln.errors import KilnError, UnsupportedError
 
 rng = np.random.default_rng(0)
 
@@ -131,3 +131,47 @@ def test_attention_fp16_build_and_fully_masked_row():
     (got,) = _outputs(model, feeds, fp16=True)
     assert np.all(got[:, :, 1] == 0) and np.isfinite(got).all()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def _linear_attention_model(with_state, rule, t):
+    inputs = ["q", "k", "v", "s" if with_state else "", "g", "beta"]
+    node = helper.make_node("LinearAttention", inputs, ["y", "state"], q_num_heads=4, kv_num_heads=2,
+                            update_rule=rule)
+    vis = [helper.make_tensor_value_info("q", F, [1, t, 4 * 8]), helper.make_tensor_value_info("k", F, [1, t, 2 * 8]),
+           helper.make_tensor_value_info("v", F, [1, t, 2 * 6]), helper.make_tensor_value_info("g", F, [1, t, 2]),
+           helper.make_tensor_value_info("beta", F, [1, t, 2])]
+    if with_state:
+        vis.append(helper.make_tensor_value_info("s", F, [1, 2, 8, 6]))
+    outs = [helper.make_tensor_value_info(n, F, None) for n in ("y", "state")]
+    return helper.make_model(helper.make_graph([node], "g", vis, outs),
+                             opset_imports=[helper.make_opsetid("", 27)], ir_version=11)
+
+
+def test_linear_attention_gqa_gated_delta_chunks_carry_the_state():
+    """Gated delta rule with 4 query heads over 2 KV heads: 6 steps at once equal 4 then 2 with the state
+    carried, and match ONNX's reference."""
+    t = 6
+    feeds = {"q": rng.standard_normal((1, t, 32)).astype(np.float32) * 0.3,
+             "k": rng.standard_normal((1, t, 16)).astype(np.float32) * 0.3,
+             "v": rng.standard_normal((1, t, 12)).astype(np.float32),
+             "g": -rng.random((1, t, 2)).astype(np.float32), "beta": rng.random((1, t, 2)).astype(np.float32)}
+    model = _linear_attention_model(False, "gated_delta", t)
+    y, state = _outputs(model, feeds)
+    want_y, want_state = ReferenceEvaluator(model).run(None, feeds)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state, want_state, rtol=1e-5, atol=1e-6)
+    head = {n: a[:, :4] for n, a in feeds.items()}
+    tail = {n: a[:, 4:] for n, a in feeds.items()}
+    y1, s1 = _outputs(_linear_attention_model(False, "gated_delta", 4), head)
+    y2, s2 = _outputs(_linear_attention_model(True, "gated_delta", 2), {**tail, "s": s1})
+    np.testing.assert_allclose(np.concatenate([y1, y2], axis=1), y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s2, state, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_attention_rule_and_inputs_must_agree():
+    model = _linear_attention_model(False, "linear", 3)  # the linear rule takes neither decay nor beta
+    feeds = {"q": np.zeros((1, 3, 32), np.float32), "k": np.zeros((1, 3, 16), np.float32),
+             "v": np.zeros((1, 3, 12), np.float32), "g": np.zeros((1, 3, 2), np.float32),
+             "beta": np.zeros((1, 3, 2), np.float32)}
+    with pytest.raises(KilnError, match="update_rule 'linear'.* decay input"):
+        _outputs(model, feeds)

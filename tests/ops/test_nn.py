@@ -207,3 +207,34 @@ def test_det_batched_and_fp16():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=11)
     (got16,) = _kiln(model, {"x": h})  # torch has no FP16 LU: factored in FP32, rounded once
     np.testing.assert_allclose(got16.astype(np.float32), np.linalg.det(h.astype(np.float32)), rtol=2e-3, atol=2e-3)
+
+
+def test_causal_conv_with_state_streams_like_one_pass():
+    """Two chunks with the carried state give the one-pass result (SiLU fused), which is a left-zero-padded
+    depthwise conv1d."""
+    import torch
+    from onnx import helper
+
+    x, w, b = _randn(2, 4, 7), _randn(4, 1, 3), _randn(4)
+
+    def model(with_state):
+        inputs = ["x", "w", "b"] + (["s"] if with_state else [])
+        node = helper.make_node("CausalConvWithState", inputs, ["y", "state"], activation="silu")
+        vis = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, None]),
+               helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 1, 3]),
+               helper.make_tensor_value_info("b", TensorProto.FLOAT, [4])]
+        if with_state:
+            vis.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 4, 2]))
+        outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "state")]
+        graph = helper.make_graph([node], "g", vis, outs)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 27)], ir_version=11)
+
+    whole, state = _kiln(model(False), {"x": x, "w": w, "b": b}, shapes={"x": (2, 4, 7)})
+    first, s1 = _kiln(model(False), {"x": x[:, :, :4], "w": w, "b": b}, shapes={"x": (2, 4, 4)})
+    second, s2 = _kiln(model(True), {"x": x[:, :, 4:], "w": w, "b": b, "s": s1}, shapes={"x": (2, 4, 3)})
+    np.testing.assert_allclose(np.concatenate([first, second], axis=2), whole, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(s2, state)
+    np.testing.assert_array_equal(state, x[:, :, -2:])
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(
+        torch.nn.functional.pad(torch.from_numpy(x), (2, 0)), torch.from_numpy(w), torch.from_numpy(b), groups=4))
+    np.testing.assert_allclose(whole, ref.numpy(), rtol=1e-5, atol=1e-6)

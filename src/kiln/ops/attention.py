@@ -1,4 +1,4 @@
-"""ONNX's transformer ops (opset 23+): Attention and RotaryEmbedding.
+"""ONNX's transformer ops (opset 23+): Attention, RotaryEmbedding and LinearAttention.
 
 These are the standard-domain forms that exporters emit for LLMs at opset 23; the fused kiln::Attention
 of ops/fused.py is what Kiln's own passes produce from MatMul/Softmax chains.
@@ -133,3 +133,55 @@ def onnx_attention(node, q, k, v, mask=None, past_key=None, past_value=None, non
     if three_d:
         y = y.transpose(1, 2).flatten(2)
     return y, present_k, present_v, qk.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------- LinearAttention
+
+_UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
+
+
+def _check_linear_attention(node):
+    rule = node.attr("update_rule", "gated_delta")
+    if rule not in _UPDATE_RULES:
+        return f"LinearAttention update_rule '{rule}' is not one of {', '.join(_UPDATE_RULES)}"
+    given = [len(node.inputs) > i and bool(node.inputs[i]) for i in (4, 5)]
+    if given != [rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")]:
+        return (f"LinearAttention update_rule '{rule}' needs {'a' if 'gated' in rule else 'no'} decay input and "
+                f"{'a' if 'delta' in rule else 'no'} beta input")
+    q_heads, kv_heads = node.attr("q_num_heads", 0), node.attr("kv_num_heads", 0)
+    if q_heads <= 0 or kv_heads <= 0 or q_heads % kv_heads:
+        return f"LinearAttention q_num_heads={q_heads} must be a positive multiple of kv_num_heads={kv_heads}"
+    return None
+
+
+@register("LinearAttention", check=_check_linear_attention, since=27)
+def linear_attention(node, q, k, v, past_state=None, decay=None, beta=None):
+    """The recurrent form of linear attention (Gated DeltaNet, RetNet, Mamba-2 style): a (d_k, d_v) state per
+    KV head, decayed by exp(decay), corrected by the delta rule with beta, written with k v^T and read by q;
+    accumulated in FP32. Returns the outputs and the final state."""
+    rule = node.attr("update_rule", "gated_delta")
+    gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")  # inputs checked to match
+    q_heads, kv_heads = node.attr("q_num_heads"), node.attr("kv_num_heads")
+    batch, steps = q.shape[:2]
+    q4, k4, v4 = (_heads(t.float(), h) for t, h in ((q, q_heads), (k, kv_heads), (v, kv_heads)))
+    d_k, d_v = k4.shape[-1], v4.shape[-1]
+    if decay is not None:  # one rate per head, or one per head and key feature
+        g = _heads(decay.float(), kv_heads)
+    if beta is not None:
+        beta4 = _heads(beta.float(), beta.shape[-1])  # (batch, kv_heads or 1, steps, 1)
+    state = (past_state.float() if past_state is not None
+             else q4.new_zeros(batch, kv_heads, d_k, d_v))
+    scale = node.attr("scale", 0.0) or 1.0 / math.sqrt(d_k)
+    group = q_heads // kv_heads
+    out = []
+    for t in range(steps):
+        k_t, v_t = k4[:, :, t], v4[:, :, t]
+        if gated:
+            state = state * torch.exp(g[:, :, t]).unsqueeze(-1)
+        if delta:
+            v_t = beta4[:, :, t] * (v_t - torch.einsum("bhdm,bhd->bhm", state, k_t))
+        state = state + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
+        read = state.repeat_interleave(group, dim=1) if group > 1 else state
+        out.append(scale * torch.einsum("bhd,bhdm->bhm", q4[:, :, t], read))
+    y = torch.stack(out, dim=2).transpose(1, 2).reshape(batch, steps, q_heads * d_v).to(q.dtype)
+    return y, state.to(past_state.dtype if past_state is not None else q.dtype)

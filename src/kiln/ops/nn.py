@@ -136,6 +136,25 @@ def conv_transpose(node, x, w, b=None):
     return y
 
 
+def _check_causal_conv(node):
+    act = node.attr("activation", "none")
+    return None if act in ("none", "silu", "swish") else f"CausalConvWithState activation '{act}' is not none/silu/swish"
+
+
+@register("CausalConvWithState", check=_check_causal_conv, since=27)
+def causal_conv_with_state(node, x, w, b=None, past=None):
+    """Depthwise causal 1-D convolution over the carried (k - 1) positions and x (Mamba's, Gated DeltaNet's
+    token mixer); also returns the last k - 1 positions as the next step's state."""
+    k = w.shape[-1]
+    if past is None:
+        past = x.new_zeros(x.shape[0], x.shape[1], k - 1)
+    padded = torch.cat((past.to(x.dtype), x), dim=2)
+    y = F.conv1d(padded, w, b, groups=x.shape[1])
+    if node.attr("activation", "none") in ("silu", "swish"):
+        y = F.silu(y.float()).to(x.dtype)
+    return y, padded[:, :, padded.shape[2] - (k - 1):]
+
+
 def _check_deform_conv(node):
     kernel = node.attr("kernel_shape")
     if kernel and len(kernel) != 2:
