@@ -53,12 +53,13 @@ class TritonServer:
         site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
         env["PYTHONPATH"] = ":".join(dict.fromkeys([src, *site, *filter(None, [env.get("PYTHONPATH")])]))
         self.log = workdir / "tritonserver.log"
+        self._log_file = self.log.open("wb")
         self.proc = subprocess.Popen(
             [str(root / "bin" / "tritonserver"), f"--model-repository={repo}",
              f"--backend-directory={workdir / 'backends'}", "--http-address=127.0.0.1",
              "--grpc-address=127.0.0.1", f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
              "--allow-metrics=false", "--exit-on-error=false", "--exit-timeout-secs=3"],
-            env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
 
     @property
     def http_url(self) -> str:
@@ -88,3 +89,4 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._log_file.close()
