@@ -247,7 +247,8 @@ def render(res: dict, args) -> str:
               f" all KV blocks free after: {c.get('blocks_free_after')}", ""]
     hf = res.get("hf", {})
     lines += ["## Throughput and latency", "",
-              "| run | batch | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms | decode step ms |"
+              "| run | batch | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms | "
+              "decode step ms |"
               " roofline tok/s | % of roofline | vs HF |",
               "|---|---|---|---|---|---|---|---|---|---|"]
 

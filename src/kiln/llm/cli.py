@@ -155,7 +155,8 @@ def render_bench(r: dict) -> str:
 
     shape = "ShareGPT-like mix" if r["mix"] == "sharegpt" else f"{r['input_len']} in / {r['output_len']} out"
     lines = [f"model {r['model']} on {r['device']}: batch {r['batch_size']}, {r['num_prompts']} prompts, {shape}",
-             f"  throughput   {k['output_tok_s']:.1f} output tok/s ({k['output_tokens']} tokens in {k['wall_s']:.2f} s)",
+             f"  throughput   {k['output_tok_s']:.1f} output tok/s ({k['output_tokens']} tokens in "
+             f"{k['wall_s']:.2f} s)",
              f"  TTFT         p50 {f(k['ttft_ms_p50'])} ms   p99 {f(k['ttft_ms_p99'])} ms",
              f"  TPOT         p50 {f(k['tpot_ms_p50'], '.2f')} ms   p99 {f(k['tpot_ms_p99'], '.2f')} ms",
              f"  e2e          p50 {f(k['e2e_ms_p50'])} ms   p99 {f(k['e2e_ms_p99'])} ms",
