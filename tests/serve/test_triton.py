@@ -7,8 +7,8 @@ skipped, and the config tests still run.
 from __future__ import annotations
 
 import importlib.util
+
 import numpy as np
-import onnx
 import pytest
 
 import kiln
