@@ -37,11 +37,11 @@ class Input:
         opt = self.opt_shape or self.min_shape
         return tuple(self.min_shape), tuple(opt), tuple(self.max_shape or opt)
 
-    def example(self) -> torch.Tensor:
+    def example(self, device=None) -> torch.Tensor:
         shape = self.shapes()[1]
         if self.dtype.is_floating_point:
-            return torch.randn(shape).to(self.dtype)
-        return torch.zeros(shape, dtype=self.dtype)
+            return torch.randn(shape).to(device=device, dtype=self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
 
 
 class _Positional(torch.nn.Module):
@@ -104,7 +104,9 @@ def compile(module: torch.nn.Module, inputs=(), precision: str = "fp32", device:
     kwarg_inputs = dict(kwarg_inputs or {})
     given = list(inputs) + list(kwarg_inputs.values())
     specs = [x if isinstance(x, Input) else Input(tuple(x.shape), dtype=x.dtype) for x in given]
-    examples = [x if isinstance(x, torch.Tensor) else s.example() for x, s in zip(given, specs)]
+    # Examples where the module's weights are (a CUDA module is exported from CUDA tensors)
+    home = next((p.device for p in module.parameters()), None)
+    examples = [x if isinstance(x, torch.Tensor) else s.example(home) for x, s in zip(given, specs)]
     dynamic = []
     for i, s in enumerate(specs):
         lo, _, hi = s.shapes()

@@ -57,6 +57,38 @@ def test_channels_last_weights_leave_concatenations_alone(precision):
         assert _rel(out.float(), net(x)) < (2e-3 if precision else 1e-6)
 
 
+class TwoBranchStem(torch.nn.Module):
+    """RepVGG's stem: a 3x3 and a 1x1 convolution both reading the RGB image, summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.k3 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.k1 = torch.nn.Conv2d(3, 8, 1)
+
+    def forward(self, x):
+        return torch.relu(self.k3(x) + self.k1(x))
+
+
+def test_padded_stem_weights_pad_the_image_for_a_1x1_branch_too():
+    """A GPU engine gives RGB stem weights a zero fourth channel and pads the image to match; a 1x1 weight
+    reads as contiguous in both layouts, and its branch got the unpadded image (RepVGG-A0 FP16 on the H200:
+    'weight of size [48, 4, 1, 1], expected input[1, 3, 224, 224] to have 4 channels')."""
+    from kiln.engine import layout
+
+    torch.manual_seed(0)
+    net = TwoBranchStem().eval()
+    x = torch.randn(1, 3, 8, 8)
+    model, _ = kiln.from_torch(net, (x,))
+    engine = kiln.build(model, BuildConfig(device="cpu", progress=False))
+    engine.channels_last = sorted(n for n, t in engine.graph.initializers.items() if t.dim() == 4)
+    engine.padded_channels = layout.padded_channel_weights(engine.graph, engine.channels_last)
+    assert len(engine.padded_channels) == 2
+    engine._device_weights = None
+    out = list(engine.create_execution_context().run([x]).values())[0]
+    with torch.no_grad():
+        assert _rel(out, net(x)) < 1e-6
+
+
 class Overflow(torch.nn.Module):
     """A MatMul whose values pass FP16's 65504, then a LayerNorm that brings them back to O(1)."""
 

@@ -59,9 +59,14 @@ def cast_for(node: Node, entry, args: list):
     want = compute_type(node, entry)
     # Only a convolution's input 1 is a weight stored channels-last: a Concat or Mul whose second input is
     # a channels-last activation must not be padded or re-laid out (that padded a detector's concatenation).
-    nhwc = node.op_type in _CONVOLUTIONS and len(args) > 1 and _channels_last_weights(args[1])
-    if nhwc and args[0].shape[1] < args[1].shape[1]:  # a stem weight given a zero channel (engine/layout.py)
+    conv = node.op_type in _CONVOLUTIONS and len(args) > 1
+    nhwc = conv and _channels_last_weights(args[1])
+    # A stem weight given a zero channel (engine/layout.py): a 1x1 weight reads as contiguous in both layouts,
+    # so the channel counts, not the strides, say so (RepVGG's 1x1 stem branch).
+    if (conv and isinstance(args[1], torch.Tensor) and args[1].dim() == 4 and node.attr("group", 1) == 1
+            and args[0].dim() == 4 and args[0].shape[1] < args[1].shape[1]):
         args = [_zero_padded_channels(args[0], args[1].shape[1], want or args[0].dtype), *args[1:]]
+        nhwc = True
     if want is None:
         return args
     return [cast_input(entry, i, a, want, channels_last=nhwc and i == 0) for i, a in enumerate(args)]
