@@ -350,7 +350,8 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in prompt order. prompts: a string, a list of strings, or a list of token-id lists."""
+        """Outputs in prompt order. prompts: a string, a list of strings, or a list of token-id lists.
+        use_tqdm is accepted for vLLM compatibility; no progress bar is drawn."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
