@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     fused,
     image,
     indexing,
+    loss,
     nn,
     norm,
     quant,
