@@ -34,9 +34,9 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibCache", metavar="FILE", help="calibration cache (TensorRT text format, or .json): read if "
                    "it exists, else written")
     p.add_argument("--calibMethod", default="entropy", choices=["entropy", "minmax", "percentile"])
-    p.add_argument("--accuracy-budget", dest="accuracyBudget", default="", metavar="METRIC=DROP",
+    p.add_argument("--accuracyBudget", "--accuracy-budget", dest="accuracyBudget", default="", metavar="METRIC=DROP",
                    help="with --int8/--fp8: keep the most sensitive layers in float until e.g. top1=0.5 holds")
-    p.add_argument("--budgetData", metavar="FILE.npz", help="held-out inputs and 'labels' for --accuracy-budget")
+    p.add_argument("--budgetData", metavar="FILE.npz", help="held-out inputs and 'labels' for --accuracyBudget")
     p.add_argument("--layerPrecisions", default="", metavar="SPEC",
                    help="pin layers (ONNX node names) to a float precision: conv1:fp32,fc:fp16 "
                         "(pinned layers are not quantized)")
@@ -99,7 +99,8 @@ def _config_from_args(a):
     return BuildConfig(
         fp16=a.fp16 or a.best, bf16=a.bf16, tf32=a.tf32, profiles=profiles, device=a.device,
         int8=a.int8 or best_int8, fp8=a.fp8, calib=a.calib, layer_precisions=parse_layer_precisions(a.layerPrecisions),
-        accuracy_budget=parse_budgets([a.accuracyBudget]) if a.accuracyBudget else {}, budget_data=a.budgetData,
+        accuracy_budget=parse_budgets([a.accuracyBudget], "--accuracyBudget") if a.accuracyBudget else {},
+        budget_data=a.budgetData,
         calib_cache=a.calibCache, calib_method=a.calibMethod,
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
@@ -334,7 +335,7 @@ def cmd_run(a) -> int:
         raise ConfigError("kiln run needs exactly one of --loadEngine=FILE or --onnx=FILE.")
     _check_run_options(a)
     if a.verifyKey and not a.loadEngine:
-        raise ConfigError("--verify-key checks an engine file: use it with --loadEngine=FILE.")
+        raise ConfigError("--verifyKey checks an engine file: use it with --loadEngine=FILE.")
     if a.loadEngine:
         from .engine import signing
         from .engine.serialize import load
@@ -371,7 +372,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run and time an engine (--loadEngine=) or an ONNX model (--onnx=)")
     _add_build_options(r)
     r.add_argument("--loadEngine", metavar="FILE")
-    r.add_argument("--verify-key", dest="verifyKey", metavar="KEYFILE",
+    r.add_argument("--verifyKey", "--verify-key", dest="verifyKey", metavar="KEYFILE",
                    help="refuse the engine unless it was signed with this key (kiln build --sign KEYFILE)")
     _add_run_options(r)
     r.set_defaults(func=cmd_run)
@@ -385,7 +386,7 @@ def _parser() -> argparse.ArgumentParser:
     from .tools import verify as verify_tool
 
     check_cmd.add_check_command(sub)
-    for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool, export_tool):
+    for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool, export_tool, serve_tool):
         tool.add_command(sub)
     from .llm import cli as llm_cli
 

@@ -1,4 +1,4 @@
-"""kiln build --accuracy-budget: one progress display for the whole search, findings in the user's terms."""
+"""kiln build --accuracyBudget: one progress display for the whole search, findings in the user's terms."""
 
 import numpy as np
 
@@ -24,4 +24,4 @@ def test_search_shows_one_progress_and_says_what_it_kept_in_float(digits, tmp_pa
     assert "precision search for top1 <= 0.5" in out
     assert "every quantizable layer INT8: top1" in out and "over budget" in out
     assert "within budget" in out and "result: kept in float: " in out
-    assert "pinned in float by the --accuracy-budget search" in out and "quantized alone it costs top1" in out
+    assert "pinned in float by the --accuracyBudget search" in out and "quantized alone it costs top1" in out

@@ -25,7 +25,7 @@ import onnx
 from ..errors import ConfigError
 
 _GEMMS = ("Conv", "MatMul", "Gemm")
-KEPT_BY_SEARCH = "pinned in float by the --accuracy-budget search"  # "pinned": the runtime's float-input rule holds
+KEPT_BY_SEARCH = "pinned in float by the --accuracyBudget search"  # "pinned": the runtime's float-input rule holds
 
 
 def _metric_drop(engine, model, data, budgets) -> tuple:
@@ -115,9 +115,9 @@ def summary(report: dict) -> list[str]:
 def search(model, config, budgets: dict[str, float], data, build):
     """Returns (engine, report). `build` is kiln.build; `config` an INT8/FP8 BuildConfig."""
     if not config.quantized:
-        raise ConfigError("--accuracy-budget searches quantized builds: add --int8 or --fp8.")
+        raise ConfigError("--accuracyBudget searches quantized builds: add --int8 or --fp8.")
     if data is None:
-        raise ConfigError("--accuracy-budget needs held-out data with labels: pass --budgetData=FILE.npz "
+        raise ConfigError("--accuracyBudget needs held-out data with labels: pass --budgetData=FILE.npz "
                           "(inputs by binding name and 'labels').")
     from ..tools.progress import build_progress
 

@@ -111,8 +111,8 @@ def resolve_metric(spec: str | Callable) -> Metric:
                       "given as MODULE:FUNCTION (a callable (outputs, labels) -> float).")
 
 
-def parse_budgets(items: list[str] | None) -> dict[str, float]:
-    """['top1=0.5', 'mae=0.01,top5=1'] -> {'top1': 0.5, 'mae': 0.01, 'top5': 1.0}."""
+def parse_budgets(items: list[str] | None, flag: str = "--budget") -> dict[str, float]:
+    """['top1=0.5', 'mae=0.01,top5=1'] -> {'top1': 0.5, 'mae': 0.01, 'top5': 1.0}; errors name `flag`."""
     out = {}
     for item in [x for v in (items or []) for x in v.split(",") if x.strip()]:
         name, sep, num = item.rpartition("=")
@@ -121,7 +121,7 @@ def parse_budgets(items: list[str] | None) -> dict[str, float]:
         except ValueError:
             val = None
         if not sep or not name or val is None or val < 0 or not math.isfinite(val):
-            raise ConfigError(f"--budget: '{item}' should be METRIC=POINTS with a number >= 0, e.g. top1=0.5.")
+            raise ConfigError(f"{flag}: '{item}' should be METRIC=POINTS with a number >= 0, e.g. top1=0.5.")
         out[name.strip()] = val
     return out
 
