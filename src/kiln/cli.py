@@ -379,6 +379,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from .frontend import check as check_cmd
     from .serve import export as export_tool
+    from .serve import engine_cli as serve_tool
     from .tools import bench as bench_tool
     from .tools import compare as compare_tool
     from .tools import inspect as inspect_tool

@@ -12,16 +12,19 @@ import threading
 import time
 from pathlib import Path
 
-READY = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)")
+READY = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)")  # kiln llm serve's and kiln serve's line
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *args: str, api_key: str | None = None, timeout: float = 120.0, port: int = 0):
+    def __init__(self, model: Path, *args: str, api_key: str | None = None, timeout: float = 120.0, port: int = 0,
+                 command: list[str] | None = None):
         # One intra-op thread: on a small shared CPU, torch's OpenMP threads waiting for each other made the
         # CPU engine's prefill many times slower.
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("KILN_API_KEY", None)
-        cmd = [sys.executable, "-m", "kiln", "llm", "serve", str(model), "--device", "cpu", "--port", str(port), *args]
+        cmd = [sys.executable, "-m", "kiln", *(command or ["llm", "serve", str(model), "--device", "cpu"])]
+        cmd += [str(model)] if command else []
+        cmd += ["--port", str(port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

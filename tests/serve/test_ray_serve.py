@@ -1,4 +1,5 @@
-"""`kiln llm serve --replicas 2`: two engine replicas on a local Ray cluster behind one OpenAI endpoint.
+"""Ray Serve scale-out: `kiln llm serve --replicas 2` (two LLM engine replicas behind one OpenAI endpoint) and
+`kiln serve ENGINE --replicas 2` (two Kiln engine replicas behind Triton's HTTP protocol), on a local cluster.
 
 Skipped when Ray Serve is not installed (it is the optional extra kiln[ray]; CI does not install it).
 """
@@ -67,6 +68,57 @@ def test_two_replicas_spread_requests_and_lose_none_when_one_dies(tiny_llm):
         for (pid, tokens), r in zip(results, ref):
             assert tokens == r.outputs[0].token_ids
         assert any(pid != victim for pid, _ in results[2:])
+    finally:
+        s.terminate()
+        try:
+            s.wait(timeout=90)
+        except Exception:
+            s.kill()
+
+
+def test_engine_replicas_answer_tritons_http_protocol_and_survive_a_kill(tmp_path):
+    import json
+    import urllib.request
+
+    import numpy as np
+
+    import kiln
+
+    from ..models import mlp
+
+    path = tmp_path / "mlp.kiln"
+    kiln.build(mlp(), kiln.BuildConfig(profiles=[kiln.Profile({"x": ((1, 8), (4, 8), (16, 8))})], device="cpu",
+                                       progress=False)).save(path)
+    direct = kiln.load(path, device="cpu").create_execution_context()
+    port = free_port()
+    s = ServerProcess(path, "--replicas", "2", port=port, timeout=300, command=["serve"])
+    try:
+        url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+
+        def ask(x):  # JSON tensors, as any KServe v2 client sends them
+            body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                           "data": x.flatten().tolist()}]}).encode()
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60) as r:
+                out = json.loads(r.read())["outputs"][0]
+                return int(r.headers["x-kiln-replica-pid"]), np.array(out["data"], np.float32).reshape(out["shape"])
+
+        rng = np.random.default_rng(0)
+        xs = [rng.standard_normal((1 + i % 4, 8)).astype(np.float32) for i in range(48)]
+        assert len({ask(xs[i])[0] for i in range(12)}) == 2  # both replicas answer
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, x) for x in xs]
+            victim = futures[0].result()[0]
+            os.kill(victim, signal.SIGKILL)
+            results = [f.result() for f in futures]
+        for (pid, y), x in zip(results, xs):
+            np.testing.assert_allclose(y, direct.run({"x": x})["y"], rtol=1e-6, atol=1e-6)
+
+        tritonclient = pytest.importorskip("tritonclient.http")  # Triton's own client, binary tensors
+        client = tritonclient.InferenceServerClient(f"127.0.0.1:{port}")
+        inp = tritonclient.InferInput("x", [3, 8], "FP32")
+        inp.set_data_from_numpy(xs[2])
+        np.testing.assert_allclose(client.infer("mlp", [inp]).as_numpy("y"), direct.run({"x": xs[2]})["y"],
+                                   rtol=1e-6, atol=1e-6)
     finally:
         s.terminate()
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..engine.serialize import FORMAT, read_manifest
 from ..errors import ConfigError, EngineFileError
+from .batching import batch_range
 
 ENGINE_FILE = "model.kiln"
 MODEL_PY = Path(__file__).with_name("triton_model.py")
@@ -82,21 +83,6 @@ def _triton_type(binding: dict, engine: Path) -> str:
             "binding in one of these types (a Cast at the model's edge).") from None
 
 
-def _batch_range(manifest: dict) -> tuple[int, int] | None:
-    """(largest max batch, opt batch of the profile holding it) when axis 0 of every binding is a batch axis."""
-    bindings = manifest["bindings"]
-    if any(not b["shape"] or b["shape"][0] != -1 for b in bindings):
-        return None
-    best = None
-    for p in manifest["profiles"]:
-        lo, opt, hi = ({p[n][k][0] for n in p} for k in ("min", "opt", "max"))
-        if len(lo) != 1 or len(opt) != 1 or len(hi) != 1:
-            return None  # inputs disagree on the batch range: not one batch axis
-        if best is None or max(hi) > best[0]:
-            best = (max(hi), max(opt))
-    return best
-
-
 def _input_dims(name: str, binding: dict, profiles: list[dict], skip: int) -> list[int]:
     """A dim is fixed where the binding is static or every profile fixes it to one value, else -1."""
     dims = []
@@ -120,7 +106,7 @@ def triton_config(engine: Path, name: str, instances: int = 1, max_batch: int | 
     for b in manifest["bindings"]:
         if b["shape"] is None:
             raise ConfigError(f"'{engine}': {b['io']} '{b['name']}' has no known rank, which a Triton config needs.")
-    batch = _batch_range(manifest)
+    batch = batch_range(manifest)
     if max_batch is not None and max_batch < 0:
         raise ConfigError(f"--max-batch must be 0 (no batching) or more, not {max_batch}.")
     if max_batch and batch is None:
