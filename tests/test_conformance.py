@@ -10,7 +10,7 @@ from kiln.ops import claimed_ops
 
 from .conformance import DIVERGES, REFUSED, results_by_case, results_by_op, summary, unclaimed_ops
 
-# Share of the cases Kiln runs that must pass: all but the REFUSED and DIVERGES ones (7 of 1704 with
+# Share of the cases Kiln runs that must pass: all but the REFUSED and DIVERGES ones (7 of 1790 with
 # onnx 1.23.2). Any other failure already fails test_op_conformance.
 TARGET = 0.995
 
