@@ -17,7 +17,8 @@ import torch
 
 from ..errors import ConfigError, ShapeError
 from ..ir.graph import Graph
-from .config import Profile, fmt_shape
+from ..ir.shapes import fmt_shape
+from .config import Profile
 from .target import Target
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import onnx
 import torch
 
-from ..engine.config import Profile, fmt_shape
+from ..engine.config import Profile
 from ..errors import ConfigError, KilnError, UnsupportedError
+from ..ir.shapes import fmt_shape
 from . import external_data
 from .opset import RECOMMENDED_OPSET
 

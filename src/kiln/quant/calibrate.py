@@ -17,9 +17,9 @@ calibrators take a second pass that fills a histogram of |x| over [0, max |x|].
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,6 +30,8 @@ import torch
 
 from ..errors import ConfigError, InputError, ShapeError
 from ..ir import dtypes
+from ..ir.shapes import fmt_shape
+from ..tools.progress import progress as show_progress
 from .calibrators import (
     DEFAULT_BINS,
     WeightScale,
@@ -364,11 +366,11 @@ def prepare_samples(data, inputs, what: str = "calibration data", engine=None, p
             if v.shape is not None:
                 if a.ndim != len(v.shape):
                     raise ShapeError(f"{where}: input '{n}' has rank {a.ndim} (shape {list(a.shape)}) but the "
-                                     f"model expects rank {len(v.shape)} ({_dims(v.shape)}).")
+                                     f"model expects rank {len(v.shape)} ({fmt_shape(v.shape)}).")
                 for axis, (d, m) in enumerate(zip(a.shape, v.shape)):
                     if isinstance(m, int) and d != m:
                         raise ShapeError(f"{where}: input '{n}' axis {axis} is {d}, but the model fixes it at "
-                                         f"{m} ({_dims(v.shape)}).")
+                                         f"{m} ({fmt_shape(v.shape)}).")
             if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
                 raise InputError(f"{where}: input '{n}' contains NaN or Inf values; calibration ranges would "
                                  "be meaningless. Remove those samples.")
@@ -405,10 +407,6 @@ def rebatch(samples: list[dict], inputs, batch_size: int | None, model_or_engine
             continue
         out += [{k: a[i:i + batch_size] for k, a in s.items()} for i in range(0, n, batch_size)]
     return out
-
-
-def _dims(shape) -> str:
-    return "x".join(str(d) if d is not None else "?" for d in shape)
 
 
 def diversity(samples: list[dict], inputs) -> dict[str, dict]:
@@ -503,7 +501,8 @@ def run_pass(engine, samples: list[dict], col: _Collector, profile: int = 0, pro
     """Run every sample through the engine, showing each input and device-layer output to `col`."""
     ctx = engine.create_execution_context(profile=profile, cuda_graphs=False)
     dev = engine.target.device
-    with _progress(progress, label, len(samples), step) as advance:
+    display = show_progress(label, len(samples), step) if progress else contextlib.nullcontext()
+    with display as bar:
         for feeds in samples:
             tensors = {k: dtypes.to_torch(a).to(dev) for k, a in feeds.items()}
             for k, t in tensors.items():
@@ -517,56 +516,8 @@ def run_pass(engine, samples: list[dict], col: _Collector, profile: int = 0, pro
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ctx.run_layerwise(tensors, observer)
-            advance(step)
-
-
-class _progress:
-    """A rich progress bar on a terminal; one line per pass elsewhere; nothing when disabled."""
-
-    def __init__(self, enabled: bool, label: str, total: int, first: str = ""):
-        self.enabled, self.label, self.total, self.first = enabled, label, total, first
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        self.done = 0
-        self.p = None
-        if not self.enabled:
-            return lambda msg: None
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.console = Console(file=sys.stderr, highlight=False)
-        if self.console.is_terminal:
-            self.p = Progress(TextColumn(f"[bold]{self.label}[/] {{task.description}}"), BarColumn(),
-                              MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=True)
-            self.p.start()
-            self.task = self.p.add_task(self.first, total=self.total)
-        self.last = None
-        return self.advance
-
-    def advance(self, msg: str) -> None:
-        self.done += 1
-        if self.p is not None:
-            self.p.update(self.task, advance=1, description=msg)
-        elif self.last is not None and msg != self.last:
-            self._line(self.last)
-        self.last = msg
-
-    def _line(self, msg):
-        self.console.print(f"[dim]{self.label} [{time.perf_counter() - self.start:6.1f} s] {msg} done[/]")
-
-    def __exit__(self, *exc):
-        if self.p is not None:
-            self.p.stop()
-        elif self.enabled and self.last is not None and exc[0] is None:
-            self._line(self.last)
-        return False
+            if bar is not None:
+                bar.advance(step)
 
 
 # --- the entry point ----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ir import dtypes
+from ..ir.shapes import fmt_shape
 from . import common
 from .compare import layer_name
 from .timing import Timings, time_fn
@@ -339,7 +340,7 @@ def _ms(s: dict | None, key="median") -> str:
 
 
 def render(res: BenchResult, con) -> None:
-    shape_text = ", ".join(f"{k}: {common.fmt_shape(v)}" for k, v in res.shapes.items())
+    shape_text = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in res.shapes.items())
     con.print(f"Engine on {res.target} with {shape_text} ({res.mode}), precision {res.precision}")
     if not res.timings.gpu_ms:
         con.print(f"Note: {res.device_note}.")

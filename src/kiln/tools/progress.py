@@ -1,7 +1,7 @@
-"""Progress display for long work (builds, tactic search, calibration).
+"""Progress display for long work (builds, tactic search, calibration passes).
 
-On a terminal: a live spinner with the current step and elapsed time. Elsewhere
-(CI logs, pipes): one plain line per step.
+On a terminal: a live rich display (a spinner, or a bar when the number of items is known) with the current
+step and the elapsed time. Elsewhere (CI logs, pipes): one plain line per step.
 """
 
 from __future__ import annotations
@@ -12,28 +12,62 @@ import time
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 
-class _Steps:
-    def __init__(self, console: Console, progress: Progress | None):
-        self._console, self._p = console, progress
-        self._task = progress.add_task("", total=None) if progress else None
+class ProgressDisplay:
+    """`step(msg)`: now doing msg. `advance(msg)`: one of `total` items, described by msg, is done."""
+
+    def __init__(self, console: Console, label: str, progress: Progress | None, total: int | None, first: str):
+        self._console, self._label, self._p = console, label, progress
+        self._task = progress.add_task(escape(first), total=total) if progress else None
         self._start = time.perf_counter()
+        self._pending: str | None = None  # counted items, plain output: the message not yet printed
 
     def step(self, message: str) -> None:
         if self._p is not None:
             self._p.update(self._task, description=escape(message))
         else:
-            self._console.print(f"[dim]kiln build [{time.perf_counter() - self._start:6.1f} s] {escape(message)}[/]")
+            self._line(message)
+
+    def advance(self, message: str) -> None:
+        if self._p is not None:
+            self._p.update(self._task, advance=1, description=escape(message))
+            return
+        # One line per run of items with the same message (a calibration pass), printed when it ends.
+        if self._pending is not None and message != self._pending:
+            self._line(f"{self._pending} done")
+        self._pending = message
+
+    def close(self, ok: bool) -> None:
+        if self._p is None and ok and self._pending is not None:
+            self._line(f"{self._pending} done")
+
+    def _line(self, message: str) -> None:
+        self._console.print(f"[dim]{self._label} [{time.perf_counter() - self._start:6.1f} s] {escape(message)}[/]")
 
 
 @contextlib.contextmanager
-def build_progress():
+def progress(label: str, total: int | None = None, first: str = ""):
+    """A ProgressDisplay on stderr, labelled `label` ('kiln build'); a bar of `total` items when given."""
     console = Console(file=sys.stderr, highlight=False)
     if not console.is_terminal:
-        yield _Steps(console, None)
+        display = ProgressDisplay(console, label, None, total, first)
+        ok = False
+        try:
+            yield display
+            ok = True
+        finally:
+            display.close(ok)
         return
-    with Progress(SpinnerColumn(), TextColumn("[bold]kiln build[/] {task.description}"), TimeElapsedColumn(),
-                  console=console, transient=True) as p:
-        yield _Steps(console, p)
+    columns = ((SpinnerColumn(), TextColumn(f"[bold]{label}[/] {{task.description}}"), TimeElapsedColumn())
+               if total is None else
+               (TextColumn(f"[bold]{label}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn()))
+    with Progress(*columns, console=console, transient=True) as p:
+        yield ProgressDisplay(console, label, p, total, first)
+
+
+def build_progress():
+    """The build's display: steps labelled 'kiln build'."""
+    return progress("kiln build")

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, KilnError, ShapeError
 from ..ir import dtypes
+from ..ir.shapes import fmt_shape
 from . import common
 
 
@@ -41,7 +42,7 @@ class Metric:
 def _class_scores(outputs: np.ndarray, labels: np.ndarray, k: int, name: str) -> tuple[np.ndarray, np.ndarray]:
     if outputs.ndim != 2:
         raise InputError(f"{name} expects class scores of shape [samples, classes], but the output has shape "
-                         f"{common.fmt_shape(outputs.shape)}; choose another output with --output.")
+                         f"{fmt_shape(outputs.shape)}; choose another output with --output.")
     n, c = outputs.shape
     if c < k:
         raise InputError(f"{name} needs at least {k} classes, but the output has {c}.")
@@ -50,7 +51,7 @@ def _class_scores(outputs: np.ndarray, labels: np.ndarray, k: int, name: str) ->
         labels = labels[:, 0]
     if labels.ndim != 1:
         raise InputError(f"{name} expects one class index per sample; "
-                         f"'labels' has shape {common.fmt_shape(labels.shape)}.")
+                         f"'labels' has shape {fmt_shape(labels.shape)}.")
     if labels.dtype.kind == "f":
         if not np.all(np.isfinite(labels)) or not np.all(labels == np.round(labels)):
             raise InputError(f"{name} expects integer class indices in 'labels'; they hold non-integer values.")
@@ -86,7 +87,7 @@ def mae(outputs: np.ndarray, labels: np.ndarray) -> float:
             lab = lab.reshape(out.shape)
         else:
             raise InputError(f"mae compares the output with 'labels' element by element, but the output has shape "
-                             f"{common.fmt_shape(out.shape)} and 'labels' {common.fmt_shape(lab.shape)}.")
+                             f"{fmt_shape(out.shape)} and 'labels' {fmt_shape(lab.shape)}.")
     return float(np.mean(np.abs(out - lab)))
 
 
@@ -179,14 +180,14 @@ def plan_chunks(engine, arrays: dict[str, np.ndarray], profile: int | None, batc
             lo, _, hi = engine.get_profile_shape(p, name)
             shape = np.shape(x)
             if len(shape) != len(lo):
-                why = (f"input '{name}' has rank {len(shape)} in the data ({common.fmt_shape(shape)}) but rank "
+                why = (f"input '{name}' has rank {len(shape)} in the data ({fmt_shape(shape)}) but rank "
                        f"{len(lo)} in the engine")
                 break
             for axis in range(1, len(lo)):
                 if not lo[axis] <= shape[axis] <= hi[axis]:
                     why = (f"input '{name}' axis {axis} is {shape[axis]} in the data, outside profile {p}'s range "
-                           f"[{lo[axis]}, {hi[axis]}] (samples are {common.fmt_shape(shape[1:])}; the profile takes "
-                           f"{common.fmt_shape(lo[1:])} .. {common.fmt_shape(hi[1:])})")
+                           f"[{lo[axis]}, {hi[axis]}] (samples are {fmt_shape(shape[1:])}; the profile takes "
+                           f"{fmt_shape(lo[1:])} .. {fmt_shape(hi[1:])})")
                     break
             if why:
                 break
