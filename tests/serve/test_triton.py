@@ -6,8 +6,6 @@ skipped, and the config tests still run.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -17,7 +15,7 @@ from kiln.errors import ConfigError
 from kiln.serve.triton_repo import export_triton, triton_config
 
 from ..models import mlp
-from .tritonserver import TritonServer, bundled_server
+from .tritonserver import TritonServer, bundled_server, installed
 
 CPU = dict(device="cpu", progress=False)
 
@@ -86,7 +84,7 @@ def test_cli_export_triton(engines, tmp_path, capsys):
 
 
 needs_server = pytest.mark.skipif(
-    bundled_server() is None or importlib.util.find_spec("tritonclient") is None,
+    bundled_server() is None or not installed("tritonclient"),
     reason="needs nvidia-pytriton (bundled tritonserver) and tritonclient[http,grpc]")
 
 

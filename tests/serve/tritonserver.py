@@ -21,8 +21,15 @@ from pathlib import Path
 import kiln
 
 
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def bundled_server() -> Path | None:
-    spec = importlib.util.find_spec("pytriton")
+    spec = importlib.util.find_spec("pytriton") if installed("pytriton") else None
     if spec is None or not spec.submodule_search_locations:
         return None
     root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
