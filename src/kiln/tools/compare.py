@@ -31,6 +31,11 @@ nothing (--accept-vacuous counts it as passed, still with the warning).
 
 --layerwise also compares every engine layer output that exists in the ONNX graph
 and names the first layer whose error leaves the tolerance: where accuracy is lost.
+
+Several backends at once (Polygraphy's `polygraphy run --trt --onnxrt`): `kiln compare model.onnx
+--runners kiln-fp16,kiln-int8,onnxruntime,torch --torch MODULE:FACTORY` builds and runs each on the same
+inputs and prints one table (kiln/tools/runners.py). --save-inputs, --load-inputs and --save-outputs
+read and write Polygraphy's JSON (kiln/tools/polygraphy_json.py), in both modes.
 """
 
 from __future__ import annotations
@@ -301,6 +306,10 @@ class CompareResult:
     # "synthetic"; for synthetic ones, how each input was drawn (kiln/tools/synthetic.py).
     inputs: str = "given samples"
     synthetic_rules: dict = field(default_factory=dict)
+    # Per sample {output: array} of each side, for --save-outputs (not in to_json: the statistics are).
+    reference_kind: str = "reference"
+    engine_outputs: list = field(default_factory=list, repr=False)
+    reference_outputs: list = field(default_factory=list, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -418,7 +427,10 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
                for n in names_out]
     result = CompareResult(reference=ref.describe(), engine_target=engine.target.describe(),
                            precision=engine_precision(engine), samples=len(samples), outputs=outputs,
-                           inputs=inputs or "given samples", synthetic_rules=rules)
+                           inputs=inputs or "given samples", synthetic_rules=rules,
+                           reference_kind=getattr(ref, "kind", "reference"),
+                           engine_outputs=[{n: eng_outs[n][i] for n in names_out} for i in range(len(samples))],
+                           reference_outputs=[{n: ref_outs[n][i] for n in names_out} for i in range(len(samples))])
     if layerwise:
         _layerwise(result, ref, engine, samples[0], profile, list(getattr(ref, "extra_outputs", [])), tol)
     return result
@@ -615,7 +627,20 @@ def add_command(subparsers) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reference", metavar="REF", help="the ONNX model (run by onnxruntime), or MODULE:FACTORY for a "
                    "PyTorch module")
-    p.add_argument("engine", metavar="ENGINE", help="the engine file (.kiln)")
+    p.add_argument("engine", metavar="ENGINE", nargs="?", help="the engine file (.kiln); leave it out with --runners")
+    p.add_argument("--runners", metavar="LIST", help="compare several backends on the same inputs instead of one "
+                   "engine: kiln-fp32,kiln-tf32,kiln-fp16,kiln-bf16,kiln-int8,kiln-fp8,onnxruntime,torch")
+    p.add_argument("--reference-runner", metavar="NAME", help="with --runners: the runner the others are compared "
+                   "with (default onnxruntime when listed, else the first)")
+    p.add_argument("--torch", metavar="MODULE:FACTORY", help="with --runners: the PyTorch module of the 'torch' runner")
+    p.add_argument("--calib", metavar="DATA", help="with --runners: calibration data for kiln-int8/kiln-fp8 (default: "
+                   "the compared inputs, and the report says so)")
+    p.add_argument("--load-inputs", dest="load_inputs", metavar="FILE.json", help="inputs from Polygraphy's "
+                   "--save-inputs JSON (a list of feed dicts)")
+    p.add_argument("--save-inputs", dest="save_inputs", metavar="FILE.json", help="write the inputs used, in "
+                   "Polygraphy's --save-inputs JSON")
+    p.add_argument("--save-outputs", dest="save_outputs", metavar="FILE.json", help="write every runner's outputs, "
+                   "in Polygraphy's RunResults JSON (--save-outputs)")
     p.add_argument("--loadInputs", metavar="PATH", help="inputs: a .npz keyed by input name, a folder of .npz "
                    "samples, or NAME:FILE.npy,...")
     p.add_argument("--seed", type=int, default=0, help="seed for synthetic inputs (default 0)")
@@ -640,8 +665,61 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _run_runners(args, con) -> int:
+    from . import polygraphy_json, runners
+    from .synthetic import parse_val_range
+
+    if args.engine:
+        raise ConfigError("--runners builds its own engines from the model: leave out ENGINE (or drop --runners to "
+                          f"compare {args.engine} with the model).")
+    names = runners.parse_runners(args.runners)
+    atol, per_atol = common.parse_named_floats(args.atol, "--atol")
+    rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
+    if per_atol or per_rtol:
+        raise ConfigError("--runners takes one --atol/--rtol for every output (OUT:TOL is for an engine compare).")
+    from ..engine.config import parse_shapes
+
+    shapes = parse_shapes(args.shapes or "", "--shapes")
+    samples, inputs = None, ""
+    model_inputs = runners.input_names(args.reference)
+    if args.load_inputs:
+        samples, inputs = polygraphy_json.load_inputs(args.load_inputs, model_inputs), f"--load-inputs {args.load_inputs}"
+    elif args.loadInputs:
+        samples, inputs = common.load_samples(args.loadInputs, model_inputs), f"--loadInputs {args.loadInputs}"
+    result = runners.run_runners(args.reference, names, samples=samples, inputs=inputs, shapes=shapes,
+                                 torch_module=args.torch, calib=args.calib, reference_runner=args.reference_runner,
+                                 device=args.device, seed=args.seed, count=args.samples,
+                                 val_range=parse_val_range(args.valRange, model_inputs), atol=atol, rtol=rtol,
+                                 accept_vacuous=args.accept_vacuous)
+    runners.render(result, con)
+    _save_polygraphy(args, con, result.samples_used, result.outputs, result.runtimes)
+    if args.json:
+        common.atomic_write_json(args.json, result.to_json())
+        con.print(f"[I] Results written to {args.json}")
+    return {"PASSED": 0, "FAILED": EXIT_FAILED, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[result.verdict]
+
+
+def _save_polygraphy(args, con, samples, outputs: dict, runtimes: dict | None = None) -> None:
+    from . import polygraphy_json
+
+    if args.save_inputs:
+        polygraphy_json.save_inputs(args.save_inputs, samples)
+        con.print(f"[I] Inputs written to {args.save_inputs} (Polygraphy --save-inputs JSON)")
+    if args.save_outputs:
+        polygraphy_json.save_outputs(args.save_outputs, outputs, runtimes)
+        con.print(f"[I] Outputs written to {args.save_outputs} (Polygraphy RunResults JSON)")
+
+
 def run(args) -> int:
     con = common.console()
+    if args.runners:
+        return _run_runners(args, con)
+    if not args.engine:
+        raise ConfigError("kiln compare needs ENGINE (the .kiln file to check against REF), or --runners LIST to build "
+                          "and compare several backends.")
+    for flag, value in (("--torch", args.torch), ("--calib", args.calib), ("--reference-runner", args.reference_runner)):
+        if value:
+            raise ConfigError(f"{flag} goes with --runners.")
     engine = common.load_engine(args.engine, args.device)
     atol, per_atol = common.parse_named_floats(args.atol, "--atol")
     rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
@@ -651,8 +729,15 @@ def run(args) -> int:
     val_range = parse_val_range(args.valRange, [v.name for v in engine.inputs])
     if args.samples < 1:
         raise ConfigError("--samples must be at least 1.")
-    calib = None if (args.loadInputs or shapes or val_range) else calibration_samples(engine, args.profile)
-    if args.loadInputs:
+    calib = None if (args.loadInputs or args.load_inputs or shapes or val_range) else calibration_samples(
+        engine, args.profile)
+    if args.load_inputs:
+        from .polygraphy_json import load_inputs
+
+        samples = common.split_to_profile(engine, load_inputs(args.load_inputs, [v.name for v in engine.inputs]),
+                                          args.profile)
+        inputs = f"--load-inputs {args.load_inputs}"
+    elif args.loadInputs:
         samples = common.split_to_profile(
             engine, common.load_samples(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
         inputs = f"--loadInputs {args.loadInputs}"
@@ -665,6 +750,9 @@ def run(args) -> int:
                      per_output_atol=per_atol, per_output_rtol=per_rtol, layerwise=args.layerwise,
                      val_range=val_range, inputs=inputs, accept_vacuous=args.accept_vacuous)
     render(result, con, histogram=not args.no_histogram)
+    if args.save_inputs or args.save_outputs:
+        _save_polygraphy(args, con, samples, {"kiln": result.engine_outputs, result.reference_kind:
+                                              result.reference_outputs})
     if args.json:
         common.atomic_write_json(args.json, result.to_json())
         con.print(f"[I] Results written to {args.json}")
