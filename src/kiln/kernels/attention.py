@@ -16,9 +16,8 @@ a power of two inside the kernel and masked).
 FP8 inputs (qkv_scale): q, k and v as FP8 E4M3 codes sharing one scale, as an FP8 engine's merged QKV
 projection writes them (kiln/engine/quantized_io.py). q k^T runs on the codes on FP8 tensor cores (products
 exact, FP32 sums); v is converted to the float type as it is loaded, since p is in that type. The scale is
-applied after the dots: its square folded into the softmax scale, once more on the output. At BERT-base
-batch 32 on the H200 this took 8.8 us against 9.6 us with FP16 inputs, and 14.0 us when q and k were
-converted too (fp8_qk=False; bench/results/H200-attention-fp8-inputs.log).
+applied after the dots: its square folded into the softmax scale, once more on the output. This is faster
+than FP16 inputs, and than converting q and k too (fp8_qk=False; see docs/design/attention.md).
 
 Reference: kiln.ops.fused.attention; `reference` below.
 """
@@ -142,8 +141,8 @@ class FlashConfig:
                 + self.block_m * self.block_n) * itemsize
 
 
-# (tile, lowest optimization level offering it). On the H200 (bench/results/H200-attention-sweep.log) 128x32
-# is the fastest at BERT-base and ViT-B/16 batch 32 (9.6 / 26.0 us), 64x64 at batch 1 (3.9 / 4.9 us).
+# (tile, lowest optimization level offering it): 128x32 for large batches, 64x64 for batch 1 (see
+# docs/design/attention.md).
 CONFIGS: list[tuple[FlashConfig, int]] = [
     (FlashConfig(128, 64, 8, 3), 3),
     (FlashConfig(64, 64, 4, 3), 3),

@@ -41,9 +41,8 @@ _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE =
 _PREF_MAX_WORKSPACE = 1
 ALGOS = 4  # heuristic choices offered as tactics: the first is not always the fastest in an engine
 # Offered with 32 MiB of scratch and with none: allowed scratch, the heuristic mostly picks kernels that clear a
-# buffer with a cudaMemsetAsync before every call, after which the next kernel of a CUDA graph started 3-4 us
-# late; allowed none, it offers the same tiles statically scheduled ("ssched" kernels), which at BERT-base
-# batch 32 were as fast or faster (FFN1: 24.6 against 26.3 us; H200, bench/results/H200-cublaslt-choices.md).
+# buffer with a memset before every call, which delays the next kernel of a CUDA graph; allowed none, it offers
+# the same tiles statically scheduled, as fast or faster (see docs/design/cublaslt.md).
 EPILOGUES = {("", False): 1, ("", True): 4, ("Relu", False): 2, ("Relu", True): 6,
              ("GeluErf", False): 32, ("GeluErf", True): 36, ("GeluTanh", False): 32, ("GeluTanh", True): 36}
 _TYPES = {torch.float16: _R_16F, torch.bfloat16: _R_16BF, torch.float8_e4m3fn: _R_8F_E4M3}
@@ -264,7 +263,7 @@ def fp8_gemm(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, w_scale:
 
     x8: [M, K] FP8 E4M3, row-major; w8: [K, N] FP8 E4M3 stored K-major (w8.t() contiguous, the engine's
     weight layout); scales: one value each (cuBLASLt's FP8 GEMM takes no per-channel ones on Hopper: its
-    heuristic offered none on the H200, as outer-vector scales or as a vector alpha); bias: [N], used in
+    heuristic offers none on Hopper, as outer-vector scales or as a vector alpha); bias: [N], used in
     out_dtype (FP16 or BF16); algo: which of cuBLASLt's heuristic choices among those needing at most
     workspace_cap bytes of scratch (its last one where it has fewer), or `plan`, one of `choices` for this GEMM.
     Raises CublasLtError where `supported` is False for choice 0."""

@@ -4,15 +4,9 @@ the graph API also runs 8-bit ones on Hopper, with the layer's epilogue fused in
 
     y = act(conv(x8, w8) * x_scale * w_scale[k] + bias[k])      then / y_scale into 8 bits, or in float
 
-Measured at ResNet-50's batch-32 shapes on the H200 (bench/cudnn_fp8_conv.py, H200-cudnn-fp8-conv.log):
-the 3x3 layers of stages 2-4 ran INT8 in 9.0-13.8 us against 17.2-18.6 for torch's FP16 cuDNN convolution,
-FP8 13.6-15.5 us, and stage 1's FP8 16.4 us against 23.8. A residual operand in the graph made it three
-times slower, so layers that add one keep Kiln's own kernels, as do those that write a second 8-bit copy.
-In a first whole-engine run the gain mostly went into gaps (0.876 ms against 0.887 at 05:36,
-H200-quant-0540-resnet50-cudnn-int8.md), so the tactics were moved to optimization level 4. A later level-4
-trace had no such gaps (11.4 us idle in all, H200-trace-resnet50-b32-int8-level4-0741.md), and a same-process
-A/B at level 4 ran ResNet-50's batch-32 INT8 engine 7.1% slower without them (776.3 against 724.9 us,
-H200-ab-level4-cudnn-int8-0821.log), so they are offered from level 3, the default, again.
+Its 8-bit 3x3 convolutions beat torch's FP16 cuDNN ones by up to 2x, so they are offered at the default level
+(see docs/design/tactic-levels.md). A residual operand in the graph makes it several times slower, so layers that
+add one keep Kiln's own kernels, as do those that write a second 8-bit copy.
 
 Building a graph compiles its kernel (the probe built a graph's 9-11 plans in 1.4-8 s), so graphs are kept
 per shape and plan; a plan is one of cuDNN's heuristic choices in order (`plan` 0 is its first).

@@ -1,9 +1,8 @@
 """Rows of a table by index (ONNX Gather on axis 0 of a 2-D table: an embedding lookup) in one kernel.
 
 The reference wraps the indices first (negatives count from the end: a `remainder` kernel on the GPU) and then
-runs torch's gather: two launches and an index tensor written and read in between. In BERT-base's batch-32
-replay on the H200 the first kernel, most likely that wrap, took 2.5 us and the gather 5.4
-(bench/results/H200-trace-bert-b32-fp8-0150.md). The builder times this against the reference.
+runs torch's gather: two launches and an index tensor written and read in between (see
+docs/design/small-kernels.md). The builder times this against the reference.
 Here each program reads its block of indices, wraps them as the reference does (Python's remainder, so an index
 outside [-rows, rows) wraps instead of faulting, like the reference on a GPU) and copies their rows.
 

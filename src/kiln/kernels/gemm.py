@@ -38,8 +38,8 @@ _INT32_MAX = 2**31 - 1
 @triton.jit
 def erf(x):
     """erf(x) in FP32 to within 1.5e-7 (Abramowitz & Stegun 7.1.26): fewer instructions than libdevice's erff,
-    which a GELU epilogue runs on every output element with the whole accumulator tile live. BERT's FFN1 in
-    the TMA GEMM went from 42.0-53.9 us to 33.9-47.1 (FP8 to FP16; H200, 2026-11-30)."""
+    which a GELU epilogue runs on every output element with the whole accumulator tile live (see
+    docs/design/small-kernels.md)."""
     a = tl.abs(x)
     t = 1.0 / (1.0 + 0.3275911 * a)
     p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
@@ -139,8 +139,8 @@ def finish(acc, z, cols, b_ptr, xs_ptr, ws_ptr, ys_ptr, zs_ptr, stride_ws, p0, p
 def columns(cols, b_ptr, xs_ptr, ws_ptr, stride_ws, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr):
     """`finish`'s column vectors loaded ahead, in FP32: the dequantization scale x_scale * w_scale[cols] and
     bias[cols] (each unused where the layer has none). Loaded by `finish` after the K loop, they keep a tile's
-    warps waiting as its epilogue begins (Nsight Compute on the H200, bench/ncu_layers.py: long-scoreboard
-    stalls); loaded before it, the MMAs hide that wait but the vectors hold registers through the loop
+    warps waiting as its epilogue begins (long-scoreboard stalls in Nsight Compute, bench/ncu_layers.py);
+    loaded before it, the MMAs hide that wait but the vectors hold registers through the loop
     (tma_gemm's EARLY_COLUMNS says where that pays)."""
     scale = cols.to(tl.float32)
     if QUANT != "":

@@ -10,12 +10,9 @@ own size, so the two rows at an odd offset cannot be one 128-row left tile). Thr
 nine 8 KB ones for ws_conv's 8x16 tile, which also wastes an eighth of its pixels at W = 56; the filter (36 KB)
 stays in shared memory.
 
-On the H200 at ResNet-50's batch-32 layer1 3x3 (2026-12-01 14:50, bench/results/H200-gluon-halo-conv-1450.log):
-INT8 13.5 us against 16.8 for ws_conv's fastest (resident-filter) tile and 17.8 for tma_conv, outputs equal; FP8
-12.9 against 16.2, its outputs at most one FP8 step from tma_conv's (the taps are summed in another order, and
-Hopper's FP8 wgmma rounds its partial sums). One program an SM ran as fast as two. As this tactic (15:07,
-H200-gluon-conv-layer1-halo-1507.log): 12.2-12.3 us against 15.5-15.8; both 8-bit ResNet-50 engines took it at
-layer1's three 3x3s (H200-quant-1519-resnet50-timed-first.md).
+It beats ws_conv and tma_conv at ResNet-50's layer1 3x3s (see docs/design/gluon-kernels.md). INT8 outputs equal
+tma_conv's; FP8 ones are at most one FP8 step away (the taps are summed in another order, and Hopper's FP8 wgmma
+rounds its partial sums).
 
 The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU and the 8-bit
 output, warp_specialized.quantize8), with 1 / y_scale folded into the column vectors as ws_gemm does. Triton's

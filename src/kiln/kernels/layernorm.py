@@ -1,7 +1,6 @@
 """Fused residual add + LayerNorm over the last axis (one read of each input, one write);
-without the add, plain LayerNorm (BERT's embedding LayerNorm, where torch's kernel took 10 us
-for what this one does in 6.5 at batch 32) or RMSNorm (Llama's: one pass where the reference
-casts, normalizes and scales).
+without the add, plain LayerNorm (BERT's embedding LayerNorm, faster than torch's kernel) or RMSNorm
+(Llama's: one pass where the reference casts, normalizes and scales).
 
 Rows are read through two leading strides, so a transposed view (ViT's sequence-first
 attention output, say) is read where it lies instead of being copied first; outputs are
@@ -39,10 +38,8 @@ class Launch:
         return min(16, max(1, block * self.rows // self.per_warp))
 
 
-# The first is the default. At BERT-base batch 32's 4096 x 768 FP16 rows on the H200 (H200-layernorm-sweep.log):
-# 6.2 us with it, 5.1 with two rows per program and 1024 elements a warp; 7.4 against 6.4 (one row, one warp)
-# with an FP8 copy; ViT-B/16's 6304 rows 8.8 against 6.7. At batch 1 the default was as fast as any. The tactics
-# offer each (tactics/triton_tactics.py): the builder times them.
+# The first is the default; which is fastest depends on the row count and on an FP8 copy (see
+# docs/design/small-kernels.md). The tactics offer each (tactics/triton_tactics.py): the builder times them.
 LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024))
 
 

@@ -1,9 +1,9 @@
 """An image cast into channels-last with zero channels appended, in one pass: [N, C, H, W] of any float dtype and
 strides -> [N, C_OUT, H, W] channels-last of the layer's dtype, channels C..C_OUT-1 zero.
 
-Why: cuDNN runs ResNet-50's 7x7 RGB stem over 4 channels (the fourth zero, weights zero-padded to match) in
-8.7 us at batch 1 and 61.9 us at batch 32, against 13.2 and 84.1 us over 3 (H200, bench/results/
-H200-stem-conv.log). The engine casts the FP32 NCHW image into FP16 channels-last anyway; this kernel writes the
+Why: cuDNN runs a 7x7 RGB stem over 4 channels (the fourth zero, weights zero-padded to match) about a third
+faster than over 3 (see docs/design/stem.md). The engine casts the FP32 NCHW image into FP16 channels-last anyway;
+this kernel writes the
 padded layout in that same copy (engine/layout.py picks the convolutions, engine/interpreter.cast_for calls it).
 
 Reference: `reference` below (zeros, then a strided copy).

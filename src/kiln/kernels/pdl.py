@@ -6,10 +6,8 @@ nothing in a kernel launched without it. The Triton kernels issue them by start_
 ones by warp_specialized's wait_for_previous_kernel and let_next_kernel_start.
 
 A kernel launched with launch_options() must wait before its first read of an activation: the kernel before may
-still be writing it. On the H200 (2026-12-01, bench/results/H200-pdl-chain-1454.log, -1502.log, -1517.log)
-chains of ResNet-50's 8-bit bottleneck blocks ran 0.5-0.8 us a kernel faster with it at layers 1-3, outputs equal;
-at layer4's short kernels the two were within noise (-0.4 to +0.2 us a kernel); the host's time to launch the
-graph was the same.
+still be writing it. It saves a fraction of a microsecond a kernel in chains of short kernels (see
+docs/design/small-kernels.md).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
     oh = (rp // OW) % OH
     n = rp // (OW * OH)
     base = x_ptr + n * sxn
-    if INT8_IN:  # int8 maxima as integers: converting each value to float held the pool at 19 us (H200)
+    if INT8_IN:  # int8 maxima as integers: converting each value to float is slower (docs/design/small-kernels.md)
         acc = tl.full((BLOCK_P, BLOCK_C), -128, tl.int32)
     else:
         acc = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
@@ -47,8 +47,8 @@ def _max_pool_kernel(x_ptr, y_ptr, ys_ptr, C, H, W, OH, OW, P, sxn, sxc, sxh, sx
             ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             m = ok[:, None] & c_ok[None, :]
             src = (base + ih * sxh + iw * sxw)[:, None] + rc[None, :] * sxc
-            # The window's padding chosen after the load: with an int8 load's `other` instead, 3 of 640 maxima at
-            # the image's top row were wrong on the H200 (Triton 3.6; bench/results/H200-gpu-tests-0846-pool-int32.log)
+            # The window's padding chosen after the load: with an int8 load's `other` instead, some maxima at the
+            # image's top row were wrong under Triton 3.6 (see docs/design/small-kernels.md)
             v = tl.load(src, mask=m)
             if INT8_IN:
                 acc = tl.maximum(acc, tl.where(m, v.to(tl.int32), -128))

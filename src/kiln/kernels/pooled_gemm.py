@@ -2,10 +2,10 @@
 
 At batch 1 ResNet-50's head is a 7x7 average pool over 2048 channels and a 2048 -> 1000 classifier:
 about a microsecond of HBM traffic (4 MB of weights), but a pool kernel and a cuBLAS GEMM on 64x8
-tiles, 12-14 us on the H200. Here one program per (image, BLOCK_N outputs, BLOCK_K channels) sums
+tiles, several times that. Here one program per (image, BLOCK_N outputs, BLOCK_K channels) sums
 its channels over the pixels (an L2-resident [pixels, BLOCK_K] tile of x) and multiplies the sums into
 its [BLOCK_K, BLOCK_N] weight tile: one pass, no loop over K, so hundreds of programs each wait for
-one round of loads. (A first version looped over K in 32-125 programs and took 27-45 us.) The
+one round of loads (a loop over K was slower; see docs/design/small-kernels.md). The
 partial products meet in an FP32 sum by atomics; the last program of an output tile to arrive
 divides by the pixel count and applies bias and activation (workspace.py). No Tensor Cores: with
 one row per image a GEMV is bound by the weight read.

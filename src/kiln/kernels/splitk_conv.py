@@ -7,9 +7,9 @@ walks 1/S of K's iterations (conv.py's two walks: by (kh, kw, channel block), or
 and adds its FP32 partial product into a zeroed FP32 sum [M, OC] with atomics. The last of a tile's S
 programs to arrive (a per-tile counter) applies bias, residual z (broadcastable to the output, read
 through its strides) and the activation to the sum before the single store, so the layer is one
-kernel: at batch 1 a second reduction kernel cost about as much as the split saved (2-3 us and a
-launch gap per layer), and a last program that summed S stored partials itself was slower still
-(11.5 us against 8.6 for layer4's 3x3, H200). That program also zeroes the tile's sum and counter for
+kernel: at batch 1 a second reduction kernel costs about as much as the split saves, and a last
+program summing S stored partials itself is slower still (see docs/design/tactic-levels.md). That
+program also zeroes the tile's sum and counter for
 the next call. The atomics make the FP32 summation order vary from run to run (results differ in the
 last bits, as with any atomic split-K). S is the configuration's slice count, lowered so that no
 slice is empty.
@@ -67,10 +67,9 @@ def _splitk_conv_kernel(x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, sum_ptr, count_ptr, C
 
 
 # ResNet-50 at batch 1, 64x64 tiles: layer4's 3x3 (M = 49, OC = 512, 72 K iterations of 64 channels) has
-# 8 output tiles, layer3's (M = 196, OC = 256, 36 iterations) 16; 4-16 slices make 32-224 programs. On the
-# H200 (2026-11-30, 12:46 UTC) the builder chose them over cuDNN for 9 of ResNet-50's layers at batch 1
-# (s8 for 6, s16 for 3): layer3's 3x3 in 7.3 us against cuDNN's 8.3. A 32x64 tile with 8 slices was never
-# chosen and is no longer offered (each configuration is a Triton compile in a cold build).
+# 8 output tiles, layer3's (M = 196, OC = 256, 36 iterations) 16; 4-16 slices make 32-224 programs. Only
+# configurations the builder chooses are offered: each is a Triton compile in a cold build (see
+# docs/design/tactic-levels.md).
 CONFIGS = (SplitKConfig(4, 64, 64, 64), SplitKConfig(8, 64, 64, 64), SplitKConfig(16, 64, 64, 64))
 
 

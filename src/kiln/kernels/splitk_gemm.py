@@ -54,8 +54,7 @@ class SplitKConfig:
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * itemsize
 
 
-# Timed on the H200 at BERT's batch-1 shapes (M = 128; K = 768 and 3072, N = 768): 64x64 tiles over 4
-# slices were fastest, 2 slices close behind; larger tiles or 8 slices were slower.
+# The fastest at BERT's batch-1 shapes (M = 128; K = 768 and 3072, N = 768; see docs/design/tactic-levels.md).
 CONFIGS = (SplitKConfig(4, 64, 64, 64), SplitKConfig(2, 64, 64, 64), SplitKConfig(4, 64, 64, 128, num_stages=3))
 
 

@@ -3,8 +3,8 @@ written as the channels-last rows of the stride-1 convolution passes/stem_patche
 quantized for it when it is 8-bit.
 
 Each program owns a block of output pixels and writes their whole rows (64 values for a 7x7 stem), one
-contiguous store; 128 pixels a program ran fastest on the H200 (16.5 us at batch 32 INT8, 18.2 with 64 and 18.4
-with 256; bench/results/H200-stem-patches-0833.log). The image's values are read once per cell column a row
+contiguous store; 128 pixels a program is the fastest block (see docs/design/stem.md). The image's values are
+read once per cell column a row
 holds (four times for a 7x7 stem), the repeats from cache: the patches of a batch-32 224x224 image are 25.7 MB
 of int8 against 19.3 MB of FP32 image.
 

@@ -111,11 +111,8 @@ def _tma_conv_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
 
 
 # (config, lowest optimization level that offers it). 8-bit K tiles of 128 bytes (TMA's widest swizzle).
-# Chosen from a sweep on the H200 at ResNet-50's batch-32 3x3 convolutions (bench/conv_sweep.py,
-# 2026-11-30, bench/results/H200-conv-sweep.log): each level-3 8-bit tile was the fastest at one of the four
-# stages, 12-37% faster than conv.py's best there (INT8 30.9 / 14.7 / 15.1 / 18.3 us against 35.9 / 17.2 /
-# 17.2 / 29.0). The 16-bit ones matched cuDNN (44.2 / 27.3 / 26.0 us against 44.9 / 29.2 / 25.4, cuDNN's
-# including its ReLU pass) except at 7x7 (36.9 against 22.9): offered from level 4 only.
+# Each level-3 8-bit tile is the fastest at one of ResNet-50's 3x3 stages; the 16-bit ones only match cuDNN, so
+# they start at level 4 (see docs/design/tma-conv.md).
 CONFIGS: list[tuple[PatchConfig, int]] = [
     (PatchConfig(8, 16, 64, 64, 4, 4), 4),
     (PatchConfig(16, 8, 128, 64, 8, 4), 4),
@@ -128,18 +125,14 @@ QUANT_CONFIGS: list[tuple[PatchConfig, int]] = [
     (PatchConfig(8, 8, 128, 128, 4, 4), 3),
     (PatchConfig(8, 16, 128, 128, 4, 4), 4),
     (PatchConfig(8, 16, 128, 128, 8, 3), 4),
-    # 256-pixel patches of 64 channels, two per SM: at layer1's 56x56 64 -> 64 INT8 18.8 us and FP8 19.9, against
-    # 23.6 and 27.5 for 8x16x64x128 w4 s4, which both engines had taken there (H200, 2026-12-01,
-    # bench/results/H200-conv-tiles-0724-l1.log); four stages 19.6 / 21.0, 8 warps 27.2 / 29.0.
+    # 256-pixel patches of 64 channels, two per SM: the 64 -> 64 3x3s of 56x56 images
     (PatchConfig(8, 32, 64, 128, 4, 3), 3),
     # 16x16 patches walking K 64 channels at a time: the 8-bit stem's 4x1 convolution over 64 channels of stem
-    # patches (passes/stem_patches.py; K = 4 taps x 64) INT8 32.2 us and FP8 33.7 at batch 32, against 35.9 and
-    # 38.4 for 8x32x64x128 (H200, 2026-12-01, bench/results/H200-stem-patches-0833.log).
+    # patches (passes/stem_patches.py; K = 4 taps x 64; see docs/design/stem.md)
     (PatchConfig(16, 16, 64, 64, 4, 3), 3),
 ]
-# One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) ran
-# 1.7-6x slower than these at every ResNet-50 3x3 layer (H200, 2026-11-30, bench/results/H200-conv-sweep-1735.log),
-# so none is offered; the kernel still takes them.
+# One-row patches (a [1, 1, BLOCK_W, BLOCK_K] box, no reshape through registers: bench/sm90_compile.py) are
+# several times slower at every ResNet-50 3x3 layer, so none is offered; the kernel still takes them.
 
 
 def nhwc(t: torch.Tensor) -> torch.Tensor | None:
@@ -228,8 +221,8 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     out_box = [1, bh, bw, bn]
     y_desc = desc(y, out_box)
     tiles = N * triton.cdiv(OH, bh) * triton.cdiv(OW, bw) * triton.cdiv(OC, bn)
-    # At most two: three ran no faster at layer1, where the smaller K tile (64 channels) leaves room for them
-    # (H200, 2026-11-30, bench/results/H200-conv-sweep-layer1-x3.log: 8x16x64x128 w4 s4 23.6 us x2, 24.1 x3).
+    # At most two: three ran no faster where the smaller K tile (64 channels) leaves room for them (see
+    # docs/design/tma-conv.md).
     pipeline = replace(config, block_k=bk).pipeline_bytes(x.element_size())
     per_sm = programs_per_sm or min(2, resident_programs(config.num_warps, pipeline, bh * bw * bn, qtype))
     n_programs = min(per_sm * programs(x.device), tiles)

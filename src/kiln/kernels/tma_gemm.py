@@ -3,17 +3,14 @@
 kernels/gemm.py gathers its tiles with per-thread pointer loads. Here every tile moves by TMA
 descriptor (one bulk copy per tile; rows and columns past the edge read as zeros and are not
 written, so no masks and no wrapped indices) and a fixed grid of one program per SM walks the
-output tiles. Swept on the H200 (2026-11-30, against gemm.py and cuBLAS(Lt), CUDA graphs): it
-beat gemm.py on most 8-bit GEMMs (BERT's QKV in FP8 18.4 us against 25.5, and cuBLASLt's 23.6)
-and cuBLAS on ResNet-50's K=64 1x1 convolutions at batch 32 (21 us against 34); it lost to
-cuBLAS on BERT's FP16 GEMMs and to either with a GELU epilogue (erf in a 128x256 tile's epilogue
-spills registers). The builder times it against both, per layer.
+output tiles. It wins most 8-bit GEMMs and memory-bound 1x1 convolutions and loses to cuBLAS on
+large FP16 GEMMs and GELU epilogues, so the builder times it against both, per layer (see
+docs/design/tma-gemm.md).
 
 Where K fits one tile (ResNet-50's 1x1 convolutions over 64 and 128 channels) the kernel runs one loop over the
 output tiles instead of a loop over tiles and K, so that Triton's pipeliner issues every tile's loads, the
 residual's too, tiles ahead; in the nested loop the residual is loaded after the K loop and waited for at once
-(bench/sm90_compile.py shows both). On the H200 that took ResNet-50's INT8 and FP8 engines 3-5% faster
-(bench/results/H200-ab-one-k-*.log).
+(bench/sm90_compile.py shows both; see docs/design/tma-gemm.md).
 
 x [M, K], y [M, N] and a residual z [M, N] row-major; w either [K, N] row-major or, for 8-bit weights, K-major
 ([N, K] row-major, passed as its [K, N] transpose view): Hopper's 8-bit Tensor Core instruction
@@ -95,10 +92,8 @@ def _tma_gemm_kernel(x_desc, w_desc, y_desc, z_desc, q_desc, b_ptr, xs_ptr, ws_p
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     acc_dtype = tl.int32 if QUANT == "int8" else tl.float32
-    # The epilogue's column vectors loaded before the K loop, where the tile's registers leave room for them:
-    # layer1's 256 -> 64 INT8 1x1 (128x64x128) ran 12.2 -> 9.9 us, while 128-wide tiles spilled (ptxas: 248-956
-    # bytes) and ran 1.4-4.6x slower (H200, 2026-12-01, bench/results/H200-ab-early-columns-1110.log). The single
-    # loop (ONE_K) prefetches them tiles ahead anyway.
+    # The epilogue's column vectors loaded before the K loop, where the tile's registers leave room for them
+    # (wider tiles spill; see docs/design/tma-gemm.md). The single loop (ONE_K) prefetches them tiles ahead anyway.
     EARLY_COLUMNS: tl.constexpr = BLOCK_N <= 64
     if ONE_K:
         # the pipeliner issues loads that feed no dot (the residual, the scales) tiles ahead only when the loop
@@ -148,8 +143,8 @@ def residual_bytes(config: TileConfig, z_itemsize: int, single_loop: bool) -> in
 
 
 # (config, lowest optimization level that tries it). K tiles of 128 bytes, the widest TMA swizzle: 64
-# 16-bit values, 128 8-bit ones. Chosen from a sweep on the H200 at BERT's and ResNet-50's batch-32
-# shapes (2026-11-30): each level-3 tile was the fastest at one of them.
+# 16-bit values, 128 8-bit ones. Each level-3 tile is the fastest at one of BERT's and ResNet-50's shapes
+# (see docs/design/tma-gemm.md).
 CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(128, 256, 64, 8, 3), 3),
     (TileConfig(128, 128, 64, 4, 4), 3),
@@ -163,21 +158,16 @@ QUANT_CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(128, 64, 128, 4, 4), 3),
     (TileConfig(64, 128, 128, 4, 4), 3),
     (TileConfig(256, 128, 128, 8, 3), 4),
-    # 64-row tiles at three or four programs per SM: alone they ran ResNet-50's 8-bit 1x1 layers 8-16% faster than
-    # any two-per-SM tile (H200, bench/results/H200-int8-1x1-latency.log). Timed with their weights in L2 they also
-    # won 24 of BERT's 48 GEMMs, whose engine then ran slower (H200-quant-2022-bert.md); the builder now times
+    # 64-row tiles at three or four programs per SM, for memory-bound 8-bit 1x1 layers; the builder times them
     # with weights out of L2, as an engine reads them (tactics/timer.py).
     (TileConfig(64, 128, 64, 4, 2), 3),
     (TileConfig(64, 128, 128, 4, 2), 3),
     (TileConfig(64, 64, 128, 4, 2), 3),
-    # three stages: the single loop over tiles (K in one tile) at its best on ResNet-50's K = 64 layers, where four
-    # stages' prefetched residual tiles leave room for one program per SM (H200-int8-one-k.log: layer1's 64->256
-    # with residual, INT8 64x128x128 29.8 us, FP8 128x128x64 23.5, against 33.8 and 30.7 for the best tiles before)
+    # three stages: the single loop over tiles (K in one tile) at K = 64, where four stages' prefetched residual
+    # tiles leave room for only one program per SM
     (TileConfig(128, 128, 64, 4, 3), 3),
     (TileConfig(64, 128, 128, 4, 3), 3),
-    # 64-wide K and N tiles: layer1.0's 1x1 64 -> 64 INT8 7.6 us at two or three programs per SM (7.9 at the four
-    # `resident_programs` launches) against 9.1 for 128x64x128 s4, which the engine had taken, half its K tile zeros
-    # (H200, 2026-12-01, bench/results/H200-int8-1x1-64-latency-1013.log)
+    # 64-wide K and N tiles: K = 64 layers, where a 128-wide K tile would be half zeros
     (TileConfig(128, 64, 64, 4, 3), 3),
 ]
 
@@ -230,14 +220,8 @@ def resident_programs(num_warps: int, pipeline_bytes: int, tile_elems: int, qtyp
     """Persistent programs per SM for an 8-bit 4-warp tile: as many as its shared memory (operand pipeline plus a
     16-bit allowance for the epilogue's tiles) and registers allow, at most four; one for 16-bit and 8-warp tiles.
     Several programs hide one another's latencies: a program's epilogue (residual load, 8-bit stores) and, in
-    INT8, its unpipelined Tensor Core steps overlap the others' loads. Measured on the H200 (2026-11-30):
-    - two: ResNet-50's 8-bit 1x1 convolutions ran 15-40% faster (layer1's 64->256 with residual, 128x128x64 w4 s2:
-      47.1 -> 33.8 us; bench/results/H200-int8-1x1-sweep.log), its 3x3 ones in the TMA convolution 25-35% (layer1,
-      8x16x64x128 w4 s4: 31.0 -> 23.2 us; H200-conv-sweep-quantized-1739.log);
-    - three or four 64-row tiles beat every two-program tile by 8-16% (layer1's 64->256, 64x128x64 w4 s2 x4:
-      30.5 us; layer2's 512->128, 64x128x128 w4 s2 x3: 7.2 against 8.6; H200-int8-1x1-latency.log), while a
-      128x128 tile, whose int32 accumulator takes 128 registers a thread, ran no faster with more than two;
-    - every 8-warp tile ran no faster or slower with two."""
+    INT8, its unpipelined Tensor Core steps overlap the others' loads. A 128x128 tile's int32 accumulator takes
+    128 registers a thread, so it gets two; 8-warp tiles gain nothing from a second (see docs/design/tma-gemm.md)."""
     if not qtype or num_warps != 4:
         return 1
     by_registers = 2 if tile_elems // (32 * num_warps) >= 128 else 4

@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 # Registers a thread. A warp-specialized kernel runs as 8 warps (the loader's one padded to a warpgroup) and by
 # default asks for 256 registers a thread, the whole register file for one program, handing the loader 24 of them
 # (setmaxnreg). Capped at 128, every warp keeps 128 (no setmaxnreg is emitted) and two programs share an SM; three
-# would need 85, below what ptxas can compile these kernels in (sm_90 PTX from Triton 3.8, 2026-12-01).
+# would need 85, below what ptxas can compile these kernels in (sm_90 PTX).
 MAXNREG = 128
 LOADER_REGS = gl.constexpr(24)  # the loader's registers where no cap is set
 

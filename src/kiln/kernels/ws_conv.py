@@ -6,15 +6,13 @@ the [N, H/2, 2, W/2, 2C] view). What differs is what Triton's compiler would not
 (bench/sm90_compile.py): here a one-warp loader partition fills a ring of shared-memory stages by TMA and runs
 ahead into the next output tile, while a 4-warp partition reads each box as the wgmma's left tile straight from
 shared memory (a reshaped view, not through registers), keeps one 8-bit wgmma in flight, and runs the epilogue.
-Nsight Compute had found tma_conv latency-bound (Tensor Cores 22-30% busy, bench/results/H200-ncu-*-1108.log).
+Nsight Compute found tma_conv latency-bound, its Tensor Cores mostly idle (see docs/design/gluon-kernels.md).
 
 The epilogue is gemm.finish's arithmetic for this case (x_scale * w_scale[oc], bias, the ReLU and the next layer's
 8-bit quantization, warp_specialized.quantize8), with 1 / y_scale folded into the column vectors: the same codes
-as tma_conv's but where a value sits at a rounding tie (then one step away). On the H200 at ResNet-50's batch-32
-stride-1 3x3 INT8 layers (2026-12-01, bench/results/H200-gluon-conv-1214.log, outputs equal): layer2 11.2 us against
-tma_conv's 15.2, layer3 10.1 against 13.9, layer4 12.2 against 18.1; the stride-2 3x3s 10.0-10.9 against 14.0-15.2,
-and FP8 alike (H200-ws-gluon-conv-1217.log, H200-ws-gluon-conv-fp8-1217.log). At layer1's 64 channels it is no
-faster streaming its weights, 11% faster keeping them (WsConfig.resident_weights).
+as tma_conv's but where a value sits at a rounding tie (then one step away). It runs ResNet-50's 3x3 layers a
+quarter to a third faster than tma_conv; at 64 channels only when it keeps its weights in shared memory
+(WsConfig.resident_weights).
 
 Takes: a QConv (INT8 or FP8) with an 8-bit output, ReLU or no activation, any bias, no residual and no 8-bit
 copy; stride 1 or 2, dilation 1, C a whole number of K tiles, OC of output-channel tiles; a Hopper GPU
@@ -92,12 +90,9 @@ class WsConfig:
 RESIDENT_BYTES = 64 * 1024  # the most weight bytes a program keeps (a 3x3 64 -> 64 filter is 36 KB)
 
 
-# (config, lowest optimization level that offers it), from the H200 sweep of 2026-12-01 (batch 32, INT8,
-# bench/results/H200-gluon-conv-1214.log): 8x8 at four stages two an SM was fastest at layer4 (12.2 us),
-# 8x16 at three two an SM at layer2 (11.3), 16x8 at four one an SM at layer3 (10.1). The 64-channel tiles are
-# for layer1's 64 -> 64 3x3 (K tiles of 64: C itself); there the resident-weight ones ran 16.9-17.3 us against
-# 19.5-20.0 streaming their weights and tma_conv's 19.2, INT8 and FP8 (H200-ws-gluon-conv-layer1-resident-1358.log;
-# an 8x8 one 19.7-19.9).
+# (config, lowest optimization level that offers it): each the fastest at one of ResNet-50's 3x3 stages; the
+# 64-channel tiles are for 64 -> 64 3x3s (K tiles of 64: C itself), where resident weights win (see
+# docs/design/gluon-kernels.md).
 CONFIGS: list[tuple[WsConfig, int]] = [
     (WsConfig(8, 8, 128, 128, 4, 2), 3),
     (WsConfig(8, 16, 128, 128, 3, 2), 3),

@@ -8,14 +8,9 @@ scale, the ReLU and the next layer's 8-bit quantization, warp_specialized.quanti
 the column vectors and the residual's scale: one multiply a value less, and the same codes as tma_gemm's but where a
 value sits at a rounding tie (then one step away). A GELU (erf or tanh form) is computed in the tanh form by the
 SFU's tanh (gelu_tanh), about 1e-3 from the erf form where an 8-bit output's step is 1/16 of the value or more:
-with two programs an SM, one's epilogue runs while the other's MMAs do, and BERT-base's FFN1 at batch 32 (FP8, H200,
-H200-gluon-gemm-bert-1805.log) took 20.3 us against cuBLASLt's 24.1 with its own tanh-form GELU epilogue; QKV
-(no activation) 15.8 us, as cuBLASLt.
-On the H200 at ResNet-50's batch-32 INT8 1x1 layers (2026-12-01, bench/results/H200-gluon-gemm-1214.log, outputs
-equal) the best tile ran 4-15% faster than the INT8 engine's tma_gemm tile: layer1's 64 -> 256 with residual 21.7 us
-against 24.3, its 256 -> 64 8.5 against 10.0, layer2's 128 -> 512 with residual 12.5 against 13.0, layer3's 256 ->
-1024 9.5 against 10.0; a second sweep (H200-ws-gluon-gemm-1230.log) found layer4's 512 -> 2048 8.7 against 9.9, and
-tma_gemm 7-8% faster at layer2's 512 -> 128. The builder times both.
+with two programs an SM, one's epilogue runs while the other's MMAs do, which lets a GELU epilogue keep pace with
+the MMAs. It beats tma_gemm at most of ResNet-50's 8-bit 1x1 layers but not all, so the builder times both (see
+docs/design/gluon-kernels.md).
 
 Takes: a 1x1 stride-1 QConv over channels-last pixels or a QGemm (row-major x, K-major weights), INT8 or FP8, with
 an 8-bit output, ReLU, GELU or no activation, any bias, an 8-bit residual at its own scale or none (none with a
@@ -72,12 +67,8 @@ class WsGemmConfig:
         return self.stages * ((self.block_m + self.block_n) * block_k + 16) + tile * (1 + 2 * residual) + 32
 
 
-# (config, lowest optimization level that offers it): the fastest tiles of the H200 sweeps of 2026-12-01 (batch 32,
-# two programs an SM; bench/results/H200-gluon-gemm-1214.log, H200-ws-gluon-gemm-1230.log, INT8 and FP8): 128x128
-# at layer1's 64 -> 256, layer2's 128 -> 512 and layer4's 512 -> 2048 (two stages ran as fast as three and four),
-# 128x64 at layer1's 256 -> 64 and layer3's 256 -> 1024. A 64x128 tile was never the fastest.
-# At BERT-base's batch-32 FP8 GEMMs (K = 768) the 128x128 tile ran fastest with three stages (H200, 2026-12-01,
-# H200-gluon-gemm-bert-1805.log): FFN1 with its GELU 20.3 us against two stages' 22.1 and cuBLASLt's 24.1.
+# (config, lowest optimization level that offers it): each the fastest at some of ResNet-50's 1x1 layers or
+# BERT-base's GEMMs (three stages at K = 768), two programs an SM (see docs/design/gluon-kernels.md).
 CONFIGS: list[tuple[WsGemmConfig, int]] = [
     (WsGemmConfig(128, 128, 2, 2), 3),
     (WsGemmConfig(128, 128, 3, 2), 3),
@@ -102,7 +93,7 @@ def _loader(x_desc, w_desc, z_desc, a_bufs, b_bufs, z_bufs, ready, empty, z_read
     for tile in range(gl.program_id(0), tiles, programs):
         off_m = (tile // tiles_n) * BLOCK_M  # the column tiles of a row block are neighbours: x read once from L2
         off_n = (tile % tiles_n) * BLOCK_N
-        if HAS_Z:  # two residual buffers (a third was slower, 2026-12-01 16:09): the next tile's arrives while the
+        if HAS_Z:  # two residual buffers (a third was slower): the next tile's arrives while the
             zb = t % 2  # MMA partition adds this one's
             mbarrier.wait(z_empty.index(zb), ((t // 2) & 1) ^ 1)
             mbarrier.expect(z_ready.index(zb), z_desc.block_type.nbytes)

@@ -1,8 +1,8 @@
 """Global average pool -> flatten -> FusedGemm -> kiln::PooledGemm: a CNN's head as one layer.
 
 Exporters write ResNet's head as ReduceMean over H and W (keepdims) or GlobalAveragePool, a Reshape to
-[-1, C] (or Flatten), then the classifier GEMM. At batch 1 that is a pool kernel (6 us) and a cuBLAS
-GEMM on 64x8 tiles reading 4 MB of weights (7 us) on the H200; one of the fused layer's tactics pools
+[-1, C] (or Flatten), then the classifier GEMM. At batch 1 that is a pool kernel and a cuBLAS
+GEMM on 64x8 tiles reading 4 MB of weights (docs/design/small-kernels.md); one of the fused layer's tactics pools
 and multiplies in a single kernel.
 """
 

@@ -10,10 +10,9 @@ fuse_qdq turns each pattern into an INT8 layer.
 
 A convolution over fewer than MIN_CHANNELS input channels per group (a network's RGB stem) stays in
 float: an 8-bit Tensor Core step sums 32 channels, so 3 channels waste most of it, and no 8-bit kernel
-here takes it (it ran as a float fallback). On the H200 (2026-11-30) ResNet-50's INT8 stem at batch 32
-came with 13 per-call kernels, about 60 us, quantizing the image, dequantizing the weights and padding
-channels, before the same 60 us cuDNN convolution an FP16 stem runs; the FP16 stem needs one 9 us pad
-kernel (engine/layout.py). A stride-2 stem over an image no longer reaches this pass as such: stem_patches ran
+here takes it: quantized, it would add per-call kernels that quantize the image, dequantize the weights and
+pad channels before the same float convolution (see docs/design/stem.md). A stride-2 stem over an image does not
+reach this pass as such: stem_patches ran
 first and made it a convolution over 64 channels.
 """
 
@@ -53,7 +52,7 @@ KEPT_IN_FLOAT = "kept in float"  # how the note of a layer this pass leaves unqu
 def _fp8_gemm_amax(graph: Graph, view: View) -> dict[str, torch.Tensor]:
     """{GEMM name: the max|w| its FP8 weights are scaled by}: its own, or for GEMMs that read one input (Q, K and
     V) the largest of theirs, so merge_parallel_gemms keeps one weight scale, the only kind cuBLASLt's FP8 GEMM
-    takes on Hopper (it offers no per-channel FP8 scales there; H200, 2026-11-30). FP8 is a float: a larger
+    takes on Hopper (it offers no per-channel FP8 scales there; see docs/design/cublaslt.md). FP8 is a float: a larger
     scale moves a weight down its binades at the same relative precision, losing bits only below 2^-6 of
     the scale, so sharing costs nothing measurable while the max|w| are within SHARED_FP8_RANGE."""
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}

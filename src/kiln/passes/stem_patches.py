@@ -2,9 +2,7 @@
 stride-1 convolution over many channels, which then quantizes like the rest of the network.
 
 Three input channels waste most of an 8-bit Tensor Core step (32 channels), so insert_qdq leaves such a
-convolution in float, and on the H200 ResNet-50's float stem cost its 8-bit engines as much as the FP16 one:
-61 us for cuDNN's first-layer kernel over 4 channels, 9 us to pad the image, 20 us to max-pool the 51 MB FP16
-output (batch 32, bench/results/H200-trace-resnet50-b32-int8-level4-0741.md).
+convolution in float, where it costs an 8-bit engine as much as an FP16 one (see docs/design/stem.md).
 
 Stride 2 splits the image into 2x2 cells (space-to-depth: 4 phases x C channels per cell), and a KH x KW kernel
 with padding p becomes a kernel of about KH/2 x KW/2 cells. The patches op (kiln::StemPatches) writes for each

@@ -1,8 +1,8 @@
 """Layers that gain nothing from INT8/FP8 stay in float: the builder's timings decide, as TensorRT's do.
 
 Quantizing a layer is a permission, not an order (TensorRT's --precisionConstraints=none, Kiln's default): a
-quantized GEMM whose 8-bit tactics are slower than the float ones (BERT-base's FFN1 in INT8 on the H200: 41 us
-on Triton's INT8 tile against 34 us on cuBLASLt in FP16) should run in float. So, on a GPU build:
+quantized GEMM whose 8-bit tactics are slower than the float ones (BERT-base's FFN1 in INT8: see
+docs/design/small-kernels.md) should run in float. So, on a GPU build:
 
 1. Build the quantized engine, every quantizable layer quantized (precision constraints "obey"), and the same
    model in the build's float precision, both timing their tactics into one timing cache.
@@ -180,7 +180,7 @@ def _choose(proto, config, base, build, latency):
         report["engines_built"] += 1
         rounds = _in_turn(latency, best, trial)
         # The fastest of every timing of the engine to beat, earlier trials' included: noise only slows a run, and
-        # a slow re-timing must not let a slower mix in (ResNet-50 FP8, 04:35: 865 us, then 917 for the same engine).
+        # a slow re-timing must not let a slower mix in.
         best_us = min([best_us] + [b for b, _ in rounds])
         trial_us = min(t for _, t in rounds)
         faster = trial_us < best_us * (1 - GAIN)

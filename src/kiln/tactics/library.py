@@ -159,7 +159,7 @@ def _cublaslt_float(algo: int):
     """FusedGemm at FP16/BF16 on cuBLASLt's kernels that need no scratch, bias and activation in the epilogue, as
     one tactic per heuristic choice `algo`. torch's addmm (above) always offers cuBLASLt a workspace, and with one
     cuBLASLt picks, for BERT's GELU GEMM, a kernel that clears a buffer first: a memset node before every such
-    GEMM in a CUDA graph, after which the GEMM started 3-4 us late (H200, kernels/cublaslt.py MAX_WORKSPACE)."""
+    GEMM in a CUDA graph, which delays the GEMM (see docs/design/cublaslt.md)."""
 
     def spec(node, rows, w, b):
         return cublaslt.spec_of(rows, w, b is not None, node.attr("activation", ""), False, rows.dtype)
@@ -403,9 +403,8 @@ def _cudnn_qconv(plan: int):
     return applies, run, workspace
 
 
-# Level 3 (the default): in ResNet-50's batch-32 INT8 engine (H200) the builder takes them for 21 layers (stages
-# 2-4's 3x3 among them), and the same-process A/B without them ran 7.1% slower (724.9 against 776.3 us,
-# bench/results/H200-ab-level4-cudnn-int8-0821.log). They cost build time: cuDNN compiles each graph it times.
+# Level 3 (the default): they win many of ResNet-50's 8-bit 3x3 layers (see docs/design/tactic-levels.md). They
+# cost build time: cuDNN compiles each graph it times.
 # Registered only with cudnn-frontend installed, so that loading an engine that needs them elsewhere is refused.
 for _plan in range(cudnn_conv.PLANS if cudnn_conv.cudnn is not None else 0):
     _applies, _run, _workspace = _cudnn_qconv(_plan)

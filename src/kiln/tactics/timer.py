@@ -10,8 +10,8 @@ captured (it synchronizes with the host, say) is timed call by call instead.
 In an engine a layer's weights were last read one inference earlier, with the rest of the network's
 weights and activations passing through L2 since: at batch 32 they come from memory, while its input,
 just written by the layer before, is still in L2. Calling a candidate over and over keeps its weights
-in L2 and favours tiles that hide memory latency worst (BERT-base's INT8 engine ran its GEMMs 14% slower
-than the builder's timing of them, H200 2026-11-30). So the selector times quantized layers' candidates
+in L2 and favours tiles that hide memory latency worst (see docs/design/timing.md). So the selector times
+quantized layers' candidates
 each after `before`, an `L2Reset`: a read of twice L2's size, then of the layer's activation inputs. The
 time of `before` alone, measured the same way once per layer, is subtracted from each candidate's. (select.py
 says why float layers are not.)

@@ -225,7 +225,7 @@ def _splitk_applies(cfg):
         from .triton_tactics import gemm_ln_ok
 
         x = args[0]
-        # Small M only: on the H200 cuBLAS already won at M = 512 (BERT's shapes), larger M is not worth timing.
+        # Small M only: cuBLAS already wins at M = 512 (BERT's shapes; see docs/design/tactic-levels.md).
         return (gemm_ln_ok(node, args) and x.dtype in (torch.float16, torch.bfloat16)
                 and _fits(x, cfg.smem_bytes(x.element_size())) and _flat_rows(x) is not None
                 and x.numel() // x.shape[-1] <= 512)
@@ -275,9 +275,8 @@ def _pooled_gemv_run(cfg):
     return run
 
 
-# Float GEMM/convolution tiles are offered one level above their CONFIGS level. At level 4 on the H200
-# (2026-11-30) they made ResNet-50 faster (batch 1 0.427 -> 0.403 ms, batch 32 1.155 -> 1.110) and took
-# the cold build to 15 s; BERT's GEMMs stayed on cuBLAS at every batch. Too little for the default.
+# Float GEMM/convolution tiles are offered one level above their CONFIGS level: they gain a few percent on
+# ResNet-50 for a much longer cold build (see docs/design/tactic-levels.md).
 _LEVEL_SHIFT = 1
 
 
@@ -294,7 +293,7 @@ def _register() -> None:
     for cfg in splitk_conv.CONFIGS:
         tactic("FusedConv", f"triton_conv_splitk_{cfg.name}", _conv_splitk_applies(cfg),
                level=3)(_conv_splitk_run(cfg))
-    for cfg, level in attention.CONFIGS:  # at their own level: cuDNN's SDPA adds a memset and ~4 us per call
+    for cfg, level in attention.CONFIGS:  # at their own level: cuDNN's SDPA adds a memset per call
         tactic("Attention", f"triton_flash_{cfg.name}", _flash_applies(cfg), level=level)(_flash_run(cfg))
     for cfg, level in gemm.QUANT_CONFIGS:
         tactic("QGemm", f"triton_qgemm_{cfg.name}", _gemm_applies(cfg, True), level=level)(_gemm_run(cfg, True))

@@ -6,10 +6,8 @@
   FusedConv  triton_tma_conv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages>  stride-1/2 convolutions (kernels/tma_conv.py),
   QConv      triton_tma_qconv_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages> their INT8/FP8 form; not 1x1 stride 1
 Each configuration is offered at its CONFIGS / QUANT_CONFIGS level, except that float GEMMs start at
-level 4: on the H200 cuBLAS won every BERT/ViT-shaped FP16 GEMM, so timing them by default only costs
-build time; ResNet-50's 1x1 convolutions over 64 channels are where the TMA kernel beat cuBLAS.
-Measured in whole engines (H200, 2026-11-30, same process, interleaved): at batch 32 the builder chose it
-for 10-13 of ResNet-50's 1x1 convolutions, and the engine ran 0-0.6% faster than without these tactics.
+level 4: cuBLAS wins transformer-shaped FP16 GEMMs, so timing them by default would only cost build time
+(see docs/design/tactic-levels.md).
 """
 
 from __future__ import annotations

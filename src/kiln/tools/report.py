@@ -235,7 +235,7 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
                  budgets=None, samples=None, shapes=None, profile: int = 0, iterations: int = 100,
                  warmup_ms: float = 200.0, profile_iterations: int = 5, run_bench: bool = True,
                  device: str = "auto", command: str = "", on_step=None, calib_cache=None,
-                 calib_validation=None) -> Report:
+                 calib_validation=None, samples_label: str | None = None) -> Report:
     """Measure and answer the four litmus tests for an engine (Engine or .kiln path)."""
     from . import bench as bench_tool
     from . import compare as compare_tool
@@ -283,8 +283,11 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
     if reference is not None:
         step("comparing with the reference")
         try:
-            rep.compare = compare_tool.compare(reference, engine, samples or data_samples, profile=profile,
-                                               shapes=shapes)
+            given = samples if samples is not None else data_samples
+            label = (samples_label or "given samples") if samples is not None else \
+                (f"--data {data} (first chunk)" if data_samples is not None else None)
+            rep.compare = compare_tool.compare(reference, engine, given, profile=profile, shapes=shapes,
+                                               inputs=label)
         except KilnError as e:
             rep.compare_error = str(e)
     if data is not None:
@@ -377,9 +380,14 @@ def _answer(rep: Report) -> None:
     if rep.compare is not None:
         cmp = rep.compare
         worst = max((o.abs_err.get("max", 0.0) for o in cmp.outputs), default=0.0)
-        statuses.append("pass" if cmp.passed else "fail")
-        parts.append(f"outputs {'match' if cmp.passed else 'DO NOT match'} the reference (max abs error {worst:.3g}, "
-                     f"{cmp.samples} sample(s))")
+        # The verdict, not `passed`: an INCONCLUSIVE (vacuous) check neither matches nor mismatches.
+        verdict = cmp.verdict
+        statuses.append({"PASSED": "pass", "FAILED": "fail"}.get(verdict, "warn"))
+        said = {"PASSED": "match", "FAILED": "DO NOT match"}.get(
+            verdict, "are within tolerance of, but the check is vacuous (a constant output would pass it), so "
+                     "this does not show they match,")
+        parts.append(f"outputs {said} the reference (max abs error {worst:.3g}, {cmp.samples} sample(s) of "
+                     f"{_inputs_text(cmp)})")
     elif rep.compare_error:
         statuses.append("fail")
         parts.append(f"compare failed: {rep.compare_error}")
@@ -592,18 +600,39 @@ def render_html(rep: Report) -> str:
     return "".join(out)
 
 
+def _inputs_text(cmp) -> str:
+    """Where the compared inputs came from; synthetic ones say so, and how each was drawn."""
+    if getattr(cmp, "synthetic", False):
+        rules = "; ".join(f"{k}: {v}" for k, v in (cmp.synthetic_rules or {}).items())
+        return "SYNTHETIC inputs, not data" + (f" ({rules})" if rules else "")
+    return getattr(cmp, "inputs", "") or "given samples"
+
+
+_VERDICT_STATUS = {"PASSED": "pass", "FAILED": "fail", "INCONCLUSIVE": "warn"}
+
+
+def _result_text(o) -> str:
+    if o.reason:
+        return o.reason
+    if o.verdict == "INCONCLUSIVE":
+        return (f"within tolerance, but vacuous: the constant {o.constant_that_passes:.5g} would pass too"
+                if o.constant_that_passes is not None else "within tolerance, but vacuous")
+    return "within tolerance"
+
+
 def _accuracy_html(rep: Report) -> str:
     out = []
     cmp = rep.compare
     if cmp is not None:
-        out.append(f"<p>Reference: {escape(cmp.reference)}; {cmp.samples} input sample(s). An element passes when "
+        out.append(f"<p>Reference: {escape(cmp.reference)}; {cmp.samples} input sample(s) of "
+                   f"{escape(_inputs_text(cmp))}. An element passes when "
                    "|engine &minus; ref| &le; atol + rtol&middot;|ref|.</p>")
         rows = []
         for o in cmp.outputs:
-            rows.append([_Raw(_badge("pass" if o.passed else "fail")), o.name, _tolerance(o),
+            rows.append([_Raw(_badge(_VERDICT_STATUS.get(o.verdict, "fail"))), o.name, _tolerance(o),
                          _g(o.abs_err.get("max")), _g(o.abs_err.get("median")), _g(o.abs_err.get("p99")),
                          _g(o.rel_err.get("max")), f"{o.engine_nan}/{o.engine_inf}", _g(o.min_atol),
-                         o.reason or "within tolerance"])
+                         _result_text(o)])
         out.append(_table(["", "Output", "atol / rtol", "max abs", "median abs", "p99 abs", "max rel",
                            "NaN/Inf", "min atol to pass", "Result"], rows, num_cols=(3, 4, 5, 6, 8)))
         out.append('<div class="plots">')
@@ -712,13 +741,14 @@ def render_markdown(rep: Report) -> str:
     L += ["## 3. Accuracy", ""]
     cmp = rep.compare
     if cmp is not None:
-        L += [f"Reference: {cmp.reference}; {cmp.samples} input sample(s).", ""]
+        L += [f"Reference: {cmp.reference}; {cmp.samples} input sample(s) of {_inputs_text(cmp)}.", ""]
         L += _md_table(["", "Output", "atol / rtol", "max abs", "median abs", "p99 abs", "max rel", "NaN/Inf",
                         "min atol to pass", "Result"],
-                       [[f"**{'PASS' if o.passed else 'FAIL'}**", o.name, _tolerance(o),
+                       [[f"**{ {'PASSED': 'PASS', 'FAILED': 'FAIL'}.get(o.verdict, o.verdict)}**", o.name,
+                         _tolerance(o),
                          _g(o.abs_err.get("max")), _g(o.abs_err.get("median")), _g(o.abs_err.get("p99")),
                          _g(o.rel_err.get("max")), f"{o.engine_nan}/{o.engine_inf}", _g(o.min_atol),
-                         o.reason or "within tolerance"] for o in cmp.outputs])
+                         _result_text(o)] for o in cmp.outputs])
         for o in cmp.outputs:
             if o.histogram:
                 L += [f"Absolute error of '{o.name}':", "", "```"] + render_histogram(o.histogram) + ["```", ""]
@@ -812,6 +842,7 @@ def run(args) -> int:
     rep = build_report(engine, engine_label=args.engine, latency_target=args.latency_target,
                        latency_stat=args.latency_stat, traffic=args.traffic, reference=args.reference, data=args.data,
                        metrics=metrics, budgets=budgets, samples=samples, shapes=shapes, profile=args.profile,
+                       samples_label=f"--loadInputs {args.loadInputs}" if args.loadInputs else None,
                        iterations=args.iterations, warmup_ms=args.warmUp, profile_iterations=args.profileIterations,
                        run_bench=not args.no_bench, command=command, calib_cache=args.calibCache,
                        calib_validation=args.calibValidation,
