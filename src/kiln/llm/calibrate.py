@@ -32,11 +32,9 @@ def calibration_windows(ids, window: int) -> list[torch.Tensor]:
     return [ids[i:i + window] for i in range(0, ids.numel(), window)]
 
 
-def calibrate_kv_scales(model, ids, kv_cache_dtype, *, window: int = 512, chunk: int = 256):
-    """[(k_scale, v_scale)] per layer, FP32 [num_kv_heads] each, for an FP8 or INT8 cache (torch dtype or name)."""
-    dtype = {"fp8": FP8, "int8": torch.int8}.get(kv_cache_dtype, kv_cache_dtype)
-    if dtype not in EIGHT_BIT:
-        raise ConfigError(f"KV scales are for fp8 or int8 caches, not {kv_cache_dtype!r}.")
+def kv_absmax(model, ids, *, window: int = 512, chunk: int = 256) -> torch.Tensor:
+    """FP32 [num_layers, 2 (K, V), num_kv_heads]: the largest |value| the cache held for each KV head while the
+    calibration tokens ran (windows of at most `window` tokens, each its own sequence)."""
     cfg = model.cfg
     amax = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads)
     with torch.inference_mode():
@@ -48,19 +46,33 @@ def calibrate_kv_scales(model, ids, kv_cache_dtype, *, window: int = 512, chunk:
                 for j, c in enumerate((cache.k, cache.v)):
                     tokens = c[written].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:piece.numel()]
                     amax[n, j] = torch.maximum(amax[n, j], tokens.float().abs().amax(dim=(0, 2)).cpu())
+    return amax
+
+
+def kv_scales_from_absmax(amax: torch.Tensor, kv_cache_dtype):
+    """[(k_scale, v_scale)] per layer from kv_absmax's maxima: FP8 amax / 448 (one per layer, repeated over the
+    KV heads), INT8 amax / 127 per KV head. Refuses maxima that are zero or not finite."""
+    dtype = {"fp8": FP8, "int8": torch.int8}.get(kv_cache_dtype, kv_cache_dtype)
+    if dtype not in EIGHT_BIT:
+        raise ConfigError(f"KV scales are for fp8 or int8 caches, not {kv_cache_dtype!r}.")
     if not torch.isfinite(amax).all():
         raise InputError("calibration produced non-finite keys or values: the model overflows on this text.")
-    top = FP8_MAX if dtype == FP8 else INT8_MAX
-    if dtype == FP8:  # one scale per layer
-        amax = amax.amax(dim=2, keepdim=True).expand_as(amax)
-    for n in range(cfg.num_layers):
+    for n in range(amax.shape[0]):
         for j, name in enumerate("KV"):
             if (amax[n, j] <= 0).any():
                 raise InputError(f"calibration saw only zeros in layer {n}'s {name} cache (KV head "
                                  f"{int((amax[n, j] <= 0).nonzero()[0])}); give a longer, representative --calib "
                                  "text.")
-    scales = (amax / top).float()
-    return [(scales[n, 0].contiguous(), scales[n, 1].contiguous()) for n in range(cfg.num_layers)]
+    if dtype == FP8:  # one scale per layer
+        amax = amax.amax(dim=2, keepdim=True).expand_as(amax)
+    scales = (amax / (FP8_MAX if dtype == FP8 else INT8_MAX)).float()
+    return [(scales[n, 0].contiguous(), scales[n, 1].contiguous()) for n in range(amax.shape[0])]
+
+
+def calibrate_kv_scales(model, ids, kv_cache_dtype, *, window: int = 512, chunk: int = 256):
+    """[(k_scale, v_scale)] per layer, FP32 [num_kv_heads] each, for an FP8 or INT8 cache (torch dtype or name)."""
+    kv_scales_from_absmax(torch.ones(1, 2, 1), kv_cache_dtype)  # refuse a float cache before running anything
+    return kv_scales_from_absmax(kv_absmax(model, ids, window=window, chunk=chunk), kv_cache_dtype)
 
 
 def describe_kv_scales(scales, dtype) -> dict:
