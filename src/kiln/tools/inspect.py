@@ -341,6 +341,11 @@ def describe_finding(f: dict) -> str:
     if kind == "precision":
         return (f"layer '{f.get('layer')}' runs in {f.get('actual')}, the build requested {f.get('requested')}: "
                 f"{f.get('reason') or 'no reason recorded'}")
+    if kind == "precision-search":
+        from ..quant import search
+
+        if hasattr(search, "summary"):
+            return "\n".join(search.summary(f))
     if kind == "precision-by-speed":
         tried = f.get("kept_in_float") or f.get("tried_in_float") or []
         groups = "; ".join(f"{', '.join(k['layers'])} ({k['float_us']} us in float against {k['quantized_us']})"
