@@ -1,13 +1,16 @@
 """LLMEngine and LLM: requests in, tokens and text out, in vLLM's shape.
 
 `LLMEngine` holds the model runner, the block manager and the scheduler; each `step()` schedules one batch,
-runs it, samples, detokenizes incrementally and applies the stop rules. `LLM` wraps it for offline use
+runs it, samples, detokenizes incrementally and applies the stop rules. With `tensor_parallel_size=N` the model
+is split over N processes (tp_workers.py, parallel.py); the scheduler, the block manager and the sampler stay here
+on rank 0. `LLM` wraps it for offline use
 (`generate`, `stream`, `chat`).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,11 +20,13 @@ from kiln.errors import ConfigError, InputError, ModelError
 from kiln.llm.config import ModelConfig
 from kiln.llm.kv_cache import BlockManager
 from kiln.llm.model import DecoderModel
+from kiln.llm.parallel import Shard, check_tensor_parallel, shard_quantized
 from kiln.llm.runner import ModelRunner, kv_cache_torch_dtype
 from kiln.llm.sampling import SamplingParams
 from kiln.llm.scheduler import Scheduler
 from kiln.llm.sequence import Sequence
 from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+from kiln.llm.tp_workers import Workers, init_group, rank_devices
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
@@ -87,6 +92,52 @@ def load_model(path) -> tuple[dict, dict, Tokenizer, dict]:
     return (*load_hf_dir(p), {})
 
 
+def build_rank_model(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, device: torch.device, shard: Shard,
+                     quantization: str | None, quantized_weights: dict | None) -> DecoderModel:
+    """This rank's DecoderModel: its shard of the weights, with a built engine's quantized matrices (cut to the
+    shard) or the weights quantized at load."""
+    from kiln.llm import quantize
+
+    model = DecoderModel(cfg, tensors, dtype, device, shard=shard)
+    if quantized_weights:  # a .kiln engine's stored matrices
+        if shard.active:
+            quantized_weights = {k: shard_quantized(cfg, k, q, model.layout) for k, q in quantized_weights.items()}
+        quantize.install(model, quantized_weights)
+    elif quantization not in (None, "none"):
+        # Per output channel: a column-parallel shard's scales are the full matrix's; a row-parallel shard's are
+        # those of its own columns.
+        quantize.quantize_model(model, quantize.check_method(quantization))
+    return model
+
+
+def kv_blocks_that_fit(model: DecoderModel, kv_dtype: torch.dtype, block_size: int, max_model_len: int,
+                       utilization: float, max_tokens: int, max_seqs: int) -> int:
+    """KV blocks for this rank's pool: on CUDA what free memory holds beside the weights and the activations."""
+    if model.device.type != "cuda":
+        return max(64, -(-max_model_len // 16) * 4)  # CPU: room for a few full-length sequences
+    if not 0 < utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization = {utilization}: must be in (0, 1].")
+    cfg = model.cfg
+    per_block = 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    free, total = torch.cuda.mem_get_info(model.device)
+    # Activations of the largest step, the logits of a full decode batch and CUDA graphs' pools.
+    act = max_tokens * (3 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim) * 4
+    reserve = act + max_seqs * cfg.vocab_size * 4 * 3 + (1 << 30)
+    budget = int(total * utilization) - (total - free) - reserve
+    if budget < per_block:
+        raise ConfigError(f"no GPU memory left for the KV cache on {model.device} (free {free / 2**30:.1f} GiB of "
+                          f"{total / 2**30:.1f}); lower max_num_batched_tokens or raise gpu_memory_utilization.")
+    return budget // per_block
+
+
+def _release(workers: Workers) -> None:
+    workers.shutdown()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,8 +155,12 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, seed: int = 0, kv_scales=None, kv_calib=None,
                  quantization: str | None = None, quantized_weights: dict | None = None,
-                 enforce_eager: bool = False, model_name: str = "model"):
+                 enforce_eager: bool = False, model_name: str = "model", tensor_parallel_size: int = 1,
+                 source=None):
+        """source: the path the weights came from (from_model); tensor-parallel workers load it themselves."""
+        self.workers = None
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
+        self.tensor_parallel_size = tp = check_tensor_parallel(cfg, tensor_parallel_size)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = _pick_device(device)
@@ -131,13 +186,44 @@ class LLMEngine:
                 f"kv_cache_dtype {kv_cache_dtype!r} needs calibrated per-layer K/V scales: build an engine with "
                 "`kiln llm build --kv-cache-dtype ... --calib TEXT`, give kv_calib (a text file; --calib on the "
                 "CLI) or pass kv_scales; Kiln never assumes a scale of 1.0.")
-        self.model = DecoderModel(cfg, tensors, torch_dtype, self.device)
-        from kiln.llm import quantize
+        if tp > 1 and eight_bit and kv_scales is None:
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} with tensor_parallel_size = {tp}: calibrating K/V "
+                              "scales (kv_calib) runs on one process; build an engine with `kiln llm build "
+                              "--kv-cache-dtype ... --calib TEXT` (or pass kv_scales) and serve that.")
+        devices = rank_devices(self.device, tp) if tp > 1 else [str(self.device)]
+        self.device = torch.device(devices[0])
+        if tp > 1:
+            engine_weights = source is not None and Path(source).suffix == ".kiln" and bool(quantized_weights)
+            spec = {"devices": devices, "dtype": str(torch_dtype).removeprefix("torch."),
+                    "kv_dtype": str(kv_dtype).removeprefix("torch."), "quantization": quantization,
+                    "kv_scales": kv_scales if eight_bit else None, "num_kv_blocks": num_kv_blocks,
+                    "block_size": block_size, "max_model_len": self.max_model_len, "max_num_seqs": max_num_seqs,
+                    "max_num_batched_tokens": max_num_batched_tokens,
+                    "gpu_memory_utilization": gpu_memory_utilization, "use_cuda_graphs": not enforce_eager,
+                    "source": str(source) if source is not None else None, "engine_weights": engine_weights}
+            if source is None:  # weights held in memory: the workers read them from a safetensors file
+                spec["hf_config"] = hf_config
+                self.workers = Workers(tp, spec, tensors, quantized_weights)
+            else:
+                self.workers = Workers(tp, spec)
+            self._finalizer = weakref.finalize(self, _release, self.workers)
+        try:
+            self._init_rank0(cfg, tensors, tokenizer, torch_dtype, kv_dtype, eight_bit, kv_scales, kv_calib,
+                             quantization, quantized_weights, num_kv_blocks, block_size, gpu_memory_utilization,
+                             max_num_batched_tokens, max_num_seqs, enable_prefix_caching, enforce_eager)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.requests: dict[str, _Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
-        if quantized_weights:  # a .kiln engine's stored matrices
-            quantize.install(self.model, quantized_weights)
-        elif quantization not in (None, "none"):
-            quantize.quantize_model(self.model, quantize.check_method(quantization))
+    def _init_rank0(self, cfg, tensors, tokenizer, torch_dtype, kv_dtype, eight_bit, kv_scales, kv_calib,
+                    quantization, quantized_weights, num_kv_blocks, block_size, gpu_memory_utilization,
+                    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, enforce_eager) -> None:
+        tp = self.tensor_parallel_size
+        self.model = build_rank_model(cfg, tensors, torch_dtype, self.device, Shard(0, tp), quantization,
+                                      quantized_weights)
         if not eight_bit:
             kv_scales = None
         elif kv_scales is None:
@@ -148,50 +234,48 @@ class LLMEngine:
         if eight_bit and len(kv_scales) != cfg.num_layers:
             raise ConfigError(f"kv_scales has {len(kv_scales)} entries; the model has {cfg.num_layers} layers.")
         self.kv_scales = kv_scales
-        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         if num_kv_blocks is None:
-            num_kv_blocks = self._blocks_that_fit(per_block, gpu_memory_utilization, max_num_batched_tokens,
-                                                  max_num_seqs)
+            num_kv_blocks = kv_blocks_that_fit(self.model, kv_dtype, block_size, self.max_model_len,
+                                               gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+        if self.workers is not None:  # every rank's KV pool has the same blocks: the fewest any rank fits
+            fits = [m["kv_blocks"] for m in self.workers.wait("loaded")]
+            num_kv_blocks = min([num_kv_blocks] + [f for f in fits if f is not None])
         if num_kv_blocks * block_size < self.max_model_len:
             raise ConfigError(f"num_kv_blocks = {num_kv_blocks} holds {num_kv_blocks * block_size} tokens, fewer than "
                               f"max_model_len = {self.max_model_len}: raise it or lower max_model_len.")
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        if self.workers is not None:
+            self.workers.start(num_kv_blocks)
+            init_group(0, tp, self.workers.init_method, str(self.device))
         self.runner = ModelRunner(self.model, num_blocks=num_kv_blocks, block_size=block_size, kv_dtype=kv_dtype,
                                   kv_scales=kv_scales, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                   use_cuda_graphs=not enforce_eager)
+        if self.workers is not None:
+            self.workers.wait("ready")
+            self.runner.on_step = self.workers.send_step
         self.kv_cache_dtype = kv_dtype
-        self.requests: dict[str, _Request] = {}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+
+    def shutdown(self) -> None:
+        """Stops and reaps the tensor-parallel workers and leaves the process group (a no-op on one rank); the
+        engine cannot step afterwards. Also done when the engine is garbage-collected or the interpreter exits."""
+        if self.workers is not None:
+            self._finalizer()
 
     @classmethod
     def from_model(cls, model, **kwargs) -> "LLMEngine":
         hf_config, tensors, tokenizer, extras = load_model(model)
-        # What a built engine fixed (KV dtype and scales, quantized matrices, its limits) are the defaults.
-        for key in ("kv_cache_dtype", "kv_scales", "quantized_weights", "max_model_len", "max_num_seqs"):
+        # What a built engine fixed (KV dtype and scales, quantized matrices, its limits, its tensor-parallel
+        # size) are the defaults.
+        for key in ("kv_cache_dtype", "kv_scales", "quantized_weights", "max_model_len", "max_num_seqs",
+                    "tensor_parallel_size"):
             if extras.get(key) is not None and kwargs.get(key) in (None, "auto"):
                 kwargs[key] = extras[key]
         if kwargs.get("kv_cache_dtype") not in (None, "auto", extras.get("kv_cache_dtype")):
             kwargs.pop("kv_scales", None)  # the engine's scales are for its own cache dtype
         kwargs.setdefault("model_name", Path(model).name)
+        kwargs.setdefault("source", model)
         return cls(hf_config, tensors, tokenizer, **kwargs)
-
-    def _blocks_that_fit(self, per_block: int, utilization: float, max_tokens: int, max_seqs: int) -> int:
-        if self.device.type != "cuda":
-            return max(64, -(-self.max_model_len // 16) * 4)  # CPU: room for a few full-length sequences
-        if not 0 < utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization = {utilization}: must be in (0, 1].")
-        free, total = torch.cuda.mem_get_info(self.device)
-        cfg = self.model_config
-        # Activations of the largest step, the logits of a full decode batch and CUDA graphs' pools.
-        act = max_tokens * (3 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim) * 4
-        reserve = act + max_seqs * cfg.vocab_size * 4 * 3 + (1 << 30)
-        budget = int(total * utilization) - (total - free) - reserve
-        if budget < per_block:
-            raise ConfigError(f"no GPU memory left for the KV cache (free {free / 2**30:.1f} GiB of "
-                              f"{total / 2**30:.1f}); lower max_num_batched_tokens or raise gpu_memory_utilization.")
-        return budget // per_block
 
     # ----------------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -252,6 +336,8 @@ class LLMEngine:
             seqs, tokens, logprobs = self.runner.execute(step)
         except Exception:
             self._fail_all()
+            if self.workers is not None:  # a collective failed because a worker did: raise the worker's error
+                self.workers.raise_failure()
             raise
         for seq, n in zip(step.seqs, step.num_new_tokens):
             seq.num_computed_tokens += n
@@ -343,6 +429,10 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel workers (see LLMEngine.shutdown)."""
+        self.llm_engine.shutdown()
 
     def _new_id(self) -> str:
         self._next_id += 1

@@ -3,7 +3,7 @@
 Two families share this file. The Llama shape (Llama, Mistral, Qwen2/3, Gemma 2/3): RMSNorm, RoPE, grouped-query
 attention over the paged cache, SwiGLU (GeGLU for Gemma). GPT-2: learned positions, LayerNorm, GELU, Conv1D
 weights (stored [in, out], transposed here). Q/K/V and gate/up projections are concatenated at load so a layer
-is four matrix multiplies.
+is four matrix multiplies. Under tensor parallelism (parallel.py) each rank holds its shard of them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from kiln.llm.attention import AttentionMetadata, LayerCache, paged_attention
 from kiln.llm.config import ModelConfig
+from kiln.llm.parallel import (Shard, all_gather_last, all_reduce, layout, shard_matrix, shard_vocab,
+                               vocab_parallel_embedding)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
@@ -128,8 +130,17 @@ class DecoderModel:
     """Weights on `device` in `dtype`; `forward` runs one packed step, `compute_logits` the LM head."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device,
-                 fused: bool | None = None):
+                 fused: bool | None = None, shard: Shard | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        # Tensor parallelism (parallel.py): this rank's heads, KV heads, MLP columns and vocabulary rows.
+        self.shard = shard or Shard()
+        self.layout = layout(cfg, self.shard.rank, self.shard.world_size) if self.shard.active else None
+        self.num_heads = cfg.num_heads // self.shard.world_size
+        self.num_kv_heads = cfg.num_kv_heads
+        self.kv_head_ids = None  # the KV heads of the full model this rank keeps (None: all)
+        if self.layout is not None:
+            k0, k1 = self.layout.kv_heads
+            self.num_kv_heads, self.kv_head_ids = k1 - k0, list(range(k0, k1))
         # Triton fusions (fused_ops.py) on CUDA; the torch forms elsewhere (or under TRITON_INTERPRET in tests).
         self.fused = self.device.type == "cuda" if fused is None else fused
         tensors = normalize_names(tensors)
@@ -154,22 +165,34 @@ class DecoderModel:
             self.lm_head = self.embed
             self.ropes = []
             return
-        self.embed = w("model.embed_tokens.weight")
+        lay = self.layout
+
+        def matrix(key, *names):
+            """model.py's matrix `key`, concatenated from transformers' tensors; this rank's part of it."""
+            full = torch.cat([tensors[name] for name in names]) if len(names) > 1 else tensors[names[0]]
+            part = full if lay is None else shard_matrix(cfg, key, full, lay)
+            return part.to(device=self.device, dtype=dtype).contiguous()
+
+        def vocab_rows(name):
+            return w(name) if lay is None else shard_vocab(tensors[name], lay).to(self.device, dtype)
+
+        self.embed = vocab_rows("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else vocab_rows("lm_head.weight")
         for n in range(cfg.num_layers):
             p = f"model.layers.{n}."
             a = p + "self_attn."
             layer = {
-                "qkv": torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                "o": w(a + "o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
+                "qkv": matrix("qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                "o": matrix("o", a + "o_proj.weight"),
+                "gate_up": matrix("gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": matrix("down", p + "mlp.down_proj.weight"),
                 "input_norm": w(p + "input_layernorm.weight"),
                 "post_attn_norm": w(p + "post_attention_layernorm.weight"),
             }
             if cfg.attention_bias:
-                layer["qkv_bias"] = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+                bias = matrix("qkv", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                layer["qkv_bias"] = bias
             if cfg.qk_norm:
                 layer["q_norm"], layer["k_norm"] = w(a + "q_norm.weight"), w(a + "k_norm.weight")
             if cfg.sandwich_norms:
@@ -200,29 +223,33 @@ class DecoderModel:
         if self.cfg.family == "gpt2":
             return self._forward_gpt2(input_ids, positions, md, caches)
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed)
+        if self.layout is None:
+            h = F.embedding(input_ids, self.embed)
+        else:
+            h = vocab_parallel_embedding(input_ids, self.embed, self.layout, self.shard)
         if cfg.embed_scale != 1.0:
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         eps, off = cfg.norm_eps, cfg.norm_offset
-        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        nh, nkv = self.num_heads, self.num_kv_heads  # this rank's
+        qd, kvd = nh * cfg.head_dim, nkv * cfg.head_dim
         delta = None  # the last block's output, added to the residual stream h by the next norm
         for n, L in enumerate(self.layers):
             x, h = self._add_norm(delta, h, L["input_norm"])
             qkv = F.linear(x, L["qkv"], L.get("qkv_bias"))
-            q = qkv[:, :qd].view(-1, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, qd:qd + kvd].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, qd + kvd:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q = qkv[:, :qd].view(-1, nh, cfg.head_dim)
+            k = qkv[:, qd:qd + kvd].view(-1, nkv, cfg.head_dim)
+            v = qkv[:, qd + kvd:].view(-1, nkv, cfg.head_dim)
             if cfg.qk_norm:
                 q, k = rms_norm(q, L["q_norm"], eps, off), rms_norm(k, L["k_norm"], eps, off)
             q, k = self._rope(n, q, k, qkv, positions)
             o = paged_attention(q, k, v, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n],
                                 cfg.attn_logit_softcap)
-            o = F.linear(o.reshape(-1, qd), L["o"])
+            o = all_reduce(F.linear(o.reshape(-1, qd), L["o"]), self.shard)  # row-parallel: sum the ranks' parts
             if cfg.sandwich_norms:
                 x, h = self._add_norm(rms_norm(o, L["post_attn_norm"], eps, off), h, L["pre_ffn_norm"])
             else:
                 x, h = self._add_norm(o, h, L["post_attn_norm"])
-            x = F.linear(self._act_and_mul(F.linear(x, L["gate_up"])), L["down"])
+            x = all_reduce(F.linear(self._act_and_mul(F.linear(x, L["gate_up"])), L["down"]), self.shard)
             delta = rms_norm(x, L["post_ffn_norm"], eps, off) if cfg.sandwich_norms else x
         return self._add_norm(delta, h, self.norm)[0]
 
@@ -249,7 +276,7 @@ class DecoderModel:
             fused_ops.rope_(q, positions, rope.cos, rope.sin, rope.dim)
             fused_ops.rope_(k, positions, rope.cos, rope.sin, rope.dim)
         else:  # q's heads then k's, in place in the projection's output: one launch
-            heads = self.cfg.num_heads + self.cfg.num_kv_heads
+            heads = self.num_heads + self.num_kv_heads
             qk = qkv[:, :heads * self.cfg.head_dim].view(-1, heads, self.cfg.head_dim)
             fused_ops.rope_(qk, positions, rope.cos, rope.sin, rope.dim)
         return q, k
@@ -279,7 +306,10 @@ class DecoderModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> FP32 logits [S, vocab] (Gemma's final soft cap applied)."""
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = F.linear(hidden, self.lm_head)
+        if self.layout is not None:  # vocabulary-parallel: each rank's slice, then the padding cut off
+            logits = all_gather_last(logits, self.shard)[:, :self.cfg.vocab_size]
+        logits = logits.float()
         cap = self.cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -3,9 +3,15 @@
 On CUDA, decode-only steps replay CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...)
 over static buffers; a batch is padded up to its bucket with rows that write nowhere (slot -1). Steps with
 prefill, batches above the largest bucket, and any capture that fails run eagerly.
+
+Under tensor parallelism every rank holds a runner over its model shard and its KV heads; rank 0 prepares each
+step (`prepare`), hands it to `on_step` (which sends it to the other ranks), and every rank runs it
+(`run_inputs`): the same bucket, the same collectives, in the same order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +41,21 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+@dataclass
+class StepInputs:
+    """One step's host-side inputs: what rank 0 computes and sends to the other ranks."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]  # query_start_loc
+    seq_lens: list[int]
+    tables: list[list[int]]  # block tables, padded to one width
+    sample_rows: list[int]  # rows whose logits are needed
+    max_query_len: int
+    decode_only: bool
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None, max_num_seqs: int, max_model_len: int,
@@ -47,27 +68,37 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        nkv = model.num_kv_heads  # this rank's KV heads (all of them without tensor parallelism)
+        shape = (num_blocks, block_size, nkv, self.cfg.head_dim)
         self.caches = []
         for n in range(self.cfg.num_layers):
             ks, vs = kv_scales[n] if kv_scales is not None else (None, None)
             if ks is not None:
-                ks = ks.to(self.device, torch.float32).expand(self.cfg.num_kv_heads).contiguous()
-                vs = vs.to(self.device, torch.float32).expand(self.cfg.num_kv_heads).contiguous()
+                ks, vs = (self._local_scale(s).to(self.device, torch.float32).expand(nkv).contiguous()
+                          for s in (ks, vs))
             self.caches.append(LayerCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                           torch.zeros(shape, dtype=kv_dtype, device=self.device), ks, vs))
         self.sampler = Sampler()
+        self.on_step = None  # rank 0 under tensor parallelism: sends each step's inputs to the other ranks
         self.graphs: dict = {}  # bucket batch size -> callable running a decode step from the static buffers
         self.graph_error: str | None = None
         if use_cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(max_num_seqs)
 
+    def _local_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """A per-KV-head scale of the full model -> this rank's KV heads (one-value scales stay as they are)."""
+        ids = self.model.kv_head_ids
+        if ids is None or scale.numel() == 1:
+            return scale
+        return scale.reshape(-1)[torch.tensor(ids)]
+
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.caches[0].k.element_size()
+        """KV bytes per token on this rank."""
+        return 2 * self.cfg.num_layers * self.model.num_kv_heads * self.cfg.head_dim * self.caches[0].k.element_size()
 
     # ----------------------------------------------------------------------------------------------------------
-    def prepare(self, step: ScheduledStep):
-        """Host-side tensors of one step: input ids, positions, metadata, and the rows whose logits are needed."""
+    def prepare(self, step: ScheduledStep) -> StepInputs:
+        """Host-side inputs of one step: input ids, positions, metadata, and the rows whose logits are needed."""
         bs = self.block_size
         ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
         for seq, n in zip(step.seqs, step.num_new_tokens):
@@ -83,34 +114,44 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
         width = max(len(s.block_table) for s in step.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in step.seqs]
-        return ids, positions, slots, starts, seq_lens, tables, sample_rows
+        return StepInputs(ids, positions, slots, starts, seq_lens, tables, sample_rows, max(step.num_new_tokens),
+                          step.is_decode_only)
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list, list[int], list]:
         """Runs one step; returns (sequences that sampled, their tokens, their logprobs)."""
-        ids, positions, slots, starts, seq_lens, tables, sample_rows = self.prepare(step)
+        inputs = self.prepare(step)
+        if self.on_step is not None:
+            self.on_step(inputs)
+        logits = self.run_inputs(inputs)
         samplers = [s for s, n in zip(step.seqs, step.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-        bucket = self._bucket(len(step.seqs)) if step.is_decode_only else None
-        if bucket is not None:
-            logits = self._replay(bucket, ids, positions, slots, seq_lens, tables)
-            # Every row is a one-token query; the ones that end their sequence's tokens sample (a one-token
-            # prompt chunk mid-prompt does not).
-            logits = logits[:len(step.seqs)] if len(sample_rows) == len(step.seqs) else logits[sample_rows]
-        else:
-            dev = self.device
-
-            def t(x, dtype):
-                return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
-            md = AttentionMetadata(slot_mapping=t(slots, torch.int64), query_start_loc=t(starts, torch.int32),
-                                   seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32),
-                                   max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens))
-            hidden = self.model.forward(t(ids, torch.int64), t(positions, torch.int64), md, self.caches)
-            logits = self.model.compute_logits(hidden[t(sample_rows, torch.int64)]) if sample_rows else None
         if not samplers:
             return [], [], []
         tokens, logprobs = self.sampler(logits, samplers)
         return samplers, tokens, logprobs
+
+    @torch.inference_mode()
+    def run_inputs(self, x: StepInputs) -> torch.Tensor | None:
+        """The forward of one step and its logits [len(sample_rows), vocab] (None when no row samples)."""
+        num_seqs = len(x.seq_lens)
+        bucket = self._bucket(num_seqs) if x.decode_only else None
+        if bucket is not None:
+            logits = self._replay(bucket, x.ids, x.positions, x.slots, x.seq_lens, x.tables)
+            # Every row is a one-token query; the ones that end their sequence's tokens sample (a one-token
+            # prompt chunk mid-prompt does not).
+            return logits[:num_seqs] if len(x.sample_rows) == num_seqs else logits[x.sample_rows]
+        dev = self.device
+
+        def t(v, dtype):
+            return torch.tensor(v, dtype=dtype).to(dev, non_blocking=True)
+
+        md = AttentionMetadata(slot_mapping=t(x.slots, torch.int64), query_start_loc=t(x.starts, torch.int32),
+                               seq_lens=t(x.seq_lens, torch.int32), block_tables=t(x.tables, torch.int32),
+                               max_query_len=x.max_query_len, max_seq_len=max(x.seq_lens))
+        hidden = self.model.forward(t(x.ids, torch.int64), t(x.positions, torch.int64), md, self.caches)
+        if not x.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[t(x.sample_rows, torch.int64)])
 
     # ----------------------------------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int | None:
@@ -164,6 +205,19 @@ class ModelRunner:
                 torch.cuda.synchronize()
             except RuntimeError:
                 pass
+        if self.model.shard.active:
+            self._agree_on_graphs()
+
+    def _agree_on_graphs(self) -> None:
+        """Under tensor parallelism a step replays on every rank or on none (a graph holds the all-reduces):
+        when any rank's capture failed, every rank runs decode eagerly."""
+        import torch.distributed as dist
+
+        ok = torch.tensor([1 if self.graphs else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.model.shard.group)
+        if not ok.item() and self.graphs:
+            self.graphs.clear()
+            self.graph_error = "another tensor-parallel rank could not capture its decode graphs"
 
     def _replay(self, b, ids, positions, slots, seq_lens, tables):
         n = len(ids)
