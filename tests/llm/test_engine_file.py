@@ -116,7 +116,7 @@ def test_other_weight_formats_round_trip(tiny_llama, tmp_path, weights):
     assert back.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
     ks = back.kv_scales[0][0]
     assert ks.shape == (2,) and (ks > 0).all()  # INT8: per KV head
-    hf, tensors, tok, extras = ef.load_llm_engine(out)
+    _, tensors, _, extras = ef.load_llm_engine(out)
     assert tensors["model.layers.1.mlp.up_proj.weight"].shape == (128, 64)
     assert extras["weights"] == weights and extras["kv_cache_dtype"] == "int8"
 

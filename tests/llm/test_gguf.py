@@ -163,8 +163,8 @@ def test_quantized_gguf_dequantizes(tiny_llama, tmp_path):
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"arch": "mamba"}, UnsupportedError, r"architecture 'mamba' \(general.architecture\) is not supported"),
     ({"drop": ("blk.1.ffn_down.weight",)}, ModelError, r"tensor 'blk.1.ffn_down.weight' .* is missing"),
-    ({"reshape": {"blk.0.attn_k.weight": 16}}, ModelError, r"tensor 'blk.0.attn_k.weight' has shape \[16, 64\], "
-                                                            r"expected \[32, 64\]"),
+    ({"reshape": {"blk.0.attn_k.weight": 16}}, ModelError,
+     r"tensor 'blk.0.attn_k.weight' has shape \[16, 64\], expected \[32, 64\]"),
     ({"tokens_cut": 3}, ModelError, r"tokenizer has \d+ tokens .* 'token_embd.weight' has \d+ rows"),
 ])
 def test_refusals_name_the_file_and_tensor(tiny_llama, tmp_path, kwargs, error, match):

@@ -38,6 +38,7 @@ from safetensors.torch import save as st_save
 from ..errors import ConfigError, EngineFileError, UnsupportedError
 from ..fileio import atomic_write
 from . import quantize
+from .parallel import check_tensor_parallel, shard_manifest
 from .perplexity import EIGHT_BIT, kv_cache_name, resolve_kv_dtype
 
 FORMAT = "kiln-llm-engine"
@@ -252,6 +253,9 @@ def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: 
         "layers": layer_table(cfg, prepared.quantized, prepared.weights, prepared.kv_cache_dtype, prepared.kv_scales),
         "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         "perplexity": perplexity,
+        # Every rank's shard (rank, world size, its heads / KV heads / MLP columns / vocabulary rows); the weights
+        # are stored whole and each rank cuts its shard at load (kiln.llm.parallel).
+        "tensor_parallel": shard_manifest(cfg, build_config.get("tensor_parallel_size", 1)),
     }
     members[MANIFEST] = json.dumps(manifest, indent=1).encode()
     members[CHECKSUMS] = checksums_of(members)
@@ -383,7 +387,7 @@ def read_llm_engine(path, device: str = "auto") -> LLMEngineFile:
 
         tok_cfg = json.loads(members[TOKENIZER_CONFIG])
         hf_tok = HFTokenizer.from_str(members[TOKENIZER].decode())
-    except Exception as e:  # safetensors / tokenizers raise their own types on malformed data
+    except Exception as e:  # noqa: BLE001 - safetensors / tokenizers raise their own types on malformed data
         raise EngineFileError(f"'{path}' cannot be decoded: {e}") from None
     tokenizer = Tokenizer(hf_tok, bos_token=tok_cfg.get("bos_token"),
                           eos_tokens=[tok_cfg["eos_token"]] if tok_cfg.get("eos_token") else [],
@@ -413,7 +417,8 @@ def load_llm_engine(path, device: str = "auto"):
     bc = ef.manifest.get("build_config", {})
     extras = {"kv_cache_dtype": ef.kv_cache_dtype, "kv_scales": ef.kv_scales, "weights": ef.manifest["quantization"]
               ["weights"], "quantized_weights": ef.quantized, "max_model_len": bc.get("max_seq_len"),
-              "max_num_seqs": bc.get("max_batch_size"), "engine": ef}
+              "max_num_seqs": bc.get("max_batch_size"), "tensor_parallel_size": bc.get("tensor_parallel_size"),
+              "engine": ef}
     return ef.hf_config, ef.float_tensors(), ef.tokenizer, extras
 
 
@@ -423,7 +428,8 @@ def load_llm_engine(path, device: str = "auto"):
 def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "none", kv_cache_dtype: str = "auto",
                      calib=None, calib_tokens: int = 2048, max_seq_len: int | None = None, max_batch_size: int = 64,
                      block_size: int = 16, device: str = "auto", budget: float | None = None, eval_text=None,
-                     eval_tokens: int = 1024, window: int = 512, stride: int = 256, log=print) -> dict:
+                     eval_tokens: int = 1024, window: int = 512, stride: int = 256, tensor_parallel_size: int = 1,
+                     log=print) -> dict:
     """Build and write a .kiln LLM engine; returns its manifest. With `budget` (percent), the perplexity of the
     engine on `eval_text` may rise at most that much over the float model's, or nothing is written."""
     from ..engine.target import resolve
@@ -460,6 +466,7 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
                           "context).")
     if max_batch_size < 1:
         raise ConfigError(f"--max-batch-size {max_batch_size} must be >= 1.")
+    check_tensor_parallel(cfg, tensor_parallel_size, source=str(model_path))
     if budget is not None:
         result = perplexity(prepared.model, eval_ids, kv_cache_dtype=prepared.kv_cache_dtype,
                             kv_scales=prepared.kv_scales, window=window, stride=stride)
@@ -481,7 +488,7 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
     build_config = {"source": str(model_path), "dtype": dtype, "weights": weights,
                     "kv_cache_dtype": prepared.kv_cache_dtype, "max_seq_len": max_seq_len or cfg.max_position_embeddings,
                     "max_batch_size": max_batch_size, "block_size": block_size, "calibration": calib_info,
-                    "build_seconds": None}
+                    "tensor_parallel_size": tensor_parallel_size, "build_seconds": None}
     build_config["build_seconds"] = round(time.perf_counter() - started, 3)
     return write_llm_engine(out, prepared, hf_tensors, dtype=dtype, build_config=build_config, target=target,
                             perplexity=ppl)
@@ -558,6 +565,8 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--eval-text", metavar="FILE", help="held-out text for --budget")
     p.add_argument("--eval-tokens", type=int, default=1024, help="tokens of --eval-text scored (default 1024)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the engine's target)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks the engine is split for (its default at serve time; default 1)")
     p.set_defaults(func=run_build)
     return p
 
@@ -570,7 +579,7 @@ def run_build(args) -> int:
                          kv_cache_dtype=args.kv_cache_dtype, calib=args.calib, calib_tokens=args.calib_tokens,
                          max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, block_size=args.block_size,
                          device=args.device, budget=args.budget, eval_text=args.eval_text,
-                         eval_tokens=args.eval_tokens, log=con.print)
+                         eval_tokens=args.eval_tokens, tensor_parallel_size=args.tp, log=con.print)
     con.print(f"LLM engine written to {args.save_engine}: weights {m['quantization']['weights']}, KV cache "
               f"{m['kv_cache']['dtype']}, {common.fmt_bytes(m['weight_bytes'])} of weights, built in "
               f"{m['build_config']['build_seconds']} s for {m['target']['name']}")

@@ -102,7 +102,7 @@ def load_gguf(path):
         raise ModelError(f"GGUF file '{path}' does not exist.")
     try:
         reader = GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError/struct errors on a foreign or truncated file
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct or numpy errors on a foreign file
         raise ModelError(f"'{path}' cannot be read as a GGUF file: {e}.") from None
     meta = _Metadata(path, reader)
     arch_name = meta.get("general.architecture")

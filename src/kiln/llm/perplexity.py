@@ -50,7 +50,7 @@ class PagedSequence:
 
     @classmethod
     def allocate(cls, model, num_tokens: int, dtype: torch.dtype, kv_scales=None, block_size: int = 16,
-                 seed: int = 0) -> "PagedSequence":
+                 seed: int = 0) -> PagedSequence:
         from .attention import LayerCache
 
         cfg, dev = model.cfg, model.device

@@ -79,11 +79,11 @@ class QuantizedWeight(torch.Tensor):
         return parts
 
     @classmethod
-    def from_tensors(cls, method: str, in_features: int, parts: dict[str, torch.Tensor]) -> "QuantizedWeight":
+    def from_tensors(cls, method: str, in_features: int, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
         return cls(parts["codes"], method=method, scale=parts["scale"], in_features=in_features,
                    zero=parts.get("zero"), input_scale=parts.get("input_scale"))
 
-    def to_device(self, device) -> "QuantizedWeight":
+    def to_device(self, device) -> QuantizedWeight:
         def move(t):
             return None if t is None else t.to(device)
 
