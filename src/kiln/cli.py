@@ -71,6 +71,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "stopping once the median is stable)")
     p.add_argument("--duration", type=float, default=0.0, help="time for at least this many seconds")
     p.add_argument("--warmUp", type=float, default=200.0, help="warm-up time in ms")
+    p.add_argument("--json", metavar="FILE", help="write the engine summary and the timing as JSON")
 
 
 def _config_from_args(a):
@@ -312,6 +313,14 @@ def _run_and_report(engine, a) -> int:
     first_shape = next(iter(input_sets[0].values())).shape if input_sets[0] else (1,)
     t.batch = first_shape[0] if len(first_shape) else 1
     render(t, out)
+    if getattr(a, "json", None):
+        from .tools.common import atomic_write_json
+
+        atomic_write_json(a.json, {"target": engine.target.describe(), "precision": engine.precision,
+                                   "build_seconds": engine.build_seconds, "layers": len(engine.graph.nodes),
+                                   "profile": a.profile, "inputs": {k: list(x.shape) for k, x in input_sets[0].items()},
+                                   "synthetic_inputs": not a.loadInputs, "timing": t.to_json()})
+        out.print(f"Summary written to {a.json}")
     return 0
 
 
@@ -352,12 +361,41 @@ def cmd_run(a) -> int:
 
 
 # --- main ---------------------------------------------------------------------
+def version_text() -> str:
+    """Kiln, torch, Triton and CUDA versions and the GPU: what an engine's stamp and a bug report need."""
+    from . import __version__
+
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "not installed"
+    cuda = torch.version.cuda or "none (a CPU build of torch)"
+    if torch.cuda.is_available():
+        gpus = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+                for i in range(torch.cuda.device_count())]
+        gpu = ", ".join(gpus)
+    else:
+        gpu = "none found (engines build for the CPU target)"
+    return "\n".join([f"Kiln {__version__}", f"torch {torch.__version__}", f"Triton {triton_v}", f"CUDA {cuda}",
+                      f"GPU {gpu}"])
+
+
+class _VersionAction(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        out.print(escape(version_text()))
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kiln", description="Compile ONNX/PyTorch models into verified GPU engines.",
         epilog="MODULE:FACTORY and MODULE:FUNCTION references (--torch, --reference, --metric) are imported from "
                "Python's import path (PYTHONPATH, installed packages); Kiln never adds the current directory to it. "
                "For a file in the current directory, give its path: ./models.py:make_model.")
+    p.add_argument("--version", action=_VersionAction, nargs=0,
+                   help="print Kiln's, torch's, Triton's and CUDA's versions and the GPU, then exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build an engine (like trtexec --onnx= --saveEngine=) and time it")
