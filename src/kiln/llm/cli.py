@@ -26,6 +26,8 @@ def _engine_kwargs(a) -> dict:
     kw = dict(device=a.device, kv_cache_dtype=a.kv_cache_dtype, dtype=a.dtype, block_size=a.block_size,
               enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
               quantization=a.weights, kv_calib=a.calib)
+    if getattr(a, "tp", None) is not None:  # else a built engine's own tensor-parallel size
+        kw["tensor_parallel_size"] = a.tp
     for key in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(a, key, None) is not None:
             kw[key] = getattr(a, key)
@@ -47,6 +49,8 @@ def _add_engine_options(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (default 8192)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, metavar="N",
+                   help="split the model over N processes / GPUs (default: 1, or what the .kiln engine was built for)")
 
 
 def cmd_generate(a) -> int:
@@ -94,6 +98,7 @@ def cmd_generate(a) -> int:
             shown = len(text)
         sys.stdout.write("\n")
     stats = llm.llm_engine.stats()
+    llm.shutdown()
     if stats["kv_blocks_free"] != stats["kv_blocks_total"]:  # a bug, never a user error
         raise RuntimeError(f"KV blocks leaked: {stats}")
     return 0
