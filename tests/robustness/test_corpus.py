@@ -143,10 +143,8 @@ def test_every_bad_input_fails_cleanly(corpus, tmp_path):
     assert not problems, f"{len(problems)} of {len(cases)} cases failed:\n" + "\n".join(problems)
 
 
-# One case of each kind as a fresh interpreter, as the installed script runs: the entry point and its imports.
-SAMPLE = ("build-missing_initializer", "check-cycle", "run-engine-no_checksums", "inspect-engine-manifest_list",
-          "calib-not_a_zip", "loadInputs-pk_garbage", "flag-iterations-0", "flag-bench-torch-cwd-module",
-          "input-rank3", "run-engine-crafted_program")
+# A few cases as fresh interpreters, as the installed script runs them: the entry point and its imports.
+SAMPLE = ("build-missing_initializer", "run-engine-no_checksums", "calib-not_a_zip", "flag-bench-torch-cwd-module")
 
 
 def test_a_sample_in_fresh_interpreters(corpus, tmp_path):
