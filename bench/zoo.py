@@ -414,7 +414,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in a.batches.split(",")]
     os.makedirs(a.out, exist_ok=True)
     device = a.device
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and device != "cpu" else platform.processor()
+    gpu = (torch.cuda.get_device_name(0) if torch.cuda.is_available() and device != "cpu"
+           else f"the CPU ({platform.machine()}, {os.cpu_count()} CPUs)")
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = "python bench/zoo.py " + " ".join(sys.argv[1:] if argv is None else argv)
     def write(rows) -> str:
