@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from multiprocessing import connection
 
 import numpy as np
@@ -113,6 +114,50 @@ def _tensors_from_json(scales):
     return [(torch.tensor(k, dtype=torch.float32), torch.tensor(v, dtype=torch.float32)) for k, v in scales]
 
 
+class LazySafetensors(Mapping):
+    """transformers-named tensors of an HF directory, each read from its safetensors file when asked for: a
+    worker cuts its shard from one tensor at a time instead of holding the whole checkpoint in host memory
+    (rank 0 has already checked the directory's names and shapes)."""
+
+    def __init__(self, directory):
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        from kiln.llm.loader import safetensors_files
+
+        self._files = {}
+        for f in safetensors_files(Path(directory)):
+            with safe_open(str(f), framework="pt") as h:
+                self._files.update({name: str(f) for name in h.keys()})
+
+    def __getitem__(self, name):
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as h:
+            return h.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self):
+        return len(self._files)
+
+
+def _load_source(source: str, engine_weights: bool):
+    """(hf_config, tensors, quantized weights) of the model rank 0 loaded from `source`."""
+    from pathlib import Path
+
+    if Path(source).is_dir():
+        from kiln.llm.loader import read_json
+
+        return read_json(Path(source) / "config.json"), LazySafetensors(source), None
+    from kiln.llm.engine import load_model
+
+    hf_config, tensors, _, extras = load_model(source)
+    return hf_config, tensors, extras.get("quantized_weights") if engine_weights else None
+
+
 def worker_main(rank: int, world_size: int, address: tuple[str, int], key: bytes) -> None:
     """A worker rank: build the shard, then run every step rank 0 sends until it says stop (or goes away)."""
     conn = connection.Client(address, authkey=key)
@@ -120,7 +165,7 @@ def worker_main(rank: int, world_size: int, address: tuple[str, int], key: bytes
         _send(conn, {"status": "hello", "rank": rank})
         spec = json.loads(conn.recv_bytes())
         from kiln.llm.config import ModelConfig
-        from kiln.llm.engine import build_rank_model, kv_blocks_that_fit, load_model
+        from kiln.llm.engine import build_rank_model, kv_blocks_that_fit
         from kiln.llm.parallel import Shard
         from kiln.llm.runner import ModelRunner
 
@@ -140,9 +185,7 @@ def worker_main(rank: int, world_size: int, address: tuple[str, int], key: bytes
                 quantized = {k: QuantizedWeight.from_tensors(m, i, {p: tensors.pop(f"{k}.{p}") for p in parts})
                              for k, (m, i, parts) in spec["quantized"].items()}
         else:
-            hf_config, tensors, _, extras = load_model(spec["source"])
-            if spec["engine_weights"]:
-                quantized = extras.get("quantized_weights")
+            hf_config, tensors, quantized = _load_source(spec["source"], spec["engine_weights"])
         cfg = ModelConfig.from_hf(hf_config)
         dtype, kv_dtype = getattr(torch, spec["dtype"]), getattr(torch, spec["kv_dtype"])
         model = build_rank_model(cfg, tensors, dtype, torch.device(device), Shard(rank, world_size),
