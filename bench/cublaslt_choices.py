@@ -4,7 +4,7 @@ For every GEMM and epilogue the FP8 engine asks cuBLASLt for (QKV, attention out
 FP8 output, FFN2), and the FP16 engine's same four (beside torch's addmm, which FP16 engines also time),
 up to eight of the heuristic's choices, with a 32 MiB workspace and with none: the
 kernels each choice launches per call (a `Memset` among them is a cudaMemsetAsync cuBLASLt issues itself;
-in a CUDA graph the kernel after one started 3-4 us late on the H200, 2026-12-01), the time per call in a
+in a CUDA graph it delays the kernel after it: docs/design/cublaslt.md), the time per call in a
 CUDA-graph replay (Kiln's timer, as the builder's selector times tactics) and the same after an L2 reset
 (weights from memory, as in an engine).
 

@@ -11,7 +11,7 @@ weights per tensor at the top of their range, activations spread over it ("reali
 power depends on how many bits toggle, so a sustained-load probe runs the FP16 GEMM and the best 8-bit
 candidates for half a second each, on these and on narrow data (weights of a few int8 steps), and reads
 the SM clock and board power (nvidia-smi) meanwhile: a power-bound GEMM shows a clock below the maximum.
-(H200, 2026-11-30: not power-bound; both kinds of data run at the same speed.)
+(On the H200 these GEMMs were not power-bound: both kinds of data ran at the same speed.)
 
     python bench/gemm8.py --out bench/results        (GPU; writes gemm8.md)
 """

@@ -1,6 +1,6 @@
 """How long the device waits for the host at the start of a CUDA-graph call, by graph and by how many graphs calls
-rotate through: the 8-bit ResNet-50 engines' calls waited 19-87 us for the host in runs where FP16's waited 2-18
-(bench/results/H200-quant-*-resnet50.md), and bench/run.py rotates four input sets, each with its own bound graph
+rotate through: the 8-bit ResNet-50 engines' calls have waited several times longer for the host than FP16's
+(docs/performance.md), and bench/run.py rotates four input sets, each with its own bound graph
 (engine/context.py). Graphs of 40 Triton TMA GEMM launches (five tensor descriptors a launch, as the 8-bit
 engines' kernels take) against graphs of 40 cuBLAS launches, calls rotating through 1, 2 or 4 such graphs; per
 call timed as bench/run.py does (events around one replay, synchronized) and with the host's part hidden (a
@@ -8,8 +8,8 @@ sleep kernel ahead of the first event).
 
     python bench/graph_launch.py > bench/results/H200-graph-launch.log      (GPU)
 
-At 11:27 on 2026-12-01 (bench/results/H200-graph-launch-1127.log) neither made the device wait more than 2-5 us:
-the 8-bit engines' waits come from elsewhere.
+In bench/results/H200-graph-launch-1127.log neither made the device wait more than 2-5 us: the 8-bit engines'
+waits come from elsewhere.
 """
 
 from __future__ import annotations

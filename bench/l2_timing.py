@@ -14,7 +14,7 @@ flush; plus BERT-base's INT8 FFN2, whose 2.4 MB of weights an engine reads from 
 
     python bench/l2_timing.py [--resets] > bench/results/H200-l2-timing.log      (GPU)
 
-On the H200 (2026-12-01, bench/results/H200-l2-timing-1054.log, H200-l2-resets-1105.log) the write-back explained
+In bench/results/H200-l2-timing-1054.log and H200-l2-resets-1105.log the write-back explained
 3.7 us at layer1's 64 -> 256 and nothing elsewhere; the builder's timing ran 3-6 us above warm at every layer, and
 warm within 1.6 us of the engine's replay.
 """

@@ -1,13 +1,13 @@
 """One 8-bit Kiln kernel at one ResNet-50 batch-32 layer, called four times, for Nsight Compute to read the hardware
 counters of the fourth call (what holds the layer: memory, L2, issue, or waiting on the Tensor Cores or the copy
-engine). The layers and tiles are the ones the 10:55 INT8 engine ran (bench/results/H200-quant-1055-resnet50.md).
+engine). The layers and tiles are the ones an INT8 engine ran (bench/results/H200-quant-1055-resnet50.md).
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
         --section WarpStateStats -k regex:_tma -s 3 -c 1 python bench/ncu_layers.py LAYER      (GPU)
     scripts/ncu-layers          (every layer here, one ncu run each, logs under $OUT)
 
 LAYER: layer1-conv3 (1x1 64->256, 8-bit residual and output), layer1-conv3-ws (the same on ws_gemm's 128x128 tile,
-which both 8-bit engines took at 15:19, bench/results/H200-quant-1519-resnet50-timed-first.md), layer1-3x3,
+which both 8-bit engines took, bench/results/H200-quant-1519-resnet50-timed-first.md), layer1-3x3,
 layer2-3x3, layer4-3x3; bert-attention (BERT-base batch 32's FP8 flash attention).
 """
 

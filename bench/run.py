@@ -406,7 +406,7 @@ def to_markdown(env: dict, results: list) -> str:
                 busy = sum(x["ms"] for x in kp) / max(sum(x["share"] for x in kp), 1e-9)  # all kernels, not the top
                 host = (f"; with the host's part hidden a call took {v['device_ms']:.3f} ms, so the device waits "
                         f"{1000 * (v['median_ms'] - v['device_ms']):.0f} us for the host" if "device_ms" in v else "")
-                if "host_us" in v:  # runs before 2026-12-01 11:40 UTC did not record it
+                if "host_us" in v:  # older result files do not record it
                     host += (f"; the call's own host time {v['host_us']:.0f} us, the garbage collector ran "
                              f"{v['gc_runs']} times in {v['runs']} timed calls")
                 outside = 1000 * (v["median_ms"] - busy)

@@ -4,7 +4,7 @@ what the compiler made of them: whether each loop's wgmma is pipelined (`warp_gr
 the next MMA issues while one is in flight; `pendings = 0` after every dot: each waits for the last), whether the
 convolution's left tile reaches the MMA from shared memory or through registers, and the shared memory used.
 
-Found with it (Triton 3.8, 2026-11-30): FP16 and FP8 dots are pipelined, INT8 ones never are. Triton makes a
+Found with it (Triton 3.8): FP16 and FP8 dots are pipelined, INT8 ones never are. Triton makes a
 Hopper dot properly asynchronous only with an FP32 accumulator (WGMMAPipeline.cpp, "rule 2.1"), and INT8 sums
 in int32, so every INT8 wgmma in Kiln's Triton kernels waits for the one before it. The TMA convolution's input box
 is loaded into registers to be reshaped into the dot's left tile (`local_load` + `reshape`), in every precision,
@@ -110,7 +110,7 @@ def spilled_bytes(kernel) -> int:
 
 def flash_compiles() -> int:
     """Compile the flash kernel's 8-bit outputs; the number that failed. The interpreter ran one that the
-    compiler refused (a variable of the key loop read after it) and only the H200 found it (2026-11-30)."""
+    compiler refused (a variable of the key loop read after it), which only a GPU run had found."""
     return sum(_compiles(f"flash attention, {quant} output" + (", fp8 q/k/v" if fp8_inputs else ""),
                          flash_source(quant, fp8_inputs), {"num_warps": 4, "num_stages": 3})
                for quant, fp8_inputs in (("int8", False), ("fp8", False), ("fp8", True)))
@@ -187,9 +187,8 @@ def gather_compiles() -> int:
 
 def gemm_tiles_compile() -> int:
     """Compile the TMA GEMM at every tile the builder offers (CONFIGS in FP16, QUANT_CONFIGS in INT8 and FP8), in
-    both of its loops, with a residual, and say which spill registers; the number that failed. Only square tiles
-    were compiled here until a two-return helper broke every other shape on the H200 (2026-12-01; the
-    interpreter and square tiles ran)."""
+    both of its loops, with a residual, and say which spill registers; the number that failed. Every tile, not
+    only square ones: a helper that broke the other shapes passed the interpreter and square tiles."""
     tiles = [("", c) for c, _ in tma_gemm.CONFIGS]
     tiles += [(q, c) for q in ("int8", "fp8") for c, _ in tma_gemm.QUANT_CONFIGS]
     failed, spills = 0, []

@@ -27,7 +27,7 @@ over tiles (tma_gemm.ONE_K_LOOP: every load, the residual's too, issued tiles ah
 and checks the outputs are equal.
 
 `--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes three ways: with the
-same operands every call, so they stay in L2 ("warm", as the builder timed them until 2026-11-30 21:46); after
+same operands every call, so they stay in L2 ("warm", as the builder times float layers); after
 an L2Reset keeping x (weights from memory, x from L2: as the builder times 8-bit layers now and an engine runs
 them, tactics/timer.py); and after a read of twice L2's size (every operand from memory).
 """
@@ -124,7 +124,7 @@ Q8_K64 = [TileConfig(128, 256, 64, 8, 2), TileConfig(128, 128, 64, 4, 2), TileCo
 LATENCY_TILES = [TileConfig(128, 128, 64, 4, 2), TileConfig(128, 128, 64, 4, 4), TileConfig(64, 128, 64, 4, 2),
                  TileConfig(64, 256, 64, 4, 2), TileConfig(128, 64, 128, 4, 4), TileConfig(64, 128, 128, 4, 2),
                  TileConfig(64, 64, 128, 4, 2),
-                 # 64-wide K and N tiles: layer1.0's 64 -> 64 took 128x64x128, half its K tile zeros (2026-12-01)
+                 # 64-wide K and N tiles: layer1.0's 64 -> 64 took 128x64x128, half its K tile zeros
                  TileConfig(128, 64, 64, 4, 3), TileConfig(64, 64, 64, 4, 2)]
 
 

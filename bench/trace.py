@@ -96,7 +96,7 @@ def layer_table(engine, layers: list[dict], stopped: str) -> list[str]:
     rows.sort(key=lambda r: -r[0]["us"])
     lines += [f"| {x['layer'][:60]} | {t} | {b:.1f} | {x['us']:.1f} | {x['us'] / b:.2f} |" for x, t, b in rows]
     # the same by tactic family: a family the builder times slower than the replay runs it loses choices it
-    # should win (ResNet-50 INT8 at 2026-12-01 09:29: TMA 1x1 GEMMs 0.74x, cuDNN's graph kernels 0.92x)
+    # should win (docs/design/timing.md)
     families: dict[str, list[float]] = {}
     for x, t, b in rows:
         f = families.setdefault(tactic_family(t), [0, 0.0, 0.0])
