@@ -1,4 +1,4 @@
-"""Same-process A/B of tactic families: what a family of tactics is worth to a whole engine.
+r"""Same-process A/B of tactic families: what a family of tactics is worth to a whole engine.
 
 Run-to-run noise on the GPU (other tenants, clocks, torch.compile's own variance) is as large as most
 single-tactic gains, so comparing two bench/run.py runs says little. This builds one engine with every
@@ -7,12 +7,12 @@ then times them in interleaved rounds in one process, and reports each round.
 
     python bench/ab_tactics.py --model resnet50 --batch 1 --without 'triton_conv_splitk_*' --without 'triton_tma_*'
     python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --level 4 --without 'cudnn_graph_*'
-    python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --off kiln.kernels.tma_gemm.ONE_K_LOOP
+    python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 \
+        --off kiln.tactics.select.TIME_QUANTIZED_COLD
 
---off adds a variant built, and captured as a CUDA graph, with a kernel module's boolean switch turned off: a
-kernel change's worth to the engine, the builder free to choose other tiles either way (or the builder's own:
---off kiln.tactics.select.TIME_QUANTIZED_COLD times 8-bit layers warm). The last column counts the layers whose
-tactic differs from the first variant's.
+--off adds a variant built, and captured as a CUDA graph, with a module-level boolean switch turned off (the
+builder's TIME_QUANTIZED_COLD: 8-bit layers timed warm), the builder free to choose other tactics either way. The
+last column counts the layers whose tactic differs from the first variant's.
 
 8-bit engines are calibrated on the benchmark input itself (speed only) and built with precision constraints
 `obey`, so that every variant quantizes the same layers.

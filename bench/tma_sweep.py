@@ -23,8 +23,8 @@ slower everywhere, 2-10x with 4-stage pipelines).
 
 `--one-k` times ResNet-50's 8-bit 1x1 layers whose K fits one tile (K = 64 and 128), each of the builder's 8-bit
 tiles with the kernel's nested loop (tiles, then K; the residual waited for tile by tile) and with its single loop
-over tiles (tma_gemm.ONE_K_LOOP: every load, the residual's too, issued tiles ahead), at two and three stages too,
-and checks the outputs are equal.
+over tiles (tma_gemm.gemm's single_loop: every load, the residual's too, issued tiles ahead), at two and three
+stages too, and checks the outputs are equal.
 
 `--cold` times every 8-bit TMA tile the builder offers on the BERT and ResNet-50 shapes three ways: with the
 same operands every call, so they stay in L2 ("warm", as the builder times float layers); after
@@ -199,13 +199,11 @@ def sweep_one_k(M, K, N, with_z, qtype):
     for c in sorted(tiles, key=lambda t: t.name):
         times, outs = {}, {}
         for one_k in (False, True):
-            tma_gemm.ONE_K_LOOP = one_k
-            times[one_k] = us(lambda c=c: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw))
+            times[one_k] = us(lambda c=c, k=one_k: tma_gemm.gemm(x8, w8, b, 'Relu', config=c, single_loop=k, **kw))
             try:
-                outs[one_k] = tma_gemm.gemm(x8, w8, b, 'Relu', config=c, **kw)
+                outs[one_k] = tma_gemm.gemm(x8, w8, b, 'Relu', config=c, single_loop=one_k, **kw)
             except Exception:  # a configuration that does not compile or run here (its time says why)
                 outs[one_k] = None
-        tma_gemm.ONE_K_LOOP = True
         same = outs[False] is not None and outs[True] is not None and torch.equal(outs[False], outs[True])
         single = tma_gemm.one_loop(c, K, 1, 1 if with_z else 0)
         rows.append(f"tma {c.name} nested {rate(times[False], moved)} | "

@@ -124,7 +124,7 @@ def test_the_single_loop_runs_where_k_fits_one_tile_and_its_prefetched_residual_
 
 
 @pytest.mark.parametrize("qtype", ["int8", "fp8"])
-def test_a_relu_left_to_the_quantization_gives_the_same_codes(qtype, monkeypatch):
+def test_a_relu_left_to_the_quantization_gives_the_same_codes(qtype):
     """A ReLU before an 8-bit output is the quantization's lower clamp (gemm.relu_in_quantize, one instruction less
     per value): the same codes as the ReLU and then the quantization."""
     assert gemm.relu_in_quantize("Relu", True) and not gemm.relu_in_quantize("Relu", False)
@@ -136,7 +136,6 @@ def test_a_relu_left_to_the_quantization_gives_the_same_codes(qtype, monkeypatch
     kw = dict(qtype=qtype, x_scale=sx, w_scale=sw, out_dtype=torch.float16, y_scale=torch.tensor(0.03, device=DEV),
               q_scale=torch.tensor(0.02, device=DEV))
     folded = tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw)
-    monkeypatch.setattr(gemm, "RELU_IN_QUANTIZE", False)
-    separate = tma_gemm.gemm(x, w, b, "Relu", config=SMALL, **kw)
+    separate = tma_gemm.gemm(x, w, b, "Relu", config=SMALL, relu_in_quantization=False, **kw)
     for f, s in zip(folded, separate):
         assert f.dtype == s.dtype and torch.equal(f.float(), s.float()) and (s.float() == 0).any()

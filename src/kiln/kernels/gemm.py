@@ -72,12 +72,9 @@ def epilogue(y, ACT: tl.constexpr, p0, p1):
     return y
 
 
-RELU_IN_QUANTIZE = True  # the TMA kernels' ReLU before an 8-bit output done by quantize (off only to compare)
-
-
 def relu_in_quantize(act: str, y_quantized: bool) -> bool:
     """Whether a kernel leaves its ReLU to `quantize(..., RELU=True)`: a ReLU before an 8-bit output."""
-    return RELU_IN_QUANTIZE and act == "Relu" and y_quantized
+    return act == "Relu" and y_quantized
 
 
 @triton.jit

@@ -44,7 +44,6 @@ from .pdl import launch_options, start_after_previous
 
 _ALIGN = 16  # bytes: TMA's alignment for base addresses and row strides
 _SM_SMEM = 224 * 1024  # Hopper's 228 KB of shared memory per SM, less the 1 KB each resident program reserves
-ONE_K_LOOP = True  # K in one tile: the single loop (off only to compare: tma_sweep --one-k, ab_tactics --off)
 
 
 @triton.jit
@@ -130,9 +129,10 @@ def smem_bytes(config: TileConfig, itemsize: int, epilogue_tiles: int = 1) -> in
 
 
 def one_loop(config: TileConfig, K: int, itemsize: int, z_itemsize: int = 0) -> bool:
-    """Whether a GEMM runs the kernel's single loop over tiles: K fits one tile and, with a residual of z_itemsize
-    bytes a value, the num_stages - 1 residual tiles that loop prefetches fit in shared memory beside the rest."""
-    if not ONE_K_LOOP or K > config.block_k:
+    """Whether a GEMM can run the kernel's single loop over tiles: K fits one tile and, with a residual of
+    z_itemsize bytes a value, the num_stages - 1 residual tiles that loop prefetches fit in shared memory beside
+    the rest."""
+    if K > config.block_k:
         return False
     return smem_bytes(config, itemsize) + residual_bytes(config, z_itemsize, True) <= _SM_SMEM
 
@@ -237,11 +237,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          config: TileConfig = CONFIGS[0][0], qtype: str = "", x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None):
+         z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None, single_loop: bool = True,
+         relu_in_quantization: bool = True):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
     gemm.gemm computes it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or
     quantized with y_scale; with q_scale also its 8-bit copy (y, q). programs_per_sm: persistent programs per
-    SM (default `resident_programs`)."""
+    SM (default `resident_programs`). single_loop=False keeps the nested loop where `one_loop` allows the single
+    one, and relu_in_quantization=False applies a ReLU before an 8-bit output on its own rather than as the
+    quantization's clamp: both only to compare (bench/tma_sweep.py --one-k, tests), the results are the same."""
     lead, (K, N) = x.shape[:-1], w.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -258,7 +261,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     p0, p1 = _params(act, params)
     bias = b.reshape(-1).contiguous() if b is not None else None
     z_itemsize = z.element_size() if z is not None else 0
-    one_k = one_loop(config, K, x2.element_size(), z_itemsize)
+    one_k = single_loop and one_loop(config, K, x2.element_size(), z_itemsize)
     pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, z_itemsize, True) if one_k else 0)
     per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bm * bn, qtype)
     n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
@@ -269,7 +272,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
         bias if bias is not None else xs, xs, ws, y_scale if y_scale is not None else xs,
         q_scale if q_scale is not None else xs, z_scale if z_scale is not None else xs, M, N, K, stride_ws, p0, p1,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, ACT=act, QUANT=qtype, Y_QUANTIZED=y_scale is not None,
-        COPY=q_scale is not None, Z_SCALED=z_scale is not None, RELU=relu_in_quantize(act, y_scale is not None),
+        COPY=q_scale is not None, Z_SCALED=z_scale is not None,
+        RELU=relu_in_quantization and relu_in_quantize(act, y_scale is not None),
         W_KMAJOR=k_major, ONE_K=one_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PROGRAMS=n_programs,
         NUM_STAGES=config.num_stages, PDL=bool(pdl), num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
