@@ -144,8 +144,8 @@ class Prepared:
     export_s: float
 
 
-def prepare(entry: zoo_models.Entry, size: str, batch: int) -> Prepared:
-    spec = entry.make(size, batch)
+def prepare(entry: zoo_models.Entry, size: str, batch: int, spec: zoo_models.Spec | None = None) -> Prepared:
+    spec = spec or entry.make(size, batch)
     if spec.onnx_path is not None:
         import onnxruntime as ort
 

@@ -21,7 +21,8 @@ def test_zoo_model_matches_fp32_at_fp16_on_the_gpu(entry):
         pytest.skip(f"needs {', '.join(missing)} (pip install -e '.[zoo]')")
     if entry.name in KNOWN_FAILURES:
         pytest.skip(KNOWN_FAILURES[entry.name])
-    batch = entry.make("tiny", 1).fixed_batch or BATCH
-    prep = zoo.prepare(entry, "tiny", batch)
+    spec = entry.make("tiny", BATCH)
+    batch = spec.fixed_batch or BATCH
+    prep = zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None)
     row = zoo.run_case(entry, prep, "fp16", batch, "cuda", timing=False, torch_compile=False)
     assert row.rel_l2 is not None and row.rel_l2 <= zoo.TOLERANCE["fp16"], row
