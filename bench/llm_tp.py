@@ -145,7 +145,7 @@ def main(argv=None) -> int:
               f"CUDA graphs {r['cuda_graphs'] or 'none'} (loaded in {r['load_s']} s)", flush=True)
     base = results[0]
     for r in results[1:]:
-        r["speedup_vs_tp%d" % base["tp"]] = r["output_tok_s"] / base["output_tok_s"]
+        r[f"speedup_vs_tp{base['tp']}"] = r["output_tok_s"] / base["output_tok_s"]
         print(f"  TP={r['tp']} / TP={base['tp']}: {r['output_tok_s'] / base['output_tok_s']:.2f}x output tok/s")
     if a.json:
         a.json.write_text(json.dumps({"shape": a.shape, "gpu": gpu, "weights": a.weights, "batch_size": a.batch_size,

@@ -160,7 +160,7 @@ def test_worker_error_surfaces_on_rank_0(mqa_model):
     gc.collect()
     import subprocess
 
-    ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-eo", "stat,args"], check=True, capture_output=True, text=True).stdout
     assert not [line for line in ps.splitlines() if "kiln.llm.tp_workers" in line and "grep" not in line]
 
 

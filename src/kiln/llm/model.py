@@ -15,8 +15,15 @@ import torch.nn.functional as F
 
 from kiln.llm.attention import AttentionMetadata, LayerCache, paged_attention
 from kiln.llm.config import ModelConfig
-from kiln.llm.parallel import (Shard, all_gather_last, all_reduce, layout, shard_matrix, shard_vocab,
-                               vocab_parallel_embedding)
+from kiln.llm.parallel import (
+    Shard,
+    all_gather_last,
+    all_reduce,
+    layout,
+    shard_matrix,
+    shard_vocab,
+    vocab_parallel_embedding,
+)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
