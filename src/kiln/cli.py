@@ -205,7 +205,7 @@ def _graph_text(engine) -> str:
 
 
 def _print_build_summary(engine, source: str) -> None:
-    from .engine.config import fmt_shape
+    from .ir.shapes import fmt_shape
 
     g = engine.graph
     out.print(f"Built {source}")
