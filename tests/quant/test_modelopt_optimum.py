@@ -1,10 +1,17 @@
 """Models written by NVIDIA's ModelOpt (INT8/FP8 Q/DQ ONNX) and Hugging Face Optimum (decoders with past
 key values) build with Kiln and match a reference. Both tools are made in the test run from tiny models.
 
-Neither package is a Kiln dependency, nor in the test extra: nvidia-modelopt's ONNX quantizer needs its
-[onnx] extra (onnxruntime-gpu, cupy, an older onnx), and optimum-onnx pins transformers below 5, which
-would replace the transformers the rest of the suite uses. Each test is skipped where its tool is absent;
-both run in a virtual environment layered over the main one (see docs in the report of this change).
+Neither package is a Kiln dependency, nor in the test extra: `nvidia-modelopt[onnx]` replaces onnx with an
+older release and adds onnxruntime-gpu and cupy, and optimum-onnx pins transformers below 5, which would
+replace the transformers the rest of the suite uses. Each test is skipped where its tool is absent. To run
+them, layer a virtual environment over the main one (about 240 MB, a minute and a half to install):
+
+    python -m venv --system-site-packages /tmp/kx
+    /tmp/kx/bin/pip install --no-deps nvidia-modelopt onnx-graphsurgeon onnxconverter-common onnxslim \
+        polygraphy lief cppimport mako pybind11
+    /tmp/kx/bin/pip install nvidia-modelopt PuLP ninja nvidia-ml-py omegaconf optimum-onnx onnx==<main's> \
+        onnxruntime==<main's>
+    /tmp/kx/bin/python -m pytest tests/quant/test_modelopt_optimum.py
 """
 
 from __future__ import annotations
