@@ -120,10 +120,12 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
             for pos, name in enumerate(node.inputs):
                 t = env[name] if name else None
                 if isinstance(t, torch.Tensor) and t.device != device and pos not in entry.host_inputs:
-                    if name in graph.initializers:
-                        t = uploads.setdefault(name, t.to(device))
-                    else:
+                    if name not in graph.initializers:
                         t = t.to(device)
+                    else:
+                        if name not in uploads:
+                            uploads[name] = t.to(device)
+                        t = uploads[name]
                 args.append(t)
             kept = node.precision
             judge = kept == precision and not node.note and not entry.uses_scope
