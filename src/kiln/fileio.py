@@ -34,7 +34,8 @@ def check_destination(path, error: type[KilnError] = ConfigError, what: str = ""
     label = f"{what}: " if what else ""
     folder = _folder(path)
     if path.is_dir():
-        raise error(f"{label}cannot write '{path}': it is a directory; name a file in it, e.g. '{path / 'model.kiln'}'.")
+        raise error(f"{label}cannot write '{path}': it is a directory; name a file in it, "
+                    f"e.g. '{path / 'model.kiln'}'.")
     if not folder.exists():
         raise error(f"{label}cannot write '{path}': folder '{folder}' does not exist.")
     if not folder.is_dir():

@@ -131,10 +131,10 @@ def test_an_engine_with_a_crafted_program_is_refused_at_load(tmp_path):
     from onnx import TensorProto, helper
 
     import kiln
+    from kiln.engine import serialize
     from kiln.errors import EngineFileError
 
     from ..engine.util import read_members, write_zip
-    from kiln.engine import serialize
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])

@@ -623,7 +623,8 @@ def _check_order_and_ssa(graph: onnx.GraphProto, label: str, outer: frozenset[st
                                  f"'{producer.get(name, '?')}' computes it: {why}.")
         done.update(o for o in n.output if o)
         for a in n.attribute:
-            subs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []
+            subs = ([a.g] if a.type == AttributeProto.GRAPH
+                    else list(a.graphs) if a.type == AttributeProto.GRAPHS else [])
             for sub in subs:
                 _check_order_and_ssa(sub, f"{label} (node '{names[i]}', attribute {a.name})", frozenset(done | outer))
 

@@ -279,9 +279,9 @@ def load_callable(spec: str, what: str) -> Callable:
         raise
     except ImportError as e:
         here = Path(mod_name.split(".")[0] + ".py")
+        in_cwd = here.is_file() or Path(here.stem).is_dir()
         hint = (f" '{here}' is in the current directory, which Kiln does not add to the import path: give the file "
-                f"itself ({Path('.') / here}:{fn_name}) or set PYTHONPATH." if here.is_file() or Path(here.stem).is_dir()
-                else "")
+                f"itself ({Path('.') / here}:{fn_name}) or set PYTHONPATH." if in_cwd else "")
         raise ConfigError(f"{what}: cannot import module '{mod_name}' ({e}).{hint}") from None
     except Exception as e:  # noqa: BLE001 - the user's module raised while being imported
         raise ConfigError(f"{what}: importing '{mod_name}' failed: {type(e).__name__}: {e}") from None
