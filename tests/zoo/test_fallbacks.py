@@ -224,3 +224,18 @@ def test_gpu_build_drops_tactics_that_raise_or_disagree(raising_tactic):
     finally:
         _TACTICS[("kiln", "FusedGemm")] = [t for t in _TACTICS[("kiln", "FusedGemm")] if t.name != "zoo_test_wrong"]
         _BY_NAME.pop(("kiln", "FusedGemm", "zoo_test_wrong"), None)
+
+
+def test_a_scalar_first_input_beside_a_channels_last_activation_is_left_alone():
+    """cast_for once read any channels-last 4-D second input as a convolution weight: Sub(1.0, x) with x
+    channels-last indexed the scalar's channels (IndexError: tuple index out of range, PP-OCR FP16 on the H200)."""
+    from kiln.engine.interpreter import cast_for
+    from kiln.ir.graph import Node
+    from kiln.ops.registry import lookup
+
+    node = Node("Sub", ["one", "x"], ["y"], name="sub")
+    node.precision = "float16"
+    x = torch.randn(1, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+    one = torch.tensor(1.0)
+    a, b = cast_for(node, lookup("Sub"), [one, x])
+    assert a.shape == () and b.shape == x.shape and b.dtype == torch.float16
