@@ -11,7 +11,8 @@ from kiln.cli import main
 
 
 def test_version_names_kiln_torch_triton_cuda_and_the_gpu():
-    done = subprocess.run([sys.executable, "-m", "kiln", "--version"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "kiln", "--version"], capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"Kiln {__version__}" and lines[1] == f"torch {torch.__version__}"

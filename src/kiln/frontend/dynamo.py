@@ -188,7 +188,7 @@ class Options:
     min_block_size: int = 1
 
     @classmethod
-    def parse(cls, options: dict | None) -> "Options":
+    def parse(cls, options: dict | None) -> Options:
         options = dict(options or {})
         unknown = sorted(k for k in options if k not in OPTIONS)
         if unknown:

@@ -123,7 +123,7 @@ def _build(model, runner: str, profile, device: str, calib):
 
     _, flags = KILN_PRECISIONS[runner]
     cfg = BuildConfig(profiles=[profile], device=device, calib=calib if ("int8" in flags or "fp8" in flags) else None,
-                      **flags)
+                      progress=False, **flags)  # the compare's own display shows each runner's build
     return build(model, cfg)
 
 
@@ -133,8 +133,6 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
                 val_range: dict | None = None, atol: float | None = None, rtol: float | None = None,
                 accept_vacuous: bool = False) -> MultiRunnerResult:
     """Run `samples` (or synthetic ones) through every runner and compare each with the reference runner."""
-    from .compare import DEFAULT_FRACTION, compare_arrays
-
     if "torch" in runners and not torch_module:
         raise ConfigError("the 'torch' runner needs the PyTorch module: --torch MODULE:FACTORY (called with the "
                           "model's inputs in order).")
@@ -146,6 +144,19 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
     out_names = [vi.name for vi in model.graph.output]
     result = MultiRunnerResult(model=str(model_path), reference_runner=ref_name, runners={}, samples=0,
                                inputs=inputs or "given samples")
+    from .progress import progress
+
+    with progress("kiln compare", total=2 * len(runners), first="preparing inputs") as bar:
+        _run_all(model, model_path, runners, result, bar, samples=samples, shapes=shapes, onnx_inputs=onnx_inputs,
+                 out_names=out_names, torch_module=torch_module, calib=calib, device=device, seed=seed, count=count,
+                 val_range=val_range)
+    _compare_rows(result, runners, ref_name, out_names, atol, rtol, accept_vacuous)
+    return result
+
+
+def _run_all(model, model_path, runners, result, bar, *, samples, shapes, onnx_inputs, out_names, torch_module,
+             calib, device, seed, count, val_range) -> None:
+    """Build every Kiln runner, then run every runner on every sample (result.outputs/runtimes)."""
     engines = {}
     # Float Kiln engines first: synthetic inputs are drawn from an engine's graph (token ids over the
     # embedding's rows, masks as masks), and the quantized builds may calibrate on the inputs.
@@ -159,9 +170,11 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
         profile = Profile({k: (v, v, v) for k, v in fixed.items()})
         float_kiln = [r for r in runners if r in KILN_PRECISIONS and r not in ("kiln-int8", "kiln-fp8")]
         seed_runner = float_kiln[0] if float_kiln else "kiln-fp32"
+        bar.step(f"building {seed_runner} (its graph draws the synthetic inputs)")
         seed_engine = _build(model, seed_runner, profile, device, None)
         if seed_runner in runners:
             engines[seed_runner] = seed_engine
+            bar.advance(f"built {seed_runner}")
         samples = synthetic_samples(seed_engine, 0, seed, count, None, val_range)
         result.inputs, result.synthetic_rules = "synthetic", describe(seed_engine, val_range)
     if not samples:
@@ -178,31 +191,51 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
             if quantized and not calib:
                 result.notes.append(f"{r}: scales calibrated on the {len(samples)} compared input sample(s) "
                                     f"({result.inputs}); pass --calib DATA to calibrate on other data.")
+            bar.step(f"building {r}")
             engines[r] = _build(model, r, profile, device, data)
+            bar.advance(f"built {r}")
+        elif r not in KILN_PRECISIONS:
+            bar.advance(f"{r} needs no build")
     for r in runners:
+        bar.step(f"running {r} on {len(samples)} sample(s)")
         if r in engines:
             e = engines[r]
-            result.runners[r] = f"Kiln engine, {e.precision}" + (f" + {KILN_PRECISIONS[r][0].upper()}"
-                                                                  if r in ("kiln-int8", "kiln-fp8") else "") \
-                + f", {e.target.describe()}"
-            ctx = e.create_execution_context()
-            run = (lambda ctx: lambda feeds: {k: dtypes.to_numpy(v) if isinstance(v, torch.Tensor) else v
-                                              for k, v in ctx.run(feeds).items()})(ctx)
+            quant = f" + {KILN_PRECISIONS[r][0].upper()}" if r in ("kiln-int8", "kiln-fp8") else ""
+            result.runners[r] = f"Kiln engine, {e.precision}{quant}, {e.target.describe()}"
+            run = _engine_runner(e.create_execution_context())
         elif r == "onnxruntime":
             ref = common.OnnxReference(model)
             ref.source = str(model_path)
             result.runners[r] = ref.describe()
-            run = (lambda ref: lambda feeds: ref.run(feeds, out_names))(ref)
+            run = _reference_runner(ref, out_names)
         else:
             mod = common.TorchReference(common.load_torch_module(torch_module), onnx_inputs, out_names)
             result.runners[r] = mod.describe()
-            run = (lambda mod: lambda feeds: mod.run(feeds, out_names))(mod)
+            run = _reference_runner(mod, out_names)
         outs, times = [], []
         for feeds in samples:
             t0 = time.perf_counter()
             outs.append(run(feeds))
             times.append(time.perf_counter() - t0)
         result.outputs[r], result.runtimes[r] = outs, times
+        bar.advance(f"ran {r}")
+
+
+def _engine_runner(ctx):
+    def run(feeds):
+        return {k: dtypes.to_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in ctx.run(feeds).items()}
+    return run
+
+
+def _reference_runner(ref, names):
+    def run(feeds):
+        return ref.run(feeds, names)
+    return run
+
+
+def _compare_rows(result, runners, ref_name, out_names, atol, rtol, accept_vacuous) -> None:
+    from .compare import DEFAULT_FRACTION, compare_arrays
+
     ref_outs = result.outputs[ref_name]
     for r in runners:
         if r == ref_name:
@@ -220,7 +253,6 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
             result.rows.append(RunnerRow(r, name, c.verdict, c.abs_err.get("max"), c.abs_err.get("mean"),
                                          c.rel_err.get("max"), c.min_atol, c.atol, c.rtol,
                                          c.reason + (" (vacuous: a constant would pass)" if c.vacuous else "")))
-    return result
 
 
 def input_names(model_path) -> list[str]:
@@ -256,7 +288,9 @@ def render(result: MultiRunnerResult, con) -> None:
     for col in ("Runner", f"vs {result.reference_runner}: output", "max abs", "mean abs", "max rel",
                 "min atol to pass", "atol / rtol", "Result"):
         table.add_column(col, overflow="fold")
-    g = lambda x: "-" if x is None else f"{x:.4g}"  # noqa: E731
+    def g(x):
+        return "-" if x is None else f"{x:.4g}"
+
     for row in result.rows:
         table.add_row(row.runner, row.output, g(row.max_abs), g(row.mean_abs), g(row.max_rel), g(row.min_atol),
                       f"{row.atol:.3g} / {row.rtol:g}", row.verdict + (f": {row.reason}" if row.reason else ""))
