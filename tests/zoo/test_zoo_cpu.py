@@ -23,7 +23,10 @@ def test_zoo_model_matches_its_reference_at_fp32_on_cpu(entry):
     missing = [m for m in entry.needs if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (pip install -e '.[zoo]')")
-    spec = entry.make("tiny", BATCH)
+    try:
+        spec = entry.make("tiny", BATCH)
+    except FileNotFoundError as e:  # an installed release of the package that ships another file
+        pytest.skip(str(e))
     batch = spec.fixed_batch or BATCH
     prep = zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None)
     if entry.name in KNOWN_FAILURES:  # still failing, for the reason given (a pass would be news: update the list)

@@ -21,7 +21,10 @@ def test_zoo_model_matches_fp32_at_fp16_on_the_gpu(entry):
         pytest.skip(f"needs {', '.join(missing)} (pip install -e '.[zoo]')")
     if entry.name in KNOWN_FAILURES:
         pytest.skip(KNOWN_FAILURES[entry.name])
-    spec = entry.make("tiny", BATCH)
+    try:
+        spec = entry.make("tiny", BATCH)
+    except FileNotFoundError as e:  # an installed release of the package that ships another file
+        pytest.skip(str(e))
     batch = spec.fixed_batch or BATCH
     prep = zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None)
     row = zoo.run_case(entry, prep, "fp16", batch, "cuda", timing=False, torch_compile=False)
