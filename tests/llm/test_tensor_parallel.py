@@ -87,6 +87,25 @@ def test_tp2_sampling_and_abort(tp_pair):
     assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
 
 
+def test_killed_worker_fails_the_step(tp_pair):
+    """A worker killed outright (SIGKILL): the next step raises at once instead of hanging in a collective, and
+    the engine lets go of its process group (the CLI test below starts another TP engine in this process)."""
+    import os
+    import signal
+
+    from kiln.llm.tp_workers import WorkerError
+
+    _, tp = tp_pair
+    workers = tp.llm_engine.workers
+    os.kill(workers.pids[0], signal.SIGKILL)
+    workers.procs[0].wait(10)
+    with pytest.raises(WorkerError, match="rank 1 exited with code -9"):
+        tp.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
+    import torch.distributed as dist
+
+    assert not dist.is_initialized() and not any(workers.alive)
+
+
 def test_bad_tensor_parallel_sizes_refused(mqa_model):
     """Refused before any process starts, naming the config key."""
     with pytest.raises(ConfigError, match="num_attention_heads = 4"):

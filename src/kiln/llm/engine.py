@@ -336,8 +336,11 @@ class LLMEngine:
             seqs, tokens, logprobs = self.runner.execute(step)
         except Exception:
             self._fail_all()
-            if self.workers is not None:  # a collective failed because a worker did: raise the worker's error
-                self.workers.raise_failure()
+            if self.workers is not None:  # the ranks are out of step now: raise a worker's error, stop them all
+                try:
+                    self.workers.raise_failure()
+                finally:
+                    self.shutdown()
             raise
         for seq, n in zip(step.seqs, step.num_new_tokens):
             seq.num_computed_tokens += n
