@@ -193,6 +193,8 @@ class LLMEngine:
         devices = rank_devices(self.device, tp) if tp > 1 else [str(self.device)]
         self.device = torch.device(devices[0])
         if tp > 1:
+            if self.device.type == "cuda":  # NCCL and the graph capture work on the current device
+                torch.cuda.set_device(self.device)
             engine_weights = source is not None and Path(source).suffix == ".kiln" and bool(quantized_weights)
             spec = {"devices": devices, "dtype": str(torch_dtype).removeprefix("torch."),
                     "kv_dtype": str(kv_dtype).removeprefix("torch."), "quantization": quantization,
