@@ -167,22 +167,30 @@ def test_bad_option_values():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "encoder"])
+@pytest.mark.parametrize("name", ["resnet18", "squeezenet1_1", "encoder"])
 def test_gpu_matches_inductor_in_the_same_run(name):
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
-    if name == "encoder":
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    if name == "encoder":  # the fused encoder fast path is one opaque op; the plain path has regions
+        torch.backends.mha.set_fastpath_enabled(False)
         layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
         model, x = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(2, 16, 64)
     else:
         model, x = getattr(torchvision.models, name)(weights=None), torch.randn(2, 3, 96, 96)
     model, x = model.eval().cuda(), x.cuda()
-    with torch.no_grad():
-        eager = model(x)
-        torch._dynamo.reset()
-        ours = torch.compile(model, backend="kiln", options={"precision": "fp32"})(x)
-        torch._dynamo.reset()
-        inductor = torch.compile(model, backend="inductor")(x)
+    rec = Recorder(precision="fp32")
+    try:
+        with torch.no_grad():
+            eager = model(x)
+            torch._dynamo.reset()
+            ours = torch.compile(model, backend=rec)(x)
+            torch._dynamo.reset()
+            inductor = torch.compile(model, backend="inductor")(x)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    assert sum(g.engines for g in rec.graphs) >= 1
     scale = eager.float().pow(2).mean().sqrt().item()
-    assert (ours.float() - eager.float()).abs().max().item() <= 1e-2 * scale + 1e-3
-    assert (ours.float() - inductor.float()).abs().max().item() <= 1e-2 * scale + 1e-3
+    assert scale > 1e-3  # outputs of a usable size: the tolerance below is not vacuous
+    assert (ours.float() - eager.float()).abs().max().item() <= 1e-2 * scale
+    assert (ours.float() - inductor.float()).abs().max().item() <= 1e-2 * scale
