@@ -524,7 +524,12 @@ def register() -> None:
 
 
 def registered_by_entry_point() -> bool:
-    """Whether the installed package metadata names "kiln" in torch's `torch_dynamo_backends` group."""
-    from importlib.metadata import entry_points
+    """Whether Kiln's installed package metadata names "kiln" in torch's `torch_dynamo_backends` group
+    (only Kiln's own metadata is read: scanning every installed distribution would slow `import kiln`)."""
+    from importlib.metadata import PackageNotFoundError, distribution
 
-    return "kiln" in entry_points(group="torch_dynamo_backends").names
+    try:
+        eps = distribution("kiln").entry_points
+    except PackageNotFoundError:
+        return False
+    return any(ep.group == "torch_dynamo_backends" and ep.name == "kiln" for ep in eps)
