@@ -31,8 +31,14 @@ def mqa_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp_pair(mqa_model):
-    ref = LLM(str(mqa_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24)
-    tp = LLM(str(mqa_model), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, tensor_parallel_size=2)
+    """One rank, and 2 ranks built from weights held in memory (the workers read them from a safetensors file)."""
+    from kiln.llm.engine import load_model
+
+    kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24)
+    ref = LLM(str(mqa_model), **kw)
+    hf_config, tensors, tok, _ = load_model(mqa_model)
+    tp = LLM.__new__(LLM)
+    tp.llm_engine, tp._next_id = LLMEngine(hf_config, tensors, tok, tensor_parallel_size=2, **kw), 0
     yield ref, tp
     tp.shutdown()
 
@@ -157,6 +163,17 @@ def test_quantized_shards_are_slices_of_the_whole():
         q = quantize.quantize_weight(down, method, ActivationStats(x.abs().amax(0), x, 32))
         part = shard_quantized(cfg, "layers.0.down", q, lay)
         assert torch.equal(part.dequantize(), q.dequantize()[:, 256:])
+
+
+def test_workers_read_an_hf_directory_tensor_by_tensor(mqa_model):
+    """What a worker loads from an HF directory: the checkpoint's tensors, each read when asked for."""
+    from kiln.llm.loader import load_hf_dir
+    from kiln.llm.tp_workers import LazySafetensors
+
+    _, tensors, _ = load_hf_dir(mqa_model)
+    lazy = LazySafetensors(mqa_model)
+    assert set(tensors) <= set(lazy)
+    assert all(torch.equal(lazy[k], t) for k, t in tensors.items())
 
 
 def test_step_inputs_round_trip():
