@@ -90,7 +90,7 @@ def _config_from_args(a):
     pick = lambda xs, i: xs[i] if xs else ""  # noqa: E731
     profiles = [profile_from_flags(pick(a.minShapes, i), pick(a.optShapes, i), pick(a.maxShapes, i)) for i in range(n)]
     if not profiles and getattr(a, "shapes", ""):  # as trtexec: --shapes alone is also the build's (static) profile
-        profiles = [profile_from_flags(a.shapes, a.shapes, a.shapes)]
+        profiles = [profile_from_flags(a.shapes, a.shapes, a.shapes, ("--shapes",) * 3)]
     # trtexec's --best quantizes with placeholder scales when there is no calibration data; Kiln never
     # invents scales, so without data --best means FP16, and says so.
     best_int8 = a.best and _has_calibration(a)

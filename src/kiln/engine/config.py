@@ -123,9 +123,10 @@ def parse_shapes(text: str, flag: str) -> dict[str, Shape]:
     return out
 
 
-def profile_from_flags(min_s: str, opt_s: str, max_s: str) -> Profile:
-    mins, opts, maxs = (parse_shapes(min_s, "--minShapes"), parse_shapes(opt_s, "--optShapes"),
-                        parse_shapes(max_s, "--maxShapes"))
+def profile_from_flags(min_s: str, opt_s: str, max_s: str,
+                       flags: tuple[str, str, str] = ("--minShapes", "--optShapes", "--maxShapes")) -> Profile:
+    """The profile the three shape flags give; `flags` names them in errors (--shapes when it stands for all three)."""
+    mins, opts, maxs = (parse_shapes(min_s, flags[0]), parse_shapes(opt_s, flags[1]), parse_shapes(max_s, flags[2]))
     names = list(dict.fromkeys([*mins, *opts, *maxs]))
     shapes = {}
     for n in names:

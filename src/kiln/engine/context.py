@@ -33,6 +33,14 @@ from .interpreter import call_node, cast_input, casts, compute_type, run_node
 BOUND_GRAPHS = 4  # address-bound graphs per input shape; inputs at other addresses are copied
 
 
+def _dtype_text(dtype: torch.dtype) -> str:
+    """The dtype's name, also for dtypes no engine takes (complex, bool tensors from another library)."""
+    try:
+        return dtypes.name_of(dtype)
+    except KeyError:
+        return str(dtype).removeprefix("torch.")
+
+
 class NonFiniteInputWarning(UserWarning):
     pass
 
@@ -172,7 +180,7 @@ class ExecutionContext:
                 raise InputError(f"input '{v.name}' is a {type(x).__name__}; pass a torch tensor or a numpy array.")
             if v.dtype is not None and x.dtype != v.dtype:
                 raise InputError(
-                    f"input '{v.name}' is {dtypes.name_of(x.dtype)} but the engine expects "
+                    f"input '{v.name}' is {_dtype_text(x.dtype)} but the engine expects "
                     f"{dtypes.name_of(v.dtype)}; convert it before running."
                 )
             self.check_shape(v.name, tuple(x.shape))
