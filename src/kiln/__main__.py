@@ -7,6 +7,6 @@ import sys
 if sys.path and not sys.flags.safe_path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
     del sys.path[0]
 
-from .cli import main  # noqa: E402 - after the import path is fixed
+from .cli import main  # after the import path is fixed
 
 sys.exit(main())

@@ -43,7 +43,7 @@ def test_python_m_kiln_does_not_import_from_the_working_folder(tmp_path):
     engine.save(tmp_path / "e.kiln")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="", COLUMNS="200")
     p = subprocess.run([sys.executable, "-m", "kiln", "bench", "e.kiln", "--baseline=eager", "--torch=cwd_model:make"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     text = p.stdout + p.stderr
     assert p.returncode != 0 and "Traceback" not in text, text[-2000:]
     assert "was imported from the working folder" not in text, text[-2000:]
