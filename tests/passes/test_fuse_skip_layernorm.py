@@ -68,3 +68,17 @@ def test_bert_embeddings_build_into_a_gather_and_one_norm_that_match_onnxruntime
     feeds = {"ids": rng.integers(-50, 50, (3, 6)), "tt": rng.integers(0, 2, (3, 6))}  # negative ids count from the end
     ref = ort.InferenceSession(onnx_model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(engine.create_execution_context().run(feeds)["y"], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_reader_of_the_sum_placed_before_the_norm_runs_after_the_fused_layer():
+    """GPT-2's embedding sum is read by a Shape (and what follows it) between the Add and the LayerNorm: the fused
+    layer, which now makes the sum, must run before them."""
+    m = model([
+        helper.make_node("Add", ["x", "r"], ["s"]),
+        helper.make_node("Relu", ["s"], ["z"]),
+        helper.make_node("Neg", ["z"], ["z2"]),
+        helper.make_node("LayerNormalization", ["s", "g", "b"], ["y"], axis=-1, epsilon=1e-5),
+    ], [("x", [2, 3, 8]), ("r", [2, 3, 8])], [("y", [2, 3, 8]), ("z2", [2, 3, 8])],
+        {"g": rand(8), "b": rand(8, seed=1)})
+    _, after = check_pass(fuse_skip_layernorm, m, {"x": rand(2, 3, 8, seed=2), "r": rand(2, 3, 8, seed=3)}, atol=1e-5)
+    assert ops(after) == ["kiln::SkipLayerNorm", "Relu", "Neg"]

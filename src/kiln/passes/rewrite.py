@@ -73,7 +73,35 @@ def replace(graph: Graph, old: list[Node], new: Node) -> None:
             nodes.append(new)
         if id(n) not in ids:
             nodes.append(n)
-    graph.nodes = nodes
+    graph.nodes = _readers_after(nodes, new)
+
+
+def _reads(node: Node) -> set[str]:
+    """Every value a node reads, also from inside its subgraphs (If/Loop bodies read outer values by name)."""
+    names = {i for i in node.inputs if i}
+    for v in node.attrs.values():
+        for g in v if isinstance(v, list) else [v]:
+            if isinstance(g, Graph):
+                names |= {i for m in g.walk() for i in m.inputs if i}
+    return names
+
+
+def _readers_after(nodes: list[Node], new: Node) -> list[Node]:
+    """A fused node that also exposes an intermediate (SkipLayerNorm's sum) sits where its last source sat, so a
+    reader of that intermediate placed between the sources (GPT-2's Shape of the embedding sum) would run before
+    it: move such readers, and what reads their outputs in turn, to just after the fused node, in order."""
+    at = next(i for i, n in enumerate(nodes) if n is new)
+    produced, moved = {o for o in new.outputs if o}, []
+    for n in nodes[:at]:
+        if _reads(n) & produced:
+            moved.append(n)
+            produced |= {o for o in n.outputs if o}
+    if not moved:
+        return nodes
+    ids = {id(n) for n in moved}
+    kept = [n for n in nodes if id(n) not in ids]
+    at = next(i for i, n in enumerate(kept) if n is new)
+    return kept[:at + 1] + moved + kept[at + 1:]
 
 
 def bypass(graph: Graph, view: View, node: Node, src: str) -> bool:
