@@ -446,6 +446,7 @@ def _engines(root: Path, good_engine: Path, key: Path, other_key: Path) -> list[
              ("another key",)),
         Case("inspect-signed-other-key", ["inspect", str(root / "signed.kiln"), f"--verify-key={other_key}"],
              ("another key",)),
+        *_verify_key_cases(root, good_s, key, other_key),
         Case("run-verify-key-missing", ["run", f"--loadEngine={good_s}", "--verify-key=absent.key"],
              ("absent.key",)),
         Case("run-verify-key-short", ["run", f"--loadEngine={good_s}", f"--verify-key={root / 'short.key'}"],
@@ -549,6 +550,23 @@ def _data_cases(root: Path, good_onnx: Path, good_engine: Path) -> list[Case]:
     cases.append(Case("calib-name-bad-npy", ["build", f"--onnx={good_onnx}", "--device=cpu", "--int8",
                                               f"--calib=x:{bad_npy}", "--shapes=x:4x8", "--skipInference"],
                       ("bad.npy",)))
+    return cases
+
+
+def _verify_key_cases(root: Path, unsigned: str, key: Path, other_key: Path) -> list[Case]:
+    """--verifyKey on every command that loads an engine: an unsigned engine, or one signed with another key."""
+    signed = str(root / "signed.kiln")
+    commands = {"compare": lambda e: ["compare", "absent.onnx", e],
+                "verify": lambda e: ["verify", e, "--data=absent.npz", "--metric=mae"],
+                "bench": lambda e: ["bench", e, "--baseline=eager"],
+                "report": lambda e: ["report", e, "--out=r"],
+                "export-triton": lambda e: ["export", "triton", e, "--repo=repo"]}
+    cases = []
+    for name, argv in commands.items():
+        flag = "--verify-key" if name in ("bench", "export-triton") else "--verifyKey"
+        cases.append(Case(f"{name}-unsigned-with-verify-key", [*argv(unsigned), f"{flag}={key}", "--device=cpu"]
+                          if name != "export-triton" else [*argv(unsigned), f"{flag}={key}"], ("not signed",)))
+        cases.append(Case(f"{name}-signed-other-key", [*argv(signed), f"{flag}={other_key}"], ("another key",)))
     return cases
 
 

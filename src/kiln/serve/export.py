@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from ..tools.common import add_verify_key_flag
+
 
 def cmd_export_triton(a) -> int:
     from rich.console import Console
 
+    from ..engine.serialize import read_manifest
+    from ..tools.common import verify_key_of
     from .triton_repo import export_triton
 
+    key = verify_key_of(a)
+    if key is not None:  # the file copied into the repository is the one whose signature was checked here
+        read_manifest(a.engine, key)
     folder = export_triton(a.engine, a.repo, name=a.name, instances=a.instances, max_batch=a.max_batch)
     Console(highlight=False).print(f"Triton model '{folder.name}' written to {folder} "
                                    f"(start it with: tritonserver --model-repository={folder.parent})")
@@ -27,5 +34,6 @@ def add_command(subparsers) -> argparse.ArgumentParser:
                    help="model instances (instance_group count; KIND_GPU for a GPU engine, KIND_CPU for a CPU one)")
     t.add_argument("--max-batch", dest="max_batch", type=int, default=None, metavar="B",
                    help="max_batch_size (default: the profiles' largest batch; 0 turns batching off)")
+    add_verify_key_flag(t)
     t.set_defaults(func=cmd_export_triton)
     return p

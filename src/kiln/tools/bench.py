@@ -398,13 +398,14 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--exportProfile", metavar="FILE", help="per-layer profile as JSON (implies --dumpProfile)")
     p.add_argument("--exportJson", metavar="FILE", help="the whole result as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    common.add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
     con = common.console()
-    engine = common.load_engine(args.engine, args.device)
+    engine = common.load_engine(args.engine, args.device, verify_key=common.verify_key_of(args))
     shapes = common.parse_shapes_arg(args.shapes, engine)
     samples = common.load_samples(args.loadInputs, [v.name for v in engine.inputs]) if args.loadInputs else None
     baselines = [b.strip() for b in args.baseline.split(",") if b.strip()]

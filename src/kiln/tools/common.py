@@ -75,6 +75,20 @@ def atomic_write_json(path, obj) -> None:
 # --- engines --------------------------------------------------------------------------------------
 
 
+def add_verify_key_flag(p) -> None:
+    """--verifyKey / --verify-key KEYFILE on a command that loads an engine (engine/signing.py)."""
+    p.add_argument("--verifyKey", "--verify-key", dest="verifyKey", metavar="KEYFILE", default=None,
+                   help="refuse the engine unless it was signed with this key (`kiln build --sign KEYFILE`)")
+
+
+def verify_key_of(args) -> bytes | None:
+    """The key --verifyKey names (None without the flag); a missing or short key file is a ConfigError."""
+    from ..engine.signing import load_key
+
+    path = getattr(args, "verifyKey", None)
+    return load_key(path) if path else None
+
+
 def load_engine(engine, device: str = "auto", verify_key: bytes | None = None):
     """An Engine object, or the path of a .kiln file (refused unless signed with verify_key, when given)."""
     from ..engine.engine import Engine

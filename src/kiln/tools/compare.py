@@ -661,6 +661,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-histogram", action="store_true", help="leave out the error histograms")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (where the engine runs)")
+    common.add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
@@ -720,7 +721,7 @@ def run(args) -> int:
     for flag, value in (("--torch", args.torch), ("--calib", args.calib), ("--reference-runner", args.reference_runner)):
         if value:
             raise ConfigError(f"{flag} goes with --runners.")
-    engine = common.load_engine(args.engine, args.device)
+    engine = common.load_engine(args.engine, args.device, verify_key=common.verify_key_of(args))
     atol, per_atol = common.parse_named_floats(args.atol, "--atol")
     rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
     from .synthetic import parse_val_range

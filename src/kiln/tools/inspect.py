@@ -418,7 +418,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-run", action="store_true", help="do not run the engine to measure shapes (faster)")
     p.add_argument("--device-only", action="store_true", help="hide host (shape-arithmetic) layers in the table")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    p.add_argument("--verify-key", dest="verify_key", metavar="KEYFILE",
+    p.add_argument("--verify-key", "--verifyKey", dest="verify_key", metavar="KEYFILE",
                    help="refuse the engine unless it was signed with this key (kiln build --sign KEYFILE)")
     p.set_defaults(func=run)
     return p

@@ -819,6 +819,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
                    "outside the calibrated ranges (clipping) and a calibration set too small or too uniform")
     p.add_argument("--json", metavar="FILE", help="also write the report's data as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    common.add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
@@ -828,7 +829,7 @@ def run(args) -> int:
 
     con = common.console()
     err = common.console(stderr=True)
-    engine = common.load_engine(args.engine, args.device)
+    engine = common.load_engine(args.engine, args.device, verify_key=common.verify_key_of(args))
     shapes = common.parse_shapes_arg(args.shapes, engine)
     samples = common.load_samples(args.loadInputs, [v.name for v in engine.inputs]) if args.loadInputs else None
     metrics = [x.strip() for v in (args.metric or []) for x in v.split(",") if x.strip()] or None

@@ -274,15 +274,17 @@ def _call_metric(m: Metric, outputs: np.ndarray, labels: np.ndarray) -> float:
 
 
 def verify(engine, data, reference=None, metrics=("top1",), budgets: dict | None = None, output: str | None = None,
-           profile: int | None = None, batch: int | None = None, device: str = "auto") -> VerifyResult:
+           profile: int | None = None, batch: int | None = None, device: str = "auto",
+           verify_key: bytes | None = None) -> VerifyResult:
     """Task metrics of the engine (and the reference) on held-out data, checked against budgets.
 
     engine: Engine or .kiln path. data: .npz path or {input: array, "labels": array}.
     reference: .onnx path, onnx.ModelProto, torch.nn.Module, 'module:factory' or None.
     metrics: names ('top1', 'top5', 'mae'), 'module:function' specs or callables.
     budgets: {metric: allowed drop}; a budget needs a reference.
+    verify_key: refuse an engine file not signed with this key.
     """
-    engine = common.load_engine(engine, device)
+    engine = common.load_engine(engine, device, verify_key=verify_key)
     budgets = dict(budgets or {})
     specs = list(metrics or [])
     for name in budgets:
@@ -378,6 +380,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="samples per run (default: the profile's max batch)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    common.add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
@@ -389,7 +392,8 @@ def run(args) -> int:
     if not metrics and not budgets:
         metrics = ["top1"]
     res = verify(args.engine, args.data, reference=args.reference, metrics=metrics, budgets=budgets,
-                 output=args.output, profile=args.profile, batch=args.batch, device=args.device)
+                 output=args.output, profile=args.profile, batch=args.batch, device=args.device,
+                 verify_key=common.verify_key_of(args))
     render(res, con)
     if args.json:
         common.atomic_write_json(args.json, res.to_json())
