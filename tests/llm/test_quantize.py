@@ -126,3 +126,19 @@ def test_quantized_tiny_llama_logits_close_to_float(tiny_llama):
         assert _rel(out, ref) < bound, (method, _rel(out, ref))
         if method != "int4-awq":  # 4 bits of a random (structureless) matrix move many top-1 choices
             assert out.argmax(-1).eq(ref.argmax(-1)).float().mean() > 0.9, method
+
+
+def test_cuda_matmul_forms_on_cpu():
+    """The CUDA paths' arithmetic, run where torch offers it on the CPU: FP8 x FP8 through torch._scaled_mm with
+    per-token and per-channel scales, and W8A8's integer product (torch._int_mm) equal to the FP32 emulation."""
+    torch.manual_seed(3)
+    w, x = _weight(out=64, n=128), torch.randn(32, 128)
+    qw = q.quantize_fp8(w)
+    try:
+        y = q._fp8_matmul(x.to(torch.bfloat16), qw)
+    except (RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU torch._scaled_mm")
+    assert y.dtype == torch.bfloat16 and _rel(y.float(), F.linear(x, w)) < 0.06
+    a = torch.randint(-127, 128, (32, 128), dtype=torch.int8)
+    b = q.quantize_w8a8(w, x.abs().amax(0)).codes
+    assert torch.equal(torch._int_mm(a, b.t()).float(), a.float() @ b.float().t())
