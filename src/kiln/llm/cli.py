@@ -23,6 +23,11 @@ _SUBCOMMANDS = ["kiln.llm.engine_file", "kiln.llm.perplexity", "kiln.serve.llm_c
 
 
 def _engine_kwargs(a) -> dict:
+    """LLMEngine keywords from the flags; with --verify-key, MODEL is first checked to be an engine signed with it."""
+    from kiln.engine.signing import load_key
+    from kiln.llm.engine_file import require_signed
+
+    require_signed(a.model, load_key(a.verify_key) if getattr(a, "verify_key", None) else None)
     kw = dict(device=a.device, kv_cache_dtype=a.kv_cache_dtype, dtype=a.dtype, block_size=a.block_size,
               enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
               quantization=a.weights, kv_calib=a.calib)
@@ -51,6 +56,8 @@ def _add_engine_options(p) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, metavar="N",
                    help="split the model over N processes / GPUs (default: 1, or what the .kiln engine was built for)")
+    p.add_argument("--verify-key", "--verifyKey", dest="verify_key", metavar="KEYFILE",
+                   help="refuse MODEL unless it is a .kiln LLM engine signed with this key (kiln llm build --sign)")
 
 
 def cmd_generate(a) -> int:

@@ -56,10 +56,15 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def checksums_of(members: dict[str, bytes]) -> bytes:
-    """checksums.json for `members`, in serialize.py's format."""
+def checksums_of(members: dict[str, bytes], sign_key: bytes | None = None) -> bytes:
+    """checksums.json for `members`, in serialize.py's format (signed when a key is given: engine/signing.py)."""
+    from ..engine import signing
+
     digests = {name: {"sha256": _sha(members[name]), "size": len(members[name])} for name in MEMBERS}
-    return json.dumps({"format": "kiln-checksums", "algorithm": "sha256", "members": digests}, indent=2).encode()
+    doc = {"format": "kiln-checksums", "algorithm": "sha256", "members": digests}
+    if sign_key is not None:
+        doc["signature"] = signing.sign(digests, sign_key)
+    return json.dumps(doc, indent=2).encode()
 
 
 # --- the model a command works on ----------------------------------------------------------------------------
@@ -218,8 +223,9 @@ def _scale_kind(method: str) -> str:
 
 
 def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: str, build_config: dict,
-                     target, perplexity: dict | None = None) -> dict:
-    """Write `prepared` as a .kiln LLM engine at `path` (atomically); returns its manifest."""
+                     target, perplexity: dict | None = None, sign_key: bytes | None = None) -> dict:
+    """Write `prepared` as a .kiln LLM engine at `path` (atomically); returns its manifest. sign_key: sign the
+    member digests with it (`kiln llm generate|serve|inspect --verify-key` accept only such engines)."""
     from ..engine.target import versions
 
     model = prepared.model
@@ -258,7 +264,7 @@ def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: 
         "tensor_parallel": shard_manifest(cfg, build_config.get("tensor_parallel_size", 1)),
     }
     members[MANIFEST] = json.dumps(manifest, indent=1).encode()
-    members[CHECKSUMS] = checksums_of(members)
+    members[CHECKSUMS] = checksums_of(members, sign_key)
 
     def write(f):
         with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
@@ -300,9 +306,11 @@ def _rebuild(path, why: str) -> EngineFileError:
     return EngineFileError(f"'{path}' {why}. Rebuild it with `kiln llm build`.")
 
 
-def _members(path: Path) -> dict[str, bytes]:
+def _members(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
     """The engine's members, each stored uncompressed at the size checksums.json records and matching its
-    SHA-256 (the checks serialize.py applies to every Kiln engine)."""
+    SHA-256 (the checks serialize.py applies to every Kiln engine); with verify_key, only if checksums.json
+    carries a valid signature by that key."""
+    from ..engine import signing
     from ..engine.serialize import _member
 
     if not path.is_file():
@@ -317,9 +325,15 @@ def _members(path: Path) -> dict[str, bytes]:
             if MANIFEST not in names or CHECKSUMS not in names:
                 raise _rebuild(path, f"is not a Kiln LLM engine (no {MANIFEST if MANIFEST not in names else CHECKSUMS})")
             try:
-                digests = json.loads(_member(z, path, CHECKSUMS, None, 64 * 2**10))["members"]
+                doc = json.loads(_member(z, path, CHECKSUMS, None, 64 * 2**10))
+                digests = doc["members"]
             except (ValueError, KeyError, TypeError):
                 raise _rebuild(path, "is corrupted: checksums.json does not list the members' digests") from None
+            if verify_key is not None:
+                why = signing.verify(digests, doc.get("signature"), verify_key)
+                if why is not None:
+                    raise EngineFileError(f"'{path}' is refused: --verify-key was given and {why}. Only engines "
+                                          "signed with this key (kiln llm build --sign KEYFILE) are accepted.")
             out = {}
             for name in MEMBERS:
                 d = digests.get(name) if isinstance(digests, dict) else None
@@ -339,10 +353,10 @@ def _members(path: Path) -> dict[str, bytes]:
         raise EngineFileError(f"'{path}' cannot be read as a Kiln engine: {e}.") from None
 
 
-def read_manifest(path) -> dict:
-    """The manifest, after every member's checksum is verified (for `kiln inspect`)."""
+def read_manifest(path, verify_key: bytes | None = None) -> dict:
+    """The manifest, after every member's checksum (and, with verify_key, the signature) is verified."""
     path = Path(path)
-    return _parse_manifest(path, _members(path))
+    return _parse_manifest(path, _members(path, verify_key))
 
 
 def _parse_manifest(path: Path, members: dict) -> dict:
@@ -373,12 +387,12 @@ def is_llm_engine(path) -> bool:
         return False
 
 
-def read_llm_engine(path, device: str = "auto") -> LLMEngineFile:
+def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None) -> LLMEngineFile:
     from ..engine.serialize import _check_compatible
     from .tokenizer import Tokenizer
 
     path = Path(path)
-    members = _members(path)
+    members = _members(path, verify_key)
     m = _parse_manifest(path, members)
     _check_compatible(path, m, device)
     try:
@@ -411,15 +425,36 @@ def read_llm_engine(path, device: str = "auto") -> LLMEngineFile:
     return LLMEngineFile(path, m, m["architecture"], tensors, quantized, tokenizer, kv["dtype"], scales)
 
 
+def require_signed(model, verify_key: bytes | None) -> None:
+    """--verify-key for `kiln llm generate|serve`: MODEL must be a .kiln LLM engine signed with the key (its
+    digests and signature are checked here; the load that follows checks the digests again)."""
+    if verify_key is None:
+        return
+    path = Path(model)
+    if path.suffix != ".kiln":
+        raise ConfigError(f"--verify-key checks a .kiln LLM engine, and '{path}' is not one: build a signed engine "
+                          f"with `kiln llm build {path} --saveEngine=model.kiln --sign KEYFILE`.")
+    _members(path, verify_key)
+
+
 def load_llm_engine(path, device: str = "auto"):
     """(hf_config, tensors, tokenizer, extras) for kiln.llm.engine.LLMEngine (see the module docstring)."""
+    from .config import ModelConfig
+    from .loader import check_tensors, check_tokenizer
+
     ef = read_llm_engine(path, device)
+    tensors = ef.float_tensors()
+    # The manifest's architecture, the weights and the tokenizer must belong together, as in an HF directory: a
+    # resealed engine with another model's tokenizer or config would otherwise load and produce garbage.
+    cfg = ModelConfig.from_hf(ef.hf_config, source=f"{path}:manifest.json")
+    check_tensors(cfg, tensors, source=f"{path}:{WEIGHTS}")
+    check_tokenizer(cfg, ef.tokenizer, f"{path}:{TOKENIZER}")
     bc = ef.manifest.get("build_config", {})
     extras = {"kv_cache_dtype": ef.kv_cache_dtype, "kv_scales": ef.kv_scales, "weights": ef.manifest["quantization"]
               ["weights"], "quantized_weights": ef.quantized, "max_model_len": bc.get("max_seq_len"),
               "max_num_seqs": bc.get("max_batch_size"), "tensor_parallel_size": bc.get("tensor_parallel_size"),
               "engine": ef}
-    return ef.hf_config, ef.float_tensors(), ef.tokenizer, extras
+    return ef.hf_config, tensors, ef.tokenizer, extras
 
 
 # --- build -------------------------------------------------------------------------------------------------
@@ -429,7 +464,7 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
                      calib=None, calib_tokens: int = 2048, max_seq_len: int | None = None, max_batch_size: int = 64,
                      block_size: int = 16, device: str = "auto", budget: float | None = None, eval_text=None,
                      eval_tokens: int = 1024, window: int = 512, stride: int = 256, tensor_parallel_size: int = 1,
-                     log=print) -> dict:
+                     sign_key: bytes | None = None, log=print) -> dict:
     """Build and write a .kiln LLM engine; returns its manifest. With `budget` (percent), the perplexity of the
     engine on `eval_text` may rise at most that much over the float model's, or nothing is written."""
     from ..engine.target import resolve
@@ -491,7 +526,7 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
                     "tensor_parallel_size": tensor_parallel_size, "build_seconds": None}
     build_config["build_seconds"] = round(time.perf_counter() - started, 3)
     return write_llm_engine(out, prepared, hf_tensors, dtype=dtype, build_config=build_config, target=target,
-                            perplexity=ppl)
+                            perplexity=ppl, sign_key=sign_key)
 
 
 # --- inspect ------------------------------------------------------------------------------------------------
@@ -567,19 +602,23 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the engine's target)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks the engine is split for (its default at serve time; default 1)")
+    p.add_argument("--sign", metavar="KEYFILE", help="sign the engine with this key (a file of at least 16 bytes), "
+                   "so `kiln llm generate|serve|inspect --verify-key KEYFILE` accepts only engines you built")
     p.set_defaults(func=run_build)
     return p
 
 
 def run_build(args) -> int:
+    from ..engine.signing import load_key
     from ..tools import common
 
     con = common.console()
+    sign_key = load_key(args.sign) if args.sign else None  # before the build: a bad key file costs nothing
     m = build_llm_engine(args.model, args.save_engine, dtype=args.dtype, weights=args.weights,
                          kv_cache_dtype=args.kv_cache_dtype, calib=args.calib, calib_tokens=args.calib_tokens,
                          max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, block_size=args.block_size,
                          device=args.device, budget=args.budget, eval_text=args.eval_text,
-                         eval_tokens=args.eval_tokens, tensor_parallel_size=args.tp, log=con.print)
+                         eval_tokens=args.eval_tokens, tensor_parallel_size=args.tp, sign_key=sign_key, log=con.print)
     con.print(f"LLM engine written to {args.save_engine}: weights {m['quantization']['weights']}, KV cache "
               f"{m['kv_cache']['dtype']}, {common.fmt_bytes(m['weight_bytes'])} of weights, built in "
               f"{m['build_config']['build_seconds']} s for {m['target']['name']}")

@@ -426,14 +426,15 @@ def add_command(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     con = common.console()
+    from ..engine.signing import load_key
     from ..llm import engine_file
 
+    key = load_key(args.verify_key) if args.verify_key else None
     if engine_file.is_llm_engine(args.engine):  # a `kiln llm build` engine: its own manifest and table
+        if key is not None:
+            engine_file.read_manifest(args.engine, key)
         engine_file.render_inspection(args.engine, con)
         return 0
-    from ..engine.signing import load_key
-
-    key = load_key(args.verify_key) if args.verify_key else None
     ins = inspect_engine(args.engine, measure=not args.no_run, device=args.device, verify_key=key)
     render(ins, con, show_host=not args.device_only)
     if args.json:
