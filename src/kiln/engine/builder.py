@@ -151,10 +151,11 @@ def _inputs_read_as_values(graph: Graph) -> list[str]:
 
 
 def _guard_feeds(graph: Graph, config: BuildConfig, profiles: list[Profile]) -> list[dict] | None:
-    """Random inputs at each profile's opt shape for precision.guard (FP16/BF16 builds that validate), or
-    None where it does not run: random values cannot stand in for inputs read as shape arguments."""
-    if not (config.validate and config.precision_guard and config.precision in ("float16", "bfloat16")
-            and not config.quantized) or _inputs_read_as_values(graph):
+    """Random inputs at each profile's opt shape for precision.guard (FP16/BF16 builds that validate, and the
+    float layers of INT8/FP8 ones), or None where it does not run: random values cannot stand in for inputs
+    read as shape arguments."""
+    if not (config.validate and config.precision_guard and config.precision in ("float16", "bfloat16")) \
+            or _inputs_read_as_values(graph):
         return None
     return [precision.sample_inputs(graph.inputs, {k: s[1] for k, s in p.shapes.items()}) for p in profiles]
 
