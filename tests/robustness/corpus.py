@@ -8,6 +8,7 @@ file, node, input, axis, flag or field at fault).
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from dataclasses import dataclass
@@ -487,6 +488,31 @@ def _crafted_program(folder: Path) -> dict:
 
 
 # --- data files: --calib, --loadInputs, verify --data ----------------------------------------------------------
+def _npy_claiming(shape: tuple, data_bytes: int = 16) -> bytes:
+    """A .npy whose header declares `shape` (float32) followed by only `data_bytes` bytes of data."""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return f.getvalue() + b"\x00" * data_bytes
+
+
+def _zip_bytes(members: dict[str, bytes], compression=zipfile.ZIP_STORED) -> bytes:
+    f = io.BytesIO()
+    with zipfile.ZipFile(f, "w", compression) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return f.getvalue()
+
+
+def _declaring_sizes(data: bytes, size: int) -> bytes:
+    """The zip with every central-directory entry declaring `size` uncompressed bytes (a zip bomb's directory)."""
+    out = bytearray(data)
+    at = out.find(b"PK\x01\x02")
+    while at >= 0:
+        out[at + 24:at + 28] = size.to_bytes(4, "little")
+        at = out.find(b"PK\x01\x02", at + 4)
+    return bytes(out)
+
+
 def _data_files(root: Path) -> dict[str, tuple[Path, tuple]]:
     folder = root / "data"
     folder.mkdir()
@@ -516,6 +542,12 @@ def _data_files(root: Path) -> dict[str, tuple[Path, tuple]]:
     np.save(folder / "npy_as_npz.npy", x)
     (folder / "npy_as_npz.npy").rename(folder / "npy_as_npz.npz")
     put("bad.npy", b"\x93NUMPY\x01\x00garbage")
+    put("header_bomb.npz", _zip_bytes({"x.npy": _npy_claiming((2**36, 8))}, zipfile.ZIP_DEFLATED),
+        names=("x.npy",))
+    put("inflate_bomb.npz", _declaring_sizes(_zip_bytes({"x.npy": _npy_claiming((4, 8), 128),
+                                                         "y.npy": _npy_claiming((4, 8), 128)}), 0xF0000000),
+        names=())
+    files["inflate_bomb"] = (folder / "inflate_bomb.npz", ("would inflate to more than",))  # not a naming error
     empty = folder / "empty_dir"
     empty.mkdir()
     files["empty_dir"] = (empty, ("empty_dir",))
@@ -545,6 +577,10 @@ def _data_cases(root: Path, good_onnx: Path, good_engine: Path) -> list[Case]:
     bad_npy = files["bad"][0]
     cases.append(Case("loadInputs-name-bad-npy", ["run", f"--loadEngine={good_engine}",
                                                    f"--loadInputs=x:{bad_npy}", "--iterations=1"], ("bad.npy",)))
+    (root / "data" / "header_bomb.npy").write_bytes(_npy_claiming((2**36, 8)))
+    cases.append(Case("loadInputs-name-header-bomb-npy", ["run", f"--loadEngine={good_engine}",
+                                                          f"--loadInputs=x:{root / 'data' / 'header_bomb.npy'}",
+                                                          "--iterations=1"], ("header_bomb.npy",)))
     cases.append(Case("loadInputs-name-absent-npy", ["run", f"--loadEngine={good_engine}",
                                                       "--loadInputs=x:absent.npy", "--iterations=1"], ("absent.npy",)))
     cases.append(Case("calib-name-bad-npy", ["build", f"--onnx={good_onnx}", "--device=cpu", "--int8",

@@ -142,8 +142,70 @@ def random_feeds(engine, profile: int = 0, seed: int = 0, shapes: dict | None = 
 _UNREADABLE = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError)
 
 
+MAX_ARRAY_FILE_BYTES = 4 * 2**30  # what a .npz / .npy of inputs or calibration data may hold once inflated
+
+
+def _array_bytes_limit() -> int:
+    """MAX_ARRAY_FILE_BYTES, or less when the machine has less memory available."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        return min(MAX_ARRAY_FILE_BYTES, avail)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return MAX_ARRAY_FILE_BYTES
+
+
+def _npy_header_bytes(f) -> int:
+    """The bytes the array of a .npy stream's header takes (read from the header only)."""
+    version = np.lib.format.read_magic(f)
+    shape, _, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0(f))
+    return int(np.prod(shape, dtype=object)) * dtype.itemsize
+
+
+def _check_array_sizes(path: Path, what: str) -> None:
+    """Refuse a .npz (or .npy) whose arrays would inflate beyond the limit, or whose .npy headers declare more
+    data than the member holds (numpy allocates what a header declares before it reads): checked from the zip
+    directory and the headers, before anything is inflated."""
+    limit = _array_bytes_limit()
+    if not zipfile.is_zipfile(path):  # a .npy, or something np.load will name
+        with open(path, "rb") as f:
+            try:
+                need = _npy_header_bytes(f)
+            except _UNREADABLE:
+                return
+            held = path.stat().st_size - f.tell()
+        if need > held:
+            raise InputError(f"{what}: '{path}' declares an array of {need} bytes but holds only {held}; the file "
+                             "is damaged or crafted, and is refused.")
+        if need > limit:
+            raise InputError(f"{what}: '{path}' holds an array of {need} bytes; Kiln reads at most {limit} bytes "
+                             "of arrays from one file.")
+        return
+    with zipfile.ZipFile(path) as z:
+        total = 0
+        for info in z.infolist():
+            total += info.file_size
+            if total > limit:
+                raise InputError(f"{what}: '{path}' would inflate to more than {limit} bytes (member "
+                                 f"'{info.filename}' declares {info.file_size}); Kiln reads at most {limit} bytes "
+                                 "of arrays from one file, so it is refused without being inflated.")
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with z.open(info) as f:
+                try:
+                    need = _npy_header_bytes(f)
+                except _UNREADABLE:
+                    continue  # np.load names the damage
+            if need > info.file_size:
+                raise InputError(f"{what}: in '{path}', member '{info.filename}' declares an array of {need} bytes "
+                                 f"but holds only {info.file_size}; the file is damaged or crafted, and is refused.")
+
+
 def _read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
     try:
+        _check_array_sizes(Path(path), what)
         z = np.load(path, allow_pickle=False)
         if not hasattr(z, "files"):
             raise ValueError("it holds a single array (.npy), not arrays by name")
@@ -158,6 +220,7 @@ def read_npy(path, what: str, name: str | None = None) -> np.ndarray:
     """One array from a .npy file, or an InputError naming the file (and the input it was meant for)."""
     label = f" for input '{name}'" if name else ""
     try:
+        _check_array_sizes(Path(path), f"{what}{label}")
         a = np.load(path, allow_pickle=False)
     except _UNREADABLE as e:
         raise InputError(f"{what}: '{path}'{label} cannot be read as a .npy file ({_reason(e)}).") from None
