@@ -34,6 +34,11 @@ from .service import OpenAIService
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
+def _not_json(constant: str):
+    """NaN, Infinity and -Infinity: Python's json reads them, JSON (and OpenAI's API) has no such values."""
+    raise json.JSONDecodeError(f"{constant} is not a JSON value", constant, 0)
+
+
 class OpenAIServer:
     def __init__(self, engine, *, model_name: str | None = None, api_key: str | None = None,
                  max_waiting: int = 1024, drain_timeout: float = 30.0):
@@ -77,9 +82,11 @@ class OpenAIServer:
     async def _json(self, request) -> dict:
         raw = await request.read()
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_constant=_not_json)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}.") from None
+        except RecursionError:
+            raise APIError("the request body is not valid JSON here: it nests arrays or objects too deeply.") from None
 
     async def health(self, request):
         if self.service.draining:

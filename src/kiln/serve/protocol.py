@@ -184,9 +184,14 @@ def parse_completion(body, model: str, tokenizer, vocab: int, context: int) -> G
                              logprobs, bool(body.get("return_token_ids")))
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
+
+
 def _message_text(m, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(f"messages[{i}] must be an object with a string 'role'.", param="messages")
+    if m["role"] not in ROLES:
+        raise APIError(f"messages[{i}].role {m['role'][:40]!r} is not one of {', '.join(ROLES)}.", param="messages")
     content = m.get("content")
     if isinstance(content, list):  # OpenAI's content parts: only text ones here
         parts = []
