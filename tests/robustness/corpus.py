@@ -603,6 +603,8 @@ def _verify_key_cases(root: Path, unsigned: str, key: Path, other_key: Path) -> 
         cases.append(Case(f"{name}-unsigned-with-verify-key", [*argv(unsigned), f"{flag}={key}", "--device=cpu"]
                           if name != "export-triton" else [*argv(unsigned), f"{flag}={key}"], ("not signed",)))
         cases.append(Case(f"{name}-signed-other-key", [*argv(signed), f"{flag}={other_key}"], ("another key",)))
+    cases.append(Case("compare-runners-verify-key", ["compare", "absent.onnx", "--runners=kiln",
+                                                     f"--verifyKey={key}"], ("--verifyKey",)))
     return cases
 
 

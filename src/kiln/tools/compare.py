@@ -713,6 +713,9 @@ def _save_polygraphy(args, con, samples, outputs: dict, runtimes: dict | None = 
 
 def run(args) -> int:
     con = common.console()
+    if args.runners and args.verifyKey:
+        raise ConfigError("--verifyKey checks an engine file: it goes with ENGINE, not --runners (which build "
+                          "their engines).")
     if args.runners:
         return _run_runners(args, con)
     if not args.engine:
