@@ -96,6 +96,17 @@ def _models(root: Path, model_dir: Path) -> dict[str, tuple[Path, tuple]]:
     out["garbage-gguf"] = (root / "garbage.gguf", ("garbage.gguf",))
     (root / "text.gguf").write_text("hello")
     out["text-gguf"] = (root / "text.gguf", ("text.gguf",))
+    try:
+        from ..llm.test_gguf import write_gguf
+    except ImportError:  # the gguf package is not installed: the GGUF-writing cases are left out
+        return out
+    good = write_gguf(root / "good.gguf", model_dir)
+    (root / "truncated.gguf").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    out["truncated-gguf"] = (root / "truncated.gguf", ("truncated.gguf",))
+    write_gguf(root / "mis_shaped.gguf", model_dir, reshape={"blk.0.attn_k.weight": 16})
+    out["mis-shaped-gguf"] = (root / "mis_shaped.gguf", ("mis_shaped.gguf", "blk.0.attn_k.weight"))
+    write_gguf(root / "short_vocab.gguf", model_dir, tokens_cut=3)
+    out["tokenizer-mismatch-gguf"] = (root / "short_vocab.gguf", ("short_vocab.gguf", "tokenizer"))
     return out
 
 
@@ -158,7 +169,7 @@ def make_llm_corpus(root: Path, model_dir: Path, engine: Path, signed: Path, key
         if name in ("tampered", "truncated", "wrong-tokenizer", "garbage-config", "garbage-gguf"):
             cases.append(Case(f"llm-bench-{name}", ["llm", "bench", str(path), cpu, "--input-len=4",
                                                     "--output-len=2"], names))
-        if name.endswith("dir") or name in ("garbage-gguf", "no-weights"):
+        if name.endswith("dir") or name in ("garbage-gguf", "no-weights", "mis-shaped-gguf"):
             cases.append(Case(f"llm-build-{name}", ["llm", "build", str(path), "--saveEngine=out.kiln", cpu],
                               names))
         if name in ("tampered", "truncated", "no-architecture"):  # inspect shows engines built for other GPUs
