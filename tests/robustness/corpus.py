@@ -8,6 +8,7 @@ file, node, input, axis, flag or field at fault).
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import zipfile
@@ -581,6 +582,12 @@ def _data_cases(root: Path, good_onnx: Path, good_engine: Path) -> list[Case]:
     cases.append(Case("loadInputs-name-header-bomb-npy", ["run", f"--loadEngine={good_engine}",
                                                           f"--loadInputs=x:{root / 'data' / 'header_bomb.npy'}",
                                                           "--iterations=1"], ("header_bomb.npy",)))
+    bomb_json = root / "data" / "header_bomb_inputs.json"
+    bomb_json.write_text(json.dumps([{"x": {"array": base64.b64encode(_npy_claiming((2**36, 8))).decode(),
+                                             "polygraphy_class": "ndarray"}}]))
+    cases.append(Case("compare-load-inputs-header-bomb", ["compare", "absent.onnx", str(good_engine),
+                                                          f"--load-inputs={bomb_json}", "--device=cpu"],
+                      ("header_bomb_inputs.json", "declares")))
     cases.append(Case("loadInputs-name-absent-npy", ["run", f"--loadEngine={good_engine}",
                                                       "--loadInputs=x:absent.npy", "--iterations=1"], ("absent.npy",)))
     cases.append(Case("calib-name-bad-npy", ["build", f"--onnx={good_onnx}", "--device=cpu", "--int8",

@@ -155,7 +155,7 @@ def _array_bytes_limit() -> int:
         return MAX_ARRAY_FILE_BYTES
 
 
-def _npy_header_bytes(f) -> int:
+def npy_header_bytes(f) -> int:
     """The bytes the array of a .npy stream's header takes (read from the header only)."""
     version = np.lib.format.read_magic(f)
     shape, _, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
@@ -171,7 +171,7 @@ def _check_array_sizes(path: Path, what: str) -> None:
     if not zipfile.is_zipfile(path):  # a .npy, or something np.load will name
         with open(path, "rb") as f:
             try:
-                need = _npy_header_bytes(f)
+                need = npy_header_bytes(f)
             except _UNREADABLE:
                 return
             held = path.stat().st_size - f.tell()
@@ -195,7 +195,7 @@ def _check_array_sizes(path: Path, what: str) -> None:
                 continue
             with z.open(info) as f:
                 try:
-                    need = _npy_header_bytes(f)
+                    need = npy_header_bytes(f)
                 except _UNREADABLE:
                     continue  # np.load names the damage
             if need > info.file_size:

@@ -51,9 +51,18 @@ def decode_array(obj, where: str) -> np.ndarray:
                          f"{MARKER} {kind!r}.")
     try:
         data = base64.b64decode(obj["array"].encode(), validate=True)
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
-    except (binascii.Error, ValueError, OSError) as e:
+        buf = io.BytesIO(data)
+        # numpy allocates what a header declares before reading: a few bytes could ask for terabytes.
+        need = common.npy_header_bytes(buf) if data[:6] == b"\x93NUMPY" else 0
+        held = len(data) - buf.tell()
+        buf.seek(0)
+        if need <= held:
+            arr = np.load(buf, allow_pickle=False)
+    except (binascii.Error, ValueError, OSError, EOFError) as e:
         raise InputError(f"{where}: the array cannot be decoded ({e}).") from None
+    if need > held:
+        raise InputError(f"{where}: the array's header declares {need} bytes but the payload holds {held}; it is "
+                         "refused without being read.")
     if not isinstance(arr, np.ndarray):
         raise InputError(f"{where}: the payload is an .npz archive, not one array.")
     return arr
