@@ -56,6 +56,8 @@ CASES = [
     ("prompt-longer-than-context", C, _completion(prompt=[5] * (CONTEXT + 10)), (400,), ("context",)),
     ("prompt-plus-max-tokens-over-context", C, _completion(prompt=[5] * 100, max_tokens=100), (400,), ("context",)),
     ("prompt-huge-text", C, _completion(prompt="pot " * 200000), (400, 413), ("context", "large")),
+    ("prompt-7-MiB", C, _completion(prompt="pot " * 1_800_000), (400,), ("context",)),
+    ("body-over-8-MiB", C, _completion(prompt="pot " * 2_200_000), (413,), ("Large", "large", "size")),
     ("max-tokens-0", C, _completion(max_tokens=0), (400,), ("max_tokens",)),
     ("max-tokens-negative", C, _completion(max_tokens=-5), (400,), ("max_tokens",)),
     ("max-tokens-string", C, _completion(max_tokens="ten"), (400,), ("max_tokens",)),
