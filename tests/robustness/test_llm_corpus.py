@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kiln.errors import EngineFileError
 from kiln.llm import engine_file as ef
 
 from ..llm.tiny import make_tiny_llama
@@ -53,3 +54,13 @@ def test_a_signed_llm_engine_runs_under_its_key(llm_corpus, tmp_path):
     for case, code, text, _, _ in run_forked([ok, inspect], tmp_path):
         assert code == 0, f"{case.id}: {text[-2000:]}"
     assert ef.read_manifest(root / "signed.kiln", key.read_bytes().strip())["format"] == ef.FORMAT
+
+
+def test_a_pinned_engine_swapped_after_the_check_is_refused_at_load(llm_corpus, tmp_path):
+    root, _, key = llm_corpus
+    path = tmp_path / "served.kiln"
+    path.write_bytes((root / "signed.kiln").read_bytes())
+    ef.require_signed(path, key.read_bytes().strip())
+    path.write_bytes((root / "tiny.kiln").read_bytes())  # replaced by an unsigned engine between check and load
+    with pytest.raises(EngineFileError, match="--verify-key was given and it is not signed"):
+        ef.load_llm_engine(path)

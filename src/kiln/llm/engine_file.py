@@ -392,7 +392,7 @@ def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None)
     from .tokenizer import Tokenizer
 
     path = Path(path)
-    members = _members(path, verify_key)
+    members = _members(path, verify_key or _PINNED.get(path.resolve()))
     m = _parse_manifest(path, members)
     _check_compatible(path, m, device)
     try:
@@ -425,9 +425,14 @@ def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None)
     return LLMEngineFile(path, m, m["architecture"], tensors, quantized, tokenizer, kv["dtype"], scales)
 
 
+# Engine path -> the key `--verify-key` pinned it to: every later read of that path in this process checks the
+# signature on the very bytes it loads (a file swapped after the first check is refused too).
+_PINNED: dict[Path, bytes] = {}
+
+
 def require_signed(model, verify_key: bytes | None) -> None:
-    """--verify-key for `kiln llm generate|serve`: MODEL must be a .kiln LLM engine signed with the key (its
-    digests and signature are checked here; the load that follows checks the digests again)."""
+    """--verify-key for `kiln llm generate|bench|serve`: MODEL must be a .kiln LLM engine signed with the key.
+    Checked here (a clear error before anything starts) and pinned for the load that follows."""
     if verify_key is None:
         return
     path = Path(model)
@@ -435,6 +440,7 @@ def require_signed(model, verify_key: bytes | None) -> None:
         raise ConfigError(f"--verify-key checks a .kiln LLM engine, and '{path}' is not one: build a signed engine "
                           f"with `kiln llm build {path} --saveEngine=model.kiln --sign KEYFILE`.")
     _members(path, verify_key)
+    _PINNED[path.resolve()] = verify_key
 
 
 def load_llm_engine(path, device: str = "auto"):
