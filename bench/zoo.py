@@ -8,7 +8,9 @@ Prints the table and writes DIR/zoo.md and DIR/zoo.json: model, precision, batch
 eager ms, ratio (Kiln over torch.compile, else over eager), error against the reference (relative L2 over
 the outputs, the worst output), build seconds, status (ok, mismatch, or failed with the reason). The
 reference is the FP32 model: eager PyTorch for modules, onnxruntime on the CPU for the real ONNX files
-(whose "eager" column is onnxruntime's CPU time, two threads). Every case runs in its own try/except under
+(whose "eager" column is onnxruntime's CPU time, two threads). An FP16/BF16 row passes within its tolerance, or
+within 1.5x of eager PyTorch's own error at that precision (its column beside Kiln's: a random-weight network's
+FP16 error grows with depth whoever computes it). Every case runs in its own try/except under
 a time limit, so one failure never stops the table. 8-bit rows calibrate on random inputs and compare
 their timings with torch at FP16.
 """
@@ -58,6 +60,7 @@ class Row:
     ratio: float | None = None
     rel_l2: float | None = None
     build_s: float | None = None
+    torch_rel_l2: float | None = None  # FP16/BF16 rows: eager PyTorch's own error at that precision
     status: str = "not run"
     source: str = ""
     findings: int = 0  # the engine's findings (precision kept in FP32, tactics dropped, ...)
@@ -213,6 +216,25 @@ def time_ms(fn, device, calls: int = 20, repeats: int = 5, warmup: int = 3) -> f
     return statistics.median(times)
 
 
+PEER_FACTOR = 1.5
+
+
+def _torch_error(prep: Prepared, precision: str, device) -> float | None:
+    """Eager PyTorch's relative L2 error at the row's precision against the FP32 reference (None if the module
+    does not run at that precision here)."""
+    import copy
+
+    dtype = _TORCH_DTYPE[precision]
+    try:
+        module = copy.deepcopy(prep.torch_module).to(device=device, dtype=dtype)
+        args = tuple(a.to(device=device, dtype=dtype) if a.is_floating_point() else a.to(device)
+                     for a in prep.torch_args)
+        with torch.no_grad():
+            return rel_l2(_leaves(module(*args)), prep.reference)
+    except Exception:  # an op without a kernel at this precision on this device
+        return None
+
+
 def _torch_peer(prep: Prepared, precision: str, device):
     """The torch module and arguments at the row's precision on the device (8-bit rows: FP16)."""
     dtype = _TORCH_DTYPE.get(precision, torch.float32)
@@ -236,7 +258,12 @@ def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, tim
         warnings.simplefilter("ignore")
         outs = list(ctx.run(feeds).values())
     row.rel_l2 = rel_l2(outs, prep.reference, atol=ORT_ATOL if prep.torch_module is None else 0.0)
-    row.status = "ok" if row.rel_l2 <= TOLERANCE[precision] else f"mismatch (tolerance {TOLERANCE[precision]:g})"
+    if precision in ("fp16", "bf16") and prep.torch_module is not None:
+        row.torch_rel_l2 = _torch_error(prep, precision, dev)
+    # A random-weight network's FP16 error grows with its depth whoever computes it: within PEER_FACTOR of
+    # eager PyTorch's own error at the same precision also passes.
+    bound = max(TOLERANCE[precision], PEER_FACTOR * (row.torch_rel_l2 or 0.0))
+    row.status = "ok" if row.rel_l2 <= bound else f"mismatch (tolerance {bound:.3g})"
     if not timing:
         return row
     with warnings.catch_warnings():
@@ -371,10 +398,11 @@ def _fmt(v, digits=3) -> str:
 
 def table(rows: list[Row]) -> str:
     head = ("| model | precision | batch | Kiln ms | torch.compile ms | eager ms | ratio | rel L2 vs FP32 ref | "
-            "build s | status |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "torch's own rel L2 | build s | status |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.model} | {r.precision} | {r.batch} | {_fmt(r.kiln_ms)} | {_fmt(r.compile_ms)} | {_fmt(r.eager_ms)} | "
-        f"{_fmt(r.ratio)} | {_fmt(r.rel_l2)} | {_fmt(r.build_s, 1)} | {r.status.replace('|', '/')} |\n" for r in rows)
+        f"{_fmt(r.ratio)} | {_fmt(r.rel_l2)} | {_fmt(r.torch_rel_l2)} | {_fmt(r.build_s, 1)} | "
+        f"{r.status.replace('|', '/')} |\n" for r in rows)
 
 
 def summary(rows: list[Row]) -> str:

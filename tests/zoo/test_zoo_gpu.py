@@ -28,4 +28,4 @@ def test_zoo_model_matches_fp32_at_fp16_on_the_gpu(entry):
     batch = spec.fixed_batch or BATCH
     prep = zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None)
     row = zoo.run_case(entry, prep, "fp16", batch, "cuda", timing=False, torch_compile=False)
-    assert row.rel_l2 is not None and row.rel_l2 <= zoo.TOLERANCE["fp16"], row
+    assert row.status == "ok", row  # within FP16's tolerance, or 1.5x eager PyTorch's own FP16 error
