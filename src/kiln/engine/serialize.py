@@ -87,9 +87,10 @@ def manifest_of(engine: Engine) -> dict:
 _STORED_AS_BYTES = (torch.float8_e8m0fnu,)
 
 
-def checksums_of(members: dict[str, bytes], sign_key: bytes | None = None) -> bytes:
-    """The checksums.json member for `members` (manifest, graph, weights), signed when a key is given."""
-    digests = {name: {"sha256": _sha(members[name]), "size": len(members[name])} for name in MEMBERS}
+def checksums_of(members: dict[str, bytes], sign_key: bytes | None = None, names=MEMBERS) -> bytes:
+    """The checksums.json member over `names` of `members` (by default this format's manifest, graph and weights;
+    the LLM engine file passes its own), signed when a key is given."""
+    digests = {name: {"sha256": _sha(members[name]), "size": len(members[name])} for name in names}
     doc = {"format": "kiln-checksums", "algorithm": "sha256", "members": digests}
     if sign_key is not None:
         doc["signature"] = signing.sign(digests, sign_key)

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..engine import serialize
 from ..errors import ConfigError, EngineFileError, UnsupportedError
 from ..fileio import atomic_write
 from . import quantize
@@ -57,14 +58,8 @@ def _sha(data: bytes) -> str:
 
 
 def checksums_of(members: dict[str, bytes], sign_key: bytes | None = None) -> bytes:
-    """checksums.json for `members`, in serialize.py's format (signed when a key is given: engine/signing.py)."""
-    from ..engine import signing
-
-    digests = {name: {"sha256": _sha(members[name]), "size": len(members[name])} for name in MEMBERS}
-    doc = {"format": "kiln-checksums", "algorithm": "sha256", "members": digests}
-    if sign_key is not None:
-        doc["signature"] = signing.sign(digests, sign_key)
-    return json.dumps(doc, indent=2).encode()
+    """checksums.json over this format's members, as serialize.py writes it for compiled engines."""
+    return serialize.checksums_of(members, sign_key, names=MEMBERS)
 
 
 # --- the model a command works on ----------------------------------------------------------------------------
@@ -311,7 +306,6 @@ def _members(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
     SHA-256 (the checks serialize.py applies to every Kiln engine); with verify_key, only if checksums.json
     carries a valid signature by that key."""
     from ..engine import signing
-    from ..engine.serialize import _member
 
     if not path.is_file():
         raise EngineFileError(f"engine file '{path}' does not exist." if not path.exists()
@@ -325,7 +319,7 @@ def _members(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
             if MANIFEST not in names or CHECKSUMS not in names:
                 raise _rebuild(path, f"is not a Kiln LLM engine (no {MANIFEST if MANIFEST not in names else CHECKSUMS})")
             try:
-                doc = json.loads(_member(z, path, CHECKSUMS, None, 64 * 2**10))
+                doc = json.loads(serialize._member(z, path, CHECKSUMS, None, 64 * 2**10))
                 digests = doc["members"]
             except (ValueError, KeyError, TypeError):
                 raise _rebuild(path, "is corrupted: checksums.json does not list the members' digests") from None
@@ -340,7 +334,7 @@ def _members(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
                 if name not in names or not isinstance(d, dict) or not isinstance(d.get("size"), int) \
                         or not 0 <= d["size"] <= on_disk:
                     raise _rebuild(path, f"is incomplete or corrupted: no valid member {name} and digest")
-                data = _member(z, path, name, d["size"], MAX_MANIFEST_BYTES if name == MANIFEST else on_disk)
+                data = serialize._member(z, path, name, d["size"], MAX_MANIFEST_BYTES if name == MANIFEST else on_disk)
                 if _sha(data) != d.get("sha256"):
                     raise _rebuild(path, f"is corrupted or was modified: checksum of {name} does not match "
                                          "checksums.json")
@@ -388,13 +382,12 @@ def is_llm_engine(path) -> bool:
 
 
 def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None) -> LLMEngineFile:
-    from ..engine.serialize import _check_compatible
     from .tokenizer import Tokenizer
 
     path = Path(path)
     members = _members(path, verify_key or _PINNED.get(path.resolve()))
     m = _parse_manifest(path, members)
-    _check_compatible(path, m, device)
+    serialize._check_compatible(path, m, device)
     try:
         stored = st_load(members[WEIGHTS])
         from tokenizers import Tokenizer as HFTokenizer
