@@ -169,15 +169,19 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
                    "the CPU, the model's on CUDA)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    p.add_argument("--verify-key", "--verifyKey", dest="verify_key", metavar="KEYFILE",
+                   help="refuse MODEL unless it is a .kiln LLM engine signed with this key (kiln llm build --sign)")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
+    from ..engine.signing import load_key
     from ..tools import common
-    from .engine_file import prepare_model
+    from .engine_file import prepare_model, require_signed
 
     con = common.console()
+    require_signed(args.model, load_key(args.verify_key) if args.verify_key else None)
     prepared = prepare_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
                              kv_cache_dtype=args.kv_cache_dtype, calib=args.calib)
     ids = read_text_tokens(prepared.tokenizer, args.text, args.max_tokens)
