@@ -133,44 +133,46 @@ def save_members(members: dict[str, bytes], path) -> None:
     atomic_write(path, write, EngineFileError)
 
 
-def _rebuild(path, why: str) -> EngineFileError:
-    return EngineFileError(f"'{path}' {why}. Rebuild it with `kiln build`.")
+def _rebuild(path, why: str, command: str = "kiln build") -> EngineFileError:
+    return EngineFileError(f"'{path}' {why}. Rebuild it with `{command}`.")
 
 
-def _member(z: zipfile.ZipFile, path, name: str, size: int | None, limit: int) -> bytes:
+def _member(z: zipfile.ZipFile, path, name: str, size: int | None, limit: int, command: str = "kiln build") -> bytes:
     """One member, read only if it is stored uncompressed and no larger than `size` (when known) and `limit`."""
     info = z.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
         raise _rebuild(path, f"is not a Kiln engine as written: member {name} is compressed (Kiln stores every "
-                             "member uncompressed, and does not inflate members of untrusted files)")
+                             "member uncompressed, and does not inflate members of untrusted files)", command)
     if size is not None and info.file_size != size:
         raise _rebuild(path, f"is corrupted: member {name} holds {info.file_size} bytes, checksums.json records "
-                             f"{size}")
+                             f"{size}", command)
     if info.file_size > limit:
         raise _rebuild(path, f"is corrupted: member {name} holds {info.file_size} bytes, more than the "
-                             f"{limit} bytes a {name} may have")
+                             f"{limit} bytes a {name} may have", command)
     return z.read(name)
 
 
-def _digests(path, raw: bytes) -> tuple[dict, object]:
+def _digests(path, raw: bytes, names=MEMBERS, command: str = "kiln build") -> tuple[dict, object]:
     """checksums.json's member digests (validated) and its signature (None when unsigned)."""
     try:
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _rebuild(path, "is corrupted: checksums.json is not JSON") from None
+        raise _rebuild(path, "is corrupted: checksums.json is not JSON", command) from None
     members = doc.get("members") if isinstance(doc, dict) else None
     if not isinstance(members, dict) or doc.get("algorithm") != "sha256":
-        raise _rebuild(path, "is corrupted: checksums.json does not list the members' SHA-256 digests")
-    for name in MEMBERS:
+        raise _rebuild(path, "is corrupted: checksums.json does not list the members' SHA-256 digests", command)
+    for name in names:
         d = members.get(name)
         if not isinstance(d, dict) or not isinstance(d.get("sha256"), str) or not _HEX64.fullmatch(d["sha256"]) \
                 or not isinstance(d.get("size"), int) or isinstance(d.get("size"), bool) or d["size"] < 0:
-            raise _rebuild(path, f"cannot be trusted: checksums.json has no valid SHA-256 digest and size for {name}")
-    return {n: members[n] for n in MEMBERS}, doc.get("signature")
+            raise _rebuild(path, f"cannot be trusted: checksums.json has no valid SHA-256 digest and size for {name}", command)
+    return {n: members[n] for n in names}, doc.get("signature")
 
 
-def _read(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
-    """The members of the engine at `path`, each checked against checksums.json (and the signature)."""
+def read_members(path: Path, verify_key: bytes | None = None, names=MEMBERS,
+                 command: str = "kiln build") -> dict[str, bytes]:
+    """The members `names` of the engine at `path` (by default a compiled engine's; the LLM engine file passes
+    its own and its build command), each checked against checksums.json (and the signature)."""
     if not path.is_file():
         raise EngineFileError(f"engine file '{path}' does not exist." if not path.exists()
                               else f"engine path '{path}' is not a file.")
@@ -178,52 +180,53 @@ def _read(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
     try:
         with zipfile.ZipFile(path) as z:
             infos = z.infolist()
-            names = [i.filename for i in infos]
-            if len(infos) > MAX_ENTRIES or len(set(names)) != len(names):
+            listed = [i.filename for i in infos]
+            if len(infos) > MAX_ENTRIES or len(set(listed)) != len(listed):
                 raise _rebuild(path, f"is not a Kiln engine: its zip directory has {len(infos)} entries"
-                                     + (", some of them twice" if len(set(names)) != len(names) else ""))
-            if MANIFEST not in names:
+                               + (", some of them twice" if len(set(listed)) != len(listed) else ""), command)
+            if MANIFEST not in listed:
                 raise EngineFileError(f"'{path}' is a zip file but not a Kiln engine (no manifest.json).")
-            if CHECKSUMS not in names:
-                raise _old_or_unsealed(path, _member(z, path, MANIFEST, None, MAX_MANIFEST_BYTES))
-            digests, signature = _digests(path, _member(z, path, CHECKSUMS, None, MAX_CHECKSUMS_BYTES))
+            if CHECKSUMS not in listed:
+                raise _old_or_unsealed(path, _member(z, path, MANIFEST, None, MAX_MANIFEST_BYTES, command), command)
+            raw = _member(z, path, CHECKSUMS, None, MAX_CHECKSUMS_BYTES, command)
+            digests, signature = _digests(path, raw, names, command)
             if verify_key is not None:
                 why = signing.verify(digests, signature, verify_key)
                 if why is not None:
                     raise EngineFileError(f"'{path}' is refused: --verify-key was given and {why}. Only engines "
-                                          "signed with this key (kiln build --sign KEYFILE) are accepted.")
+                                          f"signed with this key ({command} --sign KEYFILE) are accepted.")
             out = {}
-            for name in MEMBERS:
-                if name not in names:
-                    raise _rebuild(path, f"is incomplete: member {name} is missing")
+            for name in names:
+                if name not in listed:
+                    raise _rebuild(path, f"is incomplete: member {name} is missing", command)
                 size = digests[name]["size"]
                 if size > on_disk:
                     raise _rebuild(path, f"is corrupted: checksums.json says {name} holds {size} bytes, more than "
-                                         f"the whole file ({on_disk} bytes)")
-                data = _member(z, path, name, size, MAX_MANIFEST_BYTES if name == MANIFEST else on_disk)
+                                         f"the whole file ({on_disk} bytes)", command)
+                data = _member(z, path, name, size, MAX_MANIFEST_BYTES if name == MANIFEST else on_disk, command)
                 if _sha(data) != digests[name]["sha256"]:
                     raise _rebuild(path, f"is corrupted or was modified: checksum of {name} does not match "
-                                         "checksums.json")
+                                         "checksums.json", command)
                 out[name] = data
             return out
     except zipfile.BadZipFile:
         raise EngineFileError(
             f"'{path}' is not a Kiln engine: the file is truncated, corrupted, or of another format "
-            "(a Kiln engine is a zip archive). Rebuild it with `kiln build`."
+            f"(a Kiln engine is a zip archive). Rebuild it with `{command}`."
         ) from None
     except (zipfile.LargeZipFile, OSError, EOFError, NotImplementedError, RuntimeError) as e:
         raise EngineFileError(f"'{path}' cannot be read as a Kiln engine: {e}.") from None
 
 
-def _old_or_unsealed(path, raw: bytes) -> EngineFileError:
+def _old_or_unsealed(path, raw: bytes, command: str = "kiln build") -> EngineFileError:
     try:
         version = json.loads(raw).get("format_version")
     except (ValueError, AttributeError):
         version = None
     if version == 1:
         return _rebuild(path, "uses engine format 1, whose checksums do not cover its manifest, so its integrity "
-                              f"cannot be established; this Kiln reads format {FORMAT_VERSION}")
-    return _rebuild(path, "has no checksums.json, so its integrity cannot be established")
+                              f"cannot be established; this Kiln reads format {FORMAT_VERSION}", command)
+    return _rebuild(path, "has no checksums.json, so its integrity cannot be established", command)
 
 
 def _parse_manifest(path, members: dict[str, bytes]) -> dict:
@@ -300,7 +303,7 @@ def _check_compatible(path: Path, m: dict, device: str) -> Target:
 def load(path, device: str = "auto", verify_key: bytes | None = None) -> Engine:
     """The engine at `path`. verify_key: refuse it unless it is signed with this key (engine/signing.py)."""
     path = Path(path)
-    m = _parse_manifest(path, members := _read(path, verify_key))
+    m = _parse_manifest(path, members := read_members(path, verify_key))
     target = _check_compatible(path, m, device)
     try:
         graph = model_to_graph(onnx.load_from_string(members[GRAPH]))
@@ -370,4 +373,4 @@ def _check_tactics(path, graph) -> None:
 def read_manifest(path, verify_key: bytes | None = None) -> dict:
     """The manifest alone (for inspect), with the same integrity and schema checks as load."""
     path = Path(path)
-    return _parse_manifest(path, _read(path, verify_key))
+    return _parse_manifest(path, read_members(path, verify_key))

@@ -37,7 +37,6 @@ from safetensors.torch import save as st_save
 
 from ..engine import serialize
 from ..errors import ConfigError, EngineFileError, UnsupportedError
-from ..fileio import atomic_write
 from . import quantize
 from .parallel import check_tensor_parallel, shard_manifest
 from .perplexity import EIGHT_BIT, kv_cache_name, resolve_kv_dtype
@@ -47,7 +46,6 @@ FORMAT_VERSION = 1
 MANIFEST, WEIGHTS, TOKENIZER, TOKENIZER_CONFIG, CHECKSUMS = (
     "manifest.json", "weights.safetensors", "tokenizer.json", "tokenizer_config.json", "checksums.json")
 MEMBERS = (MANIFEST, WEIGHTS, TOKENIZER, TOKENIZER_CONFIG)  # the members checksums.json covers
-MAX_MANIFEST_BYTES = 64 * 2**20
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 KV_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -260,13 +258,7 @@ def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: 
     }
     members[MANIFEST] = json.dumps(manifest, indent=1).encode()
     members[CHECKSUMS] = checksums_of(members, sign_key)
-
-    def write(f):
-        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
-            for name in (*MEMBERS, CHECKSUMS):
-                z.writestr(name, members[name])
-
-    atomic_write(path, write, EngineFileError)
+    serialize.save_members({name: members[name] for name in (*MEMBERS, CHECKSUMS)}, path)
     return manifest
 
 
@@ -302,49 +294,10 @@ def _rebuild(path, why: str) -> EngineFileError:
 
 
 def _members(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
-    """The engine's members, each stored uncompressed at the size checksums.json records and matching its
-    SHA-256 (the checks serialize.py applies to every Kiln engine); with verify_key, only if checksums.json
-    carries a valid signature by that key."""
-    from ..engine import signing
-
-    if not path.is_file():
-        raise EngineFileError(f"engine file '{path}' does not exist." if not path.exists()
-                              else f"engine path '{path}' is not a file.")
-    on_disk = path.stat().st_size
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = [i.filename for i in z.infolist()]
-            if len(names) > 64 or len(set(names)) != len(names):
-                raise _rebuild(path, f"is not a Kiln LLM engine: its zip directory has {len(names)} entries")
-            if MANIFEST not in names or CHECKSUMS not in names:
-                raise _rebuild(path, f"is not a Kiln LLM engine (no {MANIFEST if MANIFEST not in names else CHECKSUMS})")
-            try:
-                doc = json.loads(serialize._member(z, path, CHECKSUMS, None, 64 * 2**10))
-                digests = doc["members"]
-            except (ValueError, KeyError, TypeError):
-                raise _rebuild(path, "is corrupted: checksums.json does not list the members' digests") from None
-            if verify_key is not None:
-                why = signing.verify(digests, doc.get("signature"), verify_key)
-                if why is not None:
-                    raise EngineFileError(f"'{path}' is refused: --verify-key was given and {why}. Only engines "
-                                          "signed with this key (kiln llm build --sign KEYFILE) are accepted.")
-            out = {}
-            for name in MEMBERS:
-                d = digests.get(name) if isinstance(digests, dict) else None
-                if name not in names or not isinstance(d, dict) or not isinstance(d.get("size"), int) \
-                        or not 0 <= d["size"] <= on_disk:
-                    raise _rebuild(path, f"is incomplete or corrupted: no valid member {name} and digest")
-                data = serialize._member(z, path, name, d["size"], MAX_MANIFEST_BYTES if name == MANIFEST else on_disk)
-                if _sha(data) != d.get("sha256"):
-                    raise _rebuild(path, f"is corrupted or was modified: checksum of {name} does not match "
-                                         "checksums.json")
-                out[name] = data
-            return out
-    except zipfile.BadZipFile:
-        raise EngineFileError(f"'{path}' is not a Kiln engine: the file is truncated, corrupted, or of another "
-                              "format (a Kiln engine is a zip archive). Rebuild it with `kiln llm build`.") from None
-    except (zipfile.LargeZipFile, OSError, EOFError, NotImplementedError, RuntimeError) as e:
-        raise EngineFileError(f"'{path}' cannot be read as a Kiln engine: {e}.") from None
+    """The engine's members, checked as serialize.py checks every Kiln engine: each stored uncompressed at the size
+    checksums.json records and matching its SHA-256; with verify_key, only if checksums.json carries a valid
+    signature by that key."""
+    return serialize.read_members(path, verify_key, names=MEMBERS, command="kiln llm build")
 
 
 def read_manifest(path, verify_key: bytes | None = None) -> dict:
