@@ -52,16 +52,10 @@ def write_random_model(out: Path, shape: str, max_positions: int) -> Path:
                hidden_act="silu", **s)
     if shape == "tiny":
         cfg.update(vocab_size=1024, head_dim=32)
-    h, i, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    qd, kvd = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes.update({p + "self_attn.q_proj.weight": (qd, h), p + "self_attn.k_proj.weight": (kvd, h),
-                       p + "self_attn.v_proj.weight": (kvd, h), p + "self_attn.o_proj.weight": (h, qd),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
+    from kiln.llm.config import ModelConfig
+    from kiln.llm.model import expected_shapes
+
+    shapes = expected_shapes(ModelConfig.from_hf(cfg))
     gen = torch.Generator().manual_seed(0)
     weight_map, shard, size, files = {}, {}, 0, []
 
