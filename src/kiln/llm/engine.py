@@ -9,6 +9,7 @@ on rank 0. `LLM` wraps it for offline use
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -119,6 +120,9 @@ def kv_blocks_that_fit(model: DecoderModel, kv_dtype: torch.dtype, block_size: i
         raise ConfigError(f"gpu_memory_utilization = {utilization}: must be in (0, 1].")
     cfg = model.cfg
     per_block = 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    # An engine closed earlier in this process may still hold its pool in a reference cycle or in torch's cache.
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(model.device)
     # Activations of the largest step, the logits of a full decode batch and CUDA graphs' pools.
     act = max_tokens * (3 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim) * 4
@@ -127,7 +131,8 @@ def kv_blocks_that_fit(model: DecoderModel, kv_dtype: torch.dtype, block_size: i
     if budget < per_block:
         raise ConfigError(f"no GPU memory left for the KV cache on {model.device} (free {free / 2**30:.1f} GiB of "
                           f"{total / 2**30:.1f}); lower max_num_batched_tokens or raise gpu_memory_utilization.")
-    return budget // per_block
+    # More blocks than every sequence at full length could never be used: a small model takes only what it can use.
+    return min(budget // per_block, max_seqs * -(-max_model_len // block_size))
 
 
 def _release(workers: Workers) -> None:
