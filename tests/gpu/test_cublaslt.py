@@ -203,3 +203,23 @@ def test_an_fp16_build_times_the_float_epilogue_tactic_and_matches_onnxruntime()
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
     out = eng.create_execution_context().run({name: torch.from_numpy(x).cuda()})[eng.outputs[0].name]
     assert np.abs(out.float().cpu().numpy() - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("inputs", ["fp8", "float16"])
+def test_the_nvmath_bindings_offer_the_same_choices_and_compute_the_same_bits(inputs):
+    """kiln[nvmath]'s bindings call the functions the ctypes ones do: same heuristic choices, equal outputs."""
+    pytest.importorskip("nvmath.bindings.cublasLt")
+    x8, w8, sx, sw, b = _operands()
+    if inputs == "fp8":
+        spec = cublaslt.spec_of(x8, w8, True, "GeluErf", False, torch.float16)
+        run = lambda plan: cublaslt.fp8_gemm(x8, w8, sx, sw, b, "GeluErf", plan=plan)
+    else:
+        x, w = x8.half(), w8.half().contiguous()
+        spec = cublaslt.spec_of(x, w, True, "Relu", False, torch.float16)
+        run = lambda plan: cublaslt.gemm(x, w, b.half(), "Relu", plan=plan)
+    device = torch.device("cuda")
+    plans = {name: cublaslt.choices(spec, device, 4, 0, cublaslt.bindings(name)) for name in ("ctypes", "nvmath")}
+    assert len(plans["ctypes"]) == len(plans["nvmath"]) > 0
+    for a, b_ in zip(plans["ctypes"], plans["nvmath"]):
+        assert a.workspace == b_.workspace
+        assert torch.equal(run(a), run(b_))

@@ -1,5 +1,6 @@
 """kiln/kernels/cublaslt.py off the GPU: what it declines without touching CUDA (tests/gpu/test_cublaslt.py runs it)."""
 
+import pytest
 import torch
 
 from kiln.kernels import cublaslt
@@ -48,3 +49,13 @@ def test_scales_and_biases_are_converted_once_per_tensor():
     half = cublaslt._constant(bias, torch.float16)
     assert half.dtype == torch.float16 and cublaslt._constant(bias, torch.float16) is half
     assert cublaslt._constant(bias.clone(), torch.float16) is not half  # another tensor, even with equal values
+
+
+def test_the_hand_written_enum_values_are_nvmaths_and_both_bindings_are_named():
+    """The ctypes bindings write cuBLASLt's enum values by hand; nvmath-python (kiln[nvmath]) holds NVIDIA's."""
+    assert cublaslt.bindings("ctypes") is cublaslt.bindings("ctypes")
+    with pytest.raises(cublaslt.CublasLtError, match="should be one of"):
+        cublaslt.bindings("cffi")
+    pytest.importorskip("nvmath.bindings.cublasLt")
+    values = cublaslt.bindings("nvmath").values()
+    assert {name: getattr(cublaslt, name) for name in values} == values

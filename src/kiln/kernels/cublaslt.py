@@ -12,7 +12,10 @@ with one cuBLASLt picks kernels that clear a buffer before every call (see MAX_W
 asks for the kernels that need none.
 
 This module calls the cuBLASLt library torch itself loaded, through ctypes (no build step, no new
-dependency), with Hopper's fast FP8 accumulation (as Triton's FP8 dot on sm_90 does). cuBLASLt's GELU
+dependency), or through NVIDIA's nvmath-python bindings (`pip install 'kiln[nvmath]'`, chosen with
+KILN_CUBLASLT_BINDINGS=nvmath), with Hopper's fast FP8 accumulation (as Triton's FP8 dot on sm_90 does). Both
+call the same functions with the same values: tests/kernels/test_cublaslt.py checks the enum values written here
+against nvmath's. cuBLASLt's GELU
 is the tanh form: it differs from the erf form by at most 4.7e-4 (at |x| = 2.7, where FP16's step is
 2e-3), and the builder checks every tactic's output against the exact reference.
 """
@@ -26,7 +29,7 @@ import os
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,28 +101,160 @@ def _lib():
     return lib
 
 
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise CublasLtError(f"{what}: {_lib().cublasLtGetStatusName(status).decode()}")
+class CtypesBindings:
+    """cuBLASLt's C functions through ctypes, over the libcublasLt torch loaded. Handles, descriptors and
+    addresses are ints throughout, as in nvmath's bindings."""
+
+    name = "ctypes"
+
+    @functools.cached_property
+    def lib(self):
+        return _lib()
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise CublasLtError(f"{what}: {self.lib.cublasLtGetStatusName(status).decode()}")
+
+    def _created(self, fn, what: str, *args) -> int:
+        out = ctypes.c_void_p()
+        self._check(fn(ctypes.byref(out), *args), what)
+        return out.value
+
+    def create(self) -> int:
+        return self._created(self.lib.cublasLtCreate, "cublasLtCreate")
+
+    def desc_create(self, compute: int, scale: int) -> int:
+        return self._created(self.lib.cublasLtMatmulDescCreate, "cublasLtMatmulDescCreate", compute, scale)
+
+    def desc_set(self, desc: int, attr: int, address: int, size: int) -> None:
+        self._check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, address, size),
+                    f"cublasLtMatmulDescSetAttribute({attr})")
+
+    def layout_create(self, dtype: int, rows: int, cols: int, ld: int) -> int:
+        return self._created(self.lib.cublasLtMatrixLayoutCreate, "cublasLtMatrixLayoutCreate", dtype, rows, cols, ld)
+
+    def preference_create(self) -> int:
+        return self._created(self.lib.cublasLtMatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate")
+
+    def preference_set(self, pref: int, attr: int, address: int, size: int) -> None:
+        self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, address, size),
+                    "cublasLtMatmulPreferenceSetAttribute")
+
+    def heuristic(self, handle: int, desc: int, layouts: tuple, pref: int, count: int):
+        """(the results' storage, [(address of a usable result's algo, its workspace bytes)]); an empty list
+        where cuBLASLt declines the GEMM."""
+        results, found = (_Heuristic * count)(), ctypes.c_int(0)
+        status = self.lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, *layouts, pref, count, results,
+                                                         ctypes.byref(found))
+        if status != 0:
+            return results, []
+        return results, [(ctypes.addressof(r.algo), r.workspace) for r in results[:found.value] if r.state == 0]
+
+    def matmul(self, *args) -> None:
+        self._check(self.lib.cublasLtMatmul(*args), "cublasLtMatmul")
+
+
+class NvmathBindings:
+    """cuBLASLt's C functions through nvmath-python (nvmath.bindings.cublasLt, maintained by NVIDIA), its
+    heuristic results laid out by nvmath's own struct dtype."""
+
+    name = "nvmath"
+
+    def __init__(self):
+        try:
+            from nvmath.bindings import cublasLt
+        except ImportError as e:
+            raise CublasLtError(f"the nvmath cuBLASLt bindings need nvmath-python: pip install 'kiln[nvmath]' ({e})")
+        self.lt = cublasLt
+
+    def _call(self, fn, what: str, *args):
+        try:
+            return fn(*args)
+        except self.lt.cuBLASLtError as e:
+            raise CublasLtError(f"{what}: {e}") from None
+
+    def create(self) -> int:
+        return self._call(self.lt.create, "cublasLtCreate")
+
+    def desc_create(self, compute: int, scale: int) -> int:
+        return self._call(self.lt.matmul_desc_create, "cublasLtMatmulDescCreate", compute, scale)
+
+    def desc_set(self, desc: int, attr: int, address: int, size: int) -> None:
+        self._call(self.lt.matmul_desc_set_attribute, f"cublasLtMatmulDescSetAttribute({attr})", desc, attr,
+                   address, size)
+
+    def layout_create(self, dtype: int, rows: int, cols: int, ld: int) -> int:
+        return self._call(self.lt.matrix_layout_create, "cublasLtMatrixLayoutCreate", dtype, rows, cols, ld)
+
+    def preference_create(self) -> int:
+        return self._call(self.lt.matmul_preference_create, "cublasLtMatmulPreferenceCreate")
+
+    def preference_set(self, pref: int, attr: int, address: int, size: int) -> None:
+        self._call(self.lt.matmul_preference_set_attribute, "cublasLtMatmulPreferenceSetAttribute", pref, attr,
+                   address, size)
+
+    def heuristic(self, handle: int, desc: int, layouts: tuple, pref: int, count: int):
+        import numpy as np
+
+        results, found = np.zeros(count, dtype=self.lt.matmul_heuristic_result_dtype), np.zeros(1, np.int32)
+        try:
+            self.lt.matmul_algo_get_heuristic(handle, desc, *layouts, pref, count, results.ctypes.data,
+                                              found.ctypes.data)
+        except self.lt.cuBLASLtError:
+            return results, []
+        base, step = results.ctypes.data, results.dtype.itemsize
+        offset = results.dtype.fields["algo"][1]
+        return results, [(base + j * step + offset, int(results[j]["workspace_size"])) for j in range(int(found[0]))
+                         if results[j]["state"] == 0]
+
+    def matmul(self, *args) -> None:
+        self._call(self.lt.matmul, "cublasLtMatmul", *args)
+
+    def values(self) -> dict[str, int]:
+        """nvmath's values of the constants this module writes by hand, by their names here (tests compare)."""
+        from nvmath import CudaDataType
+        from nvmath.bindings import cublas
+
+        d, ep = self.lt.MatmulDescAttribute, self.lt.Epilogue
+        return {"_R_32F": CudaDataType.CUDA_R_32F, "_R_16F": CudaDataType.CUDA_R_16F,
+                "_R_16BF": CudaDataType.CUDA_R_16BF, "_R_8F_E4M3": CudaDataType.CUDA_R_8F_E4M3,
+                "_COMPUTE_32F": cublas.ComputeType.COMPUTE_32F, "_OP_N": cublas.Operation.N,
+                "_OP_T": cublas.Operation.T, "_DESC_TRANSA": d.TRANSA, "_DESC_TRANSB": d.TRANSB,
+                "_DESC_EPILOGUE": d.EPILOGUE, "_DESC_BIAS_POINTER": d.BIAS_POINTER,
+                "_DESC_A_SCALE": d.A_SCALE_POINTER, "_DESC_B_SCALE": d.B_SCALE_POINTER,
+                "_DESC_D_SCALE": d.D_SCALE_POINTER, "_DESC_FAST_ACCUM": d.FAST_ACCUM,
+                "_DESC_BIAS_TYPE": d.BIAS_DATA_TYPE,
+                "_PREF_MAX_WORKSPACE": self.lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                "EPILOGUES": {("", False): ep.DEFAULT, ("", True): ep.BIAS, ("Relu", False): ep.RELU,
+                              ("Relu", True): ep.RELU_BIAS, ("GeluErf", False): ep.GELU,
+                              ("GeluErf", True): ep.GELU_BIAS, ("GeluTanh", False): ep.GELU,
+                              ("GeluTanh", True): ep.GELU_BIAS}}
+
+
+_BINDINGS = {"ctypes": CtypesBindings, "nvmath": NvmathBindings}
+
+
+def bindings(name: str | None = None):
+    """The cuBLASLt bindings by name ('ctypes' or 'nvmath'); by default KILN_CUBLASLT_BINDINGS's, else ctypes."""
+    name = name or os.environ.get("KILN_CUBLASLT_BINDINGS", "ctypes")
+    if name not in _BINDINGS:
+        raise CublasLtError(f"KILN_CUBLASLT_BINDINGS: '{name}' should be one of {sorted(_BINDINGS)}")
+    return _bindings(name)
 
 
 @functools.cache
-def _handle(device: int) -> ctypes.c_void_p:
-    h = ctypes.c_void_p()
+def _bindings(name: str):
+    return _BINDINGS[name]()
+
+
+@functools.cache
+def _handle(device: int, api) -> int:
     with torch.cuda.device(device):
-        _check(_lib().cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
-    return h
+        return api.create()
 
 
-def _set(desc, attr: int, value) -> None:
-    _check(_lib().cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
-           f"cublasLtMatmulDescSetAttribute({attr})")
-
-
-def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
-    layout = ctypes.c_void_p()
-    _check(_lib().cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "cublasLtMatrixLayoutCreate")
-    return layout
+def _set(api, desc: int, attr: int, value) -> None:
+    api.desc_set(desc, attr, ctypes.addressof(value), ctypes.sizeof(value))
 
 
 @dataclass(frozen=True)
@@ -142,49 +277,44 @@ class Spec:
 
 @dataclass(frozen=True)
 class _Plan:
-    desc: ctypes.c_void_p
+    api: CtypesBindings | NvmathBindings
+    desc: int
     layouts: tuple  # A (weights), B (activations), C, D
-    algo: _Heuristic
+    algo: int  # the address of cuBLASLt's algo struct, inside `results`
     workspace: int
+    results: object = field(repr=False)  # the heuristic's results, which hold the algo
 
 
 @functools.lru_cache(maxsize=512)
-def _plans(device: int, spec: Spec, count: int = ALGOS, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
+def _plans(device: int, spec: Spec, count: int, max_workspace: int, api) -> tuple[_Plan, ...]:
     """cuBLASLt's heuristic choices (best first, up to `count`, each needing at most `max_workspace` bytes) for
     the spec in column-major terms: y^T = w^T x^T, w^T read transposed from K-major weights (cuBLASLt's FP8
     GEMM takes only that "TN" form) or as it is from row-major ones. Empty when cuBLASLt has no kernel for it."""
-    lib = _lib()
-    desc = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
-    _set(desc, _DESC_TRANSA, ctypes.c_int32(_OP_T if spec.k_major else _OP_N))
-    _set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
-    _set(desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
+    desc = api.desc_create(_COMPUTE_32F, _R_32F)
+    _set(api, desc, _DESC_TRANSA, ctypes.c_int32(_OP_T if spec.k_major else _OP_N))
+    _set(api, desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
+    _set(api, desc, _DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[(spec.act, spec.bias is not None)]))
     if spec.fp8:
-        _set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
+        _set(api, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
     c_type = _TYPES[spec.bias or (spec.out if spec.out != torch.float8_e4m3fn else torch.float16)]
     if spec.bias is not None:
-        _set(desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
+        _set(api, desc, _DESC_BIAS_TYPE, ctypes.c_int32(_TYPES[spec.bias]))
     # Every pointer attribute is set to a placeholder of the right alignment (the heuristic reads their
     # alignment); _matmul sets the real ones before each call.
     aligned = ctypes.c_void_p(256)
     for attr in ((_DESC_A_SCALE, _DESC_B_SCALE) if spec.fp8 else ()) + (
             (_DESC_D_SCALE,) if spec.out == torch.float8_e4m3fn else ()) + (
             (_DESC_BIAS_POINTER,) if spec.bias is not None else ()):
-        _set(desc, attr, aligned)
+        _set(api, desc, attr, aligned)
     m, n, k, a_type = spec.m, spec.n, spec.k, _TYPES[spec.inputs]
-    layouts = (_layout(a_type, k, n, k) if spec.k_major else _layout(a_type, n, k, n), _layout(a_type, k, m, k),
-               _layout(c_type, n, m, n), _layout(_TYPES[spec.out], n, m, n))
-    pref = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    layouts = (api.layout_create(a_type, k, n, k) if spec.k_major else api.layout_create(a_type, n, k, n),
+               api.layout_create(a_type, k, m, k), api.layout_create(c_type, n, m, n),
+               api.layout_create(_TYPES[spec.out], n, m, n))
+    pref = api.preference_create()
     cap = ctypes.c_uint64(max_workspace)
-    _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(cap), 8),
-           "cublasLtMatmulPreferenceSetAttribute")
-    results, found = (_Heuristic * count)(), ctypes.c_int(0)
-    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, *layouts, pref, count, results,
-                                                ctypes.byref(found))
-    if status != 0:
-        return ()
-    return tuple(_Plan(desc, layouts, r, r.workspace) for r in results[:found.value] if r.state == 0)
+    api.preference_set(pref, _PREF_MAX_WORKSPACE, ctypes.addressof(cap), 8)
+    results, usable = api.heuristic(_handle(device, api), desc, layouts, pref, count)
+    return tuple(_Plan(api, desc, layouts, algo, workspace, results) for algo, workspace in usable)
 
 
 def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> bool:
@@ -204,7 +334,7 @@ def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: in
             or spec.k % step or spec.n % step or spec.m < 1):
         return False
     try:
-        return len(_plans(device.index or 0, spec, ALGOS, workspace_cap)) > algo
+        return len(_plans(device.index or 0, spec, ALGOS, workspace_cap, bindings())) > algo
     except CublasLtError:
         return False
 
@@ -212,16 +342,17 @@ def supported(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: in
 def _plan(device: torch.device, spec: Spec, algo: int, workspace_cap: int) -> _Plan:
     """cuBLASLt's choice `algo`, or its last one where it has fewer (a runtime shape may have fewer choices than
     the opt shape had)."""
-    plans = _plans(device.index or 0, spec, ALGOS, workspace_cap)
+    plans = _plans(device.index or 0, spec, ALGOS, workspace_cap, bindings())
     if not plans:
         raise CublasLtError(f"cuBLASLt has no kernel for {spec}")
     return plans[min(algo, len(plans) - 1)]
 
 
-def choices(spec: Spec, device: torch.device, count: int, max_workspace: int = MAX_WORKSPACE) -> tuple[_Plan, ...]:
+def choices(spec: Spec, device: torch.device, count: int, max_workspace: int = MAX_WORKSPACE,
+            api=None) -> tuple[_Plan, ...]:
     """Up to `count` of cuBLASLt's heuristic choices for the spec, each needing at most `max_workspace` bytes of
-    scratch (bench/cublaslt_choices.py compares them)."""
-    return _plans(device.index or 0, spec, count, max_workspace)
+    scratch (bench/cublaslt_choices.py compares them), through `api` (bindings(), by default)."""
+    return _plans(device.index or 0, spec, count, max_workspace, api or bindings())
 
 
 def workspace_bytes(spec: Spec, device: torch.device, algo: int = 0, workspace_cap: int = MAX_WORKSPACE) -> int:
@@ -298,19 +429,20 @@ def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.data_ptr() % 256 == 0)
 
 
+_ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha and beta, read by every call
+
+
 def _matmul(spec: Spec, plan: _Plan, x: torch.Tensor, w: torch.Tensor, pointers: list) -> torch.Tensor:
     """One cublasLtMatmul of a plan for `spec`, with its per-call pointers (scales, bias) set first."""
     y = torch.empty(spec.m, spec.n, dtype=spec.out, device=x.device)
-    ws, dev = scratch(x.device, plan.workspace), x.device.index or 0
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    ws, dev, api = scratch(x.device, plan.workspace), x.device.index or 0, plan.api
     with _LAUNCH:  # the pointers live in the plan's shared descriptor until cublasLtMatmul has read them
         for attr, t in pointers:
-            _set(plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
-        _check(_lib().cublasLtMatmul(_handle(dev), plan.desc, ctypes.byref(one), w.data_ptr(), plan.layouts[0],
-                                     x.data_ptr(), plan.layouts[1], ctypes.byref(zero), None, plan.layouts[2],
-                                     y.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo.algo), ws.data_ptr(),
-                                     plan.workspace, torch.cuda.current_stream(x.device).cuda_stream),
-               "cublasLtMatmul")
+            _set(api, plan.desc, attr, ctypes.c_void_p(t.data_ptr()))
+        api.matmul(_handle(dev, api), plan.desc, ctypes.addressof(_ONE), w.data_ptr(), plan.layouts[0],
+                   x.data_ptr(), plan.layouts[1], ctypes.addressof(_ZERO), 0, plan.layouts[2], y.data_ptr(),
+                   plan.layouts[3], plan.algo, ws.data_ptr(), plan.workspace,
+                   torch.cuda.current_stream(x.device).cuda_stream)
     return y
 
 
