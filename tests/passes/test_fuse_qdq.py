@@ -1,12 +1,17 @@
 """Explicit quantization: Q/DQ models run their MatMul/Conv on int8, matching onnxruntime."""
 
+import subprocess
+import sys
+
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
+from kiln.cli import main
 from kiln.ir.graph import Node
 from kiln.passes import fuse_qdq
 from kiln.tactics.library import int8_int_mm
@@ -274,3 +279,136 @@ def test_a_qdq_pair_read_by_two_convolutions_feeds_both():
          "zw": np.zeros(4, np.int8)})
     _, after = check_pass(fuse_qdq, m, {"x": rand(1, 3, 4, 4)})
     assert ops(after).count("kiln::QConv") == 2
+
+
+# --- FP8 E4M3 (ModelOpt's FP8 Q/DQ) and the findings of patterns that stay float ---------------------------
+
+def _fp8(name, values):
+    codes = torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(torch.float8_e4m3fn)
+    return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(values.shape),
+                              codes.view(torch.uint8).numpy().tobytes(), raw=True)
+
+
+def _fp8_layer(op, weight_form, *, wtype=TensorProto.FLOAT8E4M3FN, act="fp8", axis=None, weight_zero=0):
+    """x -> Q/DQ (act: 'fp8', 'int8' or None) -> op on per-channel FP8 weights -> y, at opset 19.
+    weight_form: 'codes' (an FP8 initializer read by DequantizeLinear, as ModelOpt's exporter leaves FP8
+    weights), 'quantized' (a float weight through QuantizeLinear(FP8) -> DequantizeLinear) or 'float'."""
+    rng = np.random.default_rng(5)
+    shape, w_axis = {"MatMul": ((16, 24), 1), "Gemm": ((24, 16), 0), "Conv": ((8, 4, 3, 3), 0)}[op]
+    w = rng.standard_normal(shape).astype(np.float32)
+    scale = (np.abs(w).max(axis=tuple(i for i in range(w.ndim) if i != w_axis)) / 448).astype(np.float32)
+    bshape = [1] * w.ndim
+    bshape[w_axis] = -1
+    axis = w_axis if axis is None else axis
+    oc = scale.size
+    zero = [helper.make_tensor("zw", wtype, [oc], [weight_zero] * oc)]
+    inits = [numpy_helper.from_array(scale, "sw"), numpy_helper.from_array(rng.standard_normal(oc).astype(np.float32), "b")]
+    nodes = []
+    x = "x"
+    if act:
+        ztype = TensorProto.FLOAT8E4M3FN if act == "fp8" else TensorProto.INT8
+        inits += [numpy_helper.from_array(np.float32(0.02), "sx"), helper.make_tensor("zx", ztype, [], [0])]
+        nodes += [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+                  helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xdq"])]
+        x = "xdq"
+    if weight_form == "codes":
+        if wtype == TensorProto.FLOAT8E4M3FN:
+            inits.append(_fp8("wq", w / scale.reshape(bshape)))
+        else:
+            inits.append(helper.make_tensor("wq", wtype, list(w.shape),
+                                            torch.from_numpy(w / scale.reshape(bshape)).to(torch.float8_e5m2)
+                                            .view(torch.uint8).numpy().tobytes(), raw=True))
+        inits += zero
+        nodes.append(helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["w"], axis=axis))
+    elif weight_form == "quantized":
+        inits += [numpy_helper.from_array(w, "wf")] + zero
+        nodes += [helper.make_node("QuantizeLinear", ["wf", "sw", "zw"], ["wq"], axis=axis),
+                  helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["w"], axis=axis)]
+    else:
+        inits.append(numpy_helper.from_array(w, "w"))
+    if op == "MatMul":
+        nodes += [helper.make_node("MatMul", [x, "w"], ["h"], name="layer"), helper.make_node("Add", ["h", "b"], ["y"])]
+        io = (["N", 16], ["N", 24])
+    elif op == "Gemm":
+        nodes.append(helper.make_node("Gemm", [x, "w", "b"], ["y"], transB=1, name="layer"))
+        io = (["N", 16], ["N", 24])
+    else:
+        nodes.append(helper.make_node("Conv", [x, "w", "b"], ["y"], pads=[1, 1, 1, 1], name="layer"))
+        io = (["N", 4, 6, 6], ["N", 8, 6, 6])
+    g = helper.make_graph(nodes, "fp8_layer", [helper.make_tensor_value_info("x", TensorProto.FLOAT, io[0])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, io[1])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+
+
+def _fp8_input(op):
+    return np.random.default_rng(6).standard_normal((3, 16) if op != "Conv" else (3, 4, 6, 6)).astype(np.float32)
+
+
+def _build(m, x):
+    shape = tuple(x.shape)
+    return kiln.build(m, kiln.BuildConfig(device="cpu", progress=False,
+                                          profiles=[kiln.Profile({"x": ((1, *shape[1:]), shape, shape)})]))
+
+
+def _ort(m, x):
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm", "Conv"])
+@pytest.mark.parametrize("weight_form", ["codes", "quantized"])
+def test_fp8_weights_with_per_channel_scales_fuse_into_one_fp8_layer_matching_onnxruntime(op, weight_form):
+    m = _fp8_layer(op, weight_form)
+    x = _fp8_input(op)
+    engine = _build(m, x)
+    assert [(n.op_type, n.precision) for n in engine.graph.nodes] == [("QConv" if op == "Conv" else "QGemm", "fp8")]
+    assert engine.findings == []
+    layer = engine.graph.nodes[0]
+    assert engine.graph.initializers[layer.inputs[1]].dtype == torch.float8_e4m3fn
+    assert engine.graph.initializers[layer.inputs[3]].numel() == (8 if op == "Conv" else 24)  # per channel
+    want = _ort(m, x)
+    got = engine.create_execution_context().run({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_kiln_inspect_of_an_fp8_qdq_model_shows_fp8_layers_and_no_float_fallback(tmp_path):
+    path = tmp_path / "fp8.onnx"
+    onnx.save(_fp8_layer("Conv", "codes"), str(path))
+    engine = tmp_path / "fp8.kiln"
+    assert main(["build", f"--onnx={path}", f"--saveEngine={engine}", "--shapes=x:2x4x6x6",
+                 "--skipInference", "--device=cpu"]) == 0
+    p = subprocess.run([sys.executable, "-m", "kiln", "inspect", str(engine)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "fp8" in p.stdout and "fusion not applied" not in p.stdout and "runs in float" not in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"weight_zero": 3}, "the weight's zero point is not 0"),
+    ({"axis": 0}, "scales run along axis 0, not along its output channels (axis 1)"),
+    ({"wtype": TensorProto.FLOAT8E5M2}, "the weight is quantized as float8_e5m2"),
+    ({"act": None}, "its weight is quantized (fp8) but its input is not"),
+    ({"act": "int8"}, "its input is quantized as int8 and its weight as fp8"),
+    ({"weight_form": "float"}, "its weight is a float constant with no DequantizeLinear"),
+])
+def test_a_qdq_pattern_that_cannot_run_in_8_bits_runs_in_float_and_the_finding_says_why(change, reason):
+    kw = {"weight_form": "codes", **change}
+    form = kw.pop("weight_form")
+    if change == {"axis": 0}:  # MatMul weights [K, N]: the output channels are axis 1; give K scales along 0
+        m = _fp8_layer("MatMul", form, **kw)
+        sw = next(i for i in m.graph.initializer if i.name == "sw")
+        sw.CopyFrom(numpy_helper.from_array(np.full(16, 0.01, np.float32), "sw"))
+        zw = next(i for i in m.graph.initializer if i.name == "zw")
+        zw.CopyFrom(helper.make_tensor("zw", TensorProto.FLOAT8E4M3FN, [16], [0] * 16))
+    else:
+        m = _fp8_layer("MatMul", form, **kw)
+    x = _fp8_input("MatMul")
+    engine = _build(m, x)
+    assert "QGemm" not in [n.op_type for n in engine.graph.nodes]
+    found = [f for f in engine.findings if f.get("kind") == "fusion-missed"]
+    assert len(found) == 1 and found[0]["nodes"] == ["layer"], engine.findings
+    assert reason in found[0]["reason"] and found[0]["reason"].endswith("the layer runs in float"), found[0]
+    assert "int8 constants" not in found[0]["reason"]
+    if change.get("wtype") != TensorProto.FLOAT8E5M2 and "weight_zero" not in change:  # ORT's CPU kernels
+        want = _ort(m, x)
+        got = engine.create_execution_context().run({"x": x})["y"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -33,11 +33,12 @@ def constant_value(node: Node) -> torch.Tensor:
 
 
 def _quantized_weight(node: Node, consts: dict) -> bool:
-    """DequantizeLinear of integer weights: kept so fuse_qdq can run the layer on the integers."""
+    """DequantizeLinear of 8-bit (or narrower) weights, integer or FP8: kept so fuse_qdq can run the layer on the
+    codes. (torch counts float8_e4m3fn as floating point: it is told apart by its one-byte size.)"""
     if node.op_type != "DequantizeLinear" or node.domain:
         return False
     w = consts.get(node.inputs[0])
-    return w is not None and not w.dtype.is_floating_point
+    return w is not None and (not w.dtype.is_floating_point or w.dtype.itemsize == 1)
 
 
 def _foldable(node: Node, consts: dict, keep_quantized: bool) -> bool:

@@ -4,7 +4,10 @@ Q/DQ models (onnxruntime's quantizer, NVIDIA ModelOpt, Kiln's QAT export) say
 where INT8 runs and with which scales; Kiln honours them: the layer multiplies
 int8 activations by int8 weights and applies the scales (and bias, activation)
 in its epilogue. A convolution's residual Add (ResNet's shortcut) and activation join it too
-(QConv's optional 6th input z). Weights must be symmetric int8 or FP8 E4M3 (zero point 0).
+(QConv's optional 6th input z). Weights must be symmetric int8 or FP8 E4M3 (zero point 0), with one scale
+per tensor or per output channel. ModelOpt writes FP8 weights either as FP8 initializers read by a
+DequantizeLinear or as float weights through QuantizeLinear(FP8) -> DequantizeLinear; fold_constants turns
+the second into the first (it keeps the DequantizeLinear of any one-byte codes), so both fuse alike.
 
 An int8 activation with a zero point z (onnxruntime's quantizer writes asymmetric int8 activations by
 default) is fused too: its QuantizeLinear stays and writes the codes q, the layer reads them as they are
@@ -13,7 +16,7 @@ term joins the bias (per output channel). A padded convolution would read 0, not
 node pads its codes with z instead (one int8 pass) and the layer itself pads nothing.
 A UINT8 activation pair with zero point z is first rewritten as the int8 pair with z - 128, which is the
 same function (clamp(round(x/s) + z, 0, 255) - z = clamp(round(x/s) + z - 128, -128, 127) - (z - 128)).
-Anything else keeps its Q/DQ nodes, runs in float, and the reason is recorded.
+Anything else keeps its Q/DQ nodes, runs in float, and a finding names the layer and what stopped it.
 """
 
 from __future__ import annotations
@@ -29,51 +32,83 @@ from .rewrite import View, fused_name, miss, replace
 
 def _dq_q(view: View, value: str):
     """value = DQ(Q(x, s, z), s, z) with one per-tensor scale and zero point, z = 0 unless int8:
-    (x, scale name, [Q, DQ], z); None if value is no such pair, the reason if its zero point does not do."""
+    (x, scale name, [Q, DQ], z, the codes' torch dtype); None if value is not dequantized at all, else why the
+    pair does not run in 8 bits, in the words of the finding."""
     dq = view.producer.get(value)
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain:
         return None
     q = view.producer.get(dq.inputs[0])
     if q is None or q.op_type != "QuantizeLinear" or q.domain:
-        return None
+        if view.const(dq.inputs[0]) is not None:
+            return "its first input is a dequantized constant, not a quantized activation"
+        return (f"its input is dequantized from '{dq.inputs[0]}', which no QuantizeLinear writes (8-bit codes from "
+                "outside the graph)")
     s = view.const(q.inputs[1])
-    if s is None or s.numel() != 1 or q.inputs[1:] != dq.inputs[1:]:
-        return None
-    zp = view.const(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] else None
-    if zp is None or zp.numel() != 1 or q.attr("block_size", 0):
-        return None
-    if zp.dtype not in QTYPES or q.attr("output_dtype", 0) not in (0, _ONNX_TYPE[zp.dtype]):
-        narrow = onnx.TensorProto.DataType.Name(q.attr("output_dtype", 0)).lower()  # INT4 in an int8 carrier
-        kind = narrow if q.attr("output_dtype", 0) else str(zp.dtype).removeprefix("torch.")
+    if s is None:
+        return f"its input's scale '{q.inputs[1]}' is computed, not a constant"
+    if s.numel() != 1:
+        return (f"its input is quantized with {s.numel()} scales (per channel); an 8-bit layer takes one scale for "
+                "its input")
+    if q.inputs[1:] != dq.inputs[1:]:
+        return "its input's QuantizeLinear and DequantizeLinear take different scales or zero points"
+    if q.attr("block_size", 0):
+        return f"its input is quantized in blocks of {q.attr('block_size')} (block_size)"
+    has_zp = len(q.inputs) > 2 and bool(q.inputs[2])
+    zp = view.const(q.inputs[2]) if has_zp else None
+    if has_zp and (zp is None or zp.numel() != 1):
+        return f"its input's zero point '{q.inputs[2]}' is not one constant"
+    out_type = q.attr("output_dtype", 0)
+    dtype = zp.dtype if zp is not None else next((t for t, o in _ONNX_TYPE.items() if o == out_type), torch.uint8)
+    if dtype not in QTYPES or out_type not in (0, _ONNX_TYPE[dtype]):
+        narrow = onnx.TensorProto.DataType.Name(out_type).lower()  # INT4 in an int8 carrier
+        kind = narrow if out_type else str(dtype).removeprefix("torch.")
         return f"the activation is quantized as {kind}; int8 and FP8 E4M3 run"
-    z = int(zp.float().reshape(-1)[0])
-    if z and zp.dtype != torch.int8:
-        return None
+    z = int(zp.float().reshape(-1)[0]) if zp is not None else 0
+    if z and dtype != torch.int8:
+        return f"its input's zero point is {z} ({_type_name(dtype)}); FP8 runs with zero point 0"
     if not z and view.readers(q.outputs[0]) != 1:  # Q goes with the pair: nothing else may read its codes
-        return None
-    return q.inputs[0], q.inputs[1], [q, dq], z  # with z, Q stays: other layers may read its codes too
+        return f"its input's 8-bit codes '{q.outputs[0]}' are read by other nodes too"
+    return q.inputs[0], q.inputs[1], [q, dq], z, dtype  # with z, Q stays: other layers may read its codes too
 
 
 QTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 _ONNX_TYPE = {torch.int8: onnx.TensorProto.INT8, torch.float8_e4m3fn: onnx.TensorProto.FLOAT8E4M3FN}
 
 
-def _int8_zero(view: View, n: Node) -> bool:
-    """Zero point 0 of a type Kiln runs (int8, or FP8 E4M3), no blocked quantization."""
-    zp = view.const(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
-    return zp is not None and zp.dtype in QTYPES and not zp.float().any() and not n.attr("block_size", 0)
+def _type_name(dtype: torch.dtype) -> str:
+    return QTYPES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def _dq_weight(view: View, value: str, channel_axis: int):
-    """value = DQ(int8 constant, per-channel or per-tensor scale, zero point 0): (dq, w_q, scale)."""
+    """value = DQ(8-bit constant codes, per-channel or per-tensor scale, zero point 0): (dq, w_q, scale), the
+    codes int8 or FP8 E4M3 (an initializer, or a float weight QuantizeLinear made, folded at build time).
+    Otherwise why not, in the words of the finding (the layer then runs in float)."""
     dq = view.producer.get(value)
-    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain or view.readers(value) != 1:
-        return None
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain:
+        if view.const(value) is not None:
+            return ("its weight is a float constant with no DequantizeLinear: the model quantizes this layer's input "
+                    "but not its weight")
+        return ("its second input is computed, not a weight (an activation times an activation, attention's "
+                "products among them, runs in float)")
     w, s = view.const(dq.inputs[0]), view.const(dq.inputs[1])
-    if w is None or s is None or w.dtype not in QTYPES or not _int8_zero(view, dq):
-        return None
+    if w is None:
+        return ("its second input is computed, not a weight (an activation times an activation, attention's "
+                "products among them, runs in float)")
+    if s is None:
+        return f"the weight's scale '{dq.inputs[1]}' is computed, not a constant"
+    if w.dtype not in QTYPES:
+        return f"the weight is quantized as {_type_name(w.dtype)}; int8 and FP8 E4M3 weights run in 8 bits"
+    zp = view.const(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] else None
+    if len(dq.inputs) > 2 and dq.inputs[2] and zp is None:
+        return f"the weight's zero point '{dq.inputs[2]}' is computed, not a constant"
+    if zp is not None and zp.float().any():
+        return "the weight's zero point is not 0 (Kiln runs symmetric weights)"
+    if dq.attr("block_size", 0):
+        return (f"the weight is quantized in blocks of {dq.attr('block_size')} (block_size); 8-bit layers take one "
+                "scale per tensor or per output channel")
     if s.numel() != 1 and dq.attr("axis", 1) % w.dim() != channel_axis % w.dim():
-        return None
+        return (f"the weight's {s.numel()} scales run along axis {dq.attr('axis', 1)}, not along its output "
+                f"channels (axis {channel_axis % w.dim()})")
     return dq, w, s
 
 
@@ -132,37 +167,35 @@ def run(graph: Graph) -> None:
     view = View(graph)
     _uint8_as_int8(graph, view)
     for mm in [n for n in graph.nodes if n.op_type in ("MatMul", "Gemm", "Conv") and not n.domain]:
-        act_in = _dq_q(view, mm.inputs[0])
-        if isinstance(act_in, str):
-            miss(graph, "INT8 layer", [mm], act_in)
-        if not isinstance(act_in, tuple):
-            continue
         conv = mm.op_type == "Conv"
         trans_b = mm.op_type == "Gemm" and mm.attr("transB", 0)
+        act_in = _dq_q(view, mm.inputs[0])
         weight = _dq_weight(view, mm.inputs[1], 0 if (conv or trans_b) else 1)
-        if weight is None:
-            dq = view.producer.get(mm.inputs[1])
-            constant = dq is not None and dq.op_type == "DequantizeLinear" and view.const(dq.inputs[0]) is not None
-            miss(graph, "INT8 layer", [mm], "the weights are not int8 constants with zero point 0 and "
-                 "per-output-channel (or per-tensor) scales" if constant or mm.inputs[1] in graph.initializers else
-                 "its second input is computed, not a weight (an activation times an activation, attention's "
-                 "products among them, runs in float)")
+        if act_in is None:
+            if isinstance(weight, tuple):  # weight-only 8-bit: nothing here multiplies 8-bit by 8-bit
+                miss(graph, "8-bit layer", [mm], f"its weight is quantized ({_type_name(weight[1].dtype)}) but its "
+                     "input is not (no QuantizeLinear/DequantizeLinear pair on it): an 8-bit layer quantizes both, so "
+                     "the layer runs in float")
             continue
-        if mm.op_type == "Gemm" and (mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0
-                                     or mm.attr("beta", 1.0) != 1.0):
+        reason = (act_in if isinstance(act_in, str) else weight if isinstance(weight, str) else
+                  "it is a Gemm with transA, alpha or beta set" if mm.op_type == "Gemm" and (
+                      mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0 or mm.attr("beta", 1.0) != 1.0) else
+                  f"its input is quantized as {_type_name(act_in[4])} and its weight as {_type_name(weight[1].dtype)}"
+                  ": an 8-bit layer takes one type for both" if act_in[4] != weight[1].dtype else None)
+        if reason:
+            miss(graph, "8-bit layer", [mm], f"{reason}; the layer runs in float")
             continue
-        x, x_scale, qdq, z = act_in
+        x, x_scale, qdq, z, _ = act_in
         dq_w, w_q, w_scale = weight
-        zp_x = view.const(qdq[0].inputs[2])
-        if zp_x.dtype != w_q.dtype:
-            miss(graph, "quantized layer", [mm], "activation and weight quantization types differ")
-            continue
         if z and conv and mm.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
             miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the convolution pads by "
-                 f"auto_pad={mm.attr('auto_pad')}: Kiln pads the codes with the zero point only for explicit pads")
+                 f"auto_pad={mm.attr('auto_pad')}: Kiln pads the codes with the zero point only for explicit pads; "
+                 "the layer runs in float")
             continue
         shared = view.readers(qdq[1].outputs[0]) > 1  # a Q/DQ pair other layers read stays for them (dead code later)
-        group = ([] if shared else qdq[1:] if z else qdq) + [dq_w, mm]
+        # Likewise a weight's DequantizeLinear other layers read (a tied weight): each fused layer takes the codes.
+        weight_dq = [dq_w] if view.readers(dq_w.outputs[0]) == 1 else []
+        group = ([] if shared else qdq[1:] if z else qdq) + weight_dq + [mm]
         if z:  # the layer reads Q's codes; Q stays
             x = qdq[0].outputs[0]
         name = fused_name([mm])
@@ -188,7 +221,8 @@ def run(graph: Graph) -> None:
         if z:
             b, bias_dq = _bias_values(view, bias) if bias else (None, None)
             if bias and b is None:
-                miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the bias is not a constant")
+                miss(graph, "INT8 layer", [mm], f"the activation's zero point is {z} and the bias is not a constant; "
+                     "the layer runs in float")
                 continue
             if bias_dq is not None and view.readers(bias) == 1:
                 group.append(bias_dq)
