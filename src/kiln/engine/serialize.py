@@ -170,9 +170,13 @@ def _digests(path, raw: bytes, names=MEMBERS, command: str = "kiln build") -> tu
 
 
 def read_members(path: Path, verify_key: bytes | None = None, names=MEMBERS,
-                 command: str = "kiln build") -> dict[str, bytes]:
+                 command: str = "kiln build", expect: dict | None = None,
+                 verified: dict | None = None) -> dict[str, bytes]:
     """The members `names` of the engine at `path` (by default a compiled engine's; the LLM engine file passes
-    its own and its build command), each checked against checksums.json (and the signature)."""
+    its own and its build command), each checked against checksums.json (and the signature).
+    expect: the member digests (as `verified` returns them) another read of this engine checked, e.g. rank 0's
+    for a tensor-parallel worker: an engine whose checksums.json lists others is refused before any member is
+    read. verified: filled with the digests the members were checked against."""
     if not path.is_file():
         raise EngineFileError(f"engine file '{path}' does not exist." if not path.exists()
                               else f"engine path '{path}' is not a file.")
@@ -195,6 +199,12 @@ def read_members(path: Path, verify_key: bytes | None = None, names=MEMBERS,
                 if why is not None:
                     raise EngineFileError(f"'{path}' is refused: --verify-key was given and {why}. Only engines "
                                           f"signed with this key ({command} --sign KEYFILE) are accepted.")
+            digests = {n: {"sha256": d["sha256"], "size": d["size"]} for n, d in digests.items()}
+            if expect is not None and digests != expect:
+                changed = [n for n in names if digests.get(n) != expect.get(n)] or sorted(expect)
+                raise EngineFileError(f"'{path}' is not the engine that was checked before: {', '.join(changed)} "
+                                      "changed on disk since (its checksums.json lists other contents), so it is "
+                                      "refused.")
             out = {}
             for name in names:
                 if name not in listed:
@@ -208,6 +218,8 @@ def read_members(path: Path, verify_key: bytes | None = None, names=MEMBERS,
                     raise _rebuild(path, f"is corrupted or was modified: checksum of {name} does not match "
                                          "checksums.json", command)
                 out[name] = data
+            if verified is not None:
+                verified.update(digests)
             return out
     except zipfile.BadZipFile:
         raise EngineFileError(

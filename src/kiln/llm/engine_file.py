@@ -293,11 +293,13 @@ def _rebuild(path, why: str) -> EngineFileError:
     return EngineFileError(f"'{path}' {why}. Rebuild it with `kiln llm build`.")
 
 
-def _members(path: Path, verify_key: bytes | None = None) -> dict[str, bytes]:
+def _members(path: Path, verify_key: bytes | None = None, expect: dict | None = None,
+             verified: dict | None = None) -> dict[str, bytes]:
     """The engine's members, checked as serialize.py checks every Kiln engine: each stored uncompressed at the size
     checksums.json records and matching its SHA-256; with verify_key, only if checksums.json carries a valid
-    signature by that key."""
-    return serialize.read_members(path, verify_key, names=MEMBERS, command="kiln llm build")
+    signature by that key; with expect, only if its digests are those (serialize.read_members)."""
+    return serialize.read_members(path, verify_key, names=MEMBERS, command="kiln llm build", expect=expect,
+                                  verified=verified)
 
 
 def read_manifest(path, verify_key: bytes | None = None) -> dict:
@@ -338,7 +340,9 @@ def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None)
     from .tokenizer import Tokenizer
 
     path = Path(path)
-    members = _members(path, verify_key or _PINNED.get(path.resolve()))
+    verified: dict = {}
+    members = _members(path, verify_key or _PINNED.get(path.resolve()), _EXPECTED.get(path.resolve()), verified)
+    _LOADED[path.resolve()] = verified
     m = _parse_manifest(path, members)
     serialize._check_compatible(path, m, device)
     try:
@@ -374,6 +378,26 @@ def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None)
 # Engine path -> the key `--verify-key` pinned it to: every later read of that path in this process checks the
 # signature on the very bytes it loads (a file swapped after the first check is refused too).
 _PINNED: dict[Path, bytes] = {}
+# Engine path -> the member digests its last read in this process checked, and -> the digests a read must find:
+# a tensor-parallel worker loads the very bytes rank 0 checked (tp_workers passes them in its spec).
+_LOADED: dict[Path, dict] = {}
+_EXPECTED: dict[Path, dict] = {}
+
+
+def checked_digests(path) -> dict:
+    """The member digests (serialize.read_members' `verified`) this process's last read of the engine at path
+    checked; an engine it has not read is checked now (with the key --verify-key pinned it to, if any)."""
+    path = Path(path).resolve()
+    if path not in _LOADED:
+        verified: dict = {}
+        _members(path, _PINNED.get(path), _EXPECTED.get(path), verified)
+        _LOADED[path] = verified
+    return _LOADED[path]
+
+
+def expect_digests(path, digests: dict) -> None:
+    """Every later read of the engine at path in this process refuses a file whose member digests are not these."""
+    _EXPECTED[Path(path).resolve()] = digests
 
 
 def require_signed(model, verify_key: bytes | None) -> None:

@@ -11,9 +11,11 @@ positions, slots, block tables, ...; `StepInputs`) to every worker, then all ran
 all-reduces and the LM head's all-gather go over torch.distributed (NCCL on CUDA, gloo on the CPU). A worker
 waits for the next step on its socket, not in a collective, so an idle engine can stay idle.
 
-Start-up, in order: each worker loads the model and keeps its shard, then reports how many KV blocks fit beside
-it; rank 0 picks the smallest count and sends it; all ranks join the process group and build their runners
-(CUDA-graph capture included: collective, so on every rank together). A worker that fails reports its error and
+Start-up, in order: each worker loads the model and keeps its shard (a .kiln engine only if its member digests
+are those rank 0 checked when it loaded the file, signature included under --verify-key: a file replaced or
+modified since is refused before its weights are read), then reports how many KV blocks fit beside it; rank 0
+picks the smallest count and sends it; all ranks join the process group and build their runners (CUDA-graph
+capture included: collective, so on every rank together). A worker that fails reports its error and
 exits; rank 0 raises it (a KilnError stays a KilnError). `shutdown()` stops and reaps every worker.
 """
 
@@ -144,8 +146,22 @@ class LazySafetensors(Mapping):
         return len(self._files)
 
 
-def _load_source(source: str, engine_weights: bool):
-    """(hf_config, tensors, quantized weights) of the model rank 0 loaded from `source`."""
+def engine_digests(source) -> dict | None:
+    """For a .kiln engine: the member digests rank 0 checked (its signature too, under --verify-key), which every
+    worker's read of the file must find; None for other sources (an HF directory or a GGUF file)."""
+    from pathlib import Path
+
+    if source is None or Path(source).suffix != ".kiln":
+        return None
+    from kiln.llm.engine_file import checked_digests
+
+    return checked_digests(source)
+
+
+def _load_source(rank: int, source: str, engine_weights: bool, digests: dict | None):
+    """(hf_config, tensors, quantized weights) of the model rank 0 loaded from `source`. digests (a .kiln engine):
+    what rank 0 checked; a file whose members differ (replaced or modified on disk since) is refused before its
+    weights are read, so no rank runs weights rank 0 did not verify."""
     from pathlib import Path
 
     if Path(source).is_dir():
@@ -154,7 +170,14 @@ def _load_source(source: str, engine_weights: bool):
         return read_json(Path(source) / "config.json"), LazySafetensors(source), None
     from kiln.llm.engine import load_model
 
-    hf_config, tensors, _, extras = load_model(source)
+    if digests is not None:
+        from kiln.llm.engine_file import expect_digests
+
+        expect_digests(source, digests)
+    try:
+        hf_config, tensors, _, extras = load_model(source)
+    except errors.EngineFileError as e:
+        raise errors.EngineFileError(f"tensor-parallel rank {rank} refused the engine rank 0 loaded: {e}") from None
     return hf_config, tensors, extras.get("quantized_weights") if engine_weights else None
 
 
@@ -185,7 +208,8 @@ def worker_main(rank: int, world_size: int, address: tuple[str, int], key: bytes
                 quantized = {k: QuantizedWeight.from_tensors(m, i, {p: tensors.pop(f"{k}.{p}") for p in parts})
                              for k, (m, i, parts) in spec["quantized"].items()}
         else:
-            hf_config, tensors, quantized = _load_source(spec["source"], spec["engine_weights"])
+            hf_config, tensors, quantized = _load_source(rank, spec["source"], spec["engine_weights"],
+                                                         spec.get("engine_digests"))
         cfg = ModelConfig.from_hf(hf_config)
         dtype, kv_dtype = getattr(torch, spec["dtype"]), getattr(torch, spec["kv_dtype"])
         model = build_rank_model(cfg, tensors, dtype, torch.device(device), Shard(rank, world_size),
@@ -264,6 +288,8 @@ class Workers:
                     flat.update({f"{k}.{p}": t.detach().contiguous().cpu() for p, t in parts.items()})
                 spec["weights_file"] = os.path.join(self._tmp.name, "weights.safetensors")
                 save_file(flat, spec["weights_file"])
+            else:  # the workers read the source themselves: a .kiln engine only as rank 0 checked it
+                spec["engine_digests"] = engine_digests(spec.get("source"))
             self._start(spec)
         except BaseException:
             self.shutdown()
