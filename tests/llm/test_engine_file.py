@@ -42,7 +42,7 @@ def test_manifest_records_layers_quantization_kv_and_stamp(fp8_engine, tiny_llam
                                         "weights.safetensors"]
         sums = json.loads(z.read("checksums.json"))["members"]
         assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
-    assert m["format"] == "kiln-llm-engine" and m["target"]["kind"] == "cpu"
+    assert m["format"] == "kiln-llm-engine" and m["target"]["kind"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert {"kiln", "torch"} <= set(m["versions"])
     assert m["architecture"] == json.loads((tiny_llama / "config.json").read_text())
     assert m["build_config"]["max_seq_len"] == 256 and m["build_config"]["max_batch_size"] == 8
