@@ -30,7 +30,8 @@ def _engine_kwargs(a) -> dict:
     require_signed(a.model, load_key(a.verify_key) if getattr(a, "verify_key", None) else None)
     kw = dict(device=a.device, kv_cache_dtype=a.kv_cache_dtype, dtype=a.dtype, block_size=a.block_size,
               enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-              quantization=a.weights, kv_calib=a.calib)
+              quantization=a.weights, kv_calib=a.calib,
+              progress=not getattr(a, "json", False))  # the loading bar: stderr, on a terminal, not with --json
     if getattr(a, "tp", None) is not None:  # else a built engine's own tensor-parallel size
         kw["tensor_parallel_size"] = a.tp
     for key in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -92,7 +93,7 @@ def cmd_generate(a) -> int:
         prompt = llm.tokenizer.encode(text, add_special_tokens=False)
     out = None
     if a.json:
-        out = llm.generate([prompt], sp)[0]
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
         c = out.outputs[0]
         print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                           "prompt_token_ids": out.prompt_token_ids}))

@@ -73,15 +73,16 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
 
 
-def load_model(path) -> tuple[dict, dict, Tokenizer, dict]:
+def load_model(path, progress: bool = False) -> tuple[dict, dict, Tokenizer, dict]:
     """(hf_config, tensors, tokenizer, extras) of an HF directory, a .gguf file or a .kiln LLM engine.
 
-    extras carries what a built engine adds (e.g. "kv_cache_dtype", "kv_scales")."""
+    extras carries what a built engine adds (e.g. "kv_cache_dtype", "kv_scales"). progress: a bar of the
+    tensors read, drawn on stderr when it is a terminal."""
     p = Path(path)
     if p.suffix == ".gguf":
         from kiln.llm.gguf import load_gguf
 
-        return (*load_gguf(p), {})
+        return (*load_gguf(p, progress), {})
     if p.suffix == ".kiln":
         try:
             from kiln.llm.engine_file import load_llm_engine
@@ -90,7 +91,7 @@ def load_model(path) -> tuple[dict, dict, Tokenizer, dict]:
         return load_llm_engine(p)
     from kiln.llm.loader import load_hf_dir
 
-    return (*load_hf_dir(p), {})
+    return (*load_hf_dir(p, progress), {})
 
 
 def build_rank_model(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, device: torch.device, shard: Shard,
@@ -270,8 +271,9 @@ class LLMEngine:
             self._finalizer()
 
     @classmethod
-    def from_model(cls, model, **kwargs) -> "LLMEngine":
-        hf_config, tensors, tokenizer, extras = load_model(model)
+    def from_model(cls, model, progress: bool = True, **kwargs) -> "LLMEngine":
+        """progress: a bar of the weights loading on stderr, drawn only when it is a terminal (as vLLM's)."""
+        hf_config, tensors, tokenizer, extras = load_model(model, progress)
         # What a built engine fixed (KV dtype and scales, quantized matrices, its limits, its tensor-parallel
         # size) are the defaults.
         for key in ("kv_cache_dtype", "kv_scales", "quantized_weights", "max_model_len", "max_num_seqs",
@@ -451,7 +453,10 @@ class LLM:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in prompt order. prompts: a string, a list of strings, or a list of token-id lists.
-        use_tqdm is accepted for vLLM compatibility; no progress bar is drawn."""
+        use_tqdm (vLLM's name): a bar of finished requests and the output rate on stderr, drawn only when stderr
+        is a terminal; False draws nothing."""
+        from kiln.tools.progress import terminal_progress
+
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -464,10 +469,15 @@ class LLM:
                 ids.append(self._new_id())
                 eng.add_request(ids[-1], prompt, p)
             done: dict[str, RequestOutput] = {}
-            while len(done) < len(ids):
-                for out in eng.step():
-                    if out.finished:
-                        done[out.request_id] = out
+            start, generated = time.perf_counter(), 0
+            with terminal_progress("generate", len(ids), "requests", enabled=use_tqdm) as bar:
+                while len(done) < len(ids):
+                    for out in eng.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            generated += sum(len(c.token_ids) for c in out.outputs)
+                            rate = generated / max(time.perf_counter() - start, 1e-9)
+                            bar.advance(f"requests, {generated} tokens out ({rate:.1f} tok/s)")
         except BaseException:
             for rid in ids:
                 eng.abort_request(rid)

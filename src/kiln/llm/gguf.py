@@ -93,9 +93,12 @@ _PRE_SPLITS = {
 }
 
 
-def load_gguf(path):
-    """(hf_config, tensors by transformers' names (float32), kiln.llm.tokenizer.Tokenizer) of a GGUF file."""
+def load_gguf(path, progress: bool = False):
+    """(hf_config, tensors by transformers' names (float32), kiln.llm.tokenizer.Tokenizer) of a GGUF file.
+    progress: a bar of the tensors read and dequantized, on a terminal."""
     from gguf import GGUFReader
+
+    from ..tools.progress import terminal_progress
 
     path = Path(path)
     if not path.is_file():
@@ -118,21 +121,24 @@ def load_gguf(path):
     config = _hf_config(meta, arch_name, arch, tied="output.weight" not in by_name, embedding_rows=embedding_rows)
     shapes = _expected_shapes(config, arch)
     tensors = {}
-    for t in reader.tensors:
-        hf_name = _hf_name(path, t.name, config["num_hidden_layers"])
-        if hf_name is None:
-            continue
-        w = _dequantize(path, t)
-        if hf_name not in shapes:
-            raise ModelError(f"'{path}': tensor '{t.name}' ({hf_name}) does not belong to a {arch_name} model "
-                             "with this file's metadata.")
-        if tuple(w.shape) != shapes[hf_name]:
-            raise ModelError(f"'{path}': tensor '{t.name}' has shape {list(w.shape)}, expected "
-                             f"{list(shapes[hf_name])} from the file's metadata ({hf_name}).")
-        if arch.permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
-            heads = config["num_attention_heads"] if ".attn_q." in t.name else config["num_key_value_heads"]
-            w = _unpermute_rows(w, heads)
-        tensors[hf_name] = w
+    with terminal_progress("loading", len(reader.tensors), path.name, enabled=progress) as bar:
+        for t in reader.tensors:
+            hf_name = _hf_name(path, t.name, config["num_hidden_layers"])
+            if hf_name is None:
+                continue
+            w = _dequantize(path, t)
+            if hf_name not in shapes:
+                raise ModelError(f"'{path}': tensor '{t.name}' ({hf_name}) does not belong to a {arch_name} model "
+                                 "with this file's metadata.")
+            if tuple(w.shape) != shapes[hf_name]:
+                raise ModelError(f"'{path}': tensor '{t.name}' has shape {list(w.shape)}, expected "
+                                 f"{list(shapes[hf_name])} from the file's metadata ({hf_name}).")
+            if arch.permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
+                                                      "attn_k.bias")):
+                heads = config["num_attention_heads"] if ".attn_q." in t.name else config["num_key_value_heads"]
+                w = _unpermute_rows(w, heads)
+            tensors[hf_name] = w
+            bar.advance(f"{path.name}: {t.name} ({t.tensor_type.name})")
     optional = {"lm_head.weight"} | {n for n in shapes if n.endswith(".bias") or "_norm." in n and "self_attn" in n}
     for hf_name in shapes:
         if hf_name not in tensors and hf_name not in optional:

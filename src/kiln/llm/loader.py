@@ -43,19 +43,34 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_safetensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_safetensors(files: list[Path], progress: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Every tensor of the files, and the file each came from. progress: a bar of tensors read on a terminal."""
+    from safetensors import SafetensorError, safe_open
 
-    tensors, origin = {}, {}
-    for f in files:
+    from kiln.tools.progress import terminal_progress
+
+    def unreadable(f, e):
+        return ModelError(f"{f}: not a readable safetensors file ({e}).")
+
+    names = {}
+    for f in files:  # the headers first: the bar's length
         try:
-            part = load_file(str(f))
+            with safe_open(str(f), framework="pt") as sf:
+                names[f] = list(sf.keys())
         except (SafetensorError, OSError, ValueError) as e:
-            raise ModelError(f"{f}: not a readable safetensors file ({e}).") from None
-        for name, t in part.items():
-            tensors[name] = t
-            origin[name] = f
+            raise unreadable(f, e) from None
+    tensors, origin = {}, {}
+    with terminal_progress("loading", sum(map(len, names.values())), files[0].parent.name if files else "",
+                           enabled=progress) as bar:
+        for f, keys in names.items():
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for name in keys:
+                        tensors[name] = sf.get_tensor(name)
+                        origin[name] = f
+                        bar.advance(f"{f.name}: {name}")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise unreadable(f, e) from None
     return tensors, origin
 
 
@@ -80,13 +95,14 @@ def check_tokenizer(cfg: ModelConfig, tokenizer: Tokenizer, source: str) -> None
                          f"is {cfg.vocab_size}: the tokenizer does not match the model.")
 
 
-def load_hf_dir(path) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+def load_hf_dir(path, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """progress: a bar of the tensors read, on a terminal."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"{path}: not a model directory (expected config.json, *.safetensors, tokenizer.json).")
     hf_config = read_json(path / "config.json")
     cfg = ModelConfig.from_hf(hf_config, source=str(path / "config.json"))
-    tensors, origin = load_safetensors(safetensors_files(path))
+    tensors, origin = load_safetensors(safetensors_files(path), progress)
     if cfg.family == "gpt2":
         from kiln.llm.model import normalize_names
 

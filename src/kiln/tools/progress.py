@@ -64,8 +64,36 @@ def progress(label: str, total: int | None = None, first: str = ""):
                if total is None else
                (TextColumn(f"[bold]{label}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(),
                 TimeElapsedColumn()))
-    with Progress(*columns, console=console, transient=True) as p:
+    # What the work prints to stdout stays on stdout unless stdout is this terminal too (then it prints above the
+    # bar, as rich redirects it): a pipe or file that stdout is keeps exactly what the command writes.
+    with Progress(*columns, console=console, transient=True, redirect_stdout=_stdout_is_terminal()) as p:
         yield ProgressDisplay(console, label, p, total, first)
+
+
+def _stdout_is_terminal() -> bool:
+    return Console(file=sys.stdout).is_terminal
+
+
+class _Silent:
+    """terminal_progress's display where nothing is drawn."""
+
+    def step(self, message: str) -> None:
+        pass
+
+    def advance(self, message: str) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def terminal_progress(label: str, total: int | None = None, first: str = "", enabled: bool = True):
+    """progress() where `enabled` and stderr is a terminal (rich's test: a TTY, or TTY_COMPATIBLE=1 /
+    FORCE_COLOR in the environment); elsewhere nothing at all, not even plain lines. For work whose items would
+    only clutter a log or a library caller's output: tensors loaded, requests finished, zoo cases."""
+    if not enabled or not Console(file=sys.stderr).is_terminal:
+        yield _Silent()
+        return
+    with progress(label, total, first) as display:
+        yield display
 
 
 def build_progress():
