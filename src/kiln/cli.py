@@ -270,7 +270,7 @@ def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
 def _run_and_report(engine, a) -> int:
     from .engine.config import parse_shapes
     from .ir import dtypes
-    from .tools.common import load_samples
+    from .samples import load_samples
     from .tools.timing import render, time_context
 
     shapes = parse_shapes(a.shapes, "--shapes")
@@ -314,7 +314,7 @@ def _run_and_report(engine, a) -> int:
     t.batch = first_shape[0] if len(first_shape) else 1
     render(t, out)
     if getattr(a, "json", None):
-        from .tools.common import atomic_write_json
+        from .json_file import atomic_write_json
 
         atomic_write_json(a.json, {"target": engine.target.describe(), "precision": engine.precision,
                                    "build_seconds": engine.build_seconds, "layers": len(engine.graph.nodes),

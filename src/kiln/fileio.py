@@ -151,3 +151,8 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def atomic_write_text(path, text: str) -> None:
+    """`text` as UTF-8, written as atomic_write_bytes writes."""
+    atomic_write_bytes(path, text.encode("utf-8"))

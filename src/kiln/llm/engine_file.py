@@ -512,7 +512,7 @@ def render_inspection(path, con) -> None:
     """`kiln inspect` for an LLM engine: target, build, layers with their precisions, KV layout and scales."""
     from rich.table import Table
 
-    from ..tools import common
+    from ..tools.console import fmt_bytes
 
     m = read_manifest(path)
     t, bc, kv, q = m["target"], m["build_config"], m["kv_cache"], m["quantization"]
@@ -524,7 +524,7 @@ def render_inspection(path, con) -> None:
     con.print(f"  model: {', '.join(arch.get('architectures') or [arch.get('model_type', '?')])}, "
               f"{arch.get('num_hidden_layers')} layers, hidden {arch.get('hidden_size')}, "
               f"{arch.get('num_attention_heads')} heads over {arch.get('num_key_value_heads')} KV heads, "
-              f"vocab {arch.get('vocab_size')}   weights: {common.fmt_bytes(m['weight_bytes'])}")
+              f"vocab {arch.get('vocab_size')}   weights: {fmt_bytes(m['weight_bytes'])}")
     con.print(f"  build: dtype {bc['dtype']}, weights {q['weights']}"
               + (f" (group {q['group_size']})" if q.get("group_size") else "")
               + (f" (SmoothQuant alpha {q['smoothquant_alpha']})" if q.get("smoothquant_alpha") else "")
@@ -586,9 +586,9 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
 
 def run_build(args) -> int:
     from ..engine.signing import load_key
-    from ..tools import common
+    from ..tools.console import console, fmt_bytes
 
-    con = common.console()
+    con = console()
     sign_key = load_key(args.sign) if args.sign else None  # before the build: a bad key file costs nothing
     m = build_llm_engine(args.model, args.save_engine, dtype=args.dtype, weights=args.weights,
                          kv_cache_dtype=args.kv_cache_dtype, calib=args.calib, calib_tokens=args.calib_tokens,
@@ -596,6 +596,6 @@ def run_build(args) -> int:
                          device=args.device, budget=args.budget, eval_text=args.eval_text,
                          eval_tokens=args.eval_tokens, tensor_parallel_size=args.tp, sign_key=sign_key, log=con.print)
     con.print(f"LLM engine written to {args.save_engine}: weights {m['quantization']['weights']}, KV cache "
-              f"{m['kv_cache']['dtype']}, {common.fmt_bytes(m['weight_bytes'])} of weights, built in "
+              f"{m['kv_cache']['dtype']}, {fmt_bytes(m['weight_bytes'])} of weights, built in "
               f"{m['build_config']['build_seconds']} s for {m['target']['name']}")
     return 0

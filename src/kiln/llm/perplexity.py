@@ -177,10 +177,11 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from ..engine.signing import load_key
-    from ..tools import common
+    from ..json_file import atomic_write_json
+    from ..tools.console import console
     from .engine_file import prepare_model, require_signed
 
-    con = common.console()
+    con = console()
     require_signed(args.model, load_key(args.verify_key) if args.verify_key else None)
     prepared = prepare_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
                              kv_cache_dtype=args.kv_cache_dtype, calib=args.calib)
@@ -191,6 +192,6 @@ def run(args) -> int:
               f"(weights {prepared.weights}, KV cache {result.kv_cache_dtype}, {result.windows} windows of "
               f"{result.window}, stride {result.stride}, {prepared.model.dtype} on {prepared.model.device})")
     if args.json:
-        common.atomic_write_json(args.json, {"model": str(args.model), "text": str(args.text),
-                                             "weights": prepared.weights, **result.to_json()})
+        atomic_write_json(args.json, {"model": str(args.model), "text": str(args.text),
+                                      "weights": prepared.weights, **result.to_json()})
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 from ..errors import ConfigError, InputError, ShapeError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
+from ..samples import load_samples, split_to_profile
 from ..tools.progress import progress as show_progress
 from .calibrators import (
     DEFAULT_BINS,
@@ -294,54 +294,12 @@ def _torch_dtype(a: np.ndarray):
         return None
 
 
-def _read(data, names: list[str], what: str) -> list[dict]:
-    from ..tools.common import load_samples
-
-    if isinstance(data, (str, os.PathLike)):
-        spec = os.fspath(data)
-        p = Path(spec)
-        bare = spec.endswith(".npy") and (p.is_file() or (":" not in spec and "," not in spec))
-        if bare:
-            if not p.is_file():
-                raise InputError(f"{what}: file '{spec}' does not exist.")
-            if len(names) != 1:
-                raise InputError(f"{what}: a bare .npy file fits a model with one input, but this one has "
-                                 f"{names}; give NAME:FILE.npy,... or a .npz keyed by input name.")
-            from ..tools.common import read_npy
-
-            return [{names[0]: read_npy(spec, what, names[0])}]
-        if not p.exists() and ":" not in spec:
-            raise InputError(f"{what}: '{spec}' does not exist.")
-        return load_samples(spec, names, what=what)
-    if isinstance(data, dict):
-        return [data]
-    if isinstance(data, (np.ndarray, torch.Tensor)):
-        if len(names) != 1:
-            raise InputError(f"{what}: a bare array fits a model with one input, but this one has {names}; "
-                             "pass {name: array} dicts.")
-        return [{names[0]: data}]
-    try:
-        it = iter(data)
-    except TypeError:
-        raise InputError(f"{what}: expected a .npz/.npy path, a folder of .npz files, or an iterable of "
-                         f"{{input name: array}} dicts, not a {type(data).__name__}.") from None
-    out = []
-    for k, item in enumerate(it):
-        if not isinstance(item, dict):
-            raise InputError(f"{what}: item {k} is a {type(item).__name__}; each item must be a dict "
-                             f"{{input name: array}} with the inputs {names}.")
-        out.append(item)
-    return out
-
-
 def prepare_samples(data, inputs, what: str = "calibration data", engine=None, profile: int = 0):
     """Read and check samples. inputs: the model's input Values. Returns (feed dicts, sample rows).
     Errors name the input and the item: unknown/missing names, wrong dtype, wrong rank or a fixed
     dimension that differs, shapes outside the engine's profile, NaN/Inf."""
-    from ..tools.common import split_to_profile
-
     names = [v.name for v in inputs]
-    raw = _read(data, names, what)
+    raw = load_samples(data, names, what)
     if not raw:
         raise InputError(f"{what}: no samples.")
     by_name = {v.name: v for v in inputs}

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..tools.common import add_verify_key_flag
+from ..tools.engine_args import add_verify_key_flag
 
 
 def cmd_export_triton(a) -> int:
     from rich.console import Console
 
     from ..engine.serialize import read_manifest
-    from ..tools.common import verify_key_of
+    from ..tools.engine_args import verify_key_of
     from .triton_repo import export_triton
 
     key = verify_key_of(a)

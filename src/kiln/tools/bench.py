@@ -36,10 +36,19 @@ import torch
 from ..errors import ConfigError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
-from . import common
+from ..json_file import atomic_write_json
+from ..samples import check_feeds_in_profile, load_samples, random_feeds
 from .compare import layer_name
+from .console import console, device_note
+from .engine_args import (
+    add_verify_key_flag,
+    load_engine,
+    parse_shapes_arg,
+    verify_key_of,
+)
 from .timing import Timings, time_fn
 from .timing import render as render_timings
+from .user_code import load_torch_module
 
 COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead")
 BASELINES = ("eager", "compile")
@@ -106,12 +115,12 @@ class BenchResult:
 def input_sets_for(engine, profile: int = 0, shapes: dict | None = None, samples: list[dict] | None = None,
                    count: int = 4) -> list[dict[str, torch.Tensor]]:
     """Torch input sets (CPU): the given samples, or `count` seeded random sets at opt/`shapes`."""
-    raw = samples or [common.random_feeds(engine, profile, seed, shapes) for seed in range(count)]
+    raw = samples or [random_feeds(engine, profile, seed, shapes) for seed in range(count)]
     sets = []
     for s in raw:
         sets.append({k: (x if isinstance(x, torch.Tensor) else dtypes.to_torch(x)) for k, x in s.items()})
     for i, s in enumerate(sets):
-        common.check_feeds_in_profile(engine, s, profile, f"input set {i}")
+        check_feeds_in_profile(engine, s, profile, f"input set {i}")
     return sets
 
 
@@ -292,7 +301,7 @@ def bench(engine, *, samples: list[dict] | None = None, profile: int = 0, shapes
           compile_modes=COMPILE_MODES, compile_timeout: float = 600.0, dump_profile: bool = False,
           profile_iterations: int = 10, device: str = "auto", on_step=None) -> BenchResult:
     """Time an engine (Engine or .kiln path), optionally its PyTorch peers and its layers."""
-    engine = common.load_engine(engine, device)
+    engine = load_engine(engine, device)
     baselines = tuple(baselines or ())
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
@@ -314,7 +323,7 @@ def bench(engine, *, samples: list[dict] | None = None, profile: int = 0, shapes
                 warmup_ms=warmup_ms, duration_s=duration_s, h2d=h2d)
     first = next(iter(sets[0].values())) if sets[0] else torch.zeros(1)
     t.batch = int(first.shape[0]) if first.dim() else 1
-    res = BenchResult(target=engine.target.describe(), device_note=common.device_note(engine.target),
+    res = BenchResult(target=engine.target.describe(), device_note=device_note(engine.target),
                       precision=engine.precision, shapes={k: list(x.shape) for k, x in sets[0].items()},
                       batch=t.batch, mode="CUDA graph replay" if ctx.uses_cuda_graphs else "layer by layer",
                       timings=t)
@@ -398,18 +407,18 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--exportProfile", metavar="FILE", help="per-layer profile as JSON (implies --dumpProfile)")
     p.add_argument("--exportJson", metavar="FILE", help="the whole result as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    common.add_verify_key_flag(p)
+    add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
-    con = common.console()
-    engine = common.load_engine(args.engine, args.device, verify_key=common.verify_key_of(args))
-    shapes = common.parse_shapes_arg(args.shapes, engine)
-    samples = common.load_samples(args.loadInputs, [v.name for v in engine.inputs]) if args.loadInputs else None
+    con = console()
+    engine = load_engine(args.engine, args.device, verify_key=verify_key_of(args))
+    shapes = parse_shapes_arg(args.shapes, engine)
+    samples = load_samples(args.loadInputs, [v.name for v in engine.inputs]) if args.loadInputs else None
     baselines = [b.strip() for b in args.baseline.split(",") if b.strip()]
-    module = common.load_torch_module(args.torch) if args.torch else None
+    module = load_torch_module(args.torch) if args.torch else None
     if args.torch and not baselines:
         baselines = list(BASELINES)
     modes = [m.strip() for m in args.compileModes.split(",") if m.strip()]
@@ -418,12 +427,12 @@ def run(args) -> int:
                 cuda_graphs=False if args.noCudaGraph else None, torch_module=module, baselines=baselines,
                 compile_modes=modes, compile_timeout=args.compileTimeout,
                 dump_profile=args.dumpProfile or bool(args.exportProfile), profile_iterations=args.profileIterations,
-                on_step=lambda m: common.console(stderr=True).print(f"kiln bench: {m}"))
+                on_step=lambda m: console(stderr=True).print(f"kiln bench: {m}"))
     render(res, con)
     for path, obj in ((args.exportTimes, res.timings.export_times() if args.exportTimes else None),
                       (args.exportProfile, res.export_profile() if args.exportProfile else None),
                       (args.exportJson, res.to_json() if args.exportJson else None)):
         if path:
-            common.atomic_write_json(path, obj)
+            atomic_write_json(path, obj)
             con.print(f"Written: {path}")
     return 0

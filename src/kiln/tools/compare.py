@@ -49,7 +49,23 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..ir import dtypes
-from . import common
+from ..ir.shapes import fmt_shape
+from ..json_file import atomic_write_json
+from ..samples import check_feeds_in_profile, load_samples, split_to_profile
+from .console import console
+from .engine_args import (
+    add_verify_key_flag,
+    load_engine,
+    parse_shapes_arg,
+    verify_key_of,
+)
+from .references import (
+    OnnxReference,
+    TorchReference,
+    check_bindings,
+    make_reference,
+    onnx_node_outputs,
+)
 
 # The default tolerance fraction f by the engine's build precision: atol = f x RMS(ref), rtol = f.
 # Derived from each format's rounding (the module docstring gives the arithmetic).
@@ -190,8 +206,8 @@ def compare_arrays(name: str, ref_list: list, out_list: list, atol: float, rtol:
         res.engine_dtype = _dtype_name(o)
         res.reference_dtype = _dtype_name(r)
         if r_shape != o_shape:
-            res.reason = (f"shape differs: the engine returns {common.fmt_shape(o_shape)}, the reference "
-                          f"{common.fmt_shape(r_shape)}" + (f" (sample {i})" if len(ref_list) > 1 else ""))
+            res.reason = (f"shape differs: the engine returns {fmt_shape(o_shape)}, the reference "
+                          f"{fmt_shape(r_shape)}" + (f" (sample {i})" if len(ref_list) > 1 else ""))
             return res
         refs.append(_as_f64(r).ravel())
         outs.append(_as_f64(o).ravel())
@@ -362,8 +378,8 @@ def calibration_samples(engine, profile: int = 0, limit: int = 8) -> tuple[list[
     path = calib.get("data") if isinstance(calib, dict) else None
     if not path or not Path(path).exists():
         return None
-    samples = common.split_to_profile(engine, common.load_samples(path, [v.name for v in engine.inputs],
-                                                                  what="calibration data"), profile)
+    samples = split_to_profile(engine, load_samples(path, [v.name for v in engine.inputs], what="calibration data"),
+                               profile)
     return samples[:limit], f"calibration data {path}" + (f" (first {limit} batches)" if len(samples) > limit else "")
 
 
@@ -389,17 +405,17 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
     data when its file is still there, else one seeded synthetic sample (val_range: {input or None:
     (lo, hi)}, as --valRange). inputs: where given samples came from, for the report.
     """
-    engine = common.load_engine(engine, device)
+    engine = load_engine(engine, device)
     names_out = [v.name for v in engine.outputs]
     tol = tolerances_for(engine, names_out, atol, rtol, per_output_atol, per_output_rtol)
     extra = None
-    if layerwise and not isinstance(reference, (torch.nn.Module, common.TorchReference, common.OnnxReference)):
+    if layerwise and not isinstance(reference, (torch.nn.Module, TorchReference, OnnxReference)):
         def extra(proto):  # engine layer outputs that are also tensors of the ONNX graph
-            available = set(common.onnx_node_outputs(proto))
+            available = set(onnx_node_outputs(proto))
             return [o for n in engine.graph.nodes if n.placement == "device" for o in n.outputs
                     if o in available and o not in names_out]
-    ref = common.make_reference(reference, engine, extra_outputs=extra)
-    common.check_bindings(ref, engine)
+    ref = make_reference(reference, engine, extra_outputs=extra)
+    check_bindings(ref, engine)
     rules = {}
     if samples is None:
         from_calib = None if shapes or val_range else calibration_samples(engine, profile)
@@ -416,7 +432,7 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
     ctx = engine.create_execution_context(profile=profile)
     ref_outs, eng_outs = {n: [] for n in names_out}, {n: [] for n in names_out}
     for i, feeds in enumerate(samples):
-        common.check_feeds_in_profile(engine, feeds, profile, f"input sample {i}" if len(samples) > 1 else "the inputs")
+        check_feeds_in_profile(engine, feeds, profile, f"input sample {i}" if len(samples) > 1 else "the inputs")
         _check_dtypes(engine, feeds)
         r = ref.run(feeds, names_out)
         e = ctx.run(feeds)
@@ -447,7 +463,7 @@ def _check_dtypes(engine, feeds):
 
 
 def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, extra: list[str], tol: dict) -> None:
-    if not isinstance(ref, common.OnnxReference):
+    if not isinstance(ref, OnnxReference):
         raise ConfigError("--layerwise needs an ONNX reference (intermediate tensors are matched by name in the "
                           "ONNX graph); a PyTorch module has no named intermediate tensors.")
     f = default_fraction(engine)
@@ -542,7 +558,7 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
     else:
         con.print(f"[I] Inputs:    {result.inputs}")
     for o in result.outputs:
-        con.print(f"[I] Comparing output '{o.name}' (engine {o.engine_dtype} {common.fmt_shape(o.shape or [])}, "
+        con.print(f"[I] Comparing output '{o.name}' (engine {o.engine_dtype} {fmt_shape(o.shape or [])}, "
                   f"reference {o.reference_dtype})")
         basis = f" = {o.atol_basis}" if o.atol_basis else ""
         con.print(f"[I]     Tolerance: atol={o.atol:.4g}{basis}, rtol={o.rtol:g} "
@@ -661,7 +677,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-histogram", action="store_true", help="leave out the error histograms")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (where the engine runs)")
-    common.add_verify_key_flag(p)
+    add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
@@ -674,8 +690,8 @@ def _run_runners(args, con) -> int:
         raise ConfigError("--runners builds its own engines from the model: leave out ENGINE (or drop --runners to "
                           f"compare {args.engine} with the model).")
     names = runners.parse_runners(args.runners)
-    atol, per_atol = common.parse_named_floats(args.atol, "--atol")
-    rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
+    atol, per_atol = parse_named_floats(args.atol, "--atol")
+    rtol, per_rtol = parse_named_floats(args.rtol, "--rtol")
     if per_atol or per_rtol:
         raise ConfigError("--runners takes one --atol/--rtol for every output (OUT:TOL is for an engine compare).")
     from ..engine.config import parse_shapes
@@ -686,7 +702,7 @@ def _run_runners(args, con) -> int:
     if args.load_inputs:
         samples, inputs = polygraphy_json.load_inputs(args.load_inputs, model_inputs), f"--load-inputs {args.load_inputs}"
     elif args.loadInputs:
-        samples, inputs = common.load_samples(args.loadInputs, model_inputs), f"--loadInputs {args.loadInputs}"
+        samples, inputs = load_samples(args.loadInputs, model_inputs), f"--loadInputs {args.loadInputs}"
     result = runners.run_runners(args.reference, names, samples=samples, inputs=inputs, shapes=shapes,
                                  torch_module=args.torch, calib=args.calib, reference_runner=args.reference_runner,
                                  device=args.device, seed=args.seed, count=args.samples,
@@ -695,7 +711,7 @@ def _run_runners(args, con) -> int:
     runners.render(result, con)
     _save_polygraphy(args, con, result.samples_used, result.outputs, result.runtimes)
     if args.json:
-        common.atomic_write_json(args.json, result.to_json())
+        atomic_write_json(args.json, result.to_json())
         con.print(f"[I] Results written to {args.json}")
     return {"PASSED": 0, "FAILED": EXIT_FAILED, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[result.verdict]
 
@@ -712,7 +728,7 @@ def _save_polygraphy(args, con, samples, outputs: dict, runtimes: dict | None = 
 
 
 def run(args) -> int:
-    con = common.console()
+    con = console()
     if args.runners and args.verifyKey:
         raise ConfigError("--verifyKey checks an engine file: it goes with ENGINE, not --runners (which build "
                           "their engines).")
@@ -724,12 +740,12 @@ def run(args) -> int:
     for flag, value in (("--torch", args.torch), ("--calib", args.calib), ("--reference-runner", args.reference_runner)):
         if value:
             raise ConfigError(f"{flag} goes with --runners.")
-    engine = common.load_engine(args.engine, args.device, verify_key=common.verify_key_of(args))
-    atol, per_atol = common.parse_named_floats(args.atol, "--atol")
-    rtol, per_rtol = common.parse_named_floats(args.rtol, "--rtol")
+    engine = load_engine(args.engine, args.device, verify_key=verify_key_of(args))
+    atol, per_atol = parse_named_floats(args.atol, "--atol")
+    rtol, per_rtol = parse_named_floats(args.rtol, "--rtol")
     from .synthetic import parse_val_range
 
-    shapes = common.parse_shapes_arg(args.shapes, engine)
+    shapes = parse_shapes_arg(args.shapes, engine)
     val_range = parse_val_range(args.valRange, [v.name for v in engine.inputs])
     if args.samples < 1:
         raise ConfigError("--samples must be at least 1.")
@@ -738,12 +754,12 @@ def run(args) -> int:
     if args.load_inputs:
         from .polygraphy_json import load_inputs
 
-        samples = common.split_to_profile(engine, load_inputs(args.load_inputs, [v.name for v in engine.inputs]),
+        samples = split_to_profile(engine, load_inputs(args.load_inputs, [v.name for v in engine.inputs]),
                                           args.profile)
         inputs = f"--load-inputs {args.load_inputs}"
     elif args.loadInputs:
-        samples = common.split_to_profile(
-            engine, common.load_samples(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
+        samples = split_to_profile(
+            engine, load_samples(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
         inputs = f"--loadInputs {args.loadInputs}"
     elif calib:
         samples, inputs = calib
@@ -758,6 +774,25 @@ def run(args) -> int:
         _save_polygraphy(args, con, samples, {"kiln": result.engine_outputs, result.reference_kind:
                                               result.reference_outputs})
     if args.json:
-        common.atomic_write_json(args.json, result.to_json())
+        atomic_write_json(args.json, result.to_json())
         con.print(f"[I] Results written to {args.json}")
     return {"PASSED": 0, "FAILED": EXIT_FAILED, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[result.verdict]
+
+
+def parse_named_floats(values: list[str] | None, flag: str) -> tuple[float | None, dict[str, float]]:
+    """['1e-3', 'out:1e-2'] -> (1e-3, {'out': 1e-2}); comma lists allowed in each value."""
+    default, per = None, {}
+    for item in [x for v in (values or []) for x in v.split(",") if x.strip()]:
+        name, _, num = item.rpartition(":")
+        try:
+            val = float(num)
+        except ValueError:
+            raise ConfigError(f"{flag}: '{item}' should be a number or OUTPUT:NUMBER (e.g. {flag} 1e-3 or "
+                              f"{flag} logits:1e-2).") from None
+        if val < 0:
+            raise ConfigError(f"{flag}: '{item}' is negative.")
+        if name:
+            per[name] = val
+        else:
+            default = val
+    return default, per

@@ -26,8 +26,12 @@ import torch
 
 from ..errors import EngineFileError
 from ..ir import dtypes
-from . import common
+from ..ir.shapes import fmt_shape
+from ..json_file import atomic_write_json
+from ..samples import random_feeds
 from .compare import layer_name
+from .console import console, fmt_bytes
+from .engine_args import load_engine
 
 # Compute precisions from narrowest to widest (a layer above the requested one is a finding).
 _RANK = {"int4": 0, "int8": 1, "fp8": 2, "float8_e4m3fn": 2, "float8_e5m2": 2, "float16": 3, "bfloat16": 3,
@@ -156,7 +160,7 @@ def measure_tensors(engine) -> dict[str, dict]:
     for p in range(n):
         ctx = engine.create_execution_context(profile=p, cuda_graphs=False)
         for k, pick in enumerate(picks):
-            feeds = common.random_feeds(engine, profile=p, seed=k, pick=k)
+            feeds = random_feeds(engine, profile=p, seed=k, pick=k)
 
             def record(name, t, p=p, pick=pick):
                 entry = found.setdefault(name, {"dtype": None, "shapes": [None] * n})
@@ -214,7 +218,7 @@ def inspect_engine(engine, measure: bool = True, device: str = "auto", verify_ke
     is_path = isinstance(engine, (str, os.PathLike))
     source = str(engine) if is_path else "engine (in memory)"
     try:
-        engine = common.load_engine(engine, device, verify_key=verify_key)
+        engine = load_engine(engine, device, verify_key=verify_key)
     except EngineFileError as e:
         from ..engine.serialize import ForeignEngineError
 
@@ -371,13 +375,13 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
     con.print(f"Engine: {ins.source}")
     con.print(f"  target: {ins.target}   precision requested: {ins.precision}   layers: {len(ins.layers)} "
               f"({len(ins.layers) - len(device_layers)} shape-arithmetic layers on the host)"
-              + (f"   weights: {common.fmt_bytes(ins.weight_bytes)}" if ins.weight_bytes is not None else ""))
+              + (f"   weights: {fmt_bytes(ins.weight_bytes)}" if ins.weight_bytes is not None else ""))
     for i, p in enumerate(ins.profiles):
-        txt = ", ".join(f"{k}: {common.fmt_shape(v['min'])}..{common.fmt_shape(v['max'])} "
-                        f"(opt {common.fmt_shape(v['opt'])})"
+        txt = ", ".join(f"{k}: {fmt_shape(v['min'])}..{fmt_shape(v['max'])} "
+                        f"(opt {fmt_shape(v['opt'])})"
                         for k, v in p.items())
         arena = ins.arena_bytes[i] if i < len(ins.arena_bytes) else None
-        con.print(f"  profile {i}: {txt}" + (f"   activations at max: {common.fmt_bytes(arena)}" if arena else ""))
+        con.print(f"  profile {i}: {txt}" + (f"   activations at max: {fmt_bytes(arena)}" if arena else ""))
     if ins.note:
         con.print(f"  note: {ins.note}")
     table = Table(show_lines=False, pad_edge=False, box=None, header_style="bold")
@@ -397,7 +401,7 @@ def render(ins: Inspection, con, show_host: bool = True) -> None:
             str(x.index), x.name, x.layer_type, x.tactic_text, prec,
             "; ".join(f"{t.name} {'(host)' if t.kind == 'host' else compact_range(t.shapes)}" for t in x.inputs) or "-",
             "; ".join(f"{t.name} {compact_range(t.shapes)}" for t in x.outputs) or "-",
-            f"{x.weight_count:,}" if x.weights else "-", common.fmt_bytes(act) if act else "-")
+            f"{x.weight_count:,}" if x.weights else "-", fmt_bytes(act) if act else "-")
     con.print(table)
     if ins.findings:
         con.print(f"Findings ({len(ins.findings)}):")
@@ -425,7 +429,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    con = common.console()
+    con = console()
     from ..engine.signing import load_key
     from ..llm import engine_file
 
@@ -438,6 +442,6 @@ def run(args) -> int:
     ins = inspect_engine(args.engine, measure=not args.no_run, device=args.device, verify_key=key)
     render(ins, con, show_host=not args.device_only)
     if args.json:
-        common.atomic_write_json(args.json, ins.to_json())
+        atomic_write_json(args.json, ins.to_json())
         con.print(f"Layer information written to {args.json}")
     return 0

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from . import common
+from ..fileio import atomic_write_text
+from ..samples import npy_header_bytes
 
 MARKER = "polygraphy_class"
 
@@ -53,7 +54,7 @@ def decode_array(obj, where: str) -> np.ndarray:
         data = base64.b64decode(obj["array"].encode(), validate=True)
         buf = io.BytesIO(data)
         # numpy allocates what a header declares before reading: a few bytes could ask for terabytes.
-        need = common.npy_header_bytes(buf) if data[:6] == b"\x93NUMPY" else 0
+        need = npy_header_bytes(buf) if data[:6] == b"\x93NUMPY" else 0
         held = len(data) - buf.tell()
         buf.seek(0)
         if need <= held:
@@ -70,7 +71,7 @@ def decode_array(obj, where: str) -> np.ndarray:
 
 def save_inputs(path, samples: list[dict]) -> None:
     """Polygraphy's --save-inputs: a list of {input name: encoded array}."""
-    common.atomic_write_text(path, json.dumps([{k: encode_array(v) for k, v in s.items()} for s in samples]))
+    atomic_write_text(path, json.dumps([{k: encode_array(v) for k, v in s.items()} for s in samples]))
 
 
 def load_inputs(path, input_names: list[str], what: str = "--load-inputs") -> list[dict[str, np.ndarray]]:
@@ -108,7 +109,7 @@ def save_outputs(path, results: dict[str, list[dict]], runtimes: dict[str, list[
                         "runtime": times[i] if i < len(times) else None, "runner_name": runner,
                         MARKER: "IterationResult"})
         lst.append([runner, its])
-    common.atomic_write_text(path, json.dumps({"lst": lst, MARKER: "RunResults"}))
+    atomic_write_text(path, json.dumps({"lst": lst, MARKER: "RunResults"}))
 
 
 def load_outputs(path) -> dict[str, list[dict[str, np.ndarray]]]:

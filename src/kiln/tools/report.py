@@ -34,8 +34,19 @@ from html import escape
 from pathlib import Path
 
 from ..errors import ConfigError, KilnError
-from . import common, plots
+from ..fileio import atomic_write_text
+from ..ir.shapes import fmt_shape
+from ..json_file import atomic_write_json
+from ..samples import load_samples
 from . import inspect as inspect_tool
+from . import plots
+from .console import console, device_note
+from .engine_args import (
+    add_verify_key_flag,
+    load_engine,
+    parse_shapes_arg,
+    verify_key_of,
+)
 
 _STAT_KEYS = {"median": "median", "mean": "mean", "p90": "p90", "p95": "p95", "p99": "p99", "max": "max", "min": "min"}
 
@@ -50,7 +61,7 @@ class Request:
 
     @property
     def text(self) -> str:
-        return ",".join(f"{k}:{common.fmt_shape(v)}" for k, v in self.shapes.items())
+        return ",".join(f"{k}:{fmt_shape(v)}" for k, v in self.shapes.items())
 
 
 def _parse_entry(item, engine, where: str) -> Request:
@@ -247,10 +258,10 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
     if latency_target is not None and not (latency_target > 0 and math.isfinite(latency_target)):
         raise ConfigError("--latency-target must be a positive number of milliseconds.")
     label = engine_label or (str(engine) if isinstance(engine, (str, Path)) else "engine (in memory)")
-    engine = common.load_engine(engine, device)
+    engine = load_engine(engine, device)
     requests = load_traffic(traffic, engine) if traffic else None
     rep = Report(engine=label, target=engine.target.describe(), on_gpu=engine.target.kind == "cuda",
-                 device_note=common.device_note(engine.target), precision=engine.precision,
+                 device_note=device_note(engine.target), precision=engine.precision,
                  versions=dict(engine.versions),
                  created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  command=command, profiles=[p.to_json() for p in engine.profiles], latency_target=latency_target,
@@ -346,7 +357,7 @@ def _answer(rep: Report) -> None:
     else:
         lat = b.timings.to_json()["latency_ms"]
         value = lat[_STAT_KEYS[rep.latency_stat]]
-        shape = ", ".join(f"{k}: {common.fmt_shape(v)}" for k, v in b.shapes.items())
+        shape = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items())
         where = f"at {shape} on {b.target}"
         if rep.latency_target is None:
             rep.litmus.append(Litmus(q1, "unknown", f"no --latency-target given; {rep.latency_stat} latency is "
@@ -533,7 +544,7 @@ def render_html(rep: Report) -> str:
         out.append(f"<p>{escape(rep.bench_error or 'Not measured (--no-bench).')}</p>")
     else:
         j = b.timings.to_json()
-        shape = ", ".join(f"{k}: {common.fmt_shape(v)}" for k, v in b.shapes.items())
+        shape = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items())
         out.append(f"<p>{escape(b.device_note[0].upper() + b.device_note[1:])}; inputs {escape(shape)}; "
                    f"{escape(b.mode)}; {j['iterations']} timed runs; throughput "
                    f"{j['throughput_qps']:.2f} qps ({j['throughput_qps'] * b.batch:.1f} samples/s).</p>")
@@ -560,8 +571,8 @@ def render_html(rep: Report) -> str:
     out.append("<h2>2. Profile coverage</h2><section>")
     prof_rows = []
     for i, p in enumerate(rep.profiles):
-        prof_rows.append([f"profile {i}", "; ".join(f"{k}: {common.fmt_shape(v['min'])} .. {common.fmt_shape(v['max'])}"
-                                                     f" (opt {common.fmt_shape(v['opt'])})" for k, v in p.items())])
+        prof_rows.append([f"profile {i}", "; ".join(f"{k}: {fmt_shape(v['min'])} .. {fmt_shape(v['max'])}"
+                                                     f" (opt {fmt_shape(v['opt'])})" for k, v in p.items())])
     out.append(_table(["Profile", "min .. max (opt)"], prof_rows))
     c = rep.coverage
     if c is None:
@@ -711,7 +722,7 @@ def render_markdown(rep: Report) -> str:
         L += [rep.bench_error or "Not measured (--no-bench).", ""]
     else:
         j = b.timings.to_json()
-        shape = ", ".join(f"{k}: {common.fmt_shape(v)}" for k, v in b.shapes.items())
+        shape = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items())
         L += [f"{b.device_note[0].upper() + b.device_note[1:]}; inputs {shape}; {b.mode}; "
               f"{j['iterations']} timed runs; throughput {j['throughput_qps']:.2f} qps.", ""]
         if rep.latency_target is not None:
@@ -725,8 +736,8 @@ def render_markdown(rep: Report) -> str:
                             for x in top])
     L += ["## 2. Profile coverage", ""]
     L += _md_table(["Profile", "min .. max (opt)"],
-                   [[f"profile {i}", "; ".join(f"{k}: {common.fmt_shape(v['min'])} .. {common.fmt_shape(v['max'])} "
-                                               f"(opt {common.fmt_shape(v['opt'])})" for k, v in p.items())]
+                   [[f"profile {i}", "; ".join(f"{k}: {fmt_shape(v['min'])} .. {fmt_shape(v['max'])} "
+                                               f"(opt {fmt_shape(v['opt'])})" for k, v in p.items())]
                     for i, p in enumerate(rep.profiles)])
     c = rep.coverage
     if c is None:
@@ -785,8 +796,8 @@ def write_report(rep: Report, prefix) -> tuple[Path, Path]:
     prefix = Path(prefix)
     html_path = prefix.with_name(prefix.name + ".html") if prefix.suffix != ".html" else prefix
     md_path = html_path.with_suffix(".md")
-    common.atomic_write_text(html_path, render_html(rep))
-    common.atomic_write_text(md_path, render_markdown(rep))
+    atomic_write_text(html_path, render_html(rep))
+    atomic_write_text(md_path, render_markdown(rep))
     return html_path, md_path
 
 
@@ -819,7 +830,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
                    "outside the calibrated ranges (clipping) and a calibration set too small or too uniform")
     p.add_argument("--json", metavar="FILE", help="also write the report's data as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    common.add_verify_key_flag(p)
+    add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
@@ -827,11 +838,11 @@ def add_command(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     from .verify import parse_budgets
 
-    con = common.console()
-    err = common.console(stderr=True)
-    engine = common.load_engine(args.engine, args.device, verify_key=common.verify_key_of(args))
-    shapes = common.parse_shapes_arg(args.shapes, engine)
-    samples = common.load_samples(args.loadInputs, [v.name for v in engine.inputs]) if args.loadInputs else None
+    con = console()
+    err = console(stderr=True)
+    engine = load_engine(args.engine, args.device, verify_key=verify_key_of(args))
+    shapes = parse_shapes_arg(args.shapes, engine)
+    samples = load_samples(args.loadInputs, [v.name for v in engine.inputs]) if args.loadInputs else None
     metrics = [x.strip() for v in (args.metric or []) for x in v.split(",") if x.strip()] or None
     budgets = parse_budgets(args.budget)
     if (metrics or budgets) and not args.data:
@@ -857,6 +868,6 @@ def run(args) -> int:
         if what:
             err.print(f"warning: {what}")
     if args.json:
-        common.atomic_write_json(args.json, rep.to_json())
+        atomic_write_json(args.json, rep.to_json())
     con.print(f"Report written to {html_path} and {md_path}")
     return 0 if rep.passed else 1

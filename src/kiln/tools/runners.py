@@ -26,7 +26,8 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..ir import dtypes
-from . import common
+from .references import OnnxReference, TorchReference
+from .user_code import load_torch_module
 
 KILN_PRECISIONS = {"kiln-fp32": ("float32", {}), "kiln-tf32": ("tf32", {"tf32": True}),
                    "kiln-fp16": ("float16", {"fp16": True}), "kiln-bf16": ("bfloat16", {"bf16": True}),
@@ -139,7 +140,7 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
     ref_name = reference_runner or ("onnxruntime" if "onnxruntime" in runners else runners[0])
     if ref_name not in runners:
         raise ConfigError(f"--reference-runner '{ref_name}' is not one of --runners {runners}.")
-    model = common.OnnxReference(model_path).model if "onnxruntime" in runners else _read(model_path)
+    model = OnnxReference(model_path).model if "onnxruntime" in runners else _read(model_path)
     onnx_inputs = [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}]
     out_names = [vi.name for vi in model.graph.output]
     result = MultiRunnerResult(model=str(model_path), reference_runner=ref_name, runners={}, samples=0,
@@ -204,12 +205,12 @@ def _run_all(model, model_path, runners, result, bar, *, samples, shapes, onnx_i
             result.runners[r] = f"Kiln engine, {e.precision}{quant}, {e.target.describe()}"
             run = _engine_runner(e.create_execution_context())
         elif r == "onnxruntime":
-            ref = common.OnnxReference(model)
+            ref = OnnxReference(model)
             ref.source = str(model_path)
             result.runners[r] = ref.describe()
             run = _reference_runner(ref, out_names)
         else:
-            mod = common.TorchReference(common.load_torch_module(torch_module), onnx_inputs, out_names)
+            mod = TorchReference(load_torch_module(torch_module), onnx_inputs, out_names)
             result.runners[r] = mod.describe()
             run = _reference_runner(mod, out_names)
         outs, times = [], []

@@ -28,7 +28,12 @@ import numpy as np
 from ..errors import ConfigError, InputError, KilnError, ShapeError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
-from . import common
+from ..json_file import atomic_write_json
+from ..samples import read_npz
+from .console import console
+from .engine_args import add_verify_key_flag, load_engine, verify_key_of
+from .references import check_bindings, make_reference
+from .user_code import load_callable
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ def resolve_metric(spec: str | Callable) -> Metric:
     if spec in BUILTIN:
         return BUILTIN[spec]
     if ":" in spec:
-        fn = common.load_callable(spec, f"metric '{spec}'")
+        fn = load_callable(spec, f"metric '{spec}'")
         return Metric(spec, fn, bool(getattr(fn, "higher_is_better", True)))
     raise ConfigError(f"unknown metric '{spec}': the built-in metrics are {sorted(BUILTIN)}; a custom metric is "
                       "given as MODULE:FUNCTION (a callable (outputs, labels) -> float).")
@@ -136,7 +141,7 @@ def load_data(data, input_names: list[str]) -> tuple[dict[str, np.ndarray], np.n
         path = Path(data)
         if not path.is_file():
             raise InputError(f"--data: file '{path}' does not exist.")
-        arrays = common._read_npz(path, "--data")
+        arrays = read_npz(path, "--data")
         source = str(path)
     else:
         arrays, source = dict(data), "data (in memory)"
@@ -284,7 +289,7 @@ def verify(engine, data, reference=None, metrics=("top1",), budgets: dict | None
     budgets: {metric: allowed drop}; a budget needs a reference.
     verify_key: refuse an engine file not signed with this key.
     """
-    engine = common.load_engine(engine, device, verify_key=verify_key)
+    engine = load_engine(engine, device, verify_key=verify_key)
     budgets = dict(budgets or {})
     specs = list(metrics or [])
     for name in budgets:
@@ -311,8 +316,8 @@ def verify(engine, data, reference=None, metrics=("top1",), budgets: dict | None
     eng_out = run_in_chunks(lambda feeds: ctx.run(feeds), arrays, chunk, min_batch, [output])[output]
     ref_desc, ref_out = None, None
     if reference is not None:
-        ref = common.make_reference(reference, engine)
-        common.check_bindings(ref, engine)
+        ref = make_reference(reference, engine)
+        check_bindings(ref, engine)
         ref_desc = ref.describe()
         ref_out = run_in_chunks(lambda feeds: ref.run(feeds, [output]), arrays, chunk, min_batch, [output])[output]
     result = VerifyResult(source=source, samples=int(labels.shape[0]), output=output, profile=p, chunk=chunk,
@@ -380,23 +385,23 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="samples per run (default: the profile's max batch)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    common.add_verify_key_flag(p)
+    add_verify_key_flag(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
-    con = common.console()
+    con = console()
     metrics = [x.strip() for v in (args.metric or []) for x in _split_metrics(v) if x.strip()]
     budgets = parse_budgets(args.budget)
     if not metrics and not budgets:
         metrics = ["top1"]
     res = verify(args.engine, args.data, reference=args.reference, metrics=metrics, budgets=budgets,
                  output=args.output, profile=args.profile, batch=args.batch, device=args.device,
-                 verify_key=common.verify_key_of(args))
+                 verify_key=verify_key_of(args))
     render(res, con)
     if args.json:
-        common.atomic_write_json(args.json, res.to_json())
+        atomic_write_json(args.json, res.to_json())
         con.print(f"Results written to {args.json}")
     return 0 if res.passed else 1
 
