@@ -156,12 +156,16 @@ def test_unknown_option_is_named():
     inner = getattr(info.value, "inner_exception", info.value)
     assert isinstance(inner, ConfigError)
     assert "precison" in str(inner) and all(k in str(inner) for k in OPTIONS)
+    assert "did you mean 'precision'?" in str(inner)
 
 
 def test_bad_option_values():
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     for options, words in (({"precision": "int3"}, "precision='int3'"), ({"workspace": -1}, "workspace"),
-                           ({"max_shapes": [1, 2]}, "max_shapes")):
+                           ({"max_shapes": [1, 2]}, "max_shapes"), ({"device": "tpu"}, "device='tpu'"),
+                           ({"optimization_level": 9}, "optimization_level=9 must be an integer 0..5"),
+                           ({"timing_cache": 5}, "timing_cache=5 must be a file path"),
+                           ("fp16", "options='fp16' must be a dict")):
         with pytest.raises(ConfigError, match=words):
             kiln_backend(gm, [torch.randn(2)], options=options)
 

@@ -31,10 +31,13 @@ min_block_size (regions with fewer operators stay in PyTorch; default 1). Any ot
 
 from __future__ import annotations
 
+import difflib
 import math
 import operator
+import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -189,12 +192,27 @@ class Options:
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(f"torch.compile(backend='kiln'): options={options!r} must be a dict of Kiln's settings, "
+                              f"e.g. options={{'precision': 'fp16'}}; the keys are {list(OPTIONS)}.")
         options = dict(options or {})
-        unknown = sorted(k for k in options if k not in OPTIONS)
+        unknown = sorted(str(k) for k in options if k not in OPTIONS)
         if unknown:
-            raise ConfigError(f"torch.compile(backend='kiln'): unknown option(s) {unknown}; Kiln's backend takes "
-                              f"{list(OPTIONS)}.")
+            hints = "".join(f" ('{k}': did you mean '{close[0]}'?)" for k in unknown
+                            if (close := difflib.get_close_matches(k, OPTIONS, n=1)))
+            raise ConfigError(f"torch.compile(backend='kiln'): unknown option(s) {unknown}{hints}; Kiln's backend "
+                              f"takes {list(OPTIONS)}.")
         o = cls(**options)
+        if not isinstance(o.device, str) or not (o.device in ("auto", "cpu", "cuda")
+                                                 or re.fullmatch(r"cuda:\d+", o.device)):
+            raise ConfigError(f"torch.compile(backend='kiln'): option device={o.device!r} is not one of auto, cpu, "
+                              "cuda, cuda:N.")
+        if not (isinstance(o.optimization_level, int) and 0 <= o.optimization_level <= 5):
+            raise ConfigError(f"torch.compile(backend='kiln'): option optimization_level={o.optimization_level!r} "
+                              "must be an integer 0..5 (as trtexec's --builderOptimizationLevel).")
+        if o.timing_cache is not None and not isinstance(o.timing_cache, (str, os.PathLike)):
+            raise ConfigError(f"torch.compile(backend='kiln'): option timing_cache={o.timing_cache!r} must be a file "
+                              "path.")
         if o.precision not in _PRECISIONS:
             raise ConfigError(f"torch.compile(backend='kiln'): option precision='{o.precision}' is not one of "
                               f"{sorted(_PRECISIONS)}.")
