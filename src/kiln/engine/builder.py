@@ -20,10 +20,11 @@ from ..errors import ConfigError, UnsupportedError
 from ..frontend.check import preflight
 from ..ir.from_onnx import model_to_graph
 from ..ir.graph import Graph
+from ..ir.shapes import fmt_shape
 from ..ops.registry import unsupported_reason
 from ..passes.insert_qdq import KEPT_IN_FLOAT
 from . import footprint, layout, placement, precision, quantized_io
-from .config import BuildConfig, Profile, fmt_shape
+from .config import BuildConfig, Profile
 from .engine import Engine
 from .target import resolve, versions
 
@@ -62,7 +63,7 @@ def resolve_profiles(graph: Graph, config: BuildConfig) -> list[Profile]:
                 if v.shape is not None and len(v.shape) != len(lo):
                     raise ConfigError(
                         f"profile {idx}, input '{v.name}': shape {fmt_shape(lo)} has rank {len(lo)}, "
-                        f"but the model's input has rank {len(v.shape)} ({_dims(v.shape)})."
+                        f"but the model's input has rank {len(v.shape)} ({fmt_shape(v.shape)})."
                     )
                 for axis in range(len(lo)):
                     if not lo[axis] <= opt[axis] <= hi[axis]:
@@ -84,17 +85,13 @@ def resolve_profiles(graph: Graph, config: BuildConfig) -> list[Profile]:
                 if v.is_dynamic:
                     dyn = [a for a, d in enumerate(v.shape) if not isinstance(d, int)]
                     warnings.warn(
-                        f"input '{v.name}' has dynamic axes {dyn} ({_dims(v.shape)}) but no profile covers them; "
+                        f"input '{v.name}' has dynamic axes {dyn} ({fmt_shape(v.shape)}) but no profile covers them; "
                         f"building for {fmt_shape(dims)} (min=opt=max). Pass --minShapes/--optShapes/--maxShapes "
                         "(or --shapes, for one static shape) to cover the shapes you will run.", ProfileWarning,
                         stacklevel=3)
                 shapes[v.name] = (dims, dims, dims)
         out.append(Profile(shapes))
     return out
-
-
-def _dims(shape) -> str:
-    return "x".join(str(d) if d is not None else "?" for d in shape)
 
 
 def _requested(node, config: BuildConfig) -> str:

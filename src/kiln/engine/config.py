@@ -154,7 +154,3 @@ def parse_mem_pool(text: str) -> int:
         raise ConfigError(f"--memPoolSize: '{text}' should look like workspace:4096 (MiB) or workspace:4G.")
     scale = {"": 2**20, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
     return int(float(m.group(1)) * scale)
-
-
-def fmt_shape(s) -> str:
-    return "x".join(str(d) for d in s) if len(s) else "scalar"

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..ir import dtypes
+from ..ir.shapes import fmt_shape
 from .references import OnnxReference, TorchReference
 from .user_code import load_torch_module
 
@@ -99,7 +100,7 @@ def _input_shapes(model, given: dict) -> dict[str, tuple]:
             continue
         dims = vi.type.tensor_type.shape.dim
         if any(not d.HasField("dim_value") or d.dim_value <= 0 for d in dims):
-            shown = "x".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in dims)
+            shown = fmt_shape([d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims])
             raise ConfigError(f"input '{vi.name}' of the model has dynamic dimensions ({shown}); give its shape with "
                               f"--shapes {vi.name}:..., or give inputs with --load-inputs.")
         out[vi.name] = tuple(d.dim_value for d in dims)
