@@ -149,7 +149,9 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
         # divisible by 16, so a smaller warm-up could leave a compile inside the first timed prefill), with other
         # prompts than the timed ones, which must not find their prefixes cached.
         bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + b), [2] * b)
-        r = bm.run_requests(eng, prompts, [out_len] * b)
+        with HostPhases(eng) as phases:
+            r = bm.run_requests(eng, prompts, [out_len] * b)
+        r["host_phases_us_per_step"] = phases.per_step(r["steps"], r["wall_s"])
         if bw:
             rf = bm.roofline(eng, b, in_len + out_len / 2, bw)
             r.update({k: rf[k] for k in ("weight_bytes", "kv_bytes_per_step", "roofline_step_ms", "roofline_tok_s")})
@@ -162,12 +164,54 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
                 r["host_fraction_of_step"] = 1 - r["graph_replay_ms"] / r["decode_step_ms"]
         out[f"batch{b}"] = r
         log(f"kiln {quant or dtype_name} kv={kv} batch {b}: {r['output_tok_s']:.1f} tok/s, "
-            f"decode step {r.get('decode_step_ms') or 0:.2f} ms, roofline {r.get('roofline_tok_s') or 0:.1f}")
+            f"decode step {r.get('decode_step_ms') or 0:.2f} ms, graph {r.get('graph_replay_ms') or 0:.2f} ms, "
+            f"host share {100 * (r.get('host_fraction_of_step') or 0):.0f}%, roofline "
+            f"{r.get('roofline_tok_s') or 0:.1f}; host phases us/step {r['host_phases_us_per_step']}")
     del eng
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+class HostPhases:
+    """Wall time of a run's scheduler, input preparation, forward launch (replay: host-to-device copies and the
+    graph launch) and sampler (argmax and the wait for the GPU) calls; the engine's own bookkeeping is the rest."""
+
+    def __init__(self, eng):
+        self.eng, self.totals = eng, {}
+        self.targets = [(eng.scheduler, "schedule"), (eng.runner, "prepare"), (eng.runner, "run_inputs"),
+                        (eng.runner, "sampler")]
+
+    def __enter__(self):
+        self.saved = []
+        for obj, name in self.targets:
+            fn = getattr(obj, name)
+            self.saved.append((obj, name, vars(obj).get(name)))  # an instance attribute (the sampler) or None
+            self.totals[name] = 0.0
+
+            def timed(*a, _fn=fn, _name=name, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.totals[_name] += time.perf_counter() - t
+
+            setattr(obj, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, own in self.saved:
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)  # the class's method shows through again
+        return False
+
+    def per_step(self, steps: int, wall_s: float) -> dict:
+        out = {k: round(v / steps * 1e6, 1) for k, v in self.totals.items()}
+        out["engine_rest"] = round(wall_s / steps * 1e6 - sum(out.values()), 1)
+        return out
 
 
 def replay_ms(eng, b: int, iters: int = 20) -> float:
@@ -295,7 +339,8 @@ def render(res: dict, args) -> str:
                 if r.get("graph_replay_ms"):
                     lines.append(f"- {name} batch {b}: decode step {r['decode_step_ms']:.2f} ms wall, its CUDA graph "
                                  f"{r['graph_replay_ms']:.2f} ms on the GPU: host share "
-                                 f"{100 * r['host_fraction_of_step']:.0f}% of the step")
+                                 f"{100 * r['host_fraction_of_step']:.0f}% of the step; host phases, us a step "
+                                 f"(sampler includes the wait for the GPU): {r.get('host_phases_us_per_step')}")
     pc = res.get("prefix_caching")
     if isinstance(pc, dict):
         if "error" in pc:
@@ -322,6 +367,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--budget-s", type=float, default=210, help="skip optional sections past this time")
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--sections", default="correctness,kiln,hf,fp8,prefix",
+                    help="comma-separated sections to run (default all: correctness,kiln,hf,fp8,prefix)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = TINY if args.tiny else LLAMA3_8B
@@ -344,16 +391,22 @@ def main():
         (out / "H200-llm.json").write_text(json.dumps(res, indent=1, default=str))
         (out / "H200-llm.md").write_text(render(res, args))
 
-    section(res, "correctness", correctness, device)
-    save()
+    want = set(args.sections.split(","))
+    if "fp8" not in want:
+        args.no_fp8 = True
+    if "correctness" in want:
+        section(res, "correctness", correctness, device)
+        save()
     log("making weights")
     hf, tensors = make_weights(cfg, device, dtype)
     kv_blocks = None if device == "cuda" else 256
-    section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
-            args.output_len, "auto", None, None, max(args.batches), kv_blocks)
-    save()
-    section(res, "hf", hf_runs, hf, cfg["vocab_size"], args.batches, args.input_len, args.output_len)
-    save()
+    if "kiln" in want:
+        section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
+                args.output_len, "auto", None, None, max(args.batches), kv_blocks)
+        save()
+    if "hf" in want:
+        section(res, "hf", hf_runs, hf, cfg["vocab_size"], args.batches, args.input_len, args.output_len)
+        save()
     del hf
     if not args.no_fp8 and time.perf_counter() - T0 < args.budget_s - 40:
         def fp8_run():
@@ -365,7 +418,7 @@ def main():
     else:
         res["kiln_fp8"] = {"error": "skipped (time budget)"}
     save()
-    if time.perf_counter() - T0 < args.budget_s - 25:
+    if "prefix" in want and time.perf_counter() - T0 < args.budget_s - 25:
         prefix_len = 1024 if not args.tiny else 64
         section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name, prefix_len)
     else:

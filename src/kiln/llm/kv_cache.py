@@ -90,6 +90,16 @@ class BlockManager:
             self.prefix_cache_queries += num_prompt_tokens
             self.prefix_cache_hits += num_cached_tokens
 
+    def try_append(self, seq, num_new_tokens: int) -> bool:
+        """can_append and append_slots in one pass: gives seq its blocks and returns True, or returns False
+        and changes nothing."""
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+        return True
+
     def append_slots(self, seq, num_new_tokens: int) -> None:
         """Give seq enough blocks for its next num_new_tokens tokens (caller checked can_append)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):

@@ -1,10 +1,13 @@
 """Weight quantization of the decoder's linear layers, and the matrix multiply of each format.
 
 Formats (`--weights`):
-- fp8       FP8 E4M3 codes, one FP32 scale per output channel (amax / 448); activations quantized per token
-            to FP8 on CUDA (torch._scaled_mm with row-wise scales), dequantized weights elsewhere.
-- int8      INT8 weight-only, one scale per output channel (amax / 127); the weight is dequantized for the
-            matmul (the bytes read per step halve; the arithmetic stays in the model's float type).
+- fp8       FP8 E4M3 codes, one FP32 scale per output channel (amax / 448). On CUDA, a decode step's few rows
+            (at most GEMV_MAX_M) go through kiln.kernels.fp8_gemv (weight-only: activations stay BF16, the
+            codes are converted in registers, so the step reads one byte a weight); more rows quantize the
+            activations per token to FP8 for torch._scaled_mm (row-wise scales). Dequantized weights elsewhere.
+- int8      INT8 weight-only, one scale per output channel (amax / 127). On CUDA, few rows run the same
+            weight-only GEMV as fp8; otherwise the weight is dequantized for the matmul (the arithmetic stays
+            in the model's float type).
 - w8a8      SmoothQuant: per input channel j, s_j = amax|x_j|^alpha / amax|W_:,j|^(1 - alpha) (alpha 0.5,
             activation maxima from calibration) moves quantization difficulty from activations to weights;
             W * s is INT8 per output channel, activations x / s are INT8 per token at run time
@@ -33,6 +36,7 @@ INT8_MAX = 127.0
 INT4_GROUP = 128
 SMOOTH_ALPHA = 0.5
 AWQ_GRID = 20
+GEMV_MAX_M = 16  # rows up to which the weight-only GEMV beats a GEMM on these weights (fp8, int8) on CUDA
 # The decoder's matrices (model.py's layer dict keys); embeddings, norms and the LM head stay in float.
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "fc", "proj")
 
@@ -106,7 +110,11 @@ class QuantizedWeight(torch.Tensor):
     def matmul_into(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias) in x's dtype."""
         lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
-        if self.method == "fp8" and _scaled_mm_fits(x2, self):
+        if _gemv_fits(x2, self):
+            from kiln.kernels.fp8_gemv import fp8_gemv
+
+            y = fp8_gemv(x2, self.codes, self.scale)
+        elif self.method == "fp8" and _scaled_mm_fits(x2, self):
             y = _fp8_matmul(x2, self)
         elif self.method == "w8a8":
             y = _w8a8_matmul(x2, self)
@@ -118,6 +126,11 @@ class QuantizedWeight(torch.Tensor):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+
+def _gemv_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
+    return (w.method in ("fp8", "int8") and x.is_cuda and x.shape[0] <= GEMV_MAX_M
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def _scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:

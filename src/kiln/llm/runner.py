@@ -101,17 +101,24 @@ class ModelRunner:
         """Host-side inputs of one step: input ids, positions, metadata, and the rows whose logits are needed."""
         bs = self.block_size
         ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
+        row = 0
         for seq, n in zip(step.seqs, step.num_new_tokens):
             c = seq.num_computed_tokens
-            ids.extend(seq.token_ids[c:c + n])
+            end = c + n
             table = seq.block_table
-            for p in range(c, c + n):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            starts.append(starts[-1] + n)
-            seq_lens.append(c + n)
-            if c + n == seq.num_tokens:  # this step reaches its end: it samples
-                sample_rows.append(starts[-1] - 1)
+            if n == 1:  # a decoding sequence: the common case, without building ranges
+                ids.append(seq.token_ids[c])
+                positions.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+            else:
+                ids.extend(seq.token_ids[c:end])
+                positions.extend(range(c, end))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(c, end)])
+            row += n
+            starts.append(row)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # this step reaches its end: it samples
+                sample_rows.append(row - 1)
         width = max(len(s.block_table) for s in step.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in step.seqs]
         return StepInputs(ids, positions, slots, starts, seq_lens, tables, sample_rows, max(step.num_new_tokens),
@@ -161,14 +168,25 @@ class ModelRunner:
         return None
 
     def make_static_buffers(self, max_num_seqs: int) -> None:
-        """Inputs of decode steps at fixed addresses (what captured graphs read), sized for the largest bucket."""
+        """Inputs of decode steps at fixed addresses (what captured graphs read), sized for the largest bucket,
+        and their host-side mirrors (pinned on CUDA): a step writes its inputs into the mirrors and sends them
+        in two copies, one per dtype, whatever the batch."""
         dev, n = self.device, max(graph_buckets(max_num_seqs))
-        self.g_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.g_pos = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.g_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        w = self.max_blocks_per_seq
+        self.g_i64 = torch.zeros((3, n), dtype=torch.int64, device=dev)  # ids, positions, slots
+        self.g_ids, self.g_pos, self.g_slots = self.g_i64[0], self.g_i64[1], self.g_i64[2]
+        self.g_slots.fill_(-1)
+        self.g_i32 = torch.zeros(n + n * w, dtype=torch.int32, device=dev)  # seq_lens, then the block tables
+        self.g_lens, self.g_tables = self.g_i32[:n], self.g_i32[n:].view(n, w)
+        self.g_lens.fill_(1)
         self.g_starts = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.g_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.g_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        pin = dev.type == "cuda"
+        self.h_i64 = torch.zeros(self.g_i64.shape, dtype=torch.int64, pin_memory=pin).copy_(self.g_i64)
+        self.h_i32 = torch.zeros(self.g_i32.shape, dtype=torch.int32, pin_memory=pin).copy_(self.g_i32)
+        self._h64, self._h32 = self.h_i64.numpy(), self.h_i32.numpy()
+        self._h_lens, self._h_tables = self._h32[:n], self._h32[n:].reshape(n, w)
+        self._sent_tables: list[list[int]] = []  # the rows the host mirror holds now
+        self._copies_done = torch.cuda.Event() if pin else None
 
     def static_decode_step(self, b: int):
         """A function running a decode step of b rows from the static buffers, returning logits [b, vocab]."""
@@ -221,14 +239,24 @@ class ModelRunner:
 
     def _replay(self, b, ids, positions, slots, seq_lens, tables):
         n = len(ids)
-        self.g_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
-        self.g_pos[:n].copy_(torch.tensor(positions), non_blocking=True)
-        self.g_slots.fill_(-1)
-        self.g_slots[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.g_lens.fill_(1)
-        self.g_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        w = len(tables[0])
-        self.g_tables[:n, :w].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the previous step's copies have left the host mirrors
+        h = self._h64
+        h[0, :n] = ids
+        h[1, :n] = positions
+        h[2, :n] = slots
+        h[2, n:b] = -1  # padding rows write nowhere
+        self._h_lens[:n] = seq_lens
+        self._h_lens[n:b] = 1
+        sent = self._sent_tables
+        for i, t in enumerate(tables):  # only rows that changed (a sequence's new block, another sequence)
+            if i >= len(sent) or sent[i] != t:
+                self._h_tables[i, :len(t)] = t
+        self._sent_tables = tables
+        self.g_i64.copy_(self.h_i64, non_blocking=True)
+        self.g_i32.copy_(self.h_i32, non_blocking=True)
+        if self._copies_done is not None:
+            self._copies_done.record()
         return self.graphs[b]()
 
 

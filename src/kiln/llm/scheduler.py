@@ -60,14 +60,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.can_append(seq, n):
+            while not self.bm.try_append(seq, n):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
                     break
             else:
-                self.bm.append_slots(seq, n)
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n

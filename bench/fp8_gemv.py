@@ -1,0 +1,128 @@
+"""The weight-only FP8 GEMV (kiln.kernels.fp8_gemv) against BF16 torch.matmul and FP8 torch._scaled_mm on
+Llama-3-8B's decode shapes, M = 1, 4, 16, 64 rows, on the GPU.
+
+Each figure is one call's GPU time inside a CUDA graph of calls that cycle through enough copies of the weight
+(more than 2x L2 together) that every call reads its weight from HBM, as a decode step's layers do. GB/s counts
+the bytes a call must move: weight + activations in + outputs. `_scaled_mm + quant` adds the per-token FP8
+quantization of the activations that kiln.llm.quantize runs before it (amax, divide, cast).
+
+    python bench/fp8_gemv.py [--shapes all|small] [--sweep]     (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.kernels import fp8_gemv as fg
+
+FP8 = torch.float8_e4m3fn
+# (name, N out, K in) as F.linear holds them: Llama-3-8B's fused qkv, o, fused gate+up, gate (unfused), down,
+# and the LM head
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("gate", 14336, 4096),
+          ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+ROWS = (1, 4, 16, 64)
+
+
+def graph_us(fn_of, copies: int, calls: int = 3) -> float:
+    """GPU microseconds per call of fn_of(i) (i = which weight copy), replayed in a CUDA graph."""
+    for i in range(copies):
+        fn_of(i)  # compile and pick tiles outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            for i in range(copies):
+                fn_of(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * calls * copies)
+
+
+def quant_rows(x):
+    sx = (x.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp_min(1e-12)
+    return (x.float() / sx).clamp(-448, 448).to(FP8), sx
+
+
+def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) -> None:
+    copies = max(2, -(-(2 * l2) // (n * k)))
+    g = torch.Generator(device=dev).manual_seed(0)
+    w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+    scale = (w16[0].float().abs().amax(dim=1) / 448).clamp_min(1e-12)
+    w8 = [(w.float() / scale[:, None]).clamp(-448, 448).to(FP8) for w in w16]
+    cfg = fg.choose_config(n, k, torch.bfloat16, dev)
+    for m in ROWS:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        xq, sx = quant_rows(x)
+        bytes8 = n * k + 2 * m * k + 2 * m * n
+        bytes16 = 2 * n * k + 2 * m * k + 2 * m * n
+        t_bf16 = graph_us(lambda i, x=x: torch.matmul(x, w16[i].t()), copies)
+        try:
+            t_smm = graph_us(lambda i, xq=xq, sx=sx: torch._scaled_mm(
+                xq, w8[i].t(), scale_a=sx, scale_b=scale[None, :], out_dtype=torch.bfloat16), copies)
+
+            def smm_quant(i, x=x):
+                q, s = quant_rows(x)
+                return torch._scaled_mm(q, w8[i].t(), scale_a=s, scale_b=scale[None, :], out_dtype=torch.bfloat16)
+
+            t_smmq = graph_us(smm_quant, copies)
+        except Exception as e:  # noqa: BLE001
+            print(f"  _scaled_mm failed: {type(e).__name__}: {e}")
+            t_smm = t_smmq = float("nan")
+        if m <= fg.MAX_M:
+            t_gemv = graph_us(lambda i, x=x: fg.fp8_gemv(x, w8[i], scale, cfg), copies)
+            want = fg.reference(x, w8[0], scale).float()
+            err = ((fg.fp8_gemv(x, w8[0], scale, cfg).float() - want).abs().max() / want.abs().max()).item()
+        else:
+            t_gemv, err = float("nan"), float("nan")
+        print(f"{name:8s} {n:6d} {k:6d} {m:3d} | {t_bf16:6.1f}us {bytes16 / t_bf16 / 1e3:5.0f}GB/s | "
+              f"{t_smm:6.1f}us {bytes8 / t_smm / 1e3:5.0f}GB/s | {t_smmq:7.1f}us | "
+              f"{t_gemv:6.1f}us {bytes8 / t_gemv / 1e3:5.0f}GB/s | {t_bf16 / t_gemv:11.2f}x | "
+              f"{cfg.name}, {err:.1e}", flush=True)
+    if sweep:
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
+        row = []
+        for c in fg.candidate_configs(n, k, sms):
+            try:
+                t = graph_us(lambda i, c=c: fg.fp8_gemv(x, w8[i], scale, c), copies)
+                row.append(f"{c.name}={t:.1f}us/{(n * k) / t / 1e3:.0f}GB/s")
+            except Exception as e:  # noqa: BLE001
+                row.append(f"{c.name}=failed({type(e).__name__})")
+        print(f"  sweep {name} M=1: " + "; ".join(row), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="all", choices=["all", "small"])
+    ap.add_argument("--sweep", action="store_true", help="also time every candidate tile at M = 1")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 60 << 20)
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}")
+    shapes = SHAPES if a.shapes == "all" else SHAPES[:2]
+    print(f"{'shape':8s} {'N':>6s} {'K':>6s} {'M':>3s} | {'bf16 mm':>14s} | {'_scaled_mm':>14s} | "
+          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | tile, max rel err")
+    for name, n, k in shapes:
+        bench_shape(name, n, k, dev, l2, props.multi_processor_count, a.sweep)
+        torch.cuda.empty_cache()
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

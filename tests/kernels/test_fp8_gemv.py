@@ -1,0 +1,99 @@
+"""The weight-only FP8 GEMV (kiln.kernels.fp8_gemv) against its torch reference: tiny shapes under
+TRITON_INTERPRET=1 without a GPU, Llama-sized ones on the GPU."""
+
+import os
+
+import pytest
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kiln.kernels import fp8_gemv as fg
+
+FP8 = torch.float8_e4m3fn
+INTERPRETED = DEV == "cpu"
+
+
+def operands(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3  # rows of different ranges
+    scale = (w.abs().amax(dim=1) / 448).clamp_min(1e-12)
+    codes = (w / scale[:, None]).clamp(-448, 448).to(FP8)
+    x = torch.randn(m, k, generator=g)
+    return x.to(DEV, dtype), codes.to(DEV), scale.to(DEV)
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+# (BF16 runs on the GPU only: Triton's interpreter multiplies bf16 operands as raw uint16.)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if not INTERPRETED else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 64, 256, fg.GemvConfig(64, 64, 1, 4, 2)),  # whole tiles, one split
+    (3, 80, 200, fg.GemvConfig(32, 64, 1, 4, 2)),  # ragged N and K: masked tiles
+    (5, 64, 512, fg.GemvConfig(32, 64, 4, 4, 2)),  # split-K, each split whole tiles
+    (16, 48, 328, fg.GemvConfig(16, 32, 3, 4, 2)),  # split-K with a short last split, full 16 rows
+    (33, 32, 64, fg.GemvConfig(32, 32, 1, 4, 2)),  # 64-row tile
+])
+def test_matches_reference(dtype, m, n, k, cfg):
+    x, codes, scale = operands(m, n, k, dtype)
+    got = fg.fp8_gemv(x, codes, scale, cfg)
+    want = fg.reference(x, codes, scale)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_int8_codes():
+    x, codes, scale = operands(4, 64, 128, torch.float32, seed=2)
+    w = codes.float() * scale[:, None]
+    s8 = w.abs().amax(dim=1) / 127
+    c8 = torch.round(w / s8[:, None]).to(torch.int8)
+    got = fg.fp8_gemv(x, c8, s8, fg.GemvConfig(32, 64, 2, 4, 2))
+    assert rel_err(got, fg.reference(x, c8, s8)) < 1e-5
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Row r of a 7-row product equals the 1-row product of x[r] bit for bit (same tile, same split order)."""
+    x, codes, scale = operands(7, 64, 256, torch.float32, seed=1)
+    cfg = fg.GemvConfig(32, 64, 2, 4, 2)
+    full = fg.fp8_gemv(x, codes, scale, cfg)
+    for r in (0, 6):
+        assert torch.equal(fg.fp8_gemv(x[r:r + 1], codes, scale, cfg)[0], full[r])
+
+
+def test_out_and_bad_operands():
+    x, codes, scale = operands(2, 32, 64, torch.float32)
+    out = torch.full((2, 32), float("nan"), device=DEV)
+    assert fg.fp8_gemv(x, codes, scale, fg.GemvConfig(32, 64, 1, 4, 2), out=out) is out
+    assert not out.isnan().any()
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        fg.fp8_gemv(torch.zeros(65, 64, device=DEV), codes, scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
+        fg.fp8_gemv(x, codes.float(), scale)
+    with pytest.raises(ValueError, match="scale must have N = 32"):
+        fg.fp8_gemv(x, codes, scale[:31])
+
+
+def test_split_heuristic_fills_the_sms():
+    # Llama-3-8B's o projection: 64 tiles of 64 rows; the K splits make about two programs per SM.
+    assert fg.split_for(4096, 4096, 64, 128, 132) == 4
+    assert fg.split_for(28672, 4096, 64, 128, 132) == 1  # enough tiles already
+    assert fg.split_for(4096, 256, 64, 128, 132) == 1  # too short to split
+    cands = fg.candidate_configs(4096, 14336, 132)
+    assert len(set(cands)) == len(cands) and fg.heuristic_config(4096, 14336) in cands
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (6144, 4096)])
+def test_llama_shapes_on_the_gpu(m, n, k):
+    x, codes, scale = operands(m, n, k, torch.bfloat16)
+    got = fg.fp8_gemv(x, codes, scale)
+    assert rel_err(got, fg.reference(x, codes, scale)) < 1e-2
