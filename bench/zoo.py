@@ -456,8 +456,17 @@ def main(argv=None) -> int:
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
         return text
 
-    rows = run(entries, precisions, batches, device, a.size, not a.no_timing, not a.no_torch_compile,
-               a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True), on_row=write)
+    from kiln.tools.progress import terminal_progress
+
+    # A bar of finished cases on a terminal's stderr; the per-case lines and the table stay on stdout.
+    with terminal_progress("zoo", len(entries) * len(batches) * len(precisions), "cases") as bar:
+        def on_row(rows) -> None:
+            r = rows[-1]
+            bar.advance(f"{r.model} {r.precision} b{r.batch}: {r.status.split(':')[0]}")
+            write(rows)
+
+        rows = run(entries, precisions, batches, device, a.size, not a.no_timing, not a.no_torch_compile,
+                   a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True), on_row=on_row)
     print(write(rows))
     return 0
 

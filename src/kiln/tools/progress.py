@@ -71,7 +71,11 @@ def progress(label: str, total: int | None = None, first: str = ""):
 
 
 def _stdout_is_terminal() -> bool:
-    return Console(file=sys.stdout).is_terminal
+    """The device itself, not rich's verdict: TTY_COMPATIBLE / FORCE_COLOR make every console a terminal."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # no stdout, or a closed one
+        return False
 
 
 class _Silent:
