@@ -16,29 +16,48 @@ import os
 
 
 def cmd_serve(a) -> int:
-    import asyncio
-
+    from kiln.engine.signing import load_key
     from kiln.llm.cli import _engine_kwargs
-    from kiln.llm.engine import LLMEngine
 
+    from .engine_process import EngineProcess
     from .openai_server import OpenAIServer, run_server
 
     kw = _engine_kwargs(a)
     kw["seed"] = a.seed
     if a.replicas is not None or a.autoscale:
         return _serve_on_ray(a, kw)
-    engine = LLMEngine.from_model(a.model, **kw)
-    server = OpenAIServer(engine, model_name=a.served_model_name, api_key=a.api_key or os.environ.get("KILN_API_KEY"),
-                          max_waiting=a.max_waiting, drain_timeout=a.drain_timeout)
+    engine = EngineProcess(a.model, kw, load_key(a.verify_key) if getattr(a, "verify_key", None) else None)
+    try:
+        server = OpenAIServer(engine, model_name=a.served_model_name,
+                              api_key=a.api_key or os.environ.get("KILN_API_KEY"), max_waiting=a.max_waiting,
+                              drain_timeout=a.drain_timeout)
+        info = engine.info
 
-    def ready(host, port):
-        print(f"kiln llm serve: serving '{server.model_name}' on http://{host}:{port} "
-              f"({engine.device}, {engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size}"
-              f" tokens, max_model_len {engine.max_model_len}"
-              f"{', API key required' if server.api_key else ''})", flush=True)
+        def ready(host, port):
+            print(f"kiln llm serve: serving '{server.model_name}' on http://{host}:{port} "
+                  f"({info.device}, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, max_model_len "
+                  f"{info.max_model_len}{', API key required' if server.api_key else ''})", flush=True)
 
-    asyncio.run(run_server(server, a.host, a.port, ready))
+        run_event_loop(run_server(server, a.host, a.port, ready))
+    finally:
+        engine.stop()
     return 0
+
+
+def run_event_loop(main) -> None:
+    """asyncio.run on uvloop's event loop where it is installed (kiln[serve]), else asyncio's own."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    if hasattr(uvloop, "run"):
+        uvloop.run(main)
+    else:  # uvloop before 0.18
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.run(main)
 
 
 def _serve_on_ray(a, engine_kwargs: dict) -> int:

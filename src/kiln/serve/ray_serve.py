@@ -47,7 +47,7 @@ class LLMReplica:
                         "x-kiln-replica-pid": str(os.getpid())}
 
     def check_health(self) -> None:
-        if not self.service.async_engine._thread.is_alive():
+        if not self.service.async_engine.is_alive():
             raise RuntimeError("the engine thread stopped")
 
     def models(self) -> dict:

@@ -1,8 +1,9 @@
-"""OpenAI's API over the engine thread, independent of any HTTP framework.
+"""OpenAI's API over the engine, independent of any HTTP framework.
 
 `OpenAIService` parses request bodies (kiln/serve/protocol.py), admits them against a bound, submits them to
-the engine thread (kiln/serve/async_engine.py), and turns engine outputs into OpenAI's response JSON or its
-server-sent-event chunks, observing the latency metrics on the way. The aiohttp server
+the engine (its process, kiln/serve/engine_process.py, or a thread, kiln/serve/async_engine.py), and turns the
+engine's deltas into OpenAI's response JSON or its server-sent-event chunks, observing the latency metrics on
+the way. Each wakeup of a stream takes every delta that arrived since the last and writes one chunk. The aiohttp server
 (kiln/serve/openai_server.py) and the Ray Serve replicas (kiln/serve/ray_serve.py) are thin layers on it.
 
 Admission is bounded: at most max_num_seqs + max_waiting engine requests at once; past that, 429 with
@@ -19,20 +20,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import KilnError
-from .async_engine import ACCEPTED, AsyncLLMEngine, EngineFailure
+from .async_engine import (ACCEPTED, C_FINISH, C_IDS, C_INDEX, C_LOGPROBS, C_TEXT, CHOICES, FINISHED, PROMPT, RID,
+                           AsyncLLMEngine, EngineFailure, Sink)
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, chat_logprobs, completion_logprobs, parse_chat, parse_completion
 from .protocol import usage as usage_of
-
-
-@dataclass
-class _Choice:
-    """What has been sent of one choice (one sequence) so far."""
-
-    text_sent: int = 0
-    tokens_sent: int = 0
-    finish_reason: str | None = None
-    started: bool = False  # chat: the role delta went out
 
 
 @dataclass
@@ -42,27 +34,70 @@ class _Progress:
     first_token: float | None = None
 
 
+class _ChoiceState:
+    """What has been streamed of one choice so far."""
+
+    __slots__ = ("started", "text_sent", "tokens_sent")
+
+    def __init__(self):
+        self.started, self.text_sent, self.tokens_sent = False, 0, 0
+
+
+def _merged(deltas: list) -> list:
+    """The choices of a batch of deltas, consecutive pieces of one choice joined:
+    [(rid, prompt ids or None, index, text, token ids, finish_reason, logprobs or None)] in arrival order."""
+    if len(deltas) == 1 and len(deltas[0][CHOICES]) == 1:  # the common case: one step's token of one choice
+        d = deltas[0]
+        c = d[CHOICES][0]
+        return [(d[RID], d[PROMPT], c[C_INDEX], c[C_TEXT], c[C_IDS], c[C_FINISH], c[C_LOGPROBS])]
+    merged: dict = {}
+    for d in deltas:
+        for c in d[CHOICES]:
+            key = (d[RID], c[C_INDEX])
+            m = merged.get(key)
+            if m is None:
+                merged[key] = [d[RID], d[PROMPT], c[C_INDEX], c[C_TEXT], list(c[C_IDS]), c[C_FINISH],
+                               list(c[C_LOGPROBS]) if c[C_LOGPROBS] is not None else None]
+            else:
+                m[1] = m[1] if m[1] is not None else d[PROMPT]
+                m[3] += c[C_TEXT]
+                m[4] += c[C_IDS]
+                m[5] = c[C_FINISH]
+                if c[C_LOGPROBS] is not None:
+                    m[6] = (m[6] or []) + list(c[C_LOGPROBS])
+    return [tuple(m) for m in merged.values()]
+
+
+def _ints(ids) -> str:
+    return "[" + ", ".join(map(str, ids)) + "]"
+
+
 class OpenAIService:
     def __init__(self, engine, *, model_name: str | None = None, max_waiting: int = 1024,
                  drain_timeout: float = 30.0):
-        self.engine = engine
-        self.model_name = model_name or engine.model_name
-        self.async_engine = AsyncLLMEngine(engine)
+        """engine: an LLMEngine (stepped on a thread of this process) or an EngineProcess (its own process)."""
+        self.async_engine = AsyncLLMEngine(engine) if hasattr(engine, "step") else engine
+        self.info = info = self.async_engine.info
+        self.model_name = model_name or info.model_name
         self.metrics = ServerMetrics(self.async_engine.stats, self.model_name)
-        self.max_admitted = engine.scheduler.max_num_seqs + max_waiting
+        self._ttft = self.metrics.ttft.labels(self.model_name)
+        self._itl = self.metrics.itl.labels(self.model_name)
+        self._e2e = self.metrics.e2e.labels(self.model_name)
+        self._finished = {}
+        self.max_admitted = info.max_num_seqs + max_waiting
         self.admitted = 0  # engine requests admitted and not yet finished (event-loop thread only)
         self.draining = False
         self.drain_timeout = drain_timeout
         self._drained = asyncio.Event()
 
     def parse(self, kind: str, body) -> GenerationRequest:
-        e = self.engine
+        i = self.info
         parse = parse_chat if kind == "chat" else parse_completion
-        return parse(body, self.model_name, e.tokenizer, e.model_config.vocab_size, e.max_model_len)
+        return parse(body, self.model_name, i.tokenizer, i.vocab_size, i.max_model_len)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kiln", "max_model_len": self.engine.max_model_len}]}
+                                            "owned_by": "kiln", "max_model_len": self.info.max_model_len}]}
 
     async def complete(self, req: GenerationRequest) -> dict:
         """The whole response body of a non-streaming request."""
@@ -104,7 +139,7 @@ class OpenAIService:
     async def _submitted(self, req: GenerationRequest):
         rids = [f"{req.id}-{i}" for i in range(len(req.prompts))]
         self._admit(len(rids))
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = Sink()
         progress = _Progress(time.perf_counter())
         unfinished = set()
         try:
@@ -120,123 +155,148 @@ class OpenAIService:
                 self.metrics.aborted.labels(self.model_name).inc()
             self._release(len(rids))
 
-    async def _await_acceptance(self, sink, count: int) -> list:
+    async def _await_acceptance(self, sink: Sink, count: int) -> list:
         accepted, early = 0, []
         while accepted < count:
-            item = await sink.get()
-            if item is ACCEPTED:
-                accepted += 1
-            elif isinstance(item, KilnError):
-                raise APIError(str(item))
-            elif isinstance(item, EngineFailure):
-                raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
-            else:
-                early.append(item)  # an output of a prompt accepted before the others
+            for item in await sink.take():
+                if item is ACCEPTED:
+                    accepted += 1
+                elif isinstance(item, KilnError):
+                    raise APIError(str(item))
+                elif isinstance(item, EngineFailure):
+                    raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
+                else:
+                    early.append(item)  # an output of a prompt accepted before the others
         return early
 
-    async def _outputs(self, sink, early: list, unfinished: set, progress: _Progress):
-        """Engine outputs of this request until every prompt finished; observes the latency histograms."""
-        items = list(early)
+    async def _batches(self, sink: Sink, early: list, unfinished: set, progress: _Progress):
+        """Lists of this request's Deltas, as they arrive, until every prompt finished; observes the latency
+        histograms."""
+        items = early
         while unfinished:
-            item = items.pop(0) if items else await sink.get()
-            if isinstance(item, EngineFailure):
-                raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
+            if not items:
+                items = await sink.take()
             now = time.perf_counter()
-            last = progress.last_token.get(item.request_id)
-            if last is None:
-                if progress.first_token is None:
-                    progress.first_token = now
-                    self.metrics.ttft.labels(self.model_name).observe(now - progress.arrival)
-            else:
-                self.metrics.itl.labels(self.model_name).observe(now - last)
-            progress.last_token[item.request_id] = now
-            if item.finished:
-                unfinished.discard(item.request_id)
-                for c in item.outputs:
-                    self.metrics.finished.labels(self.model_name, c.finish_reason or "stop").inc()
-            yield item
-        self.metrics.e2e.labels(self.model_name).observe(time.perf_counter() - progress.arrival)
+            last_token = progress.last_token
+            for item in items:
+                if isinstance(item, EngineFailure):
+                    raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
+                rid = item[RID]
+                last = last_token.get(rid)
+                if last is None:
+                    if progress.first_token is None:
+                        progress.first_token = now
+                        self._ttft.observe(now - progress.arrival)
+                elif last != now:  # deltas that arrived together reached the client together
+                    self._itl.observe(now - last)
+                last_token[rid] = now
+                for c in item[CHOICES]:
+                    if c[C_FINISH] is not None:
+                        self._count_finished(c[C_FINISH])
+                if item[FINISHED]:
+                    unfinished.discard(rid)
+            yield items
+            items = []
+        self._e2e.observe(time.perf_counter() - progress.arrival)
 
-    def _choice_extras(self, req, c, new_ids, prompt_ids, state: _Choice | None, offset: int) -> dict:
-        extras = {}
-        if req.return_token_ids:
-            extras["token_ids"] = new_ids
-            if state is None or not state.started:
-                extras["prompt_token_ids"] = prompt_ids
-        if req.logprobs is not None and c.logprobs is not None:
-            lps = c.logprobs[len(c.token_ids) - len(new_ids):]
-            tok = self.engine.tokenizer
-            extras["logprobs"] = (chat_logprobs(tok, new_ids, lps, req.logprobs) if req.kind == "chat"
-                                  else completion_logprobs(tok, new_ids, lps, offset))
-        else:
-            extras["logprobs"] = None
-        return extras
+    def _count_finished(self, reason: str) -> None:
+        counter = self._finished.get(reason)
+        if counter is None:
+            counter = self._finished[reason] = self.metrics.finished.labels(self.model_name, reason)
+        counter.inc()
+
+    def _logprobs(self, req, ids, lps, offset: int) -> dict:
+        tok = self.info.tokenizer
+        return (chat_logprobs(tok, ids, lps, req.logprobs) if req.kind == "chat"
+                else completion_logprobs(tok, ids, lps, offset))
 
     async def _collect(self, req, rids, sink, early, unfinished, progress):
-        final = {}
-        async for out in self._outputs(sink, early, unfinished, progress):
-            if out.finished:
-                final[out.request_id] = out
+        texts, ids, lps, finish, prompts = {}, {}, {}, {}, {}
+        async for batch in self._batches(sink, early, unfinished, progress):
+            for d in batch:
+                if d[PROMPT] is not None:
+                    prompts[d[RID]] = d[PROMPT]
+                for c in d[CHOICES]:
+                    key = (d[RID], c[C_INDEX])
+                    texts.setdefault(key, []).append(c[C_TEXT])
+                    ids.setdefault(key, []).extend(c[C_IDS])
+                    if c[C_LOGPROBS] is not None:
+                        lps.setdefault(key, []).extend(c[C_LOGPROBS])
+                    if c[C_FINISH] is not None:
+                        finish[key] = c[C_FINISH]
         choices, prompt_tokens, completion_tokens = [], 0, 0
         n = req.params.n
         for i, rid in enumerate(rids):
-            out = final[rid]
-            prompt_tokens += len(out.prompt_token_ids)
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                extras = self._choice_extras(req, c, list(c.token_ids), out.prompt_token_ids, None, 0)
-                choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, **extras}
+            prompt_tokens += len(prompts.get(rid, ()))
+            for k in range(n):
+                key = (rid, k)
+                token_ids, text = ids.get(key, []), "".join(texts.get(key, ()))
+                completion_tokens += len(token_ids)
+                choice = {"index": i * n + k, "finish_reason": finish.get(key)}
+                if req.return_token_ids:
+                    choice["token_ids"] = token_ids
+                    choice["prompt_token_ids"] = list(prompts.get(rid, ()))
+                choice["logprobs"] = (self._logprobs(req, token_ids, lps[key], 0)
+                                      if req.logprobs is not None and key in lps else None)
                 if req.kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"] = {"role": "assistant", "content": text}
                 else:
-                    choice["text"] = c.text
+                    choice["text"] = text
                 choices.append(choice)
-        body = {"id": req.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+        return {"id": req.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
                 "created": req.created, "model": req.model, "choices": choices,
                 "usage": usage_of(prompt_tokens, completion_tokens)}
-        return body
 
     async def _stream(self, req, rids, sink, early, unfinished, progress):
-        obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        """SSE chunks, one per batch of deltas: the fixed parts encoded once, json.dumps only of the text."""
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = (f'data: {{"id": "{req.id}", "object": "{obj}", "created": {req.created}, '
+                f'"model": {json.dumps(req.model)}, "choices": [').encode()
+        tail = (']' + (', "usage": null' if req.include_usage else '') + '}\n\n').encode()
         n = req.params.n
-        states: dict[tuple[str, int], _Choice] = {}
-        prompt_tokens = {}
-
-        def chunk(choices, usage=None):
-            body = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
-            if req.include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n".encode()
-
+        index_of = {rid: i * n for i, rid in enumerate(rids)}
+        states: dict[tuple, _ChoiceState] = {}
+        prompts: dict[str, list] = {}
+        want_ids, want_lps = req.return_token_ids, req.logprobs is not None
         try:
-            async for out in self._outputs(sink, early, unfinished, progress):
-                i = rids.index(out.request_id)
-                prompt_tokens[out.request_id] = len(out.prompt_token_ids)
-                choices = []
-                for c in out.outputs:
-                    st = states.setdefault((out.request_id, c.index), _Choice())
-                    new_text, new_ids = c.text[st.text_sent:], list(c.token_ids[st.tokens_sent:])
-                    finishing = c.finish_reason is not None and st.finish_reason is None
-                    if not new_text and not new_ids and not finishing:
-                        continue
-                    extras = self._choice_extras(req, c, new_ids, out.prompt_token_ids, st, st.text_sent)
-                    choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, **extras}
-                    if req.kind == "chat":
-                        choice["delta"] = {"content": new_text} if st.started else {"role": "assistant",
-                                                                                   "content": new_text}
+            async for batch in self._batches(sink, early, unfinished, progress):
+                parts = []
+                for rid, prompt, index, text, ids, finish, lps in _merged(batch):
+                    if prompt is not None:
+                        prompts[rid] = prompt
+                    st = states.get((rid, index))
+                    if st is None:
+                        st = states[(rid, index)] = _ChoiceState()
+                    fr = "null" if finish is None else f'"{finish}"'
+                    s = f'{{"index": {index_of[rid] + index}, "finish_reason": {fr}, '
+                    if want_ids:
+                        s += f'"token_ids": {_ints(ids)}, '
+                        if not st.started:
+                            s += f'"prompt_token_ids": {_ints(prompts.get(rid, ()))}, '
+                    if want_lps and lps is not None:
+                        s += f'"logprobs": {json.dumps(self._logprobs(req, ids, lps, st.text_sent))}, '
                     else:
-                        choice["text"] = new_text
+                        s += '"logprobs": null, '
+                    if chat:
+                        role = '' if st.started else '"role": "assistant", '
+                        s += f'"delta": {{{role}"content": {json.dumps(text)}}}}}'
+                    else:
+                        s += f'"text": {json.dumps(text)}}}'
                     st.started = True
-                    st.text_sent, st.tokens_sent, st.finish_reason = len(c.text), len(c.token_ids), c.finish_reason
-                    choices.append(choice)
-                if choices:
-                    yield chunk(choices)
+                    st.text_sent += len(text)
+                    st.tokens_sent += len(ids)
+                    parts.append(s)
+                if parts:
+                    yield head + ", ".join(parts).encode() + tail
         except APIError as e:  # the engine failed mid-stream: the status line is gone, say it in the stream
             yield f"data: {json.dumps(e.body())}\n\n".encode()
             return
         if req.include_usage:
             completion = sum(s.tokens_sent for s in states.values())
-            yield chunk([], usage_of(sum(prompt_tokens.values()), completion))
+            body = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [],
+                    "usage": usage_of(sum(len(p) for p in prompts.values()), completion)}
+            yield f"data: {json.dumps(body)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
     # --- lifecycle ----------------------------------------------------------------------------------------
