@@ -7,12 +7,11 @@ then times them in interleaved rounds in one process, and reports each round.
 
     python bench/ab_tactics.py --model resnet50 --batch 1 --without 'triton_conv_splitk_*' --without 'triton_tma_*'
     python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --level 4 --without 'cudnn_graph_*'
-    python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 \
-        --off kiln.tactics.select.TIME_QUANTIZED_COLD
+    python bench/ab_tactics.py --model resnet50 --batch 32 --precision int8 --off time_quantized_cold
 
---off adds a variant built, and captured as a CUDA graph, with a module-level boolean switch turned off (the
-builder's TIME_QUANTIZED_COLD: 8-bit layers timed warm), the builder free to choose other tactics either way. The
-last column counts the layers whose tactic differs from the first variant's.
+--off adds a variant built with a boolean BuildConfig option off (time_quantized_cold: 8-bit layers timed warm),
+the builder free to choose other tactics either way. The last column counts the layers whose tactic differs from
+the first variant's.
 
 8-bit engines are calibrated on the benchmark input itself (speed only) and built with precision constraints
 `obey`, so that every variant quantizes the same layers.
@@ -21,8 +20,8 @@ last column counts the layers whose tactic differs from the first variant's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
-import importlib
 import statistics
 import sys
 import tempfile
@@ -58,8 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--without", action="append", default=[], metavar="PATTERNS",
                    help="a variant without these tactics (comma-separated names or patterns); repeatable")
-    p.add_argument("--off", action="append", default=[], metavar="MODULE.SWITCH",
-                   help="a variant with this module-level boolean False while it is built and captured; repeatable")
+    p.add_argument("--off", action="append", default=[], metavar="OPTION",
+                   help="a variant built with this boolean BuildConfig option False; repeatable")
     p.add_argument("--precision", default="fp16", choices=["fp16", "int8", "fp8"])
     p.add_argument("--level", type=int, default=3, help="the builder's optimization level")
     p.add_argument("--rounds", type=int, default=5)
@@ -69,8 +68,11 @@ def main(argv=None) -> int:
     path, feeds = export(args.model, args.batch)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
     variants = {"all tactics": ()} | {f"without {w}": tuple(x.strip() for x in w.split(",")) for w in args.without}
-    variants |= {f"{switch} off": () for switch in args.off}
-    switches = {f"{switch} off": switch.rpartition(".") for switch in args.off}
+    booleans = {f.name for f in dataclasses.fields(kiln.BuildConfig) if f.type in (bool, "bool")}
+    for option in args.off:
+        if option not in booleans:
+            p.error(f"--off {option}: not a boolean BuildConfig option ({', '.join(sorted(booleans))})")
+    variants |= {f"{option} off": () for option in args.off}
     contexts, chosen = {}, {}
     quant = {}
     if args.precision != "fp16":
@@ -78,21 +80,14 @@ def main(argv=None) -> int:
                  "precision_constraints": "obey"}
     dev = {k: v.cuda() for k, v in feeds.items()}
     for label, exclude in variants.items():
-        module, _, name = switches.get(label, ("", "", ""))
-        if module:
-            was = getattr(importlib.import_module(module), name)
-            setattr(importlib.import_module(module), name, False)
-        try:
-            cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
-                                   progress=False, fp16=True, exclude_tactics=exclude,
-                                   optimization_level=args.level, **quant)
-            engine = kiln.build(str(path), cfg)
-            contexts[label] = engine.create_execution_context()
-            contexts[label].run(dev, copy_outputs=False)  # the CUDA graph is captured here, with the switch as built
-            chosen[label] = [t["chosen"] for t in engine.tactics]
-        finally:
-            if module:
-                setattr(importlib.import_module(module), name, was)
+        off = {label.removesuffix(" off"): False} if label.removesuffix(" off") in args.off else {}
+        cfg = kiln.BuildConfig(profiles=[kiln.Profile({k: (s, s, s) for k, s in shapes.items()})], device="cuda",
+                               progress=False, fp16=True, exclude_tactics=exclude,
+                               optimization_level=args.level, **quant, **off)
+        engine = kiln.build(str(path), cfg)
+        contexts[label] = engine.create_execution_context()
+        contexts[label].run(dev, copy_outputs=False)  # the CUDA graph is captured here
+        chosen[label] = [t["chosen"] for t in engine.tactics]
     rounds = {label: [] for label in contexts}
     for _ in range(args.rounds):  # interleaved, so drift in clocks or load hits every variant alike
         for label, ctx in contexts.items():

@@ -173,8 +173,9 @@ def test_a_quantized_layer_is_timed_with_its_weights_out_of_l2_and_its_other_inp
     assert sel._l2_reset(node, [x, w, None, scale]) is None
 
 
-def test_a_quantized_layer_is_timed_warm_with_the_cold_switch_off(monkeypatch):
-    """select.TIME_QUANTIZED_COLD off (bench/ab_tactics.py --off compares builds so): no reset before the timing."""
+def test_a_quantized_layer_is_timed_warm_with_the_cold_option_off(monkeypatch):
+    """BuildConfig.time_quantized_cold off (bench/ab_tactics.py --off compares builds so): no reset before the
+    timing; the build records the option."""
     from types import SimpleNamespace
 
     from kiln.ir.graph import Node
@@ -186,12 +187,14 @@ def test_a_quantized_layer_is_timed_warm_with_the_cold_switch_off(monkeypatch):
     befores = []
     monkeypatch.setattr(select, "median_ms", lambda fn, before=None, **kw: befores.append(before) or 1.0)
     engine = SimpleNamespace(target=SimpleNamespace(device="cuda"), graph=SimpleNamespace(initializers={}))
-    sel = select.Selector(engine, 3, None, TimingCache(None))
     node = Node("QGemm", ["x", "w"], ["y"], {}, domain="kiln")
-    sel._measure(node, [torch.ones(2), torch.ones(2)], [])
-    monkeypatch.setattr(select, "TIME_QUANTIZED_COLD", False)
-    sel._measure(node, [torch.ones(2), torch.ones(2)], [])
+    for cold in (True, False):
+        select.Selector(engine, 3, None, TimingCache(None), time_quantized_cold=cold)._measure(
+            node, [torch.ones(2), torch.ones(2)], [])
     assert befores == ["reset", None]
+    from kiln import BuildConfig
+
+    assert BuildConfig().time_quantized_cold and not BuildConfig(time_quantized_cold=False).to_json()["time_quantized_cold"]
 
 
 def test_an_l2_resets_own_time_is_measured_once_per_layer_and_taken_off_every_candidate(monkeypatch):

@@ -285,7 +285,7 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
         step(f"tactic timing: layer {count[0]} ({node.op_type})")
 
     sel = Selector(engine, config.optimization_level, config.workspace_bytes, cache, on_layer,
-                   exclude=config.exclude_tactics)
+                   exclude=config.exclude_tactics, time_quantized_cold=config.time_quantized_cold)
     for i in range(len(profiles)):
         ctx = engine.create_execution_context(profile=i, cuda_graphs=False)
         feeds = engine.random_inputs(profile=i, pick=1, device=engine.target.device)

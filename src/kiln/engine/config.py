@@ -67,6 +67,9 @@ class BuildConfig:
     # Tactic names (shell-style patterns, e.g. "triton_tma_*") never to time or choose: to take a misbehaving
     # tactic out of a build, or to measure what a family of tactics is worth (bench/ab_tactics.py).
     exclude_tactics: tuple[str, ...] = ()
+    # 8-bit GEMMs and convolutions timed with their weights out of L2, as an engine meets them (tactics/select.py);
+    # False times them warm, to compare the two (bench/ab_tactics.py --off time_quantized_cold).
+    time_quantized_cold: bool = True
 
     @property
     def quantized(self) -> str | None:
@@ -91,7 +94,7 @@ class BuildConfig:
             "max_aux_streams": min(1, max(0, self.max_aux_streams)),
             "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
             "precision_constraints": self.precision_constraints, "precision_guard": self.precision_guard,
-            "exclude_tactics": list(self.exclude_tactics),
+            "exclude_tactics": list(self.exclude_tactics), "time_quantized_cold": self.time_quantized_cold,
         }
 
 

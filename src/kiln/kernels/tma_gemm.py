@@ -238,13 +238,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
          w_scale: torch.Tensor | None = None, y_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, z: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
          z_scale: torch.Tensor | None = None, programs_per_sm: int | None = None, single_loop: bool = True,
-         relu_in_quantization: bool = True):
+         relu_in_quantization: bool = True, pdl: bool = True):
     """act(x @ w + b [+ z]) for x [.., K], w [K, N], z [M, N] rows (8-bit with z_scale); [.., N] in x's dtype, as
     gemm.gemm computes it: a quantized layer's result is act(x_scale * w_scale * (q(x) @ w) + b) in out_dtype, or
     quantized with y_scale; with q_scale also its 8-bit copy (y, q). programs_per_sm: persistent programs per
     SM (default `resident_programs`). single_loop=False keeps the nested loop where `one_loop` allows the single
     one, and relu_in_quantization=False applies a ReLU before an 8-bit output on its own rather than as the
-    quantization's clamp: both only to compare (bench/tma_sweep.py --one-k, tests), the results are the same."""
+    quantization's clamp: both only to compare (bench/tma_sweep.py --one-k, tests), the results are the same.
+    pdl=False launches it without programmatic dependent launch (kernels/pdl.py)."""
     lead, (K, N) = x.shape[:-1], w.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -265,7 +266,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     pipeline = config.smem_bytes(x2.element_size()) + (residual_bytes(config, z_itemsize, True) if one_k else 0)
     per_sm = programs_per_sm or resident_programs(config.num_warps, pipeline, bm * bn, qtype)
     n_programs = min(per_sm * programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
-    pdl = launch_options(x.device)
+    pdl = launch_options(x.device, pdl)
     _tma_gemm_kernel[(n_programs,)](
         desc(x2, [bm, bk]), desc(w_mat, [bn, bk] if k_major else [bk, bn]), desc(y, [bm, bn]),
         z_desc if z_desc is not None else desc(y, [bm, bn]), desc(q, [bm, bn]),

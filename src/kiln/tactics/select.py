@@ -24,16 +24,9 @@ from .timer import L2Reset, median_ms, synchronizes
 # return FP16 (or BF16) values and their reference sums exactly in float64, so they get FP16's bound.
 _TOL = {"float32": 1e-3, "tf32": 5e-3, "float16": 2e-2, "bfloat16": 5e-2, "int8": 2e-2, "fp8": 2e-2}
 _EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
-# Layers timed with their weights out of L2 (timer.L2Reset). On the H200 (2026-11-30) that took BERT-base b32's
-# INT8 engine from 1.723 to 1.522 ms and its FP8 one from 1.590 to 1.434. Float layers are timed warm: with the
-# reset, BERT-base b1's FP16 engine ran 5% slower (0.403 -> 0.424 ms), its split-K GEMM + LayerNorm losing the
-# timing to cuBLASLt but not in the engine, where the reset's cold output and workspace lines are warm.
+# Layers timed with their weights out of L2 (timer.L2Reset), as in an engine, unless the build's
+# time_quantized_cold is off; float layers are timed warm (docs/design/timing.md says why, with the numbers).
 _TIMED_COLD = ("QGemm", "QConv")
-# Off only to compare (bench/ab_tactics.py --off kiln.tactics.select.TIME_QUANTIZED_COLD): ResNet-50's 8-bit 1x1
-# layers time 3-6 us slower after the reset than warm, and warm lies within 1.6 us of the engine's replay there
-# (H200, 2026-12-01, bench/results/H200-l2-resets-1105.log); whether warm timing would choose other tactics is
-# what the A/B shows.
-TIME_QUANTIZED_COLD = True
 
 
 def _steps(r: torch.Tensor) -> torch.Tensor:
@@ -85,10 +78,11 @@ class Selector:
     """
 
     def __init__(self, engine, level: int, workspace_bytes: int | None, cache: TimingCache, on_layer=None,
-                 exclude: tuple[str, ...] = ()):
+                 exclude: tuple[str, ...] = (), time_quantized_cold: bool = True):
         load_all()
         self.engine, self.level, self.cap, self.cache = engine, level, workspace_bytes, cache
         self.exclude = tuple(exclude)
+        self.time_quantized_cold = time_quantized_cold
         self.profile = 0  # the profile whose run visits the layers (the builder sets it)
         self.totals: dict[int, dict[int, dict[str, float]]] = {}  # layer -> profile -> tactic -> ms
         self.report: dict[int, dict] = {}
@@ -102,6 +96,8 @@ class Selector:
         args = cast_for(node, lookup(node.op_type, node.domain), args)  # as the layer will see them
         usable, skipped = self._screen(node, args, cands)
         key = layer_key(self.engine.target, self.engine.versions, node, args)
+        if node.op_type in _TIMED_COLD and not self._cold(node):  # warm timings are cached apart from cold ones
+            key += "-warm"
         cached = self.cache.get(key) or {"timings": {}, "excluded": {}}
         todo = [t for t in usable if t.name not in cached["timings"] and t.name not in cached["excluded"]]
         if todo or "reference" not in cached["timings"]:
@@ -143,7 +139,7 @@ class Selector:
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
         ref = entry.impl(node, *args)
-        before = self._l2_reset(node, args) if TIME_QUANTIZED_COLD and node.op_type in _TIMED_COLD else None
+        before = self._l2_reset(node, args) if self._cold(node) else None
         timings = {"reference": median_ms(lambda: entry.impl(node, *args), before=before)}
         excluded = {}
         for t in cands:
@@ -160,6 +156,9 @@ class Selector:
             except Exception as e:  # a candidate that cannot run here is simply not chosen
                 excluded[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return {"timings": timings, "excluded": excluded}
+
+    def _cold(self, node) -> bool:
+        return self.time_quantized_cold and node.op_type in _TIMED_COLD
 
     def _l2_reset(self, node, args) -> L2Reset | None:
         """The reset that leaves this layer's weights out of L2 and its other inputs in it (GPU builds)."""
