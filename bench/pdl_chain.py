@@ -27,7 +27,7 @@ def main() -> int:
     import triton
 
     from bench.conv_sweep import node
-    from kiln.kernels import pdl, ws_conv, ws_gemm
+    from kiln.kernels import ws_conv, ws_gemm
 
     qtype = "fp8" if "--fp8" in sys.argv else "int8"
     dt = torch.int8 if qtype == "int8" else torch.float8_e4m3fn
@@ -60,22 +60,21 @@ def main() -> int:
         c3 = next(c for c, _ in ws_gemm.CONFIGS if ws_gemm.supports(one, probe, layers[0][2][0], None, x0, s, None,
                                                                     s, c))
 
-        def chain():
+        def chain(pdl):
             x = x0
             for (w1, b1, s1), (w2, b2, s2), (w3, b3, s3) in layers:
-                h = ws_gemm.matmul8(one, x, w1, b1, None, c1, s, s1, s)
-                h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s)
-                x = ws_gemm.matmul8(one, h, w3, b3, x, c3, s, s3, s, s)
+                h = ws_gemm.matmul8(one, x, w1, b1, None, c1, s, s1, s, pdl=pdl)
+                h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s, pdl=pdl)
+                x = ws_gemm.matmul8(one, h, w3, b3, x, c3, s, s3, s, s, pdl=pdl)
             return x
 
         graphs, outs = {}, {}
         for on in (False, True):
-            pdl.ENABLED = on
-            chain()  # compiles this launch option's kernels outside the capture
+            chain(on)  # compiles this launch option's kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs[on] = chain()
+                outs[on] = chain(on)
             graphs[on] = graph
         times, host = {False: [], True: []}, {False: [], True: []}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -15,12 +15,12 @@ from .test_ws_conv import _node as conv_node
 from .test_ws_gemm import _node as gemm_node
 
 
-def test_it_is_asked_for_only_on_a_hopper_gpu_and_while_enabled(monkeypatch):
+def test_it_is_asked_for_only_on_a_hopper_gpu_and_unless_the_launcher_is_told_not_to():
     assert pdl.launch_options(torch.device("cpu")) == {}
     if HOPPER:
         assert pdl.launch_options(torch.device("cuda")) == {"launch_pdl": True}
-        monkeypatch.setattr(pdl, "ENABLED", False)
-        assert pdl.launch_options(torch.device("cuda")) == {}
+        assert pdl.launch_options(torch.device("cuda"), pdl=False) == {}
+    assert not hasattr(pdl, "ENABLED")  # an explicit keyword of each launcher, not a module switch
 
 
 def _weights(g, oc, c, k):
@@ -31,7 +31,7 @@ def _weights(g, oc, c, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (griddepcontrol, wgmma)")
-def test_a_chain_launched_with_it_equals_one_launched_without(monkeypatch):
+def test_a_chain_launched_with_it_equals_one_launched_without():
     g = torch.Generator(device="cuda").manual_seed(0)
     s = torch.tensor(0.05, device="cuda")
     (w1, s1, b1), (w2, s2, b2), (w3, s3, b3) = _weights(g, 64, 256, 1), _weights(g, 64, 64, 3), _weights(g, 256, 64, 1)
@@ -41,23 +41,22 @@ def test_a_chain_launched_with_it_equals_one_launched_without(monkeypatch):
     c2 = next(c for c, _ in ws_conv.CONFIGS if c.resident_weights)  # waits before loading its filter
     x = torch.empty((8, 256, 28, 28), dtype=torch.int8, device="cuda").to(memory_format=torch.channels_last)
 
-    def chain():
-        h = ws_gemm.matmul8(one, x, w1, b1, None, c1, s, s1, s)
-        h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s)
-        h = halo_conv.conv2d(three, h, w5, b5, s, s5, s)
-        h = ws_gemm.matmul8(one, h, w3, b3, x, c3, s, s3, s, s)
+    def chain(pdl=True):
+        h = ws_gemm.matmul8(one, x, w1, b1, None, c1, s, s1, s, pdl=pdl)
+        h = ws_conv.conv2d(three, h, w2, b2, c2, s, s2, s, pdl=pdl)
+        h = halo_conv.conv2d(three, h, w5, b5, s, s5, s, pdl=pdl)
+        h = ws_gemm.matmul8(one, h, w3, b3, x, c3, s, s3, s, s, pdl=pdl)
         return tma_gemm.gemm(pixel_rows(h), w4.reshape(128, 256).t(), b4, "Relu",
-                             config=TileConfig(128, 128, 128, 4, 3), qtype="int8", x_scale=s, w_scale=s4, y_scale=s)
+                             config=TileConfig(128, 128, 128, 4, 3), qtype="int8", x_scale=s, w_scale=s4, y_scale=s,
+                             pdl=pdl)
 
     h = torch.empty((8, 64, 28, 28), dtype=torch.int8, device="cuda").to(memory_format=torch.channels_last)
     assert ws_conv.supports(three, h, w2, b2, None, s, None, c2) and halo_conv.supports(three, h, w5, b5, None, s, None)
     inputs = [torch.randint(-60, 61, x.shape, generator=g, device="cuda").to(torch.int8) for _ in range(8)]
-    monkeypatch.setattr(pdl, "ENABLED", False)
     want = []
     for v in inputs:
         x.copy_(v)
-        want.append(chain().clone())
-    monkeypatch.setattr(pdl, "ENABLED", True)
+        want.append(chain(pdl=False).clone())
     chain()  # compiles the kernels launched with it outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -185,8 +185,9 @@ def layer_ok(node, x, w, b, z, y_scale, q_scale) -> bool:
 
 
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x_scale: torch.Tensor,
-           w_scale: torch.Tensor, y_scale: torch.Tensor) -> torch.Tensor:
-    """The 8-bit output of a `supports` QConv: channels-last, as an NCHW-shaped view."""
+           w_scale: torch.Tensor, y_scale: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """The 8-bit output of a `supports` QConv: channels-last, as an NCHW-shaped view. pdl=False launches it
+    without programmatic dependent launch (kernels/pdl.py)."""
     from .tma_gemm import programs as sm_count
 
     qtype = node.attr("qtype", "int8")
@@ -199,5 +200,5 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x_sca
         box_descriptor(nhwc(x), [1, ROWS + 2, WIDTH, CHANNELS]), box_descriptor(filter_rows(w), [CHANNELS, CHANNELS]),
         box_descriptor(y, [1, ROWS, WIDTH, CHANNELS]), bias if bias is not None else xs, xs, ws, y_scale, N, H,
         stride_ws, n_programs, QUANT=qtype, HAS_BIAS=bias is not None, RELU=node.attr("activation", "") == "Relu",
-        STAGES=STAGES, num_warps=4, maxnreg=MAXNREG, **launch_options(x.device))
+        STAGES=STAGES, num_warps=4, maxnreg=MAXNREG, **launch_options(x.device, pdl))
     return y.permute(0, 3, 1, 2)

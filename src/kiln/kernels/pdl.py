@@ -17,12 +17,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = True  # False launches without it (bench/pdl_chain.py times both)
-
-
-def launch_options(device: torch.device) -> dict:
-    """The launch keyword for a kernel that waits for the one before (above), on device."""
-    if not ENABLED or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+def launch_options(device: torch.device, pdl: bool = True) -> dict:
+    """The launch keyword for a kernel that waits for the one before (above), on device; none with pdl=False (the
+    launchers' `pdl` keyword: bench/pdl_chain.py times chains both ways)."""
+    if not pdl or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return {}
     return {"launch_pdl": True}
 

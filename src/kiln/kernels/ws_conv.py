@@ -238,9 +238,9 @@ def layer_ok(node, x, w, b, z, y_scale, q_scale, config: WsConfig) -> bool:
 
 
 def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: WsConfig,
-           x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor) -> torch.Tensor:
+           x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """The 8-bit output of a `supports` QConv, as tma_conv.conv2d computes it: channels-last, as an NCHW-shaped
-    view."""
+    view. pdl=False launches it without programmatic dependent launch (kernels/pdl.py)."""
     from .conv import geometry
     from .tma_gemm import programs as sm_count
 
@@ -268,5 +268,5 @@ def conv2d(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, confi
         pads[0], pads[1], stride_ws, n_programs, STRIDE=S, QUANT=qtype, HAS_BIAS=bias is not None,
         RELU=node.attr("activation", "") == "Relu", STAGES=config.stages,
         W_TILES=k_tiles if config.resident_weights else 0, num_warps=4, maxnreg=MAXNREG,
-        **launch_options(x.device))
+        **launch_options(x.device, pdl))
     return y.permute(0, 3, 1, 2)

@@ -235,9 +235,9 @@ def layer_ok(node, x, w, b, z, y_scale, q_scale, z_scale, config: WsGemmConfig) 
 
 def matmul8(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None,
             config: WsGemmConfig, x_scale: torch.Tensor, w_scale: torch.Tensor, y_scale: torch.Tensor,
-            z_scale: torch.Tensor | None = None) -> torch.Tensor:
+            z_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """The 8-bit output of a `supports` layer, as tma_gemm computes it: a QGemm's [..., N], a QConv's channels-last
-    as an NCHW-shaped view."""
+    as an NCHW-shaped view. pdl=False launches it without programmatic dependent launch (kernels/pdl.py)."""
     from .conv import pixels_as_nchw
     from .tma_gemm import programs as sm_count
 
@@ -257,5 +257,5 @@ def matmul8(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: t
         y_desc, bias if bias is not None else xs, xs, ws, y_scale, z_scale if z_scale is not None else xs, M, N, K,
         stride_ws, n_programs, QUANT=qtype, HAS_BIAS=bias is not None, HAS_Z=z is not None,
         ACT=node.attr("activation", ""), STAGES=config.stages, num_warps=4, maxnreg=MAXNREG,
-        **launch_options(x.device))
+        **launch_options(x.device, pdl))
     return y.view(*x.shape[:-1], N) if node.op_type == "QGemm" else pixels_as_nchw(y, x)
