@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -496,21 +495,6 @@ def _save_restreamed(model: onnx.ModelProto, path: Path, data_path: Path, base_d
                 e = site.tensor.external_data.add()
                 e.key, e.value = k, v
     path.write_bytes(model.SerializeToString())
-
-
-def main(argv: list[str] | None = None) -> int:  # for `python -m kiln.frontend.check` until the CLI registers it
-    parser = argparse.ArgumentParser(prog="kiln")
-    add_check_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except KilnError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ---------------------------------------------------------------- the builder's pre-flight
