@@ -216,7 +216,8 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             graph = model_to_graph(proto)
         check_supported(graph)
         profiles = resolve_profiles(graph, config)
-        footprint.check(graph, profiles, target)  # before any tensor of the profile is allocated
+        floor = footprint.float_bytes_floor(config.precision, config.quantized)
+        footprint.check_inputs(graph, profiles, target, floor)  # before any tensor of the profile is allocated
         precision.pin(graph, config.layer_precisions)
         calibration = None
         if config.quantized:
@@ -229,6 +230,7 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
         step("placement and precision")
         capturable = placement.assign(graph)
+        footprint.check(graph, profiles, target, floor)  # the fused graph's activations, before the guard runs it
         precision.assign(graph, config.precision, _guard_feeds(graph, config, profiles), target.device)
         quantized_io.link(graph, config.precision)
         engine = Engine(
