@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import sys
 from dataclasses import dataclass, field
-from html import escape
 from pathlib import Path
 
 from ..errors import ConfigError, KilnError
@@ -491,26 +491,23 @@ pre{background:#f6f8fa;border:1px solid var(--line);border-radius:6px;padding:8p
 """
 
 
-def _badge(status: str) -> str:
-    label = {"pass": "PASS", "fail": "FAIL", "warn": "CHECK", "unknown": "NOT RUN", "n/a": "N/A"}.get(status, status)
-    return f'<span class="badge {escape(status)}">{label}</span>'
+@dataclass(frozen=True)
+class Badge:
+    """A table cell drawn as a status badge (pass, fail, warn, unknown, n/a)."""
+    status: str
 
 
-def _table(headers: list[str], rows: list[list], num_cols: tuple[int, ...] = ()) -> str:
-    num = ' class="num"'
-    h = "".join(f"<th{num if i in num_cols else ''}>{escape(x)}</th>" for i, x in enumerate(headers))
-    body = []
-    for r in rows:
-        cells = []
-        for i, x in enumerate(r):
-            cls = ' class="num"' if i in num_cols else ""
-            cells.append(f"<td{cls}>{x if isinstance(x, _Raw) else escape(str(x))}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+_BADGE_LABELS = {"pass": "PASS", "fail": "FAIL", "warn": "CHECK", "unknown": "NOT RUN", "n/a": "N/A"}
 
 
-class _Raw(str):
-    """Already-escaped HTML for a table cell."""
+@functools.cache
+def _template():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("kiln.tools", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.tests["badge"] = lambda x: isinstance(x, Badge)
+    return env.get_template("report.html.j2")
 
 
 def _stat_rows(j: dict) -> list[list]:
@@ -524,91 +521,46 @@ def _stat_rows(j: dict) -> list[list]:
 
 
 def render_html(rep: Report) -> str:
-    out = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
-           '<meta name="viewport" content="width=device-width,initial-scale=1">',
-           f"<title>Kiln report: {escape(rep.engine)}</title><style>{_CSS}</style></head><body><main>"]
-    out.append(f"<h1>Kiln engine report: {escape(Path(rep.engine).name)}</h1>")
-    out.append(f'<div class="meta">{escape(rep.engine)} · {escape(rep.target)} · '
-               f'precision {escape(rep.precision)} · {escape(rep.created)}</div>')
-    if not rep.on_gpu:
-        out.append(f'<p class="note"><b>Device:</b> {escape(rep.device_note)}.</p>')
-    # summary
-    out.append("<h2>Litmus tests</h2><section>")
-    out.append(_table(["", "Question", "Answer"],
-                      [[_Raw(_badge(x.status)), x.question, x.answer] for x in rep.litmus]))
-    out.append("</section>")
-    # latency
-    out.append("<h2>1. Latency</h2><section>")
+    """The report's page: templates/report.html.j2, every value escaped (the plots are SVG that plots.py made)."""
+    bench = None
     b = rep.bench
-    if b is None:
-        out.append(f"<p>{escape(rep.bench_error or 'Not measured (--no-bench).')}</p>")
-    else:
+    if b is not None:
         j = b.timings.to_json()
-        shape = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items())
-        out.append(f"<p>{escape(b.device_note[0].upper() + b.device_note[1:])}; inputs {escape(shape)}; "
-                   f"{escape(b.mode)}; {j['iterations']} timed runs; throughput "
-                   f"{j['throughput_qps']:.2f} qps ({j['throughput_qps'] * b.batch:.1f} samples/s).</p>")
-        if rep.latency_target is not None:
-            out.append(f"<p>Target: {rep.latency_stat} latency &le; <b>{rep.latency_target:g} ms</b>.</p>")
-        out.append(_table(["ms", "min", "median", "mean", "p90", "p95", "p99", "max"], _stat_rows(j),
-                          num_cols=(1, 2, 3, 4, 5, 6, 7)))
-        out.append('<div class="plots">')
-        out.append(plots.histogram(b.timings.latency_ms, "Latency distribution", "latency (ms)",
-                                   marker=rep.latency_target,
-                                   marker_label=f"target {rep.latency_target:g} ms" if rep.latency_target else ""))
+        plot_svgs = [plots.histogram(b.timings.latency_ms, "Latency distribution", "latency (ms)",
+                                     marker=rep.latency_target,
+                                     marker_label=f"target {rep.latency_target:g} ms" if rep.latency_target else "")]
         if b.layers:
-            out.append(plots.hbars([(x.name, x.mean_ms) for x in b.layers], "Per-layer time (mean per run)", " ms"))
-        out.append("</div>")
-        if b.layers:
-            out.append(f'<p class="note">Per-layer times come from {b.profile_iterations} layer-by-layer runs without '
-                       "the CUDA graph; their sum exceeds the engine's graph time.</p>")
-            top = sorted(b.layers, key=lambda x: -x.mean_ms)[:15]
-            out.append(_table(["Layer", "Type", "Precision", "Tactic", "mean ms", "share"],
-                              [[x.name, x.op_type, x.precision, x.tactic, f"{x.mean_ms:.4f}", f"{x.share:.1f}%"]
-                               for x in top], num_cols=(4, 5)))
-    out.append("</section>")
-    # coverage
-    out.append("<h2>2. Profile coverage</h2><section>")
-    prof_rows = []
-    for i, p in enumerate(rep.profiles):
-        prof_rows.append([f"profile {i}", "; ".join(f"{k}: {fmt_shape(v['min'])} .. {fmt_shape(v['max'])}"
-                                                     f" (opt {fmt_shape(v['opt'])})" for k, v in p.items())])
-    out.append(_table(["Profile", "min .. max (opt)"], prof_rows))
+            plot_svgs.append(plots.hbars([(x.name, x.mean_ms) for x in b.layers], "Per-layer time (mean per run)",
+                                         " ms"))
+        top = sorted(b.layers, key=lambda x: -x.mean_ms)[:15] if b.layers else []
+        bench = {"note": b.device_note[0].upper() + b.device_note[1:],
+                 "shapes": ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items()), "mode": b.mode,
+                 "iterations": j["iterations"], "qps": j["throughput_qps"], "samples_per_s": j["throughput_qps"] * b.batch,
+                 "stat_rows": _stat_rows(j), "plots": plot_svgs,
+                 "profile_iterations": b.profile_iterations,
+                 "layer_rows": [[x.name, x.op_type, x.precision, x.tactic, f"{x.mean_ms:.4f}", f"{x.share:.1f}%"]
+                                for x in top]}
     c = rep.coverage
-    if c is None:
-        out.append("<p>No --traffic file given: coverage of production shapes was not checked.</p>")
-    else:
-        out.append(f"<p>{c['requests']} observed requests, {c['distinct']} distinct shapes; "
-                   f"<b>{c['rejected_requests']}</b> would be rejected by every profile.</p>")
-        rows = [[r["shape"], r["count"], ", ".join(map(str, r["accepted_by"])) or "none",
-                 "; ".join(f"profile {i}: {why}" for i, why in r["reasons"].items()) or "-"] for r in c["rows"]]
-        out.append(_table(["Observed shape", "Requests", "Accepted by profile", "Rejections"], rows, num_cols=(1,)))
-    out.append("</section>")
-    # accuracy
-    out.append("<h2>3. Accuracy</h2><section>")
-    out.append(_accuracy_html(rep))
-    out.append("</section>")
-    # inspector
-    out.append("<h2>4. Inspector findings</h2><section>")
-    fs = rep.inspection.findings if rep.inspection else []
-    if fs:
-        out.append("<ul>" + "".join(f"<li>{escape(inspect_tool.describe_finding(f))}</li>" for f in fs) + "</ul>")
-    else:
-        out.append(f"<p>None: {escape(inspect_tool.no_findings(rep.precision))}.</p>")
+    coverage_rows = [] if c is None else [
+        [r["shape"], r["count"], ", ".join(map(str, r["accepted_by"])) or "none",
+         "; ".join(f"profile {i}: {why}" for i, why in r["reasons"].items()) or "-"] for r in c["rows"]]
+    layers = None
     if rep.inspection:
         dev = [x for x in rep.inspection.layers if x.placement == "device"]
         counts: dict[str, int] = {}
         for x in dev:
             counts[x.precision] = counts.get(x.precision, 0) + 1
-        fused = [x for x in dev if len(x.sources) > 1]
-        out.append(f"<p>{len(dev)} device layers ({', '.join(f'{n} {p}' for p, n in sorted(counts.items()))}); "
-                   f"{len(fused)} fused layers; {len(rep.inspection.layers) - len(dev)} host shape layers.</p>")
-    out.append("</section>")
-    out.append(f'<p class="note">Kiln {escape(str(rep.versions.get("kiln")))}, torch '
-               f'{escape(str(rep.versions.get("torch")))}, CUDA {escape(str(rep.versions.get("cuda")))} · command: '
-               f'<code>{escape(rep.command)}</code></p>')
-    out.append("</main></body></html>\n")
-    return "".join(out)
+        layers = {"device": len(dev), "precisions": ", ".join(f"{n} {p}" for p, n in sorted(counts.items())),
+                  "fused": sum(len(x.sources) > 1 for x in dev), "host": len(rep.inspection.layers) - len(dev)}
+    return _template().render(
+        rep=rep, CSS=_CSS, BADGE_LABELS=_BADGE_LABELS, engine_name=Path(rep.engine).name,
+        litmus_rows=[[Badge(x.status), x.question, x.answer] for x in rep.litmus], bench=bench,
+        profile_rows=[[f"profile {i}", "; ".join(f"{k}: {fmt_shape(v['min'])} .. {fmt_shape(v['max'])}"
+                                                 f" (opt {fmt_shape(v['opt'])})" for k, v in p.items())]
+                      for i, p in enumerate(rep.profiles)],
+        coverage=c, coverage_rows=coverage_rows, compare=_compare_view(rep.compare), verify=_verify_view(rep.verify),
+        findings=[inspect_tool.describe_finding(f) for f in (rep.inspection.findings if rep.inspection else [])],
+        no_findings=inspect_tool.no_findings(rep.precision), layers=layers)
 
 
 def _inputs_text(cmp) -> str:
@@ -631,52 +583,34 @@ def _result_text(o) -> str:
     return "within tolerance"
 
 
-def _accuracy_html(rep: Report) -> str:
-    out = []
-    cmp = rep.compare
-    if cmp is not None:
-        out.append(f"<p>Reference: {escape(cmp.reference)}; {cmp.samples} input sample(s) of "
-                   f"{escape(_inputs_text(cmp))}. An element passes when "
-                   "|engine &minus; ref| &le; atol + rtol&middot;|ref|.</p>")
-        rows = []
-        for o in cmp.outputs:
-            rows.append([_Raw(_badge(_VERDICT_STATUS.get(o.verdict, "fail"))), o.name, _tolerance(o),
-                         _g(o.abs_err.get("max")), _g(o.abs_err.get("median")), _g(o.abs_err.get("p99")),
-                         _g(o.rel_err.get("max")), f"{o.engine_nan}/{o.engine_inf}", _g(o.min_atol),
-                         _result_text(o)])
-        out.append(_table(["", "Output", "atol / rtol", "max abs", "median abs", "p99 abs", "max rel",
-                           "NaN/Inf", "min atol to pass", "Result"], rows, num_cols=(3, 4, 5, 6, 8)))
-        out.append('<div class="plots">')
-        for o in cmp.outputs:
-            bins = [("0" if b["hi"] == 0 else (f"<{b['hi']:.0e}" if b["lo"] == 0 else f"{b['lo']:.0e}"), b["count"])
-                    for b in o.histogram]
-            out.append(plots.columns(bins, f"Absolute error of '{o.name}'", "|engine - reference| (decade bins)"))
-        out.append("</div>")
-        if cmp.first_bad_layer:
-            x = cmp.first_bad_layer
-            out.append(f"<p>First layer out of tolerance: <b>{escape(x.layer)}</b> ({escape(x.op_type)}, "
-                       f"{escape(x.precision)}) output '{escape(x.tensor)}', max abs error {_g(x.max_abs)}.</p>")
-    elif rep.compare_error:
-        out.append(f"<p>{_badge('fail')} Compare could not run: {escape(rep.compare_error)}</p>")
-    else:
-        out.append("<p>No --reference given: outputs were not compared.</p>")
-    v = rep.verify
-    if v is not None:
-        out.append(f"<p>Metric gate on {escape(v.source)}: {v.samples} held-out samples, output "
-                   f"'{escape(v.output)}'.</p>")
-        rows = [[_Raw(_badge({True: 'pass', False: 'fail', None: 'unknown'}[m.passed])), m.name,
-                 _metric(m.reference, m.unit), _metric(m.engine, m.unit),
-                 "-" if m.drop is None else (f"{m.drop:+.2f}" if m.unit == "%" else f"{m.drop:+.4g}"),
-                 "-" if m.budget is None else f"{m.budget:g}"] for m in v.metrics]
-        out.append(_table(["", "Metric", "Reference", "Engine", "Drop", "Budget"], rows, num_cols=(2, 3, 4, 5)))
-        if v.agreement is not None:
-            out.append(f"<p>Engine and reference pick the same class on {v.agreement:.2f}% of samples.</p>")
-    elif rep.verify_error:
-        out.append(f"<p>{_badge('fail')} Metric gate could not run: {escape(rep.verify_error)}</p>")
-    else:
-        out.append("<p>No --data given: no held-out task metric.</p>")
-    out.append(f"<p>Calibration: {escape(rep.calibration)}.</p>")
-    return "".join(out)
+def _compare_view(cmp) -> dict | None:
+    """What the page shows of a comparison: its table rows and error histograms."""
+    if cmp is None:
+        return None
+    rows = [[Badge(_VERDICT_STATUS.get(o.verdict, "fail")), o.name, _tolerance(o), _g(o.abs_err.get("max")),
+             _g(o.abs_err.get("median")), _g(o.abs_err.get("p99")), _g(o.rel_err.get("max")),
+             f"{o.engine_nan}/{o.engine_inf}", _g(o.min_atol), _result_text(o)] for o in cmp.outputs]
+    svgs = []
+    for o in cmp.outputs:
+        bins = [("0" if b["hi"] == 0 else (f"<{b['hi']:.0e}" if b["lo"] == 0 else f"{b['lo']:.0e}"), b["count"])
+                for b in o.histogram]
+        svgs.append(plots.columns(bins, f"Absolute error of '{o.name}'", "|engine - reference| (decade bins)"))
+    x = cmp.first_bad_layer
+    first_bad = None if not x else {"layer": x.layer, "op_type": x.op_type, "precision": x.precision,
+                                    "tensor": x.tensor, "max_abs": _g(x.max_abs)}
+    return {"reference": cmp.reference, "samples": cmp.samples, "inputs": _inputs_text(cmp), "rows": rows,
+            "plots": svgs, "first_bad": first_bad}
+
+
+def _verify_view(v) -> dict | None:
+    """What the page shows of the metric gate: one row per metric."""
+    if v is None:
+        return None
+    rows = [[Badge({True: "pass", False: "fail", None: "unknown"}[m.passed]), m.name, _metric(m.reference, m.unit),
+             _metric(m.engine, m.unit),
+             "-" if m.drop is None else (f"{m.drop:+.2f}" if m.unit == "%" else f"{m.drop:+.4g}"),
+             "-" if m.budget is None else f"{m.budget:g}"] for m in v.metrics]
+    return {"source": v.source, "samples": v.samples, "output": v.output, "rows": rows, "agreement": v.agreement}
 
 
 def _tolerance(o) -> str:
