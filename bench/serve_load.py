@@ -11,7 +11,14 @@ those in flight are cancelled (counted as lost). Reports throughput, TTFT, TPOT 
 clients saw them, and errors. Then the server is stopped and the same requests run offline through one
 LLMEngine with max_num_seqs = clients (kiln.llm.benchmark.run_requests) for the served/offline ratio.
 
---tiny serves the tiny test Llama (tests/llm/tiny.py, random weights) made in a temporary folder.
+--tiny serves the tiny test Llama (tests/llm/tiny.py, random weights) made in a temporary folder; there a
+decode step is so short that the server's per-token host work shows. --random-model llama-1b serves a
+random-weight BF16 model of Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 KV heads, FFN 8192,
+vocabulary 128256; about 2.5 GB written to a temporary folder), whose step time is a real model's.
+
+The clients run in --client-procs processes (each its own event loop and share of the clients, results
+merged), and the report gives their CPU use beside the server's (its HTTP process and its engine process), so
+a reader can see the load generator was not the limit.
 """
 
 from __future__ import annotations
@@ -85,16 +92,25 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
             "tpot": (last - first) / (tokens - 1) if tokens > 1 else None}
 
 
-async def load(url: str, prompts, out_lens, clients: int, time_limit: float) -> dict:
+async def client_share(url: str, prompts, out_lens, clients: int, next_index, start, time_limit: float) -> dict:
+    """One client process's share: `clients` concurrent clients taking requests off the shared counter."""
     import aiohttp
 
-    todo = list(range(len(prompts)))
     results, errors = [], []
-    deadline = time.monotonic() + time_limit
 
-    async def client(session):
-        while todo and time.monotonic() < deadline:
-            i = todo.pop(0)
+    def take():
+        with next_index.get_lock():
+            i = next_index.value
+            if i >= len(prompts):
+                return None
+            next_index.value = i + 1
+            return i
+
+    async def client(session, deadline):
+        while time.monotonic() < deadline:
+            i = take()
+            if i is None:
+                return
             try:
                 r = await asyncio.wait_for(stream_one(session, url, prompts[i], out_lens[i]),
                                            max(0.1, deadline - time.monotonic()))
@@ -108,18 +124,76 @@ async def load(url: str, prompts, out_lens, clients: int, time_limit: float) -> 
     conn = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
         await asyncio.gather(*(stream_one(session, url, prompts[0][:8], 4) for _ in range(2)))  # warm-up
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(session) for _ in range(clients)))
-        wall = time.perf_counter() - t0
+        start.wait()  # every process starts together
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        deadline = time.monotonic() + time_limit
+        await asyncio.gather(*(client(session, deadline) for _ in range(clients)))
+        end = time.perf_counter()
+    return {"results": results, "errors": errors, "end": end, "cpu_s": time.process_time() - cpu0,
+            "wall_s": end - t0}
+
+
+def _client_process(args, done) -> None:
+    url, prompts, out_lens, clients, next_index, start, time_limit = args
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    done.put(asyncio.run(client_share(url, prompts, out_lens, clients, next_index, start, time_limit)))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: int, server_pid: int) -> dict:
+    """The served run: `procs` client processes (each its own event loop and share of the clients), so the load
+    generator's JSON parsing is not what limits the measured throughput; their CPU use is reported."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")  # the prompts are inherited, not copied through a pipe
+    procs = max(1, min(procs, clients))
+    shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
+    next_index, start = ctx.Value("l", 0), ctx.Barrier(procs + 1)
+    watched = [server_pid, *child_pids(server_pid)]  # the HTTP process and its engine process
+    done = ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=((url, prompts, out_lens, n, next_index, start,
+                                                          time_limit), done), daemon=True) for n in shares]
+    for w in workers:
+        w.start()
+    start.wait()
+    t0 = time.perf_counter()
+    cpu0 = [cpu_seconds(p) for p in watched]
+    parts = [done.get() for _ in workers]
+    cpu = [cpu_seconds(p) - c for p, c in zip(watched, cpu0)]
+    for w in workers:
+        w.join()
+    wall = max(p["end"] for p in parts) - t0
+    results = [r for p in parts for r in p["results"]]
+    errors = [e for p in parts for e in p["errors"]]
     ms = 1000.0
     ttft, tpot, e2e = ([r[k] for r in results if r[k] is not None] for k in ("ttft", "tpot", "e2e"))
     tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "errors": len(errors), "not_started": len(todo),
+    return {"requests": len(results), "errors": len(errors), "not_started": max(0, len(prompts) - next_index.value),
             "error_kinds": sorted(set(errors))[:5], "wall_s": wall, "output_tokens": tokens,
             "output_tok_s": tokens / wall, "req_s": len(results) / wall,
             "ttft_ms_p50": percentile(ttft, 0.5) * ms, "ttft_ms_p99": percentile(ttft, 0.99) * ms,
             "tpot_ms_p50": percentile(tpot, 0.5) * ms, "tpot_ms_p99": percentile(tpot, 0.99) * ms,
-            "e2e_ms_p50": percentile(e2e, 0.5) * ms, "e2e_ms_p99": percentile(e2e, 0.99) * ms}
+            "e2e_ms_p50": percentile(e2e, 0.5) * ms, "e2e_ms_p99": percentile(e2e, 0.99) * ms,
+            "client_processes": procs,
+            "client_cpu_busiest": max(p["cpu_s"] / p["wall_s"] for p in parts),  # fraction of one core
+            "client_cpu_cores": sum(p["cpu_s"] for p in parts) / wall,
+            "server_cpu_cores": cpu[0] / wall, "engine_cpu_cores": sum(cpu[1:]) / wall if cpu[1:] else None}
 
 
 def offline(model: Path, a, prompts, out_lens) -> dict:
@@ -157,15 +231,61 @@ def render(r: dict) -> str:
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     if o:
         lines.append(f"\nServed / offline throughput: **{s['output_tok_s'] / o['output_tok_s']:.2f}**")
+    busiest = f"{s['client_cpu_busiest'] * 100:.0f}%"
+    lines.append(f"\nLoad generator: {s['client_processes']} client processes, {s['client_cpu_cores']:.2f} cores in "
+                 f"all, the busiest at {busiest} of a core. Server CPU: HTTP process {s['server_cpu_cores']:.2f} cores"
+                 + (f", engine process {s['engine_cpu_cores']:.2f}" if s.get("engine_cpu_cores") is not None else ""))
     if s["error_kinds"]:
         lines.append(f"\nErrors: {s['error_kinds']}")
     return "\n".join(lines)
+
+
+# Random-weight checkpoints of real models' shapes, so the served/offline ratio sees a real step time.
+RANDOM_MODELS = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+                     tie_word_embeddings=True),  # Llama-3.2-1B's shape
+}
+
+
+def make_random_model(name: str, out: Path, max_positions: int = 2048) -> Path:
+    """An HF Llama directory with random BF16 weights of RANDOM_MODELS[name]'s shape (made on the GPU when there
+    is one) and the tiny test tokenizer (tests/llm/tiny.py): prompts are random token ids, the text is not read."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln.llm.config import ModelConfig
+    from kiln.llm.model import expected_shapes
+    from tests.llm.tiny import BOS, EOS, write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, 384)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+           "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+           "bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), **RANDOM_MODELS[name]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(0)
+    tensors = {}
+    for key, shape in expected_shapes(ModelConfig.from_hf(cfg)).items():
+        if len(shape) == 1:  # norm weights
+            t = torch.ones(shape, dtype=torch.bfloat16, device=dev)
+        else:
+            t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        tensors[key] = t.cpu()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="HF directory, .gguf or .kiln LLM engine")
     p.add_argument("--tiny", action="store_true", help="serve the tiny test Llama (tests/llm/tiny.py)")
+    p.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
+                   help="serve a random-weight BF16 model of this shape, written to a temporary folder")
     p.add_argument("--clients", type=int, default=256, help="concurrent clients, also max_num_seqs (default 256)")
     p.add_argument("--requests", type=int, default=2000, help="requests in all (default 2000)")
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds the served run may take (default 900)")
@@ -175,18 +295,25 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--threads", type=int, help="torch intra-op threads of the server and the offline run alike "
                    "(OMP_NUM_THREADS; on a small shared CPU, 1 avoids OpenMP oversubscription)")
+    p.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                   help="client processes the clients are spread over (default: a quarter of the cores, at most 4)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
-    if bool(a.model) == a.tiny:
-        p.error("give MODEL or --tiny")
+    if sum(map(bool, (a.model, a.tiny, a.random_model))) != 1:
+        p.error("give one of MODEL, --tiny or --random-model")
     tmp = None
-    if a.tiny:
+    if a.tiny or a.random_model:
         sys.path.insert(0, str(ROOT))
+        tmp = tempfile.TemporaryDirectory()
+    if a.tiny:
         from tests.llm.tiny import make_tiny_llama
 
-        tmp = tempfile.TemporaryDirectory()
         model = make_tiny_llama(Path(tmp.name) / "tiny")
+    elif a.random_model:
+        t = time.perf_counter()
+        model = make_random_model(a.random_model, Path(tmp.name) / a.random_model, a.max_model_len or 2048)
+        print(f"random {a.random_model} written in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     else:
         model = Path(a.model)
     cfg = json.loads((model / "config.json").read_text()) if model.is_dir() else {}
@@ -203,16 +330,19 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     proc, port = start_server(model, a)
     try:
-        served = asyncio.run(load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit))
+        served = load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit, a.client_procs,
+                      proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        sys.stderr.write(proc.stdout.read())  # the server's last lines (drain, the engine process's time)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python", "bench/serve_load.py", *(argv or sys.argv[1:])]),
-              "model": "tiny Llama (tests/llm/tiny.py)" if a.tiny else str(model), "device": a.device,
+              "model": ("tiny Llama (tests/llm/tiny.py)" if a.tiny else f"random-weight {a.random_model} (BF16)"
+                        if a.random_model else str(model)), "device": a.device,
               "clients": a.clients, "num_requests": a.requests, "threads": a.threads,
               "mean_input_len": sum(len(x) for x in prompts) / len(prompts),
               "mean_output_len": sum(out_lens) / len(out_lens), "served": served}
