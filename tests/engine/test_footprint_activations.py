@@ -95,6 +95,17 @@ def test_views_keep_the_tensor_they_view_allocated():
     assert fp.largest[0] == ("b", (n, 32), n * 96 * F32, (n, 96))  # b named, h's bytes counted
 
 
+def test_the_walk_ends_where_sizes_depend_on_values():
+    """NonZero's output length depends on x's values: what comes before it is counted, the rest is not."""
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+                helper.make_node("NonZero", ["h"], ["idx"], name="nonzero"),
+                helper.make_node("Cast", ["idx"], ["y"], to=TensorProto.FLOAT, name="cast")],
+               [("x", ["N", 16])], [("y", [2, "K"])], {"w": _w(16, 64)})
+    fp = footprint.estimate(model_to_graph(m), {"x": (100, 16)})
+    assert fp.layers == 1 and fp.activations == 100 * 64 * F32
+    assert fp.stopped.startswith("the sizes from layer 'nonzero' (NonZero) on cannot be derived without running it")
+
+
 def attention(heads=2, dim=8):
     """Unfused scaled dot-product attention: scores = q @ k^T [B, H, S, S], * 1/sqrt(D), Softmax, @ v."""
     shape = ["B", heads, "S", dim]

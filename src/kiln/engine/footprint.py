@@ -15,7 +15,9 @@ as the runtime drops it (context._liveness). A fused layer's internals (an atten
 counted: the engine never holds them as tensors. Views (Reshape, Expand, Slice...) share their base's bytes.
 Everything is a lower bound, so a refusal is never a false alarm: kernels' scratch memory and the copies a
 layer makes of its inputs come on top, a float tensor counts at the narrowest type the build may give it,
-and where a layer's output sizes depend on values (NonZero, a shape read from data) the walk ends there.
+and where a layer's output sizes depend on values (NonZero, a shape read from data, control flow) the
+walk ends there. (torch's meta kernels of elementwise ops are Python references whose first call imports
+torch._dynamo: the first walk in a process pays that import once.)
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ def estimate(graph: Graph, shapes: dict, float_bytes: int | None = None) -> Foot
             warnings.simplefilter("ignore")
             for i, node in enumerate(graph.nodes):
                 entry = lookup(node.op_type, node.domain)
+                if entry.uses_scope:  # If/Loop/Scan: what their bodies hold depends on values (a trip count)
+                    fp.stopped = f"layer '{node.label}' ({node.op_type}) runs a subgraph; the walk ends there"
+                    break
                 args = [env.get(name) if name else None for name in node.inputs]
                 on_host = all(o in host for o in node.outputs if o)
                 meta_args = [a if pos in entry.host_inputs else as_meta(name, a)
