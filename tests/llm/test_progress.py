@@ -78,3 +78,36 @@ def test_gguf_loading_bar_names_each_tensor_and_its_storage(tiny_llama, tmp_path
     err = capfd.readouterr().err
     assert tensors.keys() == quiet.keys()
     assert f"{len(tensors)}/{len(tensors)}" in err and "tiny.gguf: " in err and "(F32)" in err
+
+
+def test_llm_build_reports_each_calibration_pass_and_matrix(tiny_llama):
+    from kiln.llm import engine_file
+
+    from .test_engine_file import CALIB
+
+    steps = []
+    engine_file.prepare_model(tiny_llama, dtype="fp32", device="cpu", weights="w8a8", kv_cache_dtype="int8",
+                              calib=CALIB, calib_tokens=256, on_step=steps.append)
+    assert steps[0].startswith("calibrating w8a8: activations over ")
+    quantized = [s for s in steps if s.startswith("quantized ")]
+    assert quantized == [f"quantized layers.{n}.{k} to w8a8 ({4 * n + i + 1}/8)"
+                         for n in range(2) for i, k in enumerate(("qkv", "o", "gate_up", "down"))]
+    assert steps[-1].startswith("calibrating int8 KV scales over ")
+
+
+def test_llm_build_and_engine_loading_draw_on_a_terminal_stderr_only(tiny_llama, tmp_path, monkeypatch, capsys):
+    engine = tmp_path / "tiny.kiln"
+    args = ["llm", "build", str(tiny_llama), f"--saveEngine={engine}", "--weights", "fp8", "--dtype", "fp32",
+            "--device", "cpu"]
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert plain.err == ""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    assert main(args) == 0
+    drawn = capsys.readouterr()
+    assert drawn.out.split(" built in ")[0] == plain.out.split(" built in ")[0]  # the same report on stdout
+    assert "loading" in drawn.err and "21/21" in drawn.err  # the model's tensors
+    assert "kiln llm build" in drawn.err and "writing tiny.kiln" in drawn.err
+    LLM(engine, device="cpu")  # the engine file: its steps, ending with the dequantized float copy
+    err = capsys.readouterr().err
+    assert "tiny.kiln: dequantizing 8 quantized matrices" in err

@@ -88,7 +88,7 @@ def load_model(path, progress: bool = False) -> tuple[dict, dict, Tokenizer, dic
             from kiln.llm.engine_file import load_llm_engine
         except ImportError:
             raise ModelError(f"{p}: this Kiln build cannot read .kiln LLM engines (kiln.llm.engine_file).") from None
-        return load_llm_engine(p)
+        return load_llm_engine(p, progress=progress)
     from kiln.llm.loader import load_hf_dir
 
     return (*load_hf_dir(p, progress), {})
@@ -238,7 +238,8 @@ class LLMEngine:
             from kiln.llm.calibrate import calibrate_kv_scales
             from kiln.llm.perplexity import read_text_tokens
 
-            kv_scales = calibrate_kv_scales(self.model, read_text_tokens(tokenizer, kv_calib, 2048), kv_dtype)
+            kv_scales = calibrate_kv_scales(self.model, read_text_tokens(tokenizer, kv_calib, 2048), kv_dtype,
+                                            centre_keys=True)
         if eight_bit and len(kv_scales) != cfg.num_layers:
             raise ConfigError(f"kv_scales has {len(kv_scales)} entries; the model has {cfg.num_layers} layers.")
         self.kv_scales = kv_scales

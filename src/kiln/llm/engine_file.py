@@ -101,13 +101,18 @@ def calibration_ids(tokenizer, path, max_tokens: int) -> list[int]:
 
 
 def prepare_model(source, *, dtype=None, device="auto", weights=None, kv_cache_dtype=None, calib=None,
-                  calib_tokens: int = 2048, loaded=None) -> PreparedModel:
+                  calib_tokens: int = 2048, loaded=None, on_step=None) -> PreparedModel:
     """Load an HF directory, .gguf or .kiln engine as a DecoderModel; quantize its weights (`weights`) and
     calibrate 8-bit KV scales (`kv_cache_dtype`) from the `calib` text when the source does not carry them.
-    loaded: the source's (hf_config, tensors, tokenizer, extras) when already read."""
+    loaded: the source's (hf_config, tensors, tokenizer, extras) when already read. on_step(message): told each
+    calibration pass and each matrix quantized (a progress display's step)."""
     from .config import ModelConfig
     from .engine import load_model
     from .model import DecoderModel
+
+    def step(message: str) -> None:
+        if on_step is not None:
+            on_step(message)
 
     hf_config, tensors, tokenizer, extras = loaded or load_model(source)
     is_engine = bool(extras)
@@ -132,8 +137,11 @@ def prepare_model(source, *, dtype=None, device="auto", weights=None, kv_cache_d
                 raise ConfigError(f"--weights {method} needs calibration text: give --calib FILE.")
             from .calibrate import activation_stats
 
-            stats = activation_stats(model, calibration_ids(tokenizer, calib, calib_tokens))
-        quantize.quantize_model(model, method, stats)
+            ids = calibration_ids(tokenizer, calib, calib_tokens)
+            step(f"calibrating {method}: activations over {len(ids)} tokens of {Path(calib).name}")
+            stats = activation_stats(model, ids)
+        quantize.quantize_model(model, method, stats, on_matrix=lambda key, done, total: step(
+            f"quantized {key} to {method} ({done}/{total})"))
     kv_name = kv_cache_dtype or (extras.get("kv_cache_dtype") if is_engine else None) or "auto"
     kv_dtype = resolve_kv_dtype(kv_name, model.dtype)
     scales = None
@@ -146,7 +154,9 @@ def prepare_model(source, *, dtype=None, device="auto", weights=None, kv_cache_d
         else:
             from .calibrate import calibrate_kv_scales
 
-            scales = calibrate_kv_scales(model, calibration_ids(tokenizer, calib, calib_tokens), kv_dtype)
+            ids = calibration_ids(tokenizer, calib, calib_tokens)
+            step(f"calibrating {kv_cache_name(kv_dtype)} KV scales over {len(ids)} tokens of {Path(calib).name}")
+            scales = calibrate_kv_scales(model, ids, kv_dtype)
     quantized = {k: w for k, w in quantize.linear_weights(model).items() if isinstance(w, quantize.QuantizedWeight)}
     return PreparedModel(model, tokenizer, hf_config, method, kv_cache_name(kv_dtype), scales, quantized)
 
@@ -413,13 +423,18 @@ def require_signed(model, verify_key: bytes | None) -> None:
     _PINNED[path.resolve()] = verify_key
 
 
-def load_llm_engine(path, device: str = "auto"):
-    """(hf_config, tensors, tokenizer, extras) for kiln.llm.engine.LLMEngine (see the module docstring)."""
+def load_llm_engine(path, device: str = "auto", progress: bool = False):
+    """(hf_config, tensors, tokenizer, extras) for kiln.llm.engine.LLMEngine (see the module docstring).
+    progress: each step (checksums, weights, dequantizing) on stderr when it is a terminal."""
+    from ..tools.progress import terminal_progress
     from .config import ModelConfig
     from .loader import check_tensors, check_tokenizer
 
-    ef = read_llm_engine(path, device)
-    tensors = ef.float_tensors()
+    name = Path(path).name
+    with terminal_progress("loading", None, f"{name}: checking every member's SHA-256", enabled=progress) as bar:
+        ef = read_llm_engine(path, device)
+        bar.step(f"{name}: dequantizing {len(ef.quantized)} quantized matrices for the float copy")
+        tensors = ef.float_tensors()
     # The manifest's architecture, the weights and the tokenizer must belong together, as in an HF directory: a
     # resealed engine with another model's tokenizer or config would otherwise load and produce garbage.
     cfg = ModelConfig.from_hf(ef.hf_config, source=f"{path}:manifest.json")
@@ -440,10 +455,13 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
                      calib=None, calib_tokens: int = 2048, max_seq_len: int | None = None, max_batch_size: int = 64,
                      block_size: int = 16, device: str = "auto", budget: float | None = None, eval_text=None,
                      eval_tokens: int = 1024, window: int = 512, stride: int = 256, tensor_parallel_size: int = 1,
-                     sign_key: bytes | None = None, log=print) -> dict:
+                     sign_key: bytes | None = None, log=print, progress: bool = False) -> dict:
     """Build and write a .kiln LLM engine; returns its manifest. With `budget` (percent), the perplexity of the
-    engine on `eval_text` may rise at most that much over the float model's, or nothing is written."""
+    engine on `eval_text` may rise at most that much over the float model's, or nothing is written.
+    progress: the loading bar, then each step (calibration, every matrix quantized, perplexity, writing) on
+    stderr when it is a terminal."""
     from ..engine.target import resolve
+    from ..tools.progress import terminal_progress
     from .engine import load_model
     from .perplexity import perplexity, read_text_tokens
 
@@ -458,51 +476,58 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
     if budget is not None and budget < 0:
         raise ConfigError(f"--budget {budget}: a perplexity rise in percent, >= 0.")
     target = resolve(device)
-    loaded = load_model(model_path)
-    hf_tensors = loaded[1]
-    run_dtype = dtype if target.kind == "cuda" else "fp32"  # the CPU target computes in FP32
-    ppl = None
-    if budget is not None:
-        base = prepare_model(model_path, dtype=run_dtype, device=device, loaded=loaded)
-        eval_ids = read_text_tokens(base.tokenizer, eval_text, eval_tokens)
-        reference = perplexity(base.model, eval_ids, window=window, stride=stride)
-        log(f"float model ({base.model.dtype}, {base.kv_cache_dtype} KV): perplexity {reference.perplexity:.4f} "
-            f"over {reference.tokens} tokens of {eval_text}")
-        del base
-    prepared = prepare_model(model_path, dtype=run_dtype, device=device, weights=weights,
-                             kv_cache_dtype=kv_cache_dtype, calib=calib, calib_tokens=calib_tokens, loaded=loaded)
-    cfg = prepared.model.cfg
-    if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
-        raise ConfigError(f"--max-seq-len {max_seq_len} must be in 1..{cfg.max_position_embeddings} (the model's "
-                          "context).")
-    if max_batch_size < 1:
-        raise ConfigError(f"--max-batch-size {max_batch_size} must be >= 1.")
-    check_tensor_parallel(cfg, tensor_parallel_size, source=str(model_path))
-    if budget is not None:
-        result = perplexity(prepared.model, eval_ids, kv_cache_dtype=prepared.kv_cache_dtype,
-                            kv_scales=prepared.kv_scales, window=window, stride=stride)
-        rise = 100.0 * (result.perplexity / reference.perplexity - 1.0)
-        ppl = {"text": str(eval_text), "tokens": result.tokens, "window": window, "stride": stride,
-               "reference": reference.perplexity, "engine": result.perplexity, "rise_percent": rise,
-               "budget_percent": budget}
-        log(f"engine (weights {prepared.weights}, {prepared.kv_cache_dtype} KV): perplexity "
-            f"{result.perplexity:.4f}, {rise:+.3f}% (budget {budget}%)")
-        if rise > budget:
-            raise ConfigError(
-                f"the engine's perplexity on {eval_text} is {result.perplexity:.4f}, {rise:+.3f}% over the float "
-                f"model's {reference.perplexity:.4f}, beyond --budget {budget}% (weights {prepared.weights}, KV "
-                f"cache {prepared.kv_cache_dtype}); no engine was written. Use a wider precision or a larger budget.")
-    calib_info = None
-    if calib is not None:
-        data = Path(calib).read_bytes()
-        calib_info = {"file": Path(calib).name, "sha256": _sha(data), "max_tokens": calib_tokens}
-    build_config = {"source": str(model_path), "dtype": dtype, "weights": weights,
-                    "kv_cache_dtype": prepared.kv_cache_dtype, "max_seq_len": max_seq_len or cfg.max_position_embeddings,
-                    "max_batch_size": max_batch_size, "block_size": block_size, "calibration": calib_info,
-                    "tensor_parallel_size": tensor_parallel_size, "build_seconds": None}
-    build_config["build_seconds"] = round(time.perf_counter() - started, 3)
-    return write_llm_engine(out, prepared, hf_tensors, dtype=dtype, build_config=build_config, target=target,
-                            perplexity=ppl, sign_key=sign_key)
+    loaded = load_model(model_path, progress)  # its own bar: one live display at a time
+    with terminal_progress("kiln llm build", None, "preparing", enabled=progress) as bar:
+        hf_tensors = loaded[1]
+        run_dtype = dtype if target.kind == "cuda" else "fp32"  # the CPU target computes in FP32
+        ppl = None
+        if budget is not None:
+            base = prepare_model(model_path, dtype=run_dtype, device=device, loaded=loaded)
+            eval_ids = read_text_tokens(base.tokenizer, eval_text, eval_tokens)
+            bar.step(f"perplexity of the float model over {len(eval_ids)} tokens of {Path(eval_text).name}")
+            reference = perplexity(base.model, eval_ids, window=window, stride=stride)
+            log(f"float model ({base.model.dtype}, {base.kv_cache_dtype} KV): perplexity {reference.perplexity:.4f} "
+                f"over {reference.tokens} tokens of {eval_text}")
+            del base
+        prepared = prepare_model(model_path, dtype=run_dtype, device=device, weights=weights,
+                                 kv_cache_dtype=kv_cache_dtype, calib=calib, calib_tokens=calib_tokens, loaded=loaded,
+                                 on_step=bar.step)
+        cfg = prepared.model.cfg
+        if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
+            raise ConfigError(f"--max-seq-len {max_seq_len} must be in 1..{cfg.max_position_embeddings} (the model's "
+                              "context).")
+        if max_batch_size < 1:
+            raise ConfigError(f"--max-batch-size {max_batch_size} must be >= 1.")
+        check_tensor_parallel(cfg, tensor_parallel_size, source=str(model_path))
+        if budget is not None:
+            bar.step(f"perplexity of the engine (weights {prepared.weights}, {prepared.kv_cache_dtype} KV)")
+            result = perplexity(prepared.model, eval_ids, kv_cache_dtype=prepared.kv_cache_dtype,
+                                kv_scales=prepared.kv_scales, window=window, stride=stride)
+            rise = 100.0 * (result.perplexity / reference.perplexity - 1.0)
+            ppl = {"text": str(eval_text), "tokens": result.tokens, "window": window, "stride": stride,
+                   "reference": reference.perplexity, "engine": result.perplexity, "rise_percent": rise,
+                   "budget_percent": budget}
+            log(f"engine (weights {prepared.weights}, {prepared.kv_cache_dtype} KV): perplexity "
+                f"{result.perplexity:.4f}, {rise:+.3f}% (budget {budget}%)")
+            if rise > budget:
+                raise ConfigError(
+                    f"the engine's perplexity on {eval_text} is {result.perplexity:.4f}, {rise:+.3f}% over the float "
+                    f"model's {reference.perplexity:.4f}, beyond --budget {budget}% (weights {prepared.weights}, KV "
+                    f"cache {prepared.kv_cache_dtype}); no engine was written. Use a wider precision or a larger "
+                    "budget.")
+        calib_info = None
+        if calib is not None:
+            data = Path(calib).read_bytes()
+            calib_info = {"file": Path(calib).name, "sha256": _sha(data), "max_tokens": calib_tokens}
+        build_config = {"source": str(model_path), "dtype": dtype, "weights": weights,
+                        "kv_cache_dtype": prepared.kv_cache_dtype,
+                        "max_seq_len": max_seq_len or cfg.max_position_embeddings,
+                        "max_batch_size": max_batch_size, "block_size": block_size, "calibration": calib_info,
+                        "tensor_parallel_size": tensor_parallel_size, "build_seconds": None}
+        build_config["build_seconds"] = round(time.perf_counter() - started, 3)
+        bar.step(f"writing {Path(out).name}")
+        return write_llm_engine(out, prepared, hf_tensors, dtype=dtype, build_config=build_config, target=target,
+                                perplexity=ppl, sign_key=sign_key)
 
 
 # --- inspect ------------------------------------------------------------------------------------------------
@@ -594,7 +619,8 @@ def run_build(args) -> int:
                          kv_cache_dtype=args.kv_cache_dtype, calib=args.calib, calib_tokens=args.calib_tokens,
                          max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, block_size=args.block_size,
                          device=args.device, budget=args.budget, eval_text=args.eval_text,
-                         eval_tokens=args.eval_tokens, tensor_parallel_size=args.tp, sign_key=sign_key, log=con.print)
+                         eval_tokens=args.eval_tokens, tensor_parallel_size=args.tp, sign_key=sign_key, log=con.print,
+                         progress=True)
     con.print(f"LLM engine written to {args.save_engine}: weights {m['quantization']['weights']}, KV cache "
               f"{m['kv_cache']['dtype']}, {fmt_bytes(m['weight_bytes'])} of weights, built in "
               f"{m['build_config']['build_seconds']} s for {m['target']['name']}")

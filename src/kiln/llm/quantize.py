@@ -281,18 +281,22 @@ def set_linear_weight(model, key: str, w) -> None:
     model.layers[int(n)][k] = w
 
 
-def quantize_model(model, method: str, stats: dict | None = None) -> dict[str, QuantizedWeight]:
+def quantize_model(model, method: str, stats: dict | None = None, on_matrix=None) -> dict[str, QuantizedWeight]:
     """Replace every decoder matrix of `model` (a kiln.llm.model.DecoderModel) by its `method` form, in place;
-    returns them by key. stats: {key: ActivationStats} from calibrate.activation_stats (w8a8, int4-awq)."""
+    returns them by key. stats: {key: ActivationStats} from calibrate.activation_stats (w8a8, int4-awq).
+    on_matrix(key, done, total): called after each matrix (a progress display)."""
     check_method(method)
     if method == "none":
         return {}
     out = {}
-    for key, w in linear_weights(model).items():
+    matrices = linear_weights(model)
+    for key, w in matrices.items():
         q = quantize_weight(w, method, (stats or {}).get(key) if needs_calibration(method) else None)
         q = q.to_device(w.device)
         set_linear_weight(model, key, q)
         out[key] = q
+        if on_matrix is not None:
+            on_matrix(key, len(out), len(matrices))
     return out
 
 
