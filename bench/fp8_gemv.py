@@ -4,7 +4,8 @@ Llama-3-8B's decode shapes, M = 1, 4, 16, 64 rows, on the GPU.
 Each figure is one call's GPU time inside a CUDA graph of calls that cycle through enough copies of the weight
 (more than 2x L2 together) that every call reads its weight from HBM, as a decode step's layers do. GB/s counts
 the bytes a call must move: weight + activations in + outputs. `_scaled_mm + quant` adds the per-token FP8
-quantization of the activations that kiln.llm.quantize runs before it (amax, divide, cast).
+quantization of the activations that kiln.llm.quantize runs before it (amax, divide, cast). `fp16 x` is the
+GEMV with FP16 activations (the FP8 codes then convert to FP16 alone, without the BF16 step).
 
     python bench/fp8_gemv.py [--shapes all|small] [--sweep]     (GPU)
 """
@@ -83,13 +84,15 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) 
             t_smm = t_smmq = float("nan")
         if m <= fg.MAX_M:
             t_gemv = graph_us(lambda i, x=x: fg.fp8_gemv(x, w8[i], scale, cfg), copies)
+            xh = x.half()  # FP16 activations: the codes convert to FP16 alone (no BF16 step)
+            t_half = graph_us(lambda i, xh=xh: fg.fp8_gemv(xh, w8[i], scale, cfg), copies)
             want = fg.reference(x, w8[0], scale).float()
             err = ((fg.fp8_gemv(x, w8[0], scale, cfg).float() - want).abs().max() / want.abs().max()).item()
         else:
-            t_gemv, err = float("nan"), float("nan")
+            t_gemv = t_half = err = float("nan")
         print(f"{name:8s} {n:6d} {k:6d} {m:3d} | {t_bf16:6.1f}us {bytes16 / t_bf16 / 1e3:5.0f}GB/s | "
               f"{t_smm:6.1f}us {bytes8 / t_smm / 1e3:5.0f}GB/s | {t_smmq:7.1f}us | "
-              f"{t_gemv:6.1f}us {bytes8 / t_gemv / 1e3:5.0f}GB/s | {t_bf16 / t_gemv:11.2f}x | "
+              f"{t_gemv:6.1f}us {bytes8 / t_gemv / 1e3:5.0f}GB/s | {t_bf16 / t_gemv:11.2f}x | {t_half:6.1f}us | "
               f"{cfg.name}, {err:.1e}", flush=True)
     if sweep:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
           f"triton {__import__('triton').__version__}")
     shapes = SHAPES if a.shapes == "all" else SHAPES[:2]
     print(f"{'shape':8s} {'N':>6s} {'K':>6s} {'M':>3s} | {'bf16 mm':>14s} | {'_scaled_mm':>14s} | "
-          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | tile, max rel err")
+          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | {'fp16 x':>8s} | tile, max rel err")
     for name, n, k in shapes:
         bench_shape(name, n, k, dev, l2, props.multi_processor_count, a.sweep)
         torch.cuda.empty_cache()

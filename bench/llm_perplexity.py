@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from kiln.llm import quantize
-    from kiln.llm.calibrate import activation_stats, kv_absmax, kv_scales_from_absmax
+    from kiln.llm.calibrate import activation_stats, kv_scales_from_absmax, kv_statistics
     from kiln.llm.config import ModelConfig
     from kiln.llm.gguf import load_gguf
     from kiln.llm.model import DecoderModel
@@ -82,33 +82,36 @@ def main(argv=None) -> int:
             (f"- evaluation: the first {len(ids)} tokens of tests/llm/data/hamlet_act1.txt, windows of {a.window} "
              f"advancing by {a.stride} through the paged KV cache (block 16, shuffled blocks)"),
             (f"- calibration: the first {len(calib)} tokens of tests/llm/data/macbeth_act1.txt (KV scales: FP8 one "
-             "per layer = amax/448, INT8 one per KV head = amax/127; SmoothQuant and AWQ activation statistics)"),
+             "per layer = amax/448 with the keys stored centred on their calibrated mean, as calibrate_kv_scales "
+             "makes them, and once without centring; INT8 one per KV head = amax/127; SmoothQuant and AWQ "
+             "activation statistics)"),
             "",
             "| weights | KV cache | perplexity | rise vs reference | target | seconds |",
             "|---|---|---|---|---|---|",
         ]
         for r in rows:
             rise = 100 * (r["ppl"] / ref - 1)
-            target = TARGETS.get(r["kv"]) if r["weights"] == "none" else None
+            target = TARGETS.get(r["kv"].split(" ")[0]) if r["weights"] == "none" else None
             verdict = "" if target is None else (f"<= {target}% {'met' if rise <= target else 'MISSED'}")
             lines.append(f"| {r['weights']} | {r['kv']} | {r['ppl']:.4f} | "
                          f"{'reference' if r is rows[0] else f'{rise:+.3f}%'} | {verdict} | {r['seconds']:.0f} |")
         Path(a.out).write_text("\n".join(lines) + "\n")
 
-    def measure(weights: str, kv: str, model, scales=None):
+    def measure(weights: str, kv: str, model, scales=None, note: str = ""):
         t = time.perf_counter()
         r = perplexity(model, ids, kv_cache_dtype=kv, kv_scales=scales, window=a.window, stride=a.stride)
-        rows.append({"weights": weights, "kv": r.kv_cache_dtype, "ppl": r.perplexity,
+        rows.append({"weights": weights, "kv": r.kv_cache_dtype + note, "ppl": r.perplexity,
                      "seconds": time.perf_counter() - t})
-        print(f"weights {weights:9s} KV {r.kv_cache_dtype:5s} perplexity {r.perplexity:.4f} "
+        print(f"weights {weights:9s} KV {r.kv_cache_dtype + note:5s} perplexity {r.perplexity:.4f} "
               f"({rows[-1]['seconds']:.0f} s)", flush=True)
         write()
 
     model = fresh()
     measure("none", "auto", model)
-    amax = kv_absmax(model, calib, window=a.window)
-    for kv in ("fp8", "int8"):
-        measure("none", kv, model, kv_scales_from_absmax(amax, kv))
+    kv = kv_statistics(model, calib, window=a.window)
+    measure("none", "fp8", model, kv_scales_from_absmax(kv.absmax, "fp8", kv.key_mean))
+    measure("none", "fp8", model, kv_scales_from_absmax(kv.absmax, "fp8"), " (keys not centred)")
+    measure("none", "int8", model, kv_scales_from_absmax(kv.absmax, "int8"))
     stats = None
     for method in [m for m in a.weights.split(",") if m]:
         model = fresh()

@@ -299,6 +299,40 @@ def test_reshape_and_cache_kernel_writes_what_the_reference_writes(cache_dtype, 
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_key_offset_is_subtracted_before_storing_and_attention_does_not_see_it(cache_dtype):
+    """Both writers store k - k_offset (the same codes); attention over the centred keys of a float cache equals
+    attention over the keys themselves (softmax ignores the scores' common shift q . k_offset)."""
+    kv_heads, d, bs, n = 2, 16, 4, 9
+    g = torch.Generator().manual_seed(3)
+    offset = torch.randn(kv_heads, d, generator=g) * 4
+    scale = torch.tensor([2.0**-4, 2.0**-3])
+    k = (_kv_for_cache(cache_dtype, n, kv_heads, d, scale, 4) / 50 if cache_dtype == FP8
+         else torch.randn(n, kv_heads, d, generator=g)) + offset
+    v = torch.randn(n, kv_heads, d, generator=g)
+    slots = torch.arange(n)
+    stored = []
+    for fn in (pa.reshape_and_cache_reference, pa.reshape_and_cache):
+        kc = torch.zeros(3, bs, kv_heads, d, dtype=cache_dtype, device=DEV)
+        vc = torch.zeros_like(kc)
+        scales = dict(k_scale=scale.to(DEV), v_scale=scale.to(DEV)) if cache_dtype == FP8 else {}
+        fn(k.to(DEV), v.to(DEV), kc, vc, slots.to(DEV), k_offset=offset.to(DEV), **scales)
+        stored.append((kc.cpu(), vc.cpu()))
+    assert torch.equal(stored[0][0].view(torch.uint8), stored[1][0].view(torch.uint8))
+    centred = pa.dequantize_kv(stored[0][0], scale if cache_dtype == FP8 else None).reshape(-1, kv_heads, d)[:n]
+    if cache_dtype == FP8:
+        return
+    torch.testing.assert_close(centred, k - offset)
+    q = torch.randn(3, 4, d, generator=g)
+    meta = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+            torch.tensor([[0, 1, 2]], dtype=torch.int32), 3, n)
+    plain_k = torch.zeros_like(stored[0][0])
+    pa.reshape_and_cache_reference(k, v, plain_k, torch.zeros_like(plain_k), slots)
+    got = pa.paged_attention_reference(q, stored[0][0], stored[0][1], *meta, 0.25)
+    want = pa.paged_attention_reference(q, plain_k, stored[0][1], *meta, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The compiler's view without a GPU: sm_90 code from Triton's bundled ptxas, in a fresh process (kernels defined
 # under TRITON_INTERPRET cannot be compiled)
@@ -332,10 +366,10 @@ def attention(kv, split, block_m, g, window=False, cap=False):
               CDT=tl.bfloat16 if kv == "*bf16" else tl.float16, CLAMP_Q=kv != "*bf16", PREC="tf32")
     return source(pa._paged_attention_kernel, types, cx)
 
-def cache(quant, ptr):
+def cache(quant, ptr, offset=False):
     types = dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=ptr, vc_ptr=ptr, slot_ptr="*i64", ks_ptr="*fp32",
-                 vs_ptr="*fp32")
-    cx = dict(KVH=8, HEAD_DIM=128, BLOCK_SIZE=16, QUANT=quant, BLOCK_H=8, BLOCK_D=128)
+                 vs_ptr="*fp32", ko_ptr="*fp32")
+    cx = dict(KVH=8, HEAD_DIM=128, BLOCK_SIZE=16, QUANT=quant, HAS_OFFSET=offset, BLOCK_H=8, BLOCK_D=128)
     return source(pa._reshape_and_cache_kernel, types, cx)
 
 merge = source(pa._merge_splits_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16", qsl_ptr="*i32"),
@@ -344,7 +378,8 @@ cases = [("decode bf16", attention("*bf16", False, 16, 4), 3),
          ("decode fp8 split", attention("*fp8e4nv", True, 16, 4), 3),
          ("decode int8 window cap", attention("*i8", False, 16, 4, True, True), 3),
          ("prefill bf16 gqa 3", attention("*bf16", False, 64, 3), 2), ("merge", merge, 1),
-         ("cache fp8", cache("fp8", "*fp8e4nv"), 1), ("cache int8", cache("int8", "*i8"), 1),
+         ("cache fp8", cache("fp8", "*fp8e4nv"), 1), ("cache fp8 centred keys", cache("fp8", "*fp8e4nv", True), 1),
+         ("cache int8", cache("int8", "*i8"), 1),
          ("cache bf16", cache("", "*bf16"), 1)]
 for name, src, stages in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages)).asm["ptx"]
@@ -362,7 +397,7 @@ def test_kernels_compile_for_hopper_with_pipelined_16_byte_loads():
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     counts = dict(line.rsplit(" 16-byte cp.async: ", 1) for line in run.stdout.splitlines())
-    assert len(counts) == 8, run.stdout
+    assert len(counts) == 9, run.stdout
     for name in ("decode bf16", "decode fp8 split", "decode int8 window cap", "prefill bf16 gqa 3"):
         assert int(counts[name]) > 0, run.stdout
 

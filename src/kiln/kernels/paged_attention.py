@@ -7,6 +7,12 @@ sequence's blocks are listed, in order, in its row of block_tables.
 8-bit caches carry FP32 scales [num_kv_heads]: stored = x / scale (FP8 E4M3: saturated to +-448 then rounded
 to nearest even; INT8: rounded half to even, clamped to -127..127), dequantized = stored.float() * scale.
 
+A key offset k_offset [num_kv_heads, head_dim] FP32 (optional) is subtracted from every key before it is
+stored: the cache holds k - k_offset. Attention reads the stored keys as they are, which is exact: a query's
+scores all move by the same q . k_offset, and softmax does not see a shift common to all its inputs (logit
+soft-capping does, so a model with it takes no offset). Centring the keys on their calibrated mean leaves FP8's
+relative rounding error on the keys' spread instead of on their (often large) common part.
+
 Tokens of all sequences of a step are packed without padding: sequence s owns query rows
 query_start_loc[s] .. query_start_loc[s + 1]; its context has seq_lens[s] tokens, this step's included, so its
 query j sits at absolute position p = seq_lens[s] - qlen_s + j and attends keys 0..p (with a sliding window w,
@@ -69,14 +75,15 @@ def kv_scales(x: torch.Tensor, dtype: torch.dtype, per_head: bool | None = None)
 # Torch references
 # ---------------------------------------------------------------------------------------------------------------
 
-def reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, k_offset=None):
     """Writes k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping (-1: not written),
-    quantizing for 8-bit caches."""
+    quantizing for 8-bit caches; keys minus k_offset when given."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = quantize_kv(k[keep], k_scale, k_cache.dtype)
+    keys = k[keep] if k_offset is None else k[keep].float() - k_offset.float().to(k.device)
+    k_cache[blocks, offsets] = quantize_kv(keys, k_scale, k_cache.dtype)
     v_cache[blocks, offsets] = quantize_kv(v[keep], v_scale, v_cache.dtype)
 
 
@@ -160,10 +167,11 @@ def _to_codes(x, scale, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, ko_ptr,
                               skt, skh, svt, svh, skcb, skco, skch, svcb, svco, svch,
                               KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                              QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                              QUANT: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -174,6 +182,8 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs
         ok = (rh < KVH)[:, None] & (rd < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + t.to(tl.int64) * skt + rh[:, None] * skh + rd[None, :], mask=ok)
         v = tl.load(v_ptr + t.to(tl.int64) * svt + rh[:, None] * svh + rd[None, :], mask=ok)
+        if HAS_OFFSET:
+            k = k.to(tl.float32) - tl.load(ko_ptr + rh[:, None] * HEAD_DIM + rd[None, :], mask=ok, other=0.0)
         if QUANT != "":
             k = _to_codes(k.to(tl.float32), tl.load(ks_ptr + rh, mask=rh < KVH, other=1.0)[:, None], QUANT)
             v = _to_codes(v.to(tl.float32), tl.load(vs_ptr + rh, mask=rh < KVH, other=1.0)[:, None], QUANT)
@@ -212,10 +222,12 @@ def _scales(scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return scale.float().contiguous() if scale is not None else like
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, k_offset=None):
     """Triton version of reshape_and_cache_reference: one program per token."""
     num_tokens, kvh, d = k.shape
     _check_cache(k_cache, v_cache, k_scale, v_scale, kvh, d)
+    if k_offset is not None and tuple(k_offset.shape) != (kvh, d):
+        raise ShapeError(f"paged KV cache: k_offset is {list(k_offset.shape)}, the keys need [{kvh}, {d}].")
     if num_tokens == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -223,8 +235,9 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
     slots = slot_mapping.to(torch.int64).contiguous()
     _reshape_and_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slots, _scales(k_scale, slots), _scales(v_scale, slots),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        KVH=kvh, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], QUANT=quant, BLOCK_H=triton.next_power_of_2(kvh),
+        _scales(k_offset, slots), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], KVH=kvh, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], QUANT=quant,
+        HAS_OFFSET=k_offset is not None, BLOCK_H=triton.next_power_of_2(kvh),
         BLOCK_D=triton.next_power_of_2(d), num_warps=4 if kvh * d >= 1024 else 1)
 
 

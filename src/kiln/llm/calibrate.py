@@ -1,9 +1,12 @@
 """Calibration on representative text: KV-cache scales, and the activation statistics weight quantization uses.
 
 `calibrate_kv_scales` runs the calibration tokens through the decoder with a float paged cache, then reads the
-cache back: per layer, the absolute maximum of the keys (after RoPE, as the cache holds them) and of the values.
-FP8 (E4M3): one scale per layer, amax / 448, repeated over the KV heads (the cache contract's layout); INT8: one
-per KV head, amax / 127. Every scale comes from data: an empty or all-zero calibration is refused, never
+cache back: per layer, the absolute maximum of the keys (after RoPE, as the cache holds them) and of the values,
+and the keys' mean. FP8 (E4M3): one scale per layer, amax / 448, repeated over the KV heads (the cache
+contract's layout), and the keys stored centred on their mean (kiln.kernels.paged_attention's k_offset: exact
+for softmax, and FP8's 3-bit mantissa then rounds the keys' spread instead of their large common part); INT8:
+one per KV head, amax / 127. (Centring is asked for by `centre_keys`; a .kiln engine file does not store the
+offsets yet, so its build does not ask.) Every scale comes from data: an empty or all-zero calibration is refused, never
 replaced by 1.0.
 
 `activation_stats` records, for every decoder matrix, the inputs it multiplies: the per-input-channel absolute
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, InputError
+from .attention import KVScales, key_offset
 from .perplexity import EIGHT_BIT, FP8, PagedSequence, kv_cache_name
 from .quantize import linear_weights, set_linear_weight
 
@@ -32,11 +36,21 @@ def calibration_windows(ids, window: int) -> list[torch.Tensor]:
     return [ids[i:i + window] for i in range(0, ids.numel(), window)]
 
 
-def kv_absmax(model, ids, *, window: int = 512, chunk: int = 256) -> torch.Tensor:
-    """FP32 [num_layers, 2 (K, V), num_kv_heads]: the largest |value| the cache held for each KV head while the
-    calibration tokens ran (windows of at most `window` tokens, each its own sequence)."""
+@dataclass
+class KVStatistics:
+    """What the cache held while the calibration tokens ran, per layer."""
+
+    absmax: torch.Tensor  # FP32 [num_layers, 2 (K, V), num_kv_heads]: largest |value| per KV head
+    key_mean: torch.Tensor  # FP32 [num_layers, num_kv_heads, head_dim]: the keys' mean over the tokens
+
+
+def kv_statistics(model, ids, *, window: int = 512, chunk: int = 256) -> KVStatistics:
+    """Runs the calibration tokens (windows of at most `window` tokens, each its own sequence) through a float
+    paged cache and reads back what it holds: keys after RoPE, values."""
     cfg = model.cfg
     amax = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads)
+    key_sum = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float64)
+    count = 0
     with torch.inference_mode():
         for piece in calibration_windows(ids, min(window, cfg.max_position_embeddings)):
             seq = PagedSequence.allocate(model, piece.numel(), model.dtype)
@@ -44,18 +58,29 @@ def kv_absmax(model, ids, *, window: int = 512, chunk: int = 256) -> torch.Tenso
             written = seq.block_table.long()
             for n, cache in enumerate(seq.caches):
                 for j, c in enumerate((cache.k, cache.v)):
-                    tokens = c[written].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:piece.numel()]
-                    amax[n, j] = torch.maximum(amax[n, j], tokens.float().abs().amax(dim=(0, 2)).cpu())
-    return amax
+                    tokens = c[written].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:piece.numel()].float()
+                    amax[n, j] = torch.maximum(amax[n, j], tokens.abs().amax(dim=(0, 2)).cpu())
+                    if j == 0:
+                        key_sum[n] += tokens.double().sum(dim=0).cpu()
+            count += piece.numel()
+    return KVStatistics(amax, (key_sum / count).float())
 
 
-def kv_scales_from_absmax(amax: torch.Tensor, kv_cache_dtype):
-    """[(k_scale, v_scale)] per layer from kv_absmax's maxima: FP8 amax / 448 (one per layer, repeated over the
-    KV heads), INT8 amax / 127 per KV head. Refuses maxima that are zero or not finite."""
+def kv_absmax(model, ids, *, window: int = 512, chunk: int = 256) -> torch.Tensor:
+    """FP32 [num_layers, 2 (K, V), num_kv_heads]: the largest |value| the cache held for each KV head while the
+    calibration tokens ran (kv_statistics' absmax)."""
+    return kv_statistics(model, ids, window=window, chunk=chunk).absmax
+
+
+def kv_scales_from_absmax(amax: torch.Tensor, kv_cache_dtype, key_mean: torch.Tensor | None = None):
+    """[KVScales] per layer from kv_absmax's maxima: FP8 amax / 448 (one per layer, repeated over the KV heads),
+    INT8 amax / 127 per KV head. With key_mean (kv_statistics'; FP8 only) each layer's FP8 cache also stores its
+    keys centred on that mean (KVScales.k_offset), which softmax does not see; the scales stay those of the
+    uncentred keys, so they hold either form. Refuses maxima that are zero or not finite."""
     dtype = {"fp8": FP8, "int8": torch.int8}.get(kv_cache_dtype, kv_cache_dtype)
     if dtype not in EIGHT_BIT:
         raise ConfigError(f"KV scales are for fp8 or int8 caches, not {kv_cache_dtype!r}.")
-    if not torch.isfinite(amax).all():
+    if not torch.isfinite(amax).all() or (key_mean is not None and not torch.isfinite(key_mean).all()):
         raise InputError("calibration produced non-finite keys or values: the model overflows on this text.")
     for n in range(amax.shape[0]):
         for j, name in enumerate("KV"):
@@ -66,20 +91,35 @@ def kv_scales_from_absmax(amax: torch.Tensor, kv_cache_dtype):
     if dtype == FP8:  # one scale per layer
         amax = amax.amax(dim=2, keepdim=True).expand_as(amax)
     scales = (amax / (FP8_MAX if dtype == FP8 else INT8_MAX)).float()
-    return [(scales[n, 0].contiguous(), scales[n, 1].contiguous()) for n in range(amax.shape[0])]
+    offsets = key_mean if dtype == FP8 else None
+    return [KVScales(scales[n, 0].contiguous(), scales[n, 1].contiguous(),
+                     None if offsets is None else offsets[n].contiguous()) for n in range(amax.shape[0])]
 
 
-def calibrate_kv_scales(model, ids, kv_cache_dtype, *, window: int = 512, chunk: int = 256):
-    """[(k_scale, v_scale)] per layer, FP32 [num_kv_heads] each, for an FP8 or INT8 cache (torch dtype or name)."""
+def calibrate_kv_scales(model, ids, kv_cache_dtype, *, window: int = 512, chunk: int = 256,
+                        centre_keys: bool = False):
+    """[KVScales] per layer, FP32 [num_kv_heads] each, for an FP8 or INT8 cache (torch dtype or name). With
+    centre_keys, an FP8 cache also stores its keys centred on their calibrated mean (KVScales.k_offset), unless
+    the model soft-caps its attention logits. (Off by default: a .kiln engine file keeps the scales alone.)"""
     kv_scales_from_absmax(torch.ones(1, 2, 1), kv_cache_dtype)  # refuse a float cache before running anything
-    return kv_scales_from_absmax(kv_absmax(model, ids, window=window, chunk=chunk), kv_cache_dtype)
+    stats = kv_statistics(model, ids, window=window, chunk=chunk)
+    centre = centre_keys and not getattr(model.cfg, "attn_logit_softcap", None)
+    return kv_scales_from_absmax(stats.absmax, kv_cache_dtype, stats.key_mean if centre else None)
 
 
 def describe_kv_scales(scales, dtype) -> dict:
-    """The manifest's form: per layer, K and V scales as lists of floats."""
+    """The manifest's form: per layer, K and V scales as lists of floats (and the key offset, per KV head and
+    channel, where the cache centres its keys)."""
+    layers = []
+    for pair in scales:
+        k, v = pair
+        entry = {"k_scale": k.tolist(), "v_scale": v.tolist()}
+        if key_offset(pair) is not None:
+            entry["k_offset"] = key_offset(pair).tolist()
+        layers.append(entry)
     return {"dtype": kv_cache_name(dtype) if isinstance(dtype, torch.dtype) else dtype,
             "granularity": "per-layer" if dtype in (FP8, "fp8") else "per-kv-head",
-            "layers": [{"k_scale": k.tolist(), "v_scale": v.tolist()} for k, v in scales]}
+            "keys_centred": any(key_offset(p) is not None for p in scales), "layers": layers}
 
 
 @dataclass

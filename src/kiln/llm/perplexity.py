@@ -51,7 +51,7 @@ class PagedSequence:
     @classmethod
     def allocate(cls, model, num_tokens: int, dtype: torch.dtype, kv_scales=None, block_size: int = 16,
                  seed: int = 0) -> PagedSequence:
-        from .attention import LayerCache
+        from .attention import LayerCache, key_offset
 
         cfg, dev = model.cfg, model.device
         if dtype in EIGHT_BIT and kv_scales is None:
@@ -65,7 +65,8 @@ class PagedSequence:
             caches.append(LayerCache(torch.zeros(shape, dtype=dtype, device=dev),
                                      torch.zeros(shape, dtype=dtype, device=dev),
                                      None if ks is None else ks.to(dev, torch.float32),
-                                     None if vs is None else vs.to(dev, torch.float32)))
+                                     None if vs is None else vs.to(dev, torch.float32),
+                                     key_offset(kv_scales[n], dev) if dtype in EIGHT_BIT else None))
         order = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
         return cls(caches, order.to(dev), block_size)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.errors import ConfigError
-from kiln.llm.attention import AttentionMetadata, LayerCache
+from kiln.llm.attention import AttentionMetadata, LayerCache, key_offset
 from kiln.llm.model import DecoderModel
 from kiln.llm.sampling import Sampler
 from kiln.llm.scheduler import ScheduledStep
@@ -73,11 +73,15 @@ class ModelRunner:
         self.caches = []
         for n in range(self.cfg.num_layers):
             ks, vs = kv_scales[n] if kv_scales is not None else (None, None)
+            ko = key_offset(kv_scales[n]) if kv_scales is not None else None
             if ks is not None:
                 ks, vs = (self._local_scale(s).to(self.device, torch.float32).expand(nkv).contiguous()
                           for s in (ks, vs))
+            if ko is not None:
+                ko = self._local_scale(ko).to(self.device, torch.float32).reshape(nkv, self.cfg.head_dim)
             self.caches.append(LayerCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                                          torch.zeros(shape, dtype=kv_dtype, device=self.device), ks, vs))
+                                          torch.zeros(shape, dtype=kv_dtype, device=self.device), ks, vs,
+                                          ko.contiguous() if ko is not None else None))
         self.sampler = Sampler()
         self.on_step = None  # rank 0 under tensor parallelism: sends each step's inputs to the other ranks
         self.graphs: dict = {}  # bucket batch size -> callable running a decode step from the static buffers
@@ -86,11 +90,12 @@ class ModelRunner:
             self.capture_graphs(max_num_seqs)
 
     def _local_scale(self, scale: torch.Tensor) -> torch.Tensor:
-        """A per-KV-head scale of the full model -> this rank's KV heads (one-value scales stay as they are)."""
+        """A per-KV-head scale [num_kv_heads] or key offset [num_kv_heads, head_dim] of the full model -> this
+        rank's KV heads (one-value scales stay as they are)."""
         ids = self.model.kv_head_ids
         if ids is None or scale.numel() == 1:
             return scale
-        return scale.reshape(-1)[torch.tensor(ids)]
+        return scale.reshape(self.cfg.num_kv_heads, -1)[torch.tensor(ids)].squeeze(-1)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token on this rank."""
