@@ -115,6 +115,20 @@ def test_entropy_matches_nvidia_reference(dist):
     np.testing.assert_allclose(kl[finite], want_kl[finite], rtol=1e-9, atol=1e-12)
 
 
+def test_entropy_never_clips_the_bulk_of_a_distribution_away_from_zero():
+    # Globally pooled ReLU features: every value in a narrow band far from zero. NVIDIA's search finds a near-zero
+    # KL at the first bin holding any value (the outliers folded into P's last bin say nothing of how far they lay)
+    # and clips nearly everything to it; the calibrator clips at most MAX_CLIPPED of the values.
+    rng = np.random.default_rng(3)
+    pooled = 0.8 + 0.14 * rng.standard_normal(100_000)
+    hist, _ = np.histogram(pooled, C.DEFAULT_BINS, (0, pooled.max()))
+    unguarded, _, _ = C.entropy_search(hist, pooled.max())
+    assert np.mean(pooled > unguarded) > 0.99
+    amax = C.EntropyCalibrator().amax(pooled.max(), hist, pooled.max())
+    assert np.mean(pooled > amax) <= C.MAX_CLIPPED
+    assert C.entropy_amax(hist, pooled.max()) == amax
+
+
 def test_calibrators_against_each_other():
     rng = np.random.default_rng(2)
     heavy = np.abs(rng.standard_t(3, size=200_000))  # heavy tail: a few huge values
