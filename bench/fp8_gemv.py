@@ -5,7 +5,8 @@ Each figure is one call's GPU time inside a CUDA graph of calls that cycle throu
 (more than 2x L2 together) that every call reads its weight from HBM, as a decode step's layers do. GB/s counts
 the bytes a call must move: weight + activations in + outputs. `_scaled_mm + quant` adds the per-token FP8
 quantization of the activations that kiln.llm.quantize runs before it (amax, divide, cast). `fp16 x` is the
-GEMV with FP16 activations (the FP8 codes then convert to FP16 alone, without the BF16 step).
+GEMV with FP16 activations (the FP8 codes then convert to FP16 alone, without the BF16 step); `int8 w` the same
+GEMV over INT8 weight-only codes (kiln.llm.quantize's int8).
 
     python bench/fp8_gemv.py [--shapes all|small] [--sweep]     (GPU)
 """
@@ -63,6 +64,7 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) 
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
     scale = (w16[0].float().abs().amax(dim=1) / 448).clamp_min(1e-12)
     w8 = [(w.float() / scale[:, None]).clamp(-448, 448).to(FP8) for w in w16]
+    w_int8 = [c.float().round().clamp(-127, 127).to(torch.int8) for c in w8]  # INT8 codes of the same size
     cfg = fg.choose_config(n, k, torch.bfloat16, dev)
     for m in ROWS:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -86,13 +88,14 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) 
             t_gemv = graph_us(lambda i, x=x: fg.fp8_gemv(x, w8[i], scale, cfg), copies)
             xh = x.half()  # FP16 activations: the codes convert to FP16 alone (no BF16 step)
             t_half = graph_us(lambda i, xh=xh: fg.fp8_gemv(xh, w8[i], scale, cfg), copies)
+            t_int8 = graph_us(lambda i, x=x: fg.fp8_gemv(x, w_int8[i], scale, cfg), copies)
             want = fg.reference(x, w8[0], scale).float()
             err = ((fg.fp8_gemv(x, w8[0], scale, cfg).float() - want).abs().max() / want.abs().max()).item()
         else:
-            t_gemv = t_half = err = float("nan")
+            t_gemv = t_half = t_int8 = err = float("nan")
         print(f"{name:8s} {n:6d} {k:6d} {m:3d} | {t_bf16:6.1f}us {bytes16 / t_bf16 / 1e3:5.0f}GB/s | "
               f"{t_smm:6.1f}us {bytes8 / t_smm / 1e3:5.0f}GB/s | {t_smmq:7.1f}us | "
-              f"{t_gemv:6.1f}us {bytes8 / t_gemv / 1e3:5.0f}GB/s | {t_bf16 / t_gemv:11.2f}x | {t_half:6.1f}us | "
+              f"{t_gemv:6.1f}us {bytes8 / t_gemv / 1e3:5.0f}GB/s | {t_bf16 / t_gemv:11.2f}x | {t_half:6.1f}us | {t_int8:6.1f}us | "
               f"{cfg.name}, {err:.1e}", flush=True)
     if sweep:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -119,7 +122,7 @@ def main(argv=None) -> int:
           f"triton {__import__('triton').__version__}")
     shapes = SHAPES if a.shapes == "all" else SHAPES[:2]
     print(f"{'shape':8s} {'N':>6s} {'K':>6s} {'M':>3s} | {'bf16 mm':>14s} | {'_scaled_mm':>14s} | "
-          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | {'fp16 x':>8s} | tile, max rel err")
+          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | {'fp16 x':>8s} | {'int8 w':>8s} | tile, max rel err")
     for name, n, k in shapes:
         bench_shape(name, n, k, dev, l2, props.multi_processor_count, a.sweep)
         torch.cuda.empty_cache()

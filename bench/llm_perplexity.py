@@ -46,7 +46,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from kiln.llm import quantize
-    from kiln.llm.calibrate import activation_stats, kv_scales_from_absmax, kv_statistics
+    from kiln.llm.calibrate import (
+        activation_stats,
+        kv_scales_from_absmax,
+        kv_statistics,
+    )
     from kiln.llm.config import ModelConfig
     from kiln.llm.gguf import load_gguf
     from kiln.llm.model import DecoderModel

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.llm.calibrate import calibrate_kv_scales, describe_kv_scales, kv_scales_from_absmax, kv_statistics
+from kiln.llm.calibrate import (
+    calibrate_kv_scales,
+    describe_kv_scales,
+    kv_scales_from_absmax,
+    kv_statistics,
+)
 from kiln.llm.config import ModelConfig
 from kiln.llm.model import DecoderModel
 from kiln.llm.perplexity import perplexity
@@ -34,7 +39,7 @@ def test_fp8_scales_carry_the_key_mean(tiny):
     fp8 = calibrate_kv_scales(model, ids, "fp8", window=128, centre_keys=True)
     assert all(p.k_offset is None for p in calibrate_kv_scales(model, ids, "fp8", window=128))
     for n, pair in enumerate(fp8):
-        k_scale, v_scale = pair  # still a pair
+        k_scale, _ = pair  # still a pair
         torch.testing.assert_close(pair.k_offset, stats.key_mean[n])
         # the scale is that of the uncentred keys: it holds them with the offset or without
         assert torch.allclose(k_scale, stats.absmax[n, 0].max() / 448)
@@ -53,7 +58,7 @@ def test_soft_capped_models_get_no_offset(tiny, monkeypatch):
 def test_centred_fp8_keys_score_as_the_float_cache(tiny):
     """Same text, same scales: the FP8 cache's perplexity lies within FP8's rounding of the float cache's, with
     and without centring (the offset changes the rounding, not what softmax sees)."""
-    model, tok, ids = tiny
+    model, _, ids = tiny
     stats = kv_statistics(model, ids, window=128)
     evaluated = ids[:160]
     base = perplexity(model, evaluated, window=160, stride=160).perplexity
