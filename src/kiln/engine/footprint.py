@@ -39,6 +39,7 @@ from .target import Target
 
 # A host (shape-arithmetic) value larger than this is not computed for real: the walk keeps its size only.
 HOST_VALUE_LIMIT = 64 * 2**20
+_META, _CPU = torch.device("meta"), torch.device("cpu")
 
 
 def _gib(n: int) -> str:
@@ -124,7 +125,6 @@ def estimate(graph: Graph, shapes: dict, float_bytes: int | None = None) -> Foot
     """The footprint of running `graph` on inputs of these shapes (name -> shape; at a profile's max for the
     check). float_bytes: float_bytes_floor of the build."""
     from .context import _liveness  # the runtime's own rule for when a value is dropped
-    from .interpreter import call_node
 
     inputs = _meta_inputs(graph, shapes)
     host = placement.host_values(graph)
@@ -159,20 +159,13 @@ def estimate(graph: Graph, shapes: dict, float_bytes: int | None = None) -> Foot
                 on_host = all(o in host for o in node.outputs if o)
                 meta_args = [a if pos in entry.host_inputs else as_meta(name, a)
                              for pos, (name, a) in enumerate(zip(node.inputs, args))]
-                node.device = torch.device("meta")
-                try:
-                    outs = call_node(node, meta_args, env, "reference")
-                except Exception as e:  # noqa: BLE001 - whatever stops it, the walk ends at this layer
-                    outs = None
-                    why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                outs, why = _outputs(node, meta_args, env)
                 if on_host and (outs is None or sum(t.numel() * t.element_size() for t in outs
                                                     if isinstance(t, torch.Tensor)) <= HOST_VALUE_LIMIT):
-                    node.device = torch.device("cpu")  # shape arithmetic: its values feed later layers' shapes
-                    try:
-                        outs = call_node(node, args, env, "reference")
-                    except Exception as e:  # noqa: BLE001
-                        outs = None
-                        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                    # Shape arithmetic, computed for real: its values are later layers' shapes.
+                    real, failed = _outputs(node, args, env, _CPU)
+                    if real is not None or outs is None:
+                        outs, why = real, failed
                 if outs is None:
                     fp.stopped = (f"the sizes from layer '{node.label}' ({node.op_type}) on cannot be derived "
                                   f"without running it ({why})")
@@ -207,6 +200,17 @@ def estimate(graph: Graph, shapes: dict, float_bytes: int | None = None) -> Foot
         for node, dev in zip(graph.nodes, devices):
             node.device = dev
     return fp
+
+
+def _outputs(node, args: list, env: dict, device=_META) -> tuple:
+    """(the node's outputs, None), or (None, why it could not run) (its reference implementation, on `device`)."""
+    from .interpreter import call_node
+
+    node.device = device
+    try:
+        return call_node(node, args, env, "reference"), None
+    except Exception as e:  # noqa: BLE001 - whatever stops it, the walk ends at this layer
+        return None, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _largest(env: dict, root_of: dict, owners: dict, n: int = 2) -> list:
