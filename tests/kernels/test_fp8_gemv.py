@@ -131,6 +131,10 @@ for name, src, cfg in cases:
 s = source(fg._sum_splits_kernel, dict(p_ptr="*fp32", y_ptr="*bf16"), dict(SPLIT_K=4, BLOCK=1024))
 triton.compile(s, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 print("sum splits mma: 0")
+from kiln.kernels import fp8_rows  # the activation quantizer that feeds _scaled_mm above GEMV_MAX_M rows
+s = source(fp8_rows._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(BLOCK=4096))
+ptx = triton.compile(s, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
+print("quantize rows mma:", 0 if "cvt.rn.satfinite.e4m3x2.f32" in ptx else "no fp8 cvt")
 """
 
 
@@ -147,4 +151,5 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     assert run.returncode == 0, run.stdout + run.stderr
     counts = dict(line.rsplit(" mma: ", 1) for line in run.stdout.splitlines())
     assert len(counts) >= 5, run.stdout
-    assert all(int(v) > 0 for k, v in counts.items() if k != "sum splits"), run.stdout
+    assert all(int(v) > 0 for k, v in counts.items() if k not in ("sum splits", "quantize rows")), run.stdout
+    assert counts["quantize rows"] == "0", run.stdout  # converted by the hardware's saturating FP8 cvt

@@ -4,7 +4,8 @@ Formats (`--weights`):
 - fp8       FP8 E4M3 codes, one FP32 scale per output channel (amax / 448). On CUDA, a decode step's few rows
             (at most GEMV_MAX_M) go through kiln.kernels.fp8_gemv (weight-only: activations stay BF16, the
             codes are converted in registers, so the step reads one byte a weight); more rows quantize the
-            activations per token to FP8 for torch._scaled_mm (row-wise scales). Dequantized weights elsewhere.
+            activations per token to FP8 (kiln.kernels.fp8_rows, one kernel) for torch._scaled_mm
+            (row-wise scales). Dequantized weights elsewhere.
 - int8      INT8 weight-only, one scale per output channel (amax / 127). On CUDA, few rows run the same
             weight-only GEMV as fp8; otherwise the weight is dequantized for the matmul (the arithmetic stays
             in the model's float type).
@@ -139,8 +140,10 @@ def _scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
 
 
 def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    sx = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    xq = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    from kiln.kernels import fp8_rows
+
+    # per-token scales amax / 448: one kernel on CUDA, torch's form of it elsewhere
+    xq, sx = fp8_rows.quantize_rows(x) if x.is_cuda else fp8_rows.reference(x)
     # _scaled_mm wants the second operand column-major: the row-major codes' transpose is exactly that.
     return torch._scaled_mm(xq, w.codes.t(), scale_a=sx, scale_b=w.scale[None, :].float(), out_dtype=x.dtype)
 
