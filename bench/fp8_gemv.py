@@ -3,8 +3,8 @@ Llama-3-8B's decode shapes, M = 1, 4, 16, 64 rows, on the GPU.
 
 Each figure is one call's GPU time inside a CUDA graph of calls that cycle through enough copies of the weight
 (more than 2x L2 together) that every call reads its weight from HBM, as a decode step's layers do. GB/s counts
-the bytes a call must move: weight + activations in + outputs. `_scaled_mm + quant` adds the per-token FP8
-quantization of the activations that kiln.llm.quantize runs before it (amax, divide, cast). `fp16 x` is the
+the bytes a call must move: weight + activations in + outputs. `+ quant` is _scaled_mm with the per-token FP8
+quantization of the activations that kiln.llm.quantize runs before it (kiln.kernels.fp8_rows, one kernel). `fp16 x` is the
 GEMV with FP16 activations (the FP8 codes then convert to FP16 alone, without the BF16 step); `int8 w` the same
 GEMV over INT8 weight-only codes (kiln.llm.quantize's int8).
 
@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from kiln.kernels import fp8_gemv as fg
+from kiln.kernels import fp8_rows
 
 FP8 = torch.float8_e4m3fn
 # (name, N out, K in) as F.linear holds them: Llama-3-8B's fused qkv, o, fused gate+up, gate (unfused), down,
@@ -77,7 +78,7 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) 
                 xq, w8[i].t(), scale_a=sx, scale_b=scale[None, :], out_dtype=torch.bfloat16), copies)
 
             def smm_quant(i, x=x):
-                q, s = quant_rows(x)
+                q, s = fp8_rows.quantize_rows(x)
                 return torch._scaled_mm(q, w8[i].t(), scale_a=s, scale_b=scale[None, :], out_dtype=torch.bfloat16)
 
             t_smmq = graph_us(smm_quant, copies)

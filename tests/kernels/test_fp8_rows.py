@@ -39,7 +39,7 @@ def test_strided_rows_and_bad_input():
     x = exact_rows(4, 96, seed=1).to(DEV)
     wide = torch.zeros(4, 128, device=DEV)
     wide[:, :96] = x
-    q, s = fp8_rows.quantize_rows(wide[:, :96])
+    q, _ = fp8_rows.quantize_rows(wide[:, :96])
     assert torch.equal(q.view(torch.uint8), fp8_rows.reference(x)[0].view(torch.uint8))
     with pytest.raises(ValueError, match="2-D"):
         fp8_rows.quantize_rows(torch.zeros(2, 3, 4, device=DEV))
