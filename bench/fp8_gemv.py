@@ -6,7 +6,8 @@ Each figure is one call's GPU time inside a CUDA graph of calls that cycle throu
 the bytes a call must move: weight + activations in + outputs. `+ quant` is _scaled_mm with the per-token FP8
 quantization of the activations that kiln.llm.quantize runs before it (kiln.kernels.fp8_rows, one kernel). `fp16 x` is the
 GEMV with FP16 activations (the FP8 codes then convert to FP16 alone, without the BF16 step); `int8 w` the same
-GEMV over INT8 weight-only codes (kiln.llm.quantize's int8).
+GEMV over INT8 weight-only codes (kiln.llm.quantize's int8); `bf16 w gemv` the same kernel over the BF16 weights
+(half the K tile), against cuBLAS's BF16 matmul in the first column.
 
     python bench/fp8_gemv.py [--shapes all|small] [--sweep]     (GPU)
 """
@@ -67,6 +68,8 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) 
     w8 = [(w.float() / scale[:, None]).clamp(-448, 448).to(FP8) for w in w16]
     w_int8 = [c.float().round().clamp(-127, 127).to(torch.int8) for c in w8]  # INT8 codes of the same size
     cfg = fg.choose_config(n, k, torch.bfloat16, dev)
+    cfg16 = fg.GemvConfig(cfg.block_n, cfg.block_k // 2, cfg.split_k, cfg.num_warps, cfg.num_stages)
+    ones = torch.ones(n, device=dev)
     for m in ROWS:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
         xq, sx = quant_rows(x)
@@ -90,13 +93,15 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, sms: int, sweep: bool) 
             xh = x.half()  # FP16 activations: the codes convert to FP16 alone (no BF16 step)
             t_half = graph_us(lambda i, xh=xh: fg.fp8_gemv(xh, w8[i], scale, cfg), copies)
             t_int8 = graph_us(lambda i, x=x: fg.fp8_gemv(x, w_int8[i], scale, cfg), copies)
+            t_g16 = graph_us(lambda i, x=x: fg.fp8_gemv(x, w16[i], ones, cfg16), copies)
             want = fg.reference(x, w8[0], scale).float()
             err = ((fg.fp8_gemv(x, w8[0], scale, cfg).float() - want).abs().max() / want.abs().max()).item()
         else:
-            t_gemv = t_half = t_int8 = err = float("nan")
+            t_gemv = t_half = t_int8 = t_g16 = err = float("nan")
         print(f"{name:8s} {n:6d} {k:6d} {m:3d} | {t_bf16:6.1f}us {bytes16 / t_bf16 / 1e3:5.0f}GB/s | "
               f"{t_smm:6.1f}us {bytes8 / t_smm / 1e3:5.0f}GB/s | {t_smmq:7.1f}us | "
               f"{t_gemv:6.1f}us {bytes8 / t_gemv / 1e3:5.0f}GB/s | {t_bf16 / t_gemv:11.2f}x | {t_half:6.1f}us | {t_int8:6.1f}us | "
+              f"{t_g16:6.1f}us {bytes16 / t_g16 / 1e3:5.0f}GB/s | "
               f"{cfg.name}, {err:.1e}", flush=True)
     if sweep:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
           f"triton {__import__('triton').__version__}")
     shapes = SHAPES if a.shapes == "all" else SHAPES[:2]
     print(f"{'shape':8s} {'N':>6s} {'K':>6s} {'M':>3s} | {'bf16 mm':>14s} | {'_scaled_mm':>14s} | "
-          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | {'fp16 x':>8s} | {'int8 w':>8s} | tile, max rel err")
+          f"{'+ quant':>9s} | {'fp8_gemv':>14s} | {'gemv vs bf16':>12s} | {'fp16 x':>8s} | {'int8 w':>8s} | {'bf16 w gemv':>14s} | tile, max rel err")
     for name, n, k in shapes:
         bench_shape(name, n, k, dev, l2, props.multi_processor_count, a.sweep)
         torch.cuda.empty_cache()

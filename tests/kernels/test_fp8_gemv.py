@@ -74,7 +74,7 @@ def test_out_and_bad_operands():
     assert not out.isnan().any()
     with pytest.raises(ValueError, match="at most 64 rows"):
         fg.fp8_gemv(torch.zeros(65, 64, device=DEV), codes, scale)
-    with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
+    with pytest.raises(ValueError, match="float8_e4m3fn, int8, bfloat16 or float16"):
         fg.fp8_gemv(x, codes.float(), scale)
     with pytest.raises(ValueError, match="scale must have N = 32"):
         fg.fp8_gemv(x, codes, scale[:31])

@@ -1,7 +1,7 @@
 """Weight-only 8-bit matrix multiply for the few rows of a decode step: y = x @ (codes * scale[:, None]).T.
 
-x [M, K] BF16/FP16/FP32 activations (M small: one row per decoding sequence), codes [N, K] FP8 E4M3 (or INT8)
-weights (row-major, as `torch.nn.functional.linear` holds a weight), scale [N] FP32 per output channel. The weight is
+x [M, K] BF16/FP16/FP32 activations (M small: one row per decoding sequence), codes [N, K] FP8 E4M3 (or INT8,
+or 16-bit for comparison with a plain GEMV) weights (row-major, as `torch.nn.functional.linear` holds a weight), scale [N] FP32 per output channel. The weight is
 read once, one byte an element, converted to x's type in registers and multiplied on the tensor cores with FP32
 accumulation; the per-channel scale multiplies the accumulator. Activations stay in their own type (no
 per-token quantization), so at small M the kernel reads half of what a BF16 matmul reads and nothing more.
@@ -27,7 +27,7 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CODES = (FP8, torch.int8)
+CODES = (FP8, torch.int8, torch.bfloat16, torch.float16)  # 16-bit weights: the same GEMV with scales of 1
 MAX_M = 64  # rows one program holds at most (as the MMA's small dimension); larger batches belong to a GEMM
 
 
@@ -115,8 +115,8 @@ def check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be a 2-D float16, bfloat16 or float32 tensor, got {x.dtype} {list(x.shape)}")
     if codes.dtype not in CODES or codes.dim() != 2 or codes.shape[1] != x.shape[1]:
-        raise ValueError(f"codes must be float8_e4m3fn or int8 [N, K={x.shape[1]}], got {codes.dtype} "
-                         f"{list(codes.shape)}")
+        raise ValueError(f"codes must be float8_e4m3fn, int8, bfloat16 or float16 [N, K={x.shape[1]}], got "
+                         f"{codes.dtype} {list(codes.shape)}")
     if scale.numel() != codes.shape[0]:
         raise ValueError(f"scale must have N = {codes.shape[0]} elements, got {scale.numel()}")
     if x.shape[0] > MAX_M:
@@ -200,7 +200,7 @@ def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> G
     for c in candidate_configs(n, k, sms):
         try:
             timed[c] = _time_config(c, x, weights, scale)
-        except Exception:  # a tile this Triton cannot compile for the device: not a candidate
+        except Exception:  # noqa: BLE001, S112 - a tile this Triton cannot compile for the device: not a candidate
             continue
     cfg = min(timed, key=timed.get) if timed else heuristic_config(n, k, sms)
     _CHOSEN[key] = cfg
