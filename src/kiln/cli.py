@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from .cli_flags import camel_case_flags
 from .errors import ConfigError, InputError, KilnError
 from .fileio import atomic_write
 
@@ -402,7 +403,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_build_options(b)
     b.add_argument("--saveEngine", metavar="FILE", help="write the engine here")
     b.add_argument("--sign", metavar="KEYFILE", help="sign the saved engine with this secret key (HMAC-SHA256; at "
-                   "least 16 bytes), so `kiln run|inspect --verify-key KEYFILE` accepts only engines you built")
+                   "least 16 bytes), so `kiln run|inspect --verifyKey KEYFILE` accepts only engines you built")
     b.add_argument("--skipInference", action="store_true", help="build only; do not time the engine")
     _add_run_options(b)
     b.set_defaults(func=cmd_build)
@@ -430,6 +431,7 @@ def _parser() -> argparse.ArgumentParser:
     from .llm import cli as llm_cli
 
     llm_cli.add_command(sub)
+    camel_case_flags(p)  # trtexec's spelling first in every command, the kebab-case one its alias
     return p
 
 

@@ -298,7 +298,7 @@ def test_cli_exit_codes_and_json(fake_ops, tmp_path, capsys):
     assert code == 2 and "does not exist" in json.loads(out)["error"]
     with pytest.raises(ModelError, match="nope.onnx"):
         _run_cli(["check", str(tmp_path / "nope.onnx")], capsys)
-    with pytest.raises(ConfigError, match="--upgrade-opset"):
+    with pytest.raises(ConfigError, match="--upgradeOpset"):
         _run_cli(["check", str(good), "--output", str(tmp_path / "x.onnx")], capsys)
 
 

@@ -72,5 +72,5 @@ def test_report_without_measurements_says_what_was_not_checked(mlp_files, tmp_pa
     paths = tool.write_report(rep, tmp_path / "plain")
     assert [p.name for p in paths] == ["plain.html", "plain.md"]
     assert "No --traffic file given" in paths[0].read_text()
-    with pytest.raises(ConfigError, match="--latency-target must be a positive"):
+    with pytest.raises(ConfigError, match="--latencyTarget must be a positive"):
         build_report(mlp_files.engine32, run_bench=False, latency_target=-1)

@@ -27,7 +27,7 @@ def test_every_text_is_escaped_and_the_page_is_whole():
     assert html.startswith("<!DOCTYPE html>") and html.endswith("</html>\n")
     for heading in ("Litmus tests", "1. Latency", "2. Profile coverage", "3. Accuracy", "4. Inspector findings"):
         assert f"<h2>{heading}</h2>" in html
-    assert "Not measured (--no-bench)." in html and "No --traffic file given" in html
+    assert "Not measured (--noBench)." in html and "No --traffic file given" in html
 
 
 def test_the_error_histograms_stay_svg_and_their_labels_are_escaped():

@@ -411,7 +411,7 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--upgrade-opset", type=int, metavar="N", default=None,
                    help="convert the model to ai.onnx opset N with onnx.version_converter, then check the result")
     p.add_argument("--output", "-o", metavar="PATH", default=None,
-                   help="with --upgrade-opset: write the converted model here")
+                   help="with --upgradeOpset: write the converted model here")
     p.set_defaults(func=run_check)
     return p
 
@@ -422,7 +422,7 @@ def run_check(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     if getattr(args, "output", None) and args.upgrade_opset is None:
-        raise ConfigError("--output writes the upgraded model, so it needs --upgrade-opset N.")
+        raise ConfigError("--output writes the upgraded model, so it needs --upgradeOpset N.")
     try:
         report = check_model(args.model, upgrade_opset=args.upgrade_opset)
     except KilnError as e:

@@ -27,14 +27,14 @@ command line is absolute.
 Verdicts: PASSED; FAILED (exit 1); INCONCLUSIVE (exit 3) when the check is vacuous:
 the tolerance is so wide against the output's spread that an engine returning one
 constant (the midpoint of the reference's range) would pass it too, so it proves
-nothing (--accept-vacuous counts it as passed, still with the warning).
+nothing (--acceptVacuous counts it as passed, still with the warning).
 
 --layerwise also compares every engine layer output that exists in the ONNX graph
 and names the first layer whose error leaves the tolerance: where accuracy is lost.
 
 Several backends at once (Polygraphy's `polygraphy run --trt --onnxrt`): `kiln compare model.onnx
 --runners kiln-fp16,kiln-int8,onnxruntime,torch --torch MODULE:FACTORY` builds and runs each on the same
-inputs and prints one table (kiln/tools/runners.py). --save-inputs, --load-inputs and --save-outputs
+inputs and prints one table (kiln/tools/runners.py). --saveInputs, --load-inputs and --saveOutputs
 read and write Polygraphy's JSON (kiln/tools/polygraphy_json.py), in both modes.
 """
 
@@ -597,7 +597,7 @@ def render(result: CompareResult, con, histogram: bool = True) -> None:
                       "nothing. Tighten --atol/--rtol (the default is relative to the output's RMS).")
         if o.verdict == "INCONCLUSIVE":
             con.print(f"[E]     INCONCLUSIVE | Output: '{o.name}' | within tolerance, but the check is vacuous "
-                      "(--accept-vacuous counts it as passed)")
+                      "(--acceptVacuous counts it as passed)")
         elif o.passed:
             con.print(f"[I]     PASSED | Output: '{o.name}' | Difference is within tolerance "
                       f"(atol={o.atol:.4g}, rtol={o.rtol:g})" + (" (a vacuous check, accepted)" if o.vacuous else ""))
@@ -670,7 +670,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
                    "tf32/fp16 1e-2, bf16 4e-2, int8 1e-1, fp8 1.5e-1, int4 2e-1; integer outputs exact)")
     p.add_argument("--rtol", action="append", metavar="[OUT:]TOL", help="relative tolerance (same forms; "
                    "default f)")
-    p.add_argument("--accept-vacuous", action="store_true", help="count a vacuous check (one a constant output "
+    p.add_argument("--acceptVacuous", "--accept-vacuous", dest="accept_vacuous", action="store_true",
+                   help="count a vacuous check (one a constant output "
                    "would pass) as passed instead of INCONCLUSIVE (exit 3); the warning stays")
     p.add_argument("--layerwise", action="store_true", help="also compare every layer output that exists in the "
                    "ONNX graph; report the first one out of tolerance")
@@ -737,7 +738,7 @@ def run(args) -> int:
     if not args.engine:
         raise ConfigError("kiln compare needs ENGINE (the .kiln file to check against REF), or --runners LIST to build "
                           "and compare several backends.")
-    for flag, value in (("--torch", args.torch), ("--calib", args.calib), ("--reference-runner", args.reference_runner)):
+    for flag, value in (("--torch", args.torch), ("--calib", args.calib), ("--referenceRunner", args.reference_runner)):
         if value:
             raise ConfigError(f"{flag} goes with --runners.")
     engine = load_engine(args.engine, args.device, verify_key=verify_key_of(args))

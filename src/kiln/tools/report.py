@@ -1,12 +1,12 @@
 """`kiln report ENGINE`: one page that answers the litmus tests for an engine.
 
-    kiln report model.kiln --latency-target 2.5 --traffic shapes.txt --reference model.onnx \\
+    kiln report model.kiln --latencyTarget 2.5 --traffic shapes.txt --reference model.onnx \\
         --data held_out.npz --budget top1=0.5 --out model.report
 
 writes model.report.html (self-contained: inline CSS and SVG, no scripts, no
 network) and its markdown twin model.report.md. The questions:
 
-1. Latency: does the engine meet --latency-target (ms, median by default) on
+1. Latency: does the engine meet --latencyTarget (ms, median by default) on
    this device? The page says which device measured it; a CPU figure is not a
    GPU figure.
 2. Profile coverage: does every shape in the --traffic file fit a profile?
@@ -254,9 +254,9 @@ def build_report(engine, *, engine_label: str | None = None, latency_target: flo
 
     step = on_step or (lambda m: None)
     if latency_stat not in _STAT_KEYS:
-        raise ConfigError(f"--latency-stat must be one of {sorted(_STAT_KEYS)}.")
+        raise ConfigError(f"--latencyStat must be one of {sorted(_STAT_KEYS)}.")
     if latency_target is not None and not (latency_target > 0 and math.isfinite(latency_target)):
-        raise ConfigError("--latency-target must be a positive number of milliseconds.")
+        raise ConfigError("--latencyTarget must be a positive number of milliseconds.")
     label = engine_label or (str(engine) if isinstance(engine, (str, Path)) else "engine (in memory)")
     engine = load_engine(engine, device)
     requests = load_traffic(traffic, engine) if traffic else None
@@ -353,14 +353,14 @@ def _answer(rep: Report) -> None:
     q1 = "Does the engine meet the latency floor on the target GPU?"
     b = rep.bench
     if b is None:
-        rep.litmus.append(Litmus(q1, "unknown", rep.bench_error or "not measured (--no-bench)."))
+        rep.litmus.append(Litmus(q1, "unknown", rep.bench_error or "not measured (--noBench)."))
     else:
         lat = b.timings.to_json()["latency_ms"]
         value = lat[_STAT_KEYS[rep.latency_stat]]
         shape = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items())
         where = f"at {shape} on {b.target}"
         if rep.latency_target is None:
-            rep.litmus.append(Litmus(q1, "unknown", f"no --latency-target given; {rep.latency_stat} latency is "
+            rep.litmus.append(Litmus(q1, "unknown", f"no --latencyTarget given; {rep.latency_stat} latency is "
                                      f"{value:.4g} ms {where}."))
         else:
             ok = value <= rep.latency_target
@@ -653,7 +653,7 @@ def render_markdown(rep: Report) -> str:
     L += ["## 1. Latency", ""]
     b = rep.bench
     if b is None:
-        L += [rep.bench_error or "Not measured (--no-bench).", ""]
+        L += [rep.bench_error or "Not measured (--noBench).", ""]
     else:
         j = b.timings.to_json()
         shape = ", ".join(f"{k}: {fmt_shape(v)}" for k, v in b.shapes.items())
@@ -743,8 +743,10 @@ def add_command(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("engine", metavar="ENGINE", help="the engine file (.kiln)")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.html and PREFIX.md (default: ENGINE's path + .report)")
-    p.add_argument("--latency-target", type=float, metavar="MS", help="the latency floor to meet, in ms")
-    p.add_argument("--latency-stat", default="median", choices=sorted(_STAT_KEYS), help="statistic held to the target")
+    p.add_argument("--latencyTarget", "--latency-target", dest="latency_target", type=float, metavar="MS",
+                   help="the latency floor to meet, in ms")
+    p.add_argument("--latencyStat", "--latency-stat", dest="latency_stat", default="median", choices=sorted(_STAT_KEYS),
+                   help="statistic held to the target")
     p.add_argument("--traffic", metavar="FILE", help="observed request shapes (JSON or text; see above)")
     p.add_argument("--reference", metavar="MODEL", help="the ONNX model (onnxruntime) or MODULE:FACTORY, for compare")
     p.add_argument("--data", metavar="FILE.npz", help="held-out inputs + 'labels' for the metric gate")

@@ -1,7 +1,7 @@
 """`kiln compare model.onnx --runners kiln-fp16,kiln-int8,onnxruntime,torch`: several backends, one table.
 
 Polygraphy's `polygraphy run model.onnx --trt --onnxrt` habit: the same inputs go through every
-runner, and every runner's outputs are compared with the first runner's (or --reference-runner's),
+runner, and every runner's outputs are compared with the first runner's (or --referenceRunner's),
 one row per runner and output.
 
 Runners:
@@ -140,7 +140,7 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
                           "model's inputs in order).")
     ref_name = reference_runner or ("onnxruntime" if "onnxruntime" in runners else runners[0])
     if ref_name not in runners:
-        raise ConfigError(f"--reference-runner '{ref_name}' is not one of --runners {runners}.")
+        raise ConfigError(f"--referenceRunner '{ref_name}' is not one of --runners {runners}.")
     model = OnnxReference(model_path).model if "onnxruntime" in runners else _read(model_path)
     onnx_inputs = [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}]
     out_names = [vi.name for vi in model.graph.output]
