@@ -53,15 +53,18 @@ def start_server(model: Path, a) -> tuple[subprocess.Popen, int]:
         cmd += ["--max-model-len", str(a.max_model_len)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:
-        sys.stderr.write(line)
-        m = READY.search(line)
-        if m:
-            return proc, int(m.group(1))
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
+    deadline, m = time.monotonic() + 600, None
+    try:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            m = READY.search(line)
+            if m:
+                return proc, int(m.group(1))
+            if time.monotonic() > deadline:
+                break
+    finally:
+        if proc.returncode is None and not m:
+            proc.kill()
     raise SystemExit("the server did not start")
 
 
@@ -277,6 +280,9 @@ def make_random_model(name: str, out: Path, max_positions: int = 2048) -> Path:
             t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
         tensors[key] = t.cpu()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors, t
+    if dev == "cuda":
+        torch.cuda.empty_cache()  # the server measures the free memory for its KV pool
     return out
 
 
@@ -300,6 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server below
     if sum(map(bool, (a.model, a.tiny, a.random_model))) != 1:
         p.error("give one of MODEL, --tiny or --random-model")
     tmp = None

@@ -143,6 +143,7 @@ class EngineProcess:
         self._out = bytearray()  # frames for the child that its pipe did not take yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._alive = True
+        self._death = ""
         self._stopped = False
 
     def start(self) -> None:
@@ -161,6 +162,9 @@ class EngineProcess:
         return self._stats
 
     def add(self, request_id: str, prompt, params, sink) -> None:
+        if not self._alive:
+            sink.put(EngineFailure(self._death))
+            return
         self._sinks[request_id] = sink
         fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"}
         self._send(("add", request_id, list(prompt), fields))
@@ -232,8 +236,13 @@ class EngineProcess:
         if not data:  # the child died: every waiting handler gets the failure
             self._loop.remove_reader(self._from_child)
             self._alive = False
-            code = self.proc.poll()
-            failure = EngineFailure(f"the engine process exited (status {code})")
+            try:
+                code = self.proc.wait(1)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._death = f"the engine process exited (status {code}); restart the server"
+            print(f"kiln llm serve: {self._death}.", file=sys.stderr, flush=True)
+            failure = EngineFailure(self._death)
             for sink in self._sinks.values():
                 sink.put(failure)
             self._sinks.clear()

@@ -3,7 +3,8 @@
     POST /v1/completions        text completion (prompt: string, token ids, or a list of either)
     POST /v1/chat/completions   chat, through the model's own chat template
     GET  /v1/models             the served model
-    GET  /health                200 while serving, 503 while draining (never needs the API key)
+    GET  /health                200 while serving, 503 while draining or once the engine stopped (never needs
+                                the API key)
     GET  /metrics               Prometheus text (kiln/serve/metrics.py)
 
 Streaming responses are server-sent events (`data: {...}` chunks, then `data: [DONE]`); with
@@ -91,6 +92,8 @@ class OpenAIServer:
     async def health(self, request):
         if self.service.draining:
             return web.json_response({"status": "draining"}, status=503)
+        if not self.service.async_engine.is_alive():
+            return web.json_response({"status": "engine stopped"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def models(self, request):

@@ -187,7 +187,7 @@ class OpenAIService:
                     if progress.first_token is None:
                         progress.first_token = now
                         self._ttft.observe(now - progress.arrival)
-                elif last != now:  # deltas that arrived together reached the client together
+                else:  # one delta per step: deltas that arrived together reached the client together (0 s)
                     self._itl.observe(now - last)
                 last_token[rid] = now
                 for c in item[CHOICES]:
