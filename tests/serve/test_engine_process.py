@@ -10,6 +10,7 @@ import signal
 import struct
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +21,7 @@ from kiln.serve.engine_process import FrameReader
 from kiln.serve.protocol import APIError
 from kiln.serve.service import OpenAIService
 
-from .llm_server import ServerProcess, wait_for
+from .llm_server import ServerProcess
 
 
 def test_frames_survive_any_split():
@@ -34,7 +35,7 @@ def test_frames_survive_any_split():
 
 
 def _engine_pid(server_pid: int) -> int:
-    children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
     assert len(children) == 1, children
     return int(children[0])
 

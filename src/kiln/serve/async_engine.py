@@ -44,7 +44,7 @@ class EngineInfo:
     block_size: int
 
     @classmethod
-    def of(cls, engine) -> "EngineInfo":
+    def of(cls, engine) -> EngineInfo:
         return cls(engine.model_name, engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len,
                    engine.scheduler.max_num_seqs, str(engine.device), engine.block_manager.num_blocks,
                    engine.block_manager.block_size)
@@ -92,7 +92,7 @@ class DeltaMaker:
 class Sink:
     """One HTTP request's inbox on the event loop: items appended by `put`, taken all at once by `take`."""
 
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("_waiter", "items")
 
     def __init__(self):
         self.items: list = []

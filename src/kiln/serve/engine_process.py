@@ -317,6 +317,7 @@ class _Sender:
 
 
 def _serve_engine(engine, fd_in: int, fd_out: int) -> None:
+    sys.setswitchinterval(0.001)  # the sender thread, woken by a frame, gets the lock soon (default 5 ms)
     sender = _Sender(fd_out)
     try:
         _engine_loop(engine, fd_in, sender)

@@ -1,9 +1,9 @@
 """The server's Prometheus metrics, under vLLM's names with Kiln's prefix (`kiln:num_requests_running`, ...).
 
 Engine state (running and waiting requests, KV-cache usage, prefix-cache queries and hits, prompt and
-generation tokens) is read from the engine thread's latest stats snapshot at scrape time; latencies are
-histograms observed by the request handlers, as a client sees them: time to first token, the time between
-tokens after the first, and end-to-end.
+generation tokens) is read at scrape time from the engine's latest stats snapshot (sent with each step);
+latencies are histograms observed by the request handlers, as a client sees them: time to first token, the
+time between tokens after the first, and end-to-end.
 """
 
 from __future__ import annotations

@@ -308,5 +308,5 @@ class OpenAIService:
         try:
             await asyncio.wait_for(self._drained.wait(), self.drain_timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
