@@ -10,6 +10,7 @@ Sections, each guarded so one failing still leaves the others' results:
   hf           transformers' generate, eager, same prompts, same lengths (exactly 256 new tokens each).
   fp8          optional, time permitting: FP8 weights (kiln.llm.quantize) and an FP8 KV cache with scales
                calibrated on random tokens (keys centred).
+  int4         on request (--sections ...,int4): INT4 weights (groups of 128) at batch 1.
 Random weights make the text meaningless; the timing is what it is for any weights of this shape.
 
     python bench/llm.py --out DIR            (GPU; writes DIR/H200-llm.md and .json)
@@ -131,12 +132,13 @@ def correctness(device: str) -> dict:
 
 
 def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="auto", quant=None,
-              kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85) -> dict:
+              kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None) -> dict:
     t = time.perf_counter()
     eng = LLMEngine(cfg, tensors, _NoTokenizer(), dtype=dtype_name, device=device, kv_cache_dtype=kv,
                     max_num_seqs=max_seq, max_num_batched_tokens=8192, max_model_len=in_len + out_len + 16,
-                    num_kv_blocks=num_kv_blocks, gpu_memory_utilization=util, quantization=quant,
-                    kv_scales=kv_scales)
+                    num_kv_blocks=num_kv_blocks, gpu_memory_utilization=util,
+                    quantization=None if quantized_weights else quant, kv_scales=kv_scales,
+                    quantized_weights=quantized_weights)
     out = {"engine_setup_s": time.perf_counter() - t, "kv_blocks": eng.block_manager.num_blocks,
            "kv_cache_dtype": str(eng.kv_cache_dtype), "weights": quant or dtype_name,
            "kv_tokens_capacity": eng.block_manager.num_blocks * eng.block_manager.block_size,
@@ -278,6 +280,26 @@ def fp8_kv_scales(tensors, cfg, device, dtype_name, vocab):
     return scales
 
 
+def int4_weights(tensors, cfg, device, dtype_name) -> dict:
+    """Every decoder matrix in kiln.llm.quantize's INT4 layout (groups of 128, asymmetric), without AWQ's scale
+    search: random weights have no activation statistics to search on, and a step's time depends only on the
+    format."""
+    from kiln.llm import quantize
+    from kiln.llm.config import ModelConfig
+    from kiln.llm.engine import DTYPES
+    from kiln.llm.model import DecoderModel
+
+    model = DecoderModel(ModelConfig.from_hf(cfg), tensors, DTYPES[dtype_name], torch.device(device))
+    out = {}
+    for key, w in quantize.linear_weights(model).items():
+        packed, scale, zero = quantize.quantize_int4(w)
+        out[key] = quantize.QuantizedWeight(packed, method="int4-awq", scale=scale, in_features=w.shape[1],
+                                            zero=zero)
+    del model
+    gc.collect()
+    return out
+
+
 def render(res: dict, args) -> str:
     env = res.get("env", {})
     lines = [f"# Kiln-LLM on {env.get('gpu', '?')}: Llama-3-8B shape, random BF16 weights"
@@ -300,7 +322,7 @@ def render(res: dict, args) -> str:
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
 
-    for name in ("kiln", "kiln_fp8"):
+    for name in ("kiln", "kiln_fp8", "kiln_int4"):
         run = res.get(name)
         if not isinstance(run, dict) or "error" in run:
             if run:
@@ -332,7 +354,7 @@ def render(res: dict, args) -> str:
                   f"gpu_memory_utilization 0.85 with the HF model also resident; device-copy bandwidth "
                   f"{f(k.get('copy_bandwidth_GBs'), '.0f')} GB/s (read + write of a 1 GiB copy). Engine setup "
                   f"(weights fused, KV allocated, CUDA graphs captured) {f(k.get('engine_setup_s'))} s."]
-    for name in ("kiln", "kiln_fp8"):
+    for name in ("kiln", "kiln_fp8", "kiln_int4"):
         run = res.get(name)
         if isinstance(run, dict) and "error" not in run:
             for b in args.batches:
@@ -369,7 +391,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=210, help="skip optional sections past this time")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--sections", default="correctness,kiln,hf,fp8,prefix",
-                    help="comma-separated sections to run (default all: correctness,kiln,hf,fp8,prefix)")
+                    help="comma-separated sections to run (default: correctness,kiln,hf,fp8,prefix; also int4)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = TINY if args.tiny else LLAMA3_8B
@@ -419,6 +441,11 @@ def main():
     else:
         res["kiln_fp8"] = {"error": "skipped (time budget)"}
     save()
+    if "int4" in want:  # batch 1 only: above GEMV_MAX_M rows INT4 still dequantizes its weights each step
+        section(res, "kiln_int4", lambda: kiln_runs(
+            tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
+            max(args.batches), kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name)))
+        save()
     if "prefix" in want and time.perf_counter() - T0 < args.budget_s - 25:
         prefix_len = 1024 if not args.tiny else 64
         section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name, prefix_len)

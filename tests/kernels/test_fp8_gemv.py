@@ -128,6 +128,11 @@ for name, src, cfg in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
     print(name, "mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
+src = source(fg._int4_gemv_kernel, dict(x_ptr="*bf16", p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", xs_ptr="*fp32",
+                                        y_ptr="*bf16"), dict(CDT=tl.bfloat16, HAS_XS=True, BLOCK_M=16, BLOCK_N=64,
+                                                             GROUP=128))
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+print("int4 mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
 s = source(fg._sum_splits_kernel, dict(p_ptr="*fp32", y_ptr="*bf16"), dict(SPLIT_K=4, BLOCK=1024))
 triton.compile(s, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 print("sum splits mma: 0")
@@ -153,3 +158,19 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     assert len(counts) >= 5, run.stdout
     assert all(int(v) > 0 for k, v in counts.items() if k not in ("sum splits", "quantize rows")), run.stdout
     assert counts["quantize rows"] == "0", run.stdout  # converted by the hardware's saturating FP8 cvt
+
+
+@pytest.mark.parametrize("m,n,k,split,xs", [(1, 64, 256, 1, True), (5, 80, 300, 2, False), (16, 32, 640, 3, True)])
+def test_int4_gemv_matches_dequantized_weights(m, n, k, split, xs):
+    """kiln.llm.quantize's INT4 layout (groups of 128, a short last group in K = 300 and 640 / 3 splits)."""
+    from kiln.llm.quantize import dequantize_int4, quantize_int4
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g)
+    packed, scale, zero = quantize_int4(w)
+    x = torch.randn(m, k, generator=g)
+    in_scale = torch.rand(k, generator=g) + 0.5 if xs else None
+    want = (x if in_scale is None else x * in_scale) @ dequantize_int4(packed, scale, zero, k).t()
+    got = fg.int4_gemv(x.to(DEV), packed.to(DEV), scale.to(DEV), zero.to(DEV),
+                       None if in_scale is None else in_scale.to(DEV), config=fg.GemvConfig(32, 128, split, 4, 2))
+    assert rel_err(got.cpu(), want) < 1e-5

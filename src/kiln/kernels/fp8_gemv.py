@@ -71,6 +71,46 @@ def _sum_splits_kernel(p_ptr, y_ptr, numel, stride_ps, SPLIT_K: tl.constexpr, BL
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_pn,
+                      stride_sn, stride_ym, stride_ys, CDT: tl.constexpr, HAS_XS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
+    GROUP / 2 bytes a row: low nibble = even channel), dequantized (code - zero) * scale in registers; the even
+    and odd channels meet the matching columns of x (times its input scale) in two dots."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    HALF: tl.constexpr = GROUP // 2
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rj = tl.arange(0, HALF)
+    n_ok = rn < N
+    row_ok = rm[None, :] < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, GROUP):
+        g = k // GROUP
+        p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :], mask=n_ok[:, None],
+                    other=0).to(tl.int32)
+        s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)[:, None]
+        z = tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32)[:, None]
+        w_even = (((p & 15).to(tl.float32) - z) * s).to(CDT)
+        w_odd = (((p >> 4).to(tl.float32) - z) * s).to(CDT)
+        ke = k + 2 * rj
+        x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=row_ok & (ke < k_hi)[:, None],
+                         other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None],
+                        mask=row_ok & ((ke + 1) < k_hi)[:, None], other=0.0).to(tl.float32)
+        if HAS_XS:
+            x_even = x_even * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
+            x_odd = x_odd * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
+        acc = tl.dot(w_even, x_even.to(CDT), acc)
+        acc = tl.dot(w_odd, x_odd.to(CDT), acc)
+    y_ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok)
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int = 64
@@ -151,6 +191,44 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: 
         x, codes, scale, target, M, N, K, k_per_split, x.stride(0), codes.stride(0),
         N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32", EVEN=even,
         SPLIT_K=splits, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(M * N, block),)](target, y, M * N, M * N, SPLIT_K=splits, BLOCK=block)
+    return y
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              input_scale: torch.Tensor | None = None, group: int = 128, config: GemvConfig | None = None
+              ) -> torch.Tensor:
+    """(x [M <= 64, K] * input_scale) @ W.T for kiln.llm.quantize's INT4 layout: packed uint8 [N, G * group / 2]
+    (low nibble = even input channel), scale FP32 [N, G], zero uint8 [N, G], W = (code - zero) * scale per group
+    of `group` input channels. Returns [M, N] in x's dtype."""
+    if x.dim() != 2 or x.dtype not in DTYPES or x.shape[0] > MAX_M:
+        raise ValueError(f"x must be a 2-D float16, bfloat16 or float32 tensor of at most {MAX_M} rows, got "
+                         f"{x.dtype} {list(x.shape)}")
+    M, K = x.shape
+    N, G = scale.shape
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (N, G * group // 2) or G != -(-K // group):
+        raise ValueError(f"packed must be uint8 [N, G * {group} / 2] with G = ceil(K / {group}) = "
+                         f"{-(-K // group)}, got {packed.dtype} {list(packed.shape)} and scales {list(scale.shape)}")
+    if tuple(zero.shape) != (N, G):
+        raise ValueError(f"zero must be [{N}, {G}], got {list(zero.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    packed, scale, zero = packed.contiguous(), scale.float().contiguous(), zero.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    cfg = config or heuristic_config(N, K, _num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), group) * group
+    splits = triton.cdiv(K, k_per_split)
+    cdt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
+    target = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    xs = input_scale.float().contiguous() if input_scale is not None else scale
+    _int4_gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
+        x, packed, scale, zero, xs, target, M, N, K, k_per_split, x.stride(0), packed.stride(0), scale.stride(0),
+        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt, HAS_XS=input_scale is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block = 1024

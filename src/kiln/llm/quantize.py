@@ -16,7 +16,8 @@ Formats (`--weights`):
 - int4-awq  AWQ: 4-bit asymmetric codes in groups of 128 input channels (the last group of a row may be
             shorter) with an FP32 scale and a 4-bit zero per group, two codes a byte. Before rounding, the
             weight's input channels are multiplied by s = mean|x|^r (r searched on calibration activations to
-            minimise the layer's output error) and the activations divided by s at run time.
+            minimise the layer's output error) and the activations divided by s at run time. On CUDA, few rows
+            run the weight-only GEMV over the 4-bit codes (dequantized in registers, a group per K step).
 
 A `QuantizedWeight` stands exactly where the float weight [out, in] of an `F.linear` stood: the model keeps
 calling `F.linear(x, w, bias)` and the tensor's `__torch_function__` runs the quantized matmul. Its own storage
@@ -37,7 +38,7 @@ INT8_MAX = 127.0
 INT4_GROUP = 128
 SMOOTH_ALPHA = 0.5
 AWQ_GRID = 20
-GEMV_MAX_M = 16  # rows up to which the weight-only GEMV beats a GEMM on these weights (fp8, int8) on CUDA
+GEMV_MAX_M = 16  # rows up to which the weight-only GEMV beats a GEMM on these weights (fp8, int8, int4) on CUDA
 # The decoder's matrices (model.py's layer dict keys); embeddings, norms and the LM head stay in float.
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "fc", "proj")
 
@@ -112,9 +113,12 @@ class QuantizedWeight(torch.Tensor):
         """x [..., in] @ W.T (+ bias) in x's dtype."""
         lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
         if _gemv_fits(x2, self):
-            from kiln.kernels.fp8_gemv import fp8_gemv
+            from kiln.kernels import fp8_gemv as gemv
 
-            y = fp8_gemv(x2, self.codes, self.scale)
+            if self.method == "int4-awq":
+                y = gemv.int4_gemv(x2, self.codes, self.scale, self.zero, self.input_scale, INT4_GROUP)
+            else:
+                y = gemv.fp8_gemv(x2, self.codes, self.scale)
         elif self.method == "fp8" and _scaled_mm_fits(x2, self):
             y = _fp8_matmul(x2, self)
         elif self.method == "w8a8":
@@ -130,7 +134,7 @@ class QuantizedWeight(torch.Tensor):
 
 
 def _gemv_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
-    return (w.method in ("fp8", "int8") and x.is_cuda and x.shape[0] <= GEMV_MAX_M
+    return (w.method in ("fp8", "int8", "int4-awq") and x.is_cuda and x.shape[0] <= GEMV_MAX_M
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
