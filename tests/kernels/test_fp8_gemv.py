@@ -120,10 +120,10 @@ def gemv(codes, out, cfg, block_m, even=True):
     cx = dict(CDT=tl.bfloat16, PREC="tf32", EVEN=even, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     return source(fg._fp8_gemv_kernel, types, cx), cfg
 
-cases = [(f"{c.name} m{m}", *gemv("*fp8e4nv", "*bf16", c, m)) for c in fg.candidate_configs(4096, 4096, 132)
-         if c.split_k == 1 for m in (16, 64)]
-cases += [("split partials", *gemv("*fp8e4nv", "*fp32", fg.GemvConfig(64, 128, 4), 16)),
-          ("int8 ragged", *gemv("*i8", "*bf16", fg.GemvConfig(64, 128), 16, False))]
+cases = [("heuristic m16", *gemv("*fp8e4nv", "*bf16", fg.heuristic_config(4096, 4096), 16)),
+         ("widest tile m64", *gemv("*fp8e4nv", "*bf16", fg.GemvConfig(128, 128, 1, 4, 4), 64)),
+         ("split partials", *gemv("*fp8e4nv", "*fp32", fg.GemvConfig(64, 128, 4), 16)),
+         ("int8 ragged", *gemv("*i8", "*bf16", fg.GemvConfig(64, 128), 16, False))]
 for name, src, cfg in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
