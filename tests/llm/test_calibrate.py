@@ -27,7 +27,7 @@ def tiny(tiny_llama):
 
     hf, tensors, tok = load_hf_dir(tiny_llama)
     model = DecoderModel(ModelConfig.from_hf(hf), tensors, torch.float32, "cpu")
-    return model, tok, tok.encode(CALIB.read_text()[:1200])
+    return model, tok, tok.encode(CALIB.read_text()[:700])
 
 
 def test_fp8_scales_carry_the_key_mean(tiny):
@@ -60,10 +60,10 @@ def test_centred_fp8_keys_score_as_the_float_cache(tiny):
     and without centring (the offset changes the rounding, not what softmax sees)."""
     model, _, ids = tiny
     stats = kv_statistics(model, ids, window=128)
-    evaluated = ids[:160]
-    base = perplexity(model, evaluated, window=160, stride=160).perplexity
+    evaluated = ids[:120]
+    base = perplexity(model, evaluated, window=120, stride=120).perplexity
     for mean in (stats.key_mean, None):
-        r = perplexity(model, evaluated, kv_cache_dtype="fp8", window=160, stride=160,
+        r = perplexity(model, evaluated, kv_cache_dtype="fp8", window=120, stride=120,
                        kv_scales=kv_scales_from_absmax(stats.absmax, "fp8", mean))
         assert r.perplexity != base and abs(r.perplexity / base - 1) < 0.05
 
