@@ -104,20 +104,14 @@ class OpenAIService:
         async with self._submitted(req) as (rids, sink, early, unfinished, progress):
             return await self._collect(req, rids, sink, early, unfinished, progress)
 
-    async def open_stream(self, req: GenerationRequest):
+    async def open_stream(self, req: GenerationRequest) -> _SSEStream:
         """Admit and submit a streaming request; refusals raise APIError here, before any byte is sent. Returns
         an async iterator of SSE chunks (bytes); closing it early aborts the request."""
         cm = self._submitted(req)
         state = await cm.__aenter__()
-
-        async def chunks():
-            try:
-                async for chunk in self._stream(req, *state):
-                    yield chunk
-            finally:
-                await cm.__aexit__(None, None, None)
-
-        return chunks()
+        stream = _SSEStream(cm)
+        stream.chunks = self._stream(req, stream, *state)
+        return stream
 
     # --- generation ---------------------------------------------------------------------------------------
     def _admit(self, count: int) -> None:
@@ -169,35 +163,29 @@ class OpenAIService:
                     early.append(item)  # an output of a prompt accepted before the others
         return early
 
-    async def _batches(self, sink: Sink, early: list, unfinished: set, progress: _Progress):
-        """Lists of this request's Deltas, as they arrive, until every prompt finished; observes the latency
-        histograms."""
-        items = early
-        while unfinished:
-            if not items:
-                items = await sink.take()
-            now = time.perf_counter()
-            last_token = progress.last_token
-            for item in items:
-                if isinstance(item, EngineFailure):
-                    raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
-                rid = item[RID]
-                last = last_token.get(rid)
-                if last is None:
-                    if progress.first_token is None:
-                        progress.first_token = now
-                        self._ttft.observe(now - progress.arrival)
-                else:  # one delta per step: deltas that arrived together reached the client together (0 s)
-                    self._itl.observe(now - last)
-                last_token[rid] = now
-                for c in item[CHOICES]:
-                    if c[C_FINISH] is not None:
-                        self._count_finished(c[C_FINISH])
-                if item[FINISHED]:
-                    unfinished.discard(rid)
-            yield items
-            items = []
-        self._e2e.observe(time.perf_counter() - progress.arrival)
+    def _observe(self, items: list, unfinished: set, progress: _Progress) -> None:
+        """A wakeup's Deltas of one request: the latency histograms, finish reasons, what is still running."""
+        now = time.perf_counter()
+        last_token = progress.last_token
+        for item in items:
+            if isinstance(item, EngineFailure):
+                raise APIError(f"the engine failed: {item.message}", status=500, type_="server_error")
+            rid = item[RID]
+            last = last_token.get(rid)
+            if last is None:
+                if progress.first_token is None:
+                    progress.first_token = now
+                    self._ttft.observe(now - progress.arrival)
+            else:  # one delta per step: deltas that arrived together reached the client together (0 s)
+                self._itl.observe(now - last)
+            last_token[rid] = now
+            for c in item[CHOICES]:
+                if c[C_FINISH] is not None:
+                    self._count_finished(c[C_FINISH])
+            if item[FINISHED]:
+                unfinished.discard(rid)
+        if not unfinished:
+            self._e2e.observe(now - progress.arrival)
 
     def _count_finished(self, reason: str) -> None:
         counter = self._finished.get(reason)
@@ -212,7 +200,10 @@ class OpenAIService:
 
     async def _collect(self, req, rids, sink, early, unfinished, progress):
         texts, ids, lps, finish, prompts = {}, {}, {}, {}, {}
-        async for batch in self._batches(sink, early, unfinished, progress):
+        batch = early
+        while unfinished:
+            batch = batch or await sink.take()
+            self._observe(batch, unfinished, progress)
             for d in batch:
                 if d[PROMPT] is not None:
                     prompts[d[RID]] = d[PROMPT]
@@ -224,6 +215,7 @@ class OpenAIService:
                         lps.setdefault(key, []).extend(c[C_LOGPROBS])
                     if c[C_FINISH] is not None:
                         finish[key] = c[C_FINISH]
+            batch = []
         choices, prompt_tokens, completion_tokens = [], 0, 0
         n = req.params.n
         for i, rid in enumerate(rids):
@@ -247,57 +239,65 @@ class OpenAIService:
                 "created": req.created, "model": req.model, "choices": choices,
                 "usage": usage_of(prompt_tokens, completion_tokens)}
 
-    async def _stream(self, req, rids, sink, early, unfinished, progress):
-        """SSE chunks, one per batch of deltas: the fixed parts encoded once, json.dumps only of the text."""
-        chat = req.kind == "chat"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = (f'data: {{"id": "{req.id}", "object": "{obj}", "created": {req.created}, '
-                f'"model": {json.dumps(req.model)}, "choices": [').encode()
-        tail = (']' + (', "usage": null' if req.include_usage else '') + '}\n\n').encode()
-        n = req.params.n
-        index_of = {rid: i * n for i, rid in enumerate(rids)}
-        states: dict[tuple, _ChoiceState] = {}
-        prompts: dict[str, list] = {}
-        want_ids, want_lps = req.return_token_ids, req.logprobs is not None
+    async def _stream(self, req, stream: _SSEStream, rids, sink, early, unfinished, progress):
+        """SSE chunks, one per wakeup (every delta that arrived since the last): the fixed parts encoded once,
+        json.dumps only of the text. Ending, or being closed, releases the request (aborting what is unfinished)."""
         try:
-            async for batch in self._batches(sink, early, unfinished, progress):
-                parts = []
-                for rid, prompt, index, text, ids, finish, lps in _merged(batch):
-                    if prompt is not None:
-                        prompts[rid] = prompt
-                    st = states.get((rid, index))
-                    if st is None:
-                        st = states[(rid, index)] = _ChoiceState()
-                    fr = "null" if finish is None else f'"{finish}"'
-                    s = f'{{"index": {index_of[rid] + index}, "finish_reason": {fr}, '
-                    if want_ids:
-                        s += f'"token_ids": {_ints(ids)}, '
-                        if not st.started:
-                            s += f'"prompt_token_ids": {_ints(prompts.get(rid, ()))}, '
-                    if want_lps and lps is not None:
-                        s += f'"logprobs": {json.dumps(self._logprobs(req, ids, lps, st.text_sent))}, '
-                    else:
-                        s += '"logprobs": null, '
-                    if chat:
-                        role = '' if st.started else '"role": "assistant", '
-                        s += f'"delta": {{{role}"content": {json.dumps(text)}}}}}'
-                    else:
-                        s += f'"text": {json.dumps(text)}}}'
-                    st.started = True
-                    st.text_sent += len(text)
-                    st.tokens_sent += len(ids)
-                    parts.append(s)
-                if parts:
-                    yield head + ", ".join(parts).encode() + tail
-        except APIError as e:  # the engine failed mid-stream: the status line is gone, say it in the stream
-            yield f"data: {json.dumps(e.body())}\n\n".encode()
-            return
-        if req.include_usage:
-            completion = sum(s.tokens_sent for s in states.values())
-            body = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-                    "usage": usage_of(sum(len(p) for p in prompts.values()), completion)}
-            yield f"data: {json.dumps(body)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+            chat = req.kind == "chat"
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            head = (f'data: {{"id": "{req.id}", "object": "{obj}", "created": {req.created}, '
+                    f'"model": {json.dumps(req.model)}, "choices": [').encode()
+            tail = (']' + (', "usage": null' if req.include_usage else '') + '}\n\n').encode()
+            n = req.params.n
+            index_of = {rid: i * n for i, rid in enumerate(rids)}
+            states: dict[tuple, _ChoiceState] = {}
+            prompts: dict[str, list] = {}
+            want_ids, want_lps = req.return_token_ids, req.logprobs is not None
+            batch = early
+            try:
+                while unfinished:
+                    batch = batch or await sink.take()
+                    self._observe(batch, unfinished, progress)
+                    parts = []
+                    for rid, prompt, index, text, ids, finish, lps in _merged(batch):
+                        if prompt is not None:
+                            prompts[rid] = prompt
+                        st = states.get((rid, index))
+                        if st is None:
+                            st = states[(rid, index)] = _ChoiceState()
+                        fr = "null" if finish is None else f'"{finish}"'
+                        s = f'{{"index": {index_of[rid] + index}, "finish_reason": {fr}, '
+                        if want_ids:
+                            s += f'"token_ids": {_ints(ids)}, '
+                            if not st.started:
+                                s += f'"prompt_token_ids": {_ints(prompts.get(rid, ()))}, '
+                        if want_lps and lps is not None:
+                            s += f'"logprobs": {json.dumps(self._logprobs(req, ids, lps, st.text_sent))}, '
+                        else:
+                            s += '"logprobs": null, '
+                        if chat:
+                            role = '' if st.started else '"role": "assistant", '
+                            s += f'"delta": {{{role}"content": {json.dumps(text)}}}}}'
+                        else:
+                            s += f'"text": {json.dumps(text)}}}'
+                        st.started = True
+                        st.text_sent += len(text)
+                        st.tokens_sent += len(ids)
+                        parts.append(s)
+                    batch = []
+                    if parts:
+                        yield head + ", ".join(parts).encode() + tail
+            except APIError as e:  # the engine failed mid-stream: the status line is gone, say it in the stream
+                yield f"data: {json.dumps(e.body())}\n\n".encode()
+                return
+            if req.include_usage:
+                completion = sum(s.tokens_sent for s in states.values())
+                body = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [],
+                        "usage": usage_of(sum(len(p) for p in prompts.values()), completion)}
+                yield f"data: {json.dumps(body)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            await stream.release()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     async def drain(self) -> bool:
@@ -310,3 +310,26 @@ class OpenAIService:
             return True
         except TimeoutError:
             return False
+
+
+class _SSEStream:
+    """A streaming response's chunks (`async for`), and `aclose()`, which aborts what is unfinished and releases
+    the admission even when the chunks were never iterated (the client left before the first byte)."""
+
+    def __init__(self, cm):
+        self._cm, self._released = cm, False
+        self.chunks = None
+
+    def __aiter__(self):
+        return self.chunks
+
+    async def release(self) -> None:
+        if not self._released:
+            self._released = True
+            await self._cm.__aexit__(None, None, None)
+
+    async def aclose(self) -> None:
+        try:
+            await self.chunks.aclose()
+        finally:
+            await self.release()
