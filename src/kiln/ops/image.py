@@ -552,57 +552,76 @@ def _box_corners(boxes: torch.Tensor, center_point_box: int):
     return torch.minimum(x_a, x_b), torch.minimum(y_a, y_b), torch.maximum(x_a, x_b), torch.maximum(y_a, y_b)
 
 
-def _greedy_keep(over: torch.Tensor) -> torch.Tensor:
-    """Greedy NMS on score-ordered boxes: keep[j] unless an earlier kept box suppresses it.
+# The selection loop asks the device whether any class still has a candidate once every this many picks: one
+# host sync per check, and at most this many extra (empty) picks after the last class is done.
+_NMS_CHECK_EVERY = 8
 
-    over[i, j]: box i (earlier) suppresses box j. Iterating keep = no kept earlier box
-    suppresses j fixes one more leading box per step and stops at the greedy answer,
-    usually in a few steps rather than one per box.
-    """
-    over = torch.triu(over, diagonal=1)
-    keep = torch.ones(over.shape[0], dtype=torch.bool, device=over.device)
-    while True:
-        new = ~(over & keep[:, None]).any(0)
-        if torch.equal(new, keep):
-            return keep
-        keep = new
+
+def _suppressed(planes: torch.Tensor, nonempty: torch.Tensor, picked: torch.Tensor,
+                iou_thr: torch.Tensor) -> torch.Tensor:
+    """[R, N]: the box picked in row r suppresses box j of row r (IoU > threshold). planes [5, R, N]: x0, y0, x1,
+    y1 and area of every box; nonempty: area > 0; picked [R] positions. Degenerate pairs (no overlap, empty
+    boxes) never suppress, as in ONNX's reference; between two nonempty boxes the union is positive (rounding is
+    monotone, so the intersection never exceeds either area) and needs no check of its own."""
+    x0, y0, x1, y1, area = planes
+    px0, py0, px1, py1, pa = planes.gather(2, picked.view(1, -1, 1).expand(5, -1, 1))  # each [R, 1]
+    iw = torch.minimum(x1, px1).sub_(torch.maximum(x0, px0))
+    ih = torch.minimum(y1, py1).sub_(torch.maximum(y0, py0))
+    inter = iw * ih
+    valid = (iw > 0) & (ih > 0) & (inter > 0) & nonempty & (pa > 0)
+    return valid & (inter / (area + pa).sub_(inter) > iou_thr)
+
+
+def _greedy_select(planes: torch.Tensor, alive: torch.Tensor, limit: int, iou_thr: torch.Tensor) -> torch.Tensor:
+    """ONNX's greedy selection for every (batch, class) row at once, boxes in score order: each step picks, in
+    every row, the first box still alive (no earlier pick suppressed it) and suppresses the boxes it overlaps.
+    Returns [R, steps] picked positions, -1 once a row has no box left; a row's picks come first, in order.
+    The loop runs at most `limit` steps (max_output_boxes_per_class) and stops when no row has a box left, so
+    its length is the most boxes any class keeps, not the number of boxes."""
+    picks, nonempty = [], planes[4] > 0
+    every = 1 if alive.device.type == "cpu" else _NMS_CHECK_EVERY  # a CPU tensor's check costs no sync
+    for step in range(limit):
+        if step % every == 0 and step and not bool(alive.any()):
+            break
+        first = alive.to(torch.uint8).argmax(1, keepdim=True)  # the first alive position (0 where none is)
+        picks.append(torch.where(alive.gather(1, first), first, -1))
+        alive &= ~_suppressed(planes, nonempty, first[:, 0], iou_thr)
+        alive.scatter_(1, first, False)
+    if not picks:
+        return torch.full((alive.shape[0], 0), -1, dtype=torch.long, device=alive.device)
+    return torch.cat(picks, 1)
 
 
 @register("NonMaxSuppression", host_inputs=(2, 3, 4), data_dependent=True, since=10,
           keep_fp32="IoU thresholds and score ordering need FP32 box coordinates and scores")
 def non_max_suppression(node, boxes, scores, max_output=None, iou_threshold=None, score_threshold=None):
+    """Every batch and class at once on the boxes' device: one stable sort of the scores, then at most
+    max_output_boxes_per_class vectorized selection steps (_greedy_select), and one host sync for the
+    data-dependent output size."""
     dev = boxes.device
     none = torch.zeros(0, 3, dtype=torch.long, device=dev)
-    limit = max(int((_scalars(max_output) or [0])[0]), 0)  # omitted: 0, i.e. select nothing
-    if limit == 0:
+    n_batch, n_class, n_box = scores.shape
+    limit = min(max(int((_scalars(max_output) or [0])[0]), 0), n_box)  # omitted: 0, i.e. select nothing
+    if limit == 0 or n_batch * n_class == 0:
         return none
     if boxes.dtype in (torch.float16, torch.bfloat16):  # an upstream low-precision layer may hand these over
         boxes, scores = boxes.float(), scores.float()
     # Thresholds compare in the boxes' own type, as ONNX's reference does (it matters at the boundary).
     iou_thr = torch.tensor((_scalars(iou_threshold) or [0.0])[0], dtype=boxes.dtype, device=dev)
     score_thr = _scalars(score_threshold)
-    if score_thr is not None:
-        score_thr = torch.tensor(score_thr[0], dtype=scores.dtype, device=dev)
     x0, y0, x1, y1 = _box_corners(boxes, node.attr("center_point_box", 0))
-    area = (x1 - x0) * (y1 - y0)
-    picked = []
-    for b in range(boxes.shape[0]):
-        for cls in range(scores.shape[1]):
-            s = scores[b, cls]
-            cand = torch.arange(s.shape[0], device=dev)
-            if score_thr is not None:
-                cand = cand[s > score_thr]
-            order = cand[torch.sort(s[cand], descending=True, stable=True).indices]  # ties: lower index first
-            if order.numel() == 0:
-                continue
-            bx0, by0, bx1, by1, ba = (t[b, order] for t in (x0, y0, x1, y1, area))
-            iw = torch.minimum(bx1[:, None], bx1[None]) - torch.maximum(bx0[:, None], bx0[None])
-            ih = torch.minimum(by1[:, None], by1[None]) - torch.maximum(by0[:, None], by0[None])
-            inter = iw * ih
-            union = ba[:, None] + ba[None] - inter
-            # Degenerate pairs (no overlap, empty boxes) never suppress, as in ONNX's reference.
-            valid = (iw > 0) & (ih > 0) & (inter > 0) & (ba[:, None] > 0) & (ba[None] > 0) & (union > 0)
-            over = valid & (inter / torch.where(valid, union, torch.ones_like(union)) > iou_thr)
-            kept = order[_greedy_keep(over)][:limit]
-            picked.append(torch.stack([torch.full_like(kept, b), torch.full_like(kept, cls), kept], 1))
-    return torch.cat(picked) if picked else none
+    planes = torch.stack([x0, y0, x1, y1, (x1 - x0) * (y1 - y0)])  # [5, B, N]
+    rows = scores.reshape(n_batch * n_class, n_box)
+    order = torch.sort(rows, dim=1, descending=True, stable=True).indices  # ties: lower index first
+    batch_of = torch.arange(n_batch, device=dev).repeat_interleave(n_class)  # [R]
+    planes = planes[:, batch_of[:, None], order]  # [5, R, N], each row in its class's score order
+    if score_thr is None:
+        alive = torch.ones_like(order, dtype=torch.bool)
+    else:
+        alive = rows.gather(1, order) > torch.tensor(score_thr[0], dtype=scores.dtype, device=dev)
+    picks = _greedy_select(planes, alive, limit, iou_thr)  # [R, steps]
+    kept = picks >= 0
+    box = order.gather(1, picks.clamp(min=0))
+    row = torch.arange(n_batch * n_class, device=dev)[:, None].expand_as(picks)
+    out = torch.stack([row // n_class, row % n_class, box], -1)[kept]  # row-major: batch, class, score order
+    return out if out.numel() else none
