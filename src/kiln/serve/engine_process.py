@@ -23,13 +23,11 @@ import fcntl
 import json
 import marshal
 import os
-import queue
 import select
 import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 
@@ -282,50 +280,32 @@ def write_frame_raw(fd: int, data: bytes) -> None:
 
 
 # --- the engine's side (the child) --------------------------------------------------------------------------
-class _Sender:
-    """Writes the step frames on a thread of its own, so the engine steps on while a write waits for the pipe
-    (the write releases the interpreter lock). Frames that queued up meanwhile go out in one write."""
+class _Outbox:
+    """The step frames, written without blocking: what the pipe does not take now waits here and goes out with
+    the next frame, so a slow reader never stops the stepping (and no second thread contends for the lock)."""
 
     def __init__(self, fd: int):
-        self._fd, self._queue = fd, queue.SimpleQueue()
-        self.broken = False
-        self._thread = threading.Thread(target=self._run, name="kiln-engine-sender", daemon=True)
-        self._thread.start()
+        self.fd, self.pending = fd, bytearray()
+        os.set_blocking(fd, False)
 
     def put(self, payload: bytes) -> None:
-        self._queue.put(_HEADER.pack(len(payload)) + payload)
+        self.pending += _HEADER.pack(len(payload)) + payload
+        self.flush()
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        q = self._queue
-        while True:
-            frames = [q.get()]
-            while not q.empty():
-                frames.append(q.get_nowait())
-            last = frames[-1] is None
-            data = b"".join(f for f in frames if f is not None)
+    def flush(self) -> None:
+        if self.pending:
             try:
-                write_frame_raw(self._fd, data)
-            except OSError:  # the server is gone
-                self.broken = True
-                return
-            if last:
-                return
+                del self.pending[:os.write(self.fd, self.pending)]
+            except BlockingIOError:
+                pass
 
 
 def _serve_engine(engine, fd_in: int, fd_out: int) -> None:
-    sys.setswitchinterval(0.001)  # the sender thread, woken by a frame, gets the lock soon (default 5 ms)
-    sender = _Sender(fd_out)
-    try:
-        _engine_loop(engine, fd_in, sender)
-    finally:
-        sender.close()
+    # After "stop" the server reads no more: what its pipe does not take is dropped.
+    _engine_loop(engine, fd_in, _Outbox(fd_out))
 
 
-def _engine_loop(engine, fd_in: int, sender: _Sender) -> None:
+def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
     from ..llm.sampling import SamplingParams
 
     reader = FrameReader()
@@ -360,7 +340,9 @@ def _engine_loop(engine, fd_in: int, sender: _Sender) -> None:
         busy = engine.has_unfinished_requests()
         accepted, refused = [], []
         t0 = clock()
-        ready, _, _ = select.select([fd_in], [], [], 0 if busy else 0.5)
+        ready, writable, _ = select.select([fd_in], [outbox.fd] if outbox.pending else [], [], 0 if busy else 0.5)
+        if writable:
+            outbox.flush()
         t1 = clock()
         spent["idle"] += t1 - t0
         if ready:
@@ -396,10 +378,8 @@ def _engine_loop(engine, fd_in: int, sender: _Sender) -> None:
             spent["deltas"] += t2 - t3
         elif not ready and not stop:
             continue  # idle: nothing new to say
-        sender.put(marshal.dumps(("step", accepted, refused, deltas, engine.stats(), failure)))
+        outbox.put(marshal.dumps(("step", accepted, refused, deltas, engine.stats(), failure)))
         spent["send"] += clock() - t2
-        if sender.broken:
-            return
     # Where the engine process's time went: a server that keeps the engine busy shows little idle time.
     total = sum(spent.values()) or 1.0
     print(f"kiln llm serve: engine process: {steps} steps; " + ", ".join(
