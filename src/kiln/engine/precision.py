@@ -129,10 +129,15 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
                 args.append(t)
             kept = node.precision
             judge = kept == precision and not node.note and not entry.uses_scope
+            exact_args = args
             if judge:
                 node.precision = "float32"
+                # An 8-bit layer's output is FP16 in the FP32 run too: widen it, or a MatMul of it and an FP32
+                # softmax (Swin's attention in an INT8 build) would mix types.
+                exact_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW.values()
+                              and entry.narrows(pos) else a for pos, a in enumerate(args)]
             try:
-                exact = call_node(node, args, env)
+                exact = call_node(node, exact_args, env)
                 if judge:
                     judged += 1
                     node.precision = kept
