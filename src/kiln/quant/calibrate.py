@@ -140,25 +140,24 @@ class _Collector:
         if not name or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
             return
         x = t.detach().float().reshape(-1)
-        finite = torch.isfinite(x)
-        bad = 0
-        if not bool(finite.all()):
-            bad = int((~finite).sum())
-            x = x[finite]
         if self.ranges:
             s = self.stats.get(name)
             if s is None:
                 s = self.stats[name] = TensorStats(name)
-            s.nonfinite += bad
+            bad, lo, hi, total, squares, zeros = _moments(x)  # one device sync per tensor
+            if bad:
+                x = x[torch.isfinite(x)]
+                _, lo, hi, total, squares, zeros = _moments(x) if x.numel() else (0, None, None, 0.0, 0.0, 0)
+            s.nonfinite += int(bad)
             if x.numel():
-                lo, hi = float(x.min()), float(x.max())
                 s.min = lo if s.min is None else min(s.min, lo)
                 s.max = hi if s.max is None else max(s.max, hi)
-                xd = x.double()
-                s.sum += float(xd.sum())
-                s.sumsq += float((xd * xd).sum())
-                s.zeros += int((x == 0).sum())
+                s.sum += total
+                s.sumsq += squares
+                s.zeros += int(zeros)
                 s.count += x.numel()
+        elif not bool(torch.isfinite(x).all()):
+            x = x[torch.isfinite(x)]
         if not x.numel():
             return
         a = None
@@ -173,10 +172,10 @@ class _Collector:
             if top <= 0:
                 s.hist[0] += int((a == 0).sum())
                 over = int((a > 0).sum())
-            else:
-                inside = a[a <= top]
-                s.hist += torch.histc(inside, bins=self.num_bins, min=0.0, max=top).cpu().numpy().astype(np.int64)
-                over = a.numel() - inside.numel()
+            else:  # histc leaves out the values above top, which `over` counts
+                counts = torch.histc(a, bins=self.num_bins, min=0.0, max=top)
+                s.hist += counts.cpu().numpy().astype(np.int64)
+                over = a.numel() - int(counts.sum(dtype=torch.float64))
             self.over[name] = self.over.get(name, 0) + over
         if name in self.thresholds:
             a = x.abs() if a is None else a
@@ -184,6 +183,15 @@ class _Collector:
         if name in self.bounds:
             lo, hi = self.bounds[name]
             self.outside[name] = self.outside.get(name, 0) + int(((x < lo) | (x > hi)).sum())
+
+
+def _moments(x: torch.Tensor) -> tuple:
+    """(non-finite count, min, max, sum, sum of squares, zero count) of a 1-D float tensor, read back in one
+    device sync (a sync per statistic made calibration's statistics cost as much as its forward passes)."""
+    f64 = torch.float64
+    vals = torch.stack([(~torch.isfinite(x)).sum().to(f64), x.min().to(f64), x.max().to(f64), x.sum(dtype=f64),
+                        x.square().sum(dtype=f64), (x == 0).sum().to(f64)]).tolist()
+    return int(vals[0]), vals[1], vals[2], vals[3], vals[4], int(vals[5])
 
 
 # --- the result ---------------------------------------------------------------------------------------
@@ -439,6 +447,10 @@ def fp32_engine(model, samples: list[dict], device: str = "auto", build_config=N
     else:
         cfg = BuildConfig(device=device)
     cfg.progress = False
+    # The engine only runs layer by layer, eagerly, on the calibration data: timing its tactics and a validation
+    # run would cost build time (on a GPU, compiling and timing FP32 kernels no engine keeps) for nothing.
+    cfg.int8 = cfg.fp8 = False
+    cfg.optimization_level, cfg.validate = 0, False
     if not cfg.profiles and not cfg.shapes:
         shapes = {}
         for v in inputs:
