@@ -11,8 +11,10 @@ reference is the FP32 model: eager PyTorch for modules, onnxruntime on the CPU f
 (whose "eager" column is onnxruntime's CPU time, two threads). An FP16/BF16 row passes within its tolerance, or
 within 1.5x of eager PyTorch's own error at that precision (its column beside Kiln's: a random-weight network's
 FP16 error grows with depth whoever computes it). Every case runs in its own try/except under
-a time limit, so one failure never stops the table. 8-bit rows calibrate on random inputs and compare
-their timings with torch at FP16.
+a time limit, so one failure never stops the table. 8-bit rows calibrate on random inputs (the compared
+inputs plus noise) and compare their timings with torch at FP16; their "torch's own" column is a fake-quantized
+PyTorch reference with the engine's rounding (bench/fake_quant.py), and they pass within their tolerance or
+1.5x of it: an engine near that reference rounds as designed, one far above it has a bug.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Row:
     ratio: float | None = None
     rel_l2: float | None = None
     build_s: float | None = None
-    torch_rel_l2: float | None = None  # FP16/BF16 rows: eager PyTorch's own error at that precision
+    torch_rel_l2: float | None = None  # eager PyTorch's own error at that precision (8-bit: fake-quantized)
     status: str = "not run"
     source: str = ""
     findings: int = 0  # the engine's findings (precision kept in FP32, tactics dropped, ...)
@@ -174,13 +176,18 @@ def prepare(entry: zoo_models.Entry, size: str, batch: int, spec: zoo_models.Spe
     return Prepared(spec, model, dict(zip(names, tensors)), ref, target, args, export_s)
 
 
+def calibration_feeds(prep: Prepared) -> list[dict]:
+    """The 8-bit rows' calibration set: eight copies of the compared inputs, float ones with noise added."""
+    g = torch.Generator().manual_seed(2)
+    return [{k: (v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v)
+             for k, v in prep.feeds.items()} for _ in range(8)]
+
+
 def build(prep: Prepared, precision: str, device: str, progress: bool = False, validate: bool = True):
     shapes = {k: tuple(v.shape) for k, v in prep.feeds.items()}
     extra = dict(PRECISIONS[precision])
     if "int8" in extra or "fp8" in extra:
-        g = torch.Generator().manual_seed(2)
-        extra["calib"] = [{k: (v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v).numpy()
-                           for k, v in prep.feeds.items()} for _ in range(8)]
+        extra["calib"] = [{k: v.numpy() for k, v in feeds.items()} for feeds in calibration_feeds(prep)]
     config = BuildConfig(profiles=[Profile({k: (s, s, s) for k, s in shapes.items()})], device=device,
                          progress=progress, validate=validate, **extra)
     with warnings.catch_warnings():
@@ -235,6 +242,26 @@ def _torch_error(prep: Prepared, precision: str, device) -> float | None:
         return None
 
 
+def _fake_quant_error(prep: Prepared, precision: str, device) -> float | None:
+    """A fake-quantized PyTorch reference's relative L2 error at the row's 8-bit type (bench/fake_quant.py),
+    calibrated on the rows' own calibration set."""
+    import copy
+
+    import fake_quant
+
+    def on_device(feeds: dict) -> tuple:  # the module's arguments with its tensors replaced in input order
+        tensors = iter(feeds.values())
+        return tuple(next(tensors).to(device) if isinstance(a, torch.Tensor) else a for a in prep.torch_args)
+
+    try:
+        module = copy.deepcopy(prep.torch_module).to(device)
+        outs = fake_quant.fake_quant_outputs(module, on_device(prep.feeds),
+                                             [on_device(f) for f in calibration_feeds(prep)], precision)
+        return rel_l2(_leaves(outs), prep.reference)
+    except Exception:  # a layer PyTorch cannot round this way here (FP8 casts on an old build, say)
+        return None
+
+
 def _torch_peer(prep: Prepared, precision: str, device):
     """The torch module and arguments at the row's precision on the device (8-bit rows: FP16)."""
     dtype = _TORCH_DTYPE.get(precision, torch.float32)
@@ -260,6 +287,8 @@ def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, tim
     row.rel_l2 = rel_l2(outs, prep.reference, atol=ORT_ATOL if prep.torch_module is None else 0.0)
     if precision in ("fp16", "bf16") and prep.torch_module is not None:
         row.torch_rel_l2 = _torch_error(prep, precision, dev)
+    elif precision in ("int8", "fp8") and prep.torch_module is not None:
+        row.torch_rel_l2 = _fake_quant_error(prep, precision, dev)
     # A random-weight network's FP16 error grows with its depth whoever computes it: within PEER_FACTOR of
     # eager PyTorch's own error at the same precision also passes.
     bound = max(TOLERANCE[precision], PEER_FACTOR * (row.torch_rel_l2 or 0.0))
