@@ -205,8 +205,19 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             validate(engine)
         engine.build_seconds = time.perf_counter() - start
         return engine
+    phases: dict[str, float] = {}  # seconds per phase of the build (engine.build_config["build_phases"])
+    clock = [time.perf_counter(), None]
+
+    def timed_step(msg: str | None) -> None:
+        now = time.perf_counter()
+        if clock[1] is not None:
+            phases[clock[1]] = phases.get(clock[1], 0.0) + now - clock[0]
+        clock[0], clock[1] = now, None if msg is None else _phase(msg)
+        if bar and msg is not None:
+            bar.step(msg)
+
     with (build_progress() if config.progress else nullcontext()) as bar:
-        step = (lambda msg: bar.step(msg)) if bar else (lambda msg: None)
+        step = timed_step
         step("loading model")
         if isinstance(model, Graph):
             graph = model
@@ -255,8 +266,17 @@ def build(model, config: BuildConfig | None = None) -> Engine:
             engine.tactics = _select_tactics(engine, profiles, config, step)
         if config.validate:
             validate(engine, step)
+        step(None)
+    engine.build_config["build_phases"] = {k: round(v, 3) for k, v in phases.items()}
     engine.build_seconds = time.perf_counter() - start
     return engine
+
+
+def _phase(step: str) -> str:
+    """The phase a progress step belongs to: "tactic timing: layer 12 (QConv)" -> "tactic timing",
+    "validating profile 0 on ..." -> "validating", "pass: fuse_conv" -> "passes"."""
+    head = step.split(":")[0]
+    return {"pass": "passes", "tactic timing": "tactic timing"}.get(head, head.split(" profile")[0])
 
 
 def validate(engine: Engine, step=lambda msg: None) -> None:

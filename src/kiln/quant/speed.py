@@ -154,12 +154,13 @@ def _choose(proto, config, base, build, latency):
     _say(config, f"the {qname} engine, every quantizable layer in {qname}")
     quantized = build(proto, base)
     report = {"kind": "precision-by-speed", "margin": MARGIN, "kept_in_float": [], "tried_in_float": [],
-              "engines_built": 1}
+              "engines_built": 1, "builds": [_build_time(qname, quantized)]}
     if not quantized.tactics:  # no timing (a CPU target, optimization level 0): nothing to compare
         return quantized, report
     _say(config, f"the {float_prec} engine, to compare each layer's time")
     floating = build(proto, dataclasses.replace(base, int8=False, fp8=False, calib=None, calib_cache=None))
     report["engines_built"] += 1
+    report["builds"].append(_build_time(float_prec, floating))
     classes = _candidates(quantized, floating, {n.name: n.op_type for n in proto.graph.node})
     del floating  # its device weights are not needed for the trials
     best, best_us, pins = quantized, float("inf"), {}
@@ -178,6 +179,7 @@ def _choose(proto, config, base, build, latency):
         trial_pins = {**pins, **{a: float_prec for a in layers}}
         trial = build(proto, dataclasses.replace(base, layer_precisions={**trial_pins, **config.layer_precisions}))
         report["engines_built"] += 1
+        report["builds"].append(_build_time(f"trial {k + 1}", trial))
         rounds = _in_turn(latency, best, trial)
         # The fastest of every timing of the engine to beat, earlier trials' included: noise only slows a run, and
         # a slow re-timing must not let a slower mix in.
@@ -199,6 +201,12 @@ def _choose(proto, config, base, build, latency):
     _explain(best, report, {a for a in pins if a not in config.layer_precisions}, config.quantized, float_prec)
     report["result"] = f"{len(report['kept_in_float'])} group(s) kept in {float_prec}"
     return best, report
+
+
+def _build_time(what: str, engine) -> dict:
+    """One inner build's seconds and their phases (where an 8-bit build's time goes)."""
+    return {"engine": what, "seconds": round(engine.build_seconds or 0.0, 2),
+            "phases": engine.build_config.get("build_phases", {})}
 
 
 def _explain(engine, report, pinned: set[str], qtype: str, prec: str) -> None:
