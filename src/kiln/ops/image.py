@@ -557,8 +557,7 @@ def _box_corners(boxes: torch.Tensor, center_point_box: int):
 _NMS_CHECK_EVERY = 8
 
 
-def _suppressed(planes: torch.Tensor, nonempty: torch.Tensor, picked: torch.Tensor,
-                iou_thr: torch.Tensor) -> torch.Tensor:
+def _suppressed(planes: torch.Tensor, nonempty: torch.Tensor, picked: torch.Tensor, iou_thr: float) -> torch.Tensor:
     """[R, N]: the box picked in row r suppresses box j of row r (IoU > threshold). planes [5, R, N]: x0, y0, x1,
     y1 and area of every box; nonempty: area > 0; picked [R] positions. Degenerate pairs (no overlap, empty
     boxes) never suppress, as in ONNX's reference; between two nonempty boxes the union is positive (rounding is
@@ -572,7 +571,7 @@ def _suppressed(planes: torch.Tensor, nonempty: torch.Tensor, picked: torch.Tens
     return valid & (inter / (area + pa).sub_(inter) > iou_thr)
 
 
-def _greedy_select(planes: torch.Tensor, alive: torch.Tensor, limit: int, iou_thr: torch.Tensor) -> torch.Tensor:
+def _greedy_select(planes: torch.Tensor, alive: torch.Tensor, limit: int, iou_thr: float) -> torch.Tensor:
     """ONNX's greedy selection for every (batch, class) row at once, boxes in score order: each step picks, in
     every row, the first box still alive (no earlier pick suppressed it) and suppresses the boxes it overlaps.
     Returns [R, steps] picked positions, -1 once a row has no box left; a row's picks come first, in order.
@@ -606,8 +605,9 @@ def non_max_suppression(node, boxes, scores, max_output=None, iou_threshold=None
         return none
     if boxes.dtype in (torch.float16, torch.bfloat16):  # an upstream low-precision layer may hand these over
         boxes, scores = boxes.float(), scores.float()
-    # Thresholds compare in the boxes' own type, as ONNX's reference does (it matters at the boundary).
-    iou_thr = torch.tensor((_scalars(iou_threshold) or [0.0])[0], dtype=boxes.dtype, device=dev)
+    # Thresholds compare in the boxes' own type, as ONNX's reference does (it matters at the boundary): a Python
+    # number beside a tensor is taken in the tensor's type, and costs no copy to the device.
+    iou_thr = float((_scalars(iou_threshold) or [0.0])[0])
     score_thr = _scalars(score_threshold)
     x0, y0, x1, y1 = _box_corners(boxes, node.attr("center_point_box", 0))
     planes = torch.stack([x0, y0, x1, y1, (x1 - x0) * (y1 - y0)])  # [5, B, N]
@@ -618,7 +618,7 @@ def non_max_suppression(node, boxes, scores, max_output=None, iou_threshold=None
     if score_thr is None:
         alive = torch.ones_like(order, dtype=torch.bool)
     else:
-        alive = rows.gather(1, order) > torch.tensor(score_thr[0], dtype=scores.dtype, device=dev)
+        alive = rows.gather(1, order) > float(score_thr[0])
     picks = _greedy_select(planes, alive, limit, iou_thr)  # [R, steps]
     kept = picks >= 0
     box = order.gather(1, picks.clamp(min=0))
