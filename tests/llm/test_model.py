@@ -16,9 +16,10 @@ from tests.llm.tiny import load_hf_reference, make_tiny_model
 BS = 4  # small blocks: sequences span several, out of order
 
 
-def _caches(cfg, num_blocks=32):
+def _caches(cfg, num_blocks=32, device="cpu"):
     shape = (num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
-    return [LayerCache(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    return [LayerCache(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+            for _ in range(cfg.num_layers)]
 
 
 def _step(model, caches, chunks):
@@ -33,9 +34,12 @@ def _step(model, caches, chunks):
         lens.append(p0 + len(toks))
     width = max(len(t) for _, _, t in chunks)
     tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in chunks], dtype=torch.int32)
-    md = AttentionMetadata(torch.tensor(slots), torch.tensor(starts, dtype=torch.int32),
-                           torch.tensor(lens, dtype=torch.int32), tables, max(len(c[0]) for c in chunks), max(lens))
-    return model.compute_logits(model.forward(torch.tensor(ids), torch.tensor(pos), md, caches))
+    d = model.device
+    md = AttentionMetadata(torch.tensor(slots, device=d), torch.tensor(starts, dtype=torch.int32, device=d),
+                           torch.tensor(lens, dtype=torch.int32, device=d), tables.to(d), max(len(c[0]) for c in chunks),
+                           max(lens))
+    ids, pos = torch.tensor(ids, device=d), torch.tensor(pos, device=d)
+    return model.compute_logits(model.forward(ids, pos, md, caches)).cpu()
 
 
 def _check(path):
@@ -100,7 +104,8 @@ def test_fused_ops_match_torch_forms(tmp_path, arch, kw):
     a = tok.encode("The potter lit the fire, and every evening the pots came out hard.")
     table = list(range(-(-len(a) // BS)))
     outs = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs CPU tensors only under its interpreter
     for fused in (False, True):
-        model = DecoderModel(cfg, tensors, torch.float32, "cpu", fused=fused)
-        outs.append(_step(model, _caches(cfg), [(a, 0, table)]))
+        model = DecoderModel(cfg, tensors, torch.float32, device, fused=fused)
+        outs.append(_step(model, _caches(cfg, device=device), [(a, 0, table)]))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)

@@ -265,10 +265,11 @@ def quantize_weight(w: torch.Tensor, method: str, stats=None) -> QuantizedWeight
         return quantize_int8(w)
     if method in ("w8a8", "int4-awq") and stats is None:
         raise ConfigError(f"--weights {method} needs calibration activations: give --calib TEXT.")
+    # Calibration may have run on another device than the one the weights sit on.
     if method == "w8a8":
-        return quantize_w8a8(w, stats.absmax)
+        return quantize_w8a8(w, stats.absmax.to(w.device))
     if method == "int4-awq":
-        return quantize_int4_awq(w, stats.sample)
+        return quantize_int4_awq(w, stats.sample.to(w.device))
     raise ConfigError(f"--weights {method!r} is not one of {', '.join(METHODS)}.")
 
 
