@@ -34,7 +34,7 @@ def tp_pair(mqa_model):
     """One rank, and 2 ranks built from weights held in memory (the workers read them from a safetensors file)."""
     from kiln.llm.engine import load_model
 
-    kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24)
+    kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, device="cpu")  # gloo ranks on the CPU
     ref = LLM(str(mqa_model), **kw)
     hf_config, tensors, tok, _ = load_model(mqa_model)
     tp = LLM.__new__(LLM)
@@ -188,7 +188,7 @@ def test_worker_error_surfaces_on_rank_0(mqa_model):
 
     hf_config, tensors, tok, _ = load_model(mqa_model)
     with pytest.raises(KilnError) as e:
-        LLMEngine(hf_config, tensors, tok, max_model_len=64, tensor_parallel_size=2,
+        LLMEngine(hf_config, tensors, tok, max_model_len=64, tensor_parallel_size=2, device="cpu",
                   source=str(mqa_model / "missing"))
     assert "missing" in str(e.value)
     import gc
