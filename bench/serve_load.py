@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kiln.llm.benchmark import percentile, random_prompts, run_requests, sharegpt_like_lengths  # noqa: E402
+from kiln.serve.engine_process import StepTimes  # noqa: E402
 
 READY = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)")
 
@@ -95,8 +96,10 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
             "tpot": (last - first) / (tokens - 1) if tokens > 1 else None}
 
 
-async def client_share(url: str, prompts, out_lens, clients: int, next_index, start, time_limit: float) -> dict:
-    """One client process's share: `clients` concurrent clients taking requests off the shared counter."""
+async def client_share(url: str, prompts, out_lens, clients: int, next_index, start, time_limit: float,
+                       warmup=None) -> dict:
+    """One client process's share: `clients` concurrent clients taking requests off the shared counter; first
+    its share of the warm-up requests (not measured), then, all processes together, the measured ones."""
     import aiohttp
 
     results, errors = [], []
@@ -127,6 +130,10 @@ async def client_share(url: str, prompts, out_lens, clients: int, next_index, st
     conn = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
         await asyncio.gather(*(stream_one(session, url, prompts[0][:8], 4) for _ in range(2)))  # warm-up
+        if warmup:
+            w_prompts, w_lens, part, parts = warmup  # this process's every parts-th warm-up request, all at once
+            await asyncio.gather(*(stream_one(session, url, w_prompts[i], w_lens[i])
+                                   for i in range(part, len(w_prompts), parts)))
         start.wait()  # every process starts together
         cpu0, t0 = time.process_time(), time.perf_counter()
         deadline = time.monotonic() + time_limit
@@ -137,13 +144,13 @@ async def client_share(url: str, prompts, out_lens, clients: int, next_index, st
 
 
 def _client_process(args, done) -> None:
-    url, prompts, out_lens, clients, next_index, start, time_limit = args
+    url, prompts, out_lens, clients, next_index, start, time_limit, warmup = args
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    done.put(asyncio.run(client_share(url, prompts, out_lens, clients, next_index, start, time_limit)))
+    done.put(asyncio.run(client_share(url, prompts, out_lens, clients, next_index, start, time_limit, warmup)))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -159,7 +166,8 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
-def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: int, server_pid: int) -> dict:
+def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: int, server_pid: int,
+         warmup=None) -> dict:
     """The served run: `procs` client processes (each its own event loop and share of the clients), so the load
     generator's JSON parsing is not what limits the measured throughput; their CPU use is reported."""
     import multiprocessing as mp
@@ -171,7 +179,8 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
     watched = [server_pid, *child_pids(server_pid)]  # the HTTP process and its engine process
     done = ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=((url, prompts, out_lens, n, next_index, start,
-                                                          time_limit), done), daemon=True) for n in shares]
+                                                          time_limit, warmup and (*warmup, k, procs)), done),
+                           daemon=True) for k, n in enumerate(shares)]
     for w in workers:
         w.start()
     start.wait()
@@ -199,7 +208,7 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
             "server_cpu_cores": cpu[0] / wall, "engine_cpu_cores": sum(cpu[1:]) / wall if cpu[1:] else None}
 
 
-def offline(model: Path, a, prompts, out_lens) -> dict:
+def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
     from kiln.llm.engine import LLMEngine
 
     kw = dict(device=a.device, max_num_seqs=a.clients)
@@ -209,7 +218,14 @@ def offline(model: Path, a, prompts, out_lens) -> dict:
         kw["max_model_len"] = a.max_model_len
     engine = LLMEngine.from_model(str(model), **kw)
     run_requests(engine, [prompts[0][:8]] * 2, [4, 4])  # warm-up, as the served run's
-    return run_requests(engine, prompts, out_lens)
+    if warmup:
+        run_requests(engine, *warmup)
+    times = StepTimes()
+    step = engine.step
+    engine.step = lambda: times.step(engine, step)  # the split the engine process prints, for the offline run
+    result = run_requests(engine, prompts, out_lens)
+    print(f"offline engine steps: {times.summary()}", file=sys.stderr)
+    return result
 
 
 def render(r: dict) -> str:
@@ -303,6 +319,9 @@ def main(argv=None) -> int:
                    "(OMP_NUM_THREADS; on a small shared CPU, 1 avoids OpenMP oversubscription)")
     p.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
                    help="client processes the clients are spread over (default: a quarter of the cores, at most 4)")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="N unmeasured requests of the same length law, all at once, before the served and the "
+                        "offline runs (first-use kernel compiles out of the measurement; default 0)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
@@ -330,6 +349,11 @@ def main(argv=None) -> int:
         pairs = [(i, min(o, a.max_output)) for i, o in pairs]
     prompts = random_prompts(cfg.get("vocab_size", 32000), [i for i, _ in pairs])
     out_lens = [o for _, o in pairs]
+    warmup = None
+    if a.warmup:  # other requests of the same law: the kernels the load needs are compiled before the clock runs
+        w_pairs = [(i, min(o, a.max_output or o)) for i, o in sharegpt_like_lengths(a.warmup, max_len, seed=1)]
+        warmup = (random_prompts(cfg.get("vocab_size", 32000), [i for i, _ in w_pairs], seed=1),
+                  [o for _, o in w_pairs])
     if a.threads:
         import torch
 
@@ -338,7 +362,7 @@ def main(argv=None) -> int:
     proc, port = start_server(model, a)
     try:
         served = load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit, a.client_procs,
-                      proc.pid)
+                      proc.pid, warmup)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -350,11 +374,11 @@ def main(argv=None) -> int:
               "command": " ".join(["python", "bench/serve_load.py", *(argv or sys.argv[1:])]),
               "model": ("tiny Llama (tests/llm/tiny.py)" if a.tiny else f"random-weight {a.random_model} (BF16)"
                         if a.random_model else str(model)), "device": a.device,
-              "clients": a.clients, "num_requests": a.requests, "threads": a.threads,
+              "clients": a.clients, "num_requests": a.requests, "threads": a.threads, "warmup": a.warmup,
               "mean_input_len": sum(len(x) for x in prompts) / len(prompts),
               "mean_output_len": sum(out_lens) / len(out_lens), "served": served}
     if not a.skip_offline:
-        result["offline"] = offline(model, a, prompts, out_lens)
+        result["offline"] = offline(model, a, prompts, out_lens, warmup)
         result["offline"].pop("cuda_graphs", None)
         result["offline"].pop("cuda_graph_error", None)
     print(render(result))

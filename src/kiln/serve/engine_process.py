@@ -300,6 +300,38 @@ class _Outbox:
                 pass
 
 
+class StepTimes:
+    """Wall time of each engine step, split into decode-only steps (CUDA-graph replays on a GPU) and steps with
+    prompt tokens, and by quarter of the run: where a served engine's steps are slower than offline ones."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.decode_only: list[bool] = []
+
+    def step(self, engine, step=None):
+        sch = engine.scheduler
+        decode = not sch.waiting and all(s.num_tokens - s.num_computed_tokens <= 1 for s in sch.running)
+        t = time.perf_counter()
+        out = (step or engine.step)()
+        self.times.append(time.perf_counter() - t)
+        self.decode_only.append(decode)
+        return out
+
+    def summary(self) -> str:
+        if not self.times:
+            return "no steps"
+        dec = [t for t, d in zip(self.times, self.decode_only) if d]
+        mix = [t for t, d in zip(self.times, self.decode_only) if not d]
+        q = max(1, len(self.times) // 4)
+        quarters = [self.times[i:i + q] for i in range(0, q * 4, q)]
+
+        def ms(ts):
+            return f"{sum(ts) / len(ts) * 1e3:.2f}" if ts else "-"
+
+        return (f"{len(self.times)} steps, {sum(self.times):.2f} s: {len(dec)} decode-only at {ms(dec)} ms, "
+                f"{len(mix)} with prompt tokens at {ms(mix)} ms; by quarter {' / '.join(ms(x) for x in quarters)} ms")
+
+
 def _serve_engine(engine, fd_in: int, fd_out: int) -> None:
     # After "stop" the server reads no more: what its pipe does not take is dropped.
     _engine_loop(engine, fd_in, _Outbox(fd_out))
@@ -335,7 +367,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
 
     clock = time.perf_counter
     spent = {"idle": 0.0, "commands": 0.0, "step": 0.0, "deltas": 0.0, "send": 0.0}
-    steps = 0
+    steps, times = 0, StepTimes()
     while not stop:
         busy = engine.has_unfinished_requests()
         accepted, refused = [], []
@@ -358,7 +390,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
         if not stop and engine.has_unfinished_requests():
             steps += 1
             try:
-                outputs = engine.step()
+                outputs = times.step(engine)
             except Exception as e:  # the engine already freed everything
                 traceback.print_exc()
                 failure = f"{type(e).__name__}: {e}"
@@ -384,6 +416,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
     total = sum(spent.values()) or 1.0
     print(f"kiln llm serve: engine process: {steps} steps; " + ", ".join(
         f"{k} {v:.2f} s ({v / total:.0%})" for k, v in spent.items()), file=sys.stderr, flush=True)
+    print(f"kiln llm serve: engine steps: {times.summary()}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
