@@ -11,6 +11,8 @@ workspace cap or --excludeTactics, failing, or numerically wrong are reported, n
 from __future__ import annotations
 
 import fnmatch
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -66,6 +68,43 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
     if worst_8bit:
         words += f", 8-bit values {worst_8bit:.3g}x their bound (one step + {tol:g} of the range)"
     return worst <= tol and worst_8bit <= 1.0, words
+
+
+# Triton and Gluon candidates compile on their first call; a cold 8-bit build spends most of its time there
+# (ResNet-18 INT8 on the H200: ~8 s per distinct convolution for ~45 candidates). KILN_PARALLEL_COMPILE=N makes
+# their first calls in N threads before the layer is timed (Triton's compiler can release the GIL in its passes
+# and in ptxas), so the timing loop finds every kernel compiled. Off until measured on the GPU.
+COMPILE_THREADS = 0
+_JIT_TACTICS = ("triton_", "gluon_")
+
+
+def _compile_threads() -> int:
+    value = os.environ.get("KILN_PARALLEL_COMPILE", "")
+    return int(value) if value.strip().isdigit() else COMPILE_THREADS
+
+
+def _precompile(node, args, cands) -> None:
+    """Call each Triton/Gluon candidate once, in parallel threads, so that its kernels are compiled before the
+    layer's timing loop calls it. Best effort: a candidate that raises here raises again in the loop, which
+    records why."""
+    threads = _compile_threads()
+    jit = [t for t in cands if t.name.startswith(_JIT_TACTICS)]
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if threads < 2 or len(jit) < 2 or first is None or not first.is_cuda:
+        return
+    device = first.device
+    stream = torch.cuda.current_stream(device)  # the stream the layer's inputs were written on
+
+    def warm(t):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            try:
+                t.fn(node, *args)
+            except Exception:  # noqa: BLE001  (the timing loop runs it again and records the failure)
+                pass
+
+    with ThreadPoolExecutor(min(threads, len(jit)), thread_name_prefix="kiln-compile") as pool:
+        list(pool.map(warm, jit))
+    torch.cuda.synchronize(device)
 
 
 class Selector:
@@ -139,6 +178,7 @@ class Selector:
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
         ref = entry.impl(node, *args)
+        _precompile(node, args, cands)
         before = self._l2_reset(node, args) if self._cold(node) else None
         timings = {"reference": median_ms(lambda: entry.impl(node, *args), before=before)}
         excluded = {}
