@@ -47,6 +47,7 @@ def _child(case: dict) -> None:
 
 def run(cases: list[dict], workers: int, timeout_s: float) -> dict[str, dict]:
     import kiln.cli  # noqa: F401 - imported once, before the forks
+    import torch._dynamo  # noqa: F401 - the build's memory estimate on meta tensors imports it on first use
 
     queue, running, results = list(cases), {}, {}
     while queue or running:
