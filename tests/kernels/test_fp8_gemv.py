@@ -174,3 +174,34 @@ def test_int4_gemv_matches_dequantized_weights(m, n, k, split, xs):
     got = fg.int4_gemv(x.to(DEV), packed.to(DEV), scale.to(DEV), zero.to(DEV),
                        None if in_scale is None else in_scale.to(DEV), config=fg.GemvConfig(32, 128, split, 4, 2))
     assert rel_err(got.cpu(), want) < 1e-5
+
+
+def test_launches_pass_only_the_kernels_parameters(monkeypatch):
+    """Triton's interpreter ignores a keyword a kernel does not take; the GPU launcher refuses it. Every launch
+    of the module's kernels passes exactly the kernel's parameters (positional + keyword)."""
+    import inspect
+
+    seen = []
+
+    class Checked:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                names = list(inspect.signature(self.kernel.fn).parameters)
+                given = set(names[:len(args)]) | {k for k in kwargs if k not in ("num_warps", "num_stages")}
+                assert given == set(names), (self.kernel.fn.__name__, sorted(given ^ set(names)))
+                seen.append(self.kernel.fn.__name__)
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_fp8_gemv_kernel", "_sum_splits_kernel", "_int4_gemv_kernel"):
+        monkeypatch.setattr(fg, name, Checked(getattr(fg, name)))
+    x, codes, scale = operands(2, 64, 256, torch.float32)
+    fg.fp8_gemv(x, codes, scale, fg.GemvConfig(32, 64, 2, 4, 2))
+    from kiln.llm.quantize import quantize_int4
+
+    packed, s4, z4 = quantize_int4(torch.randn(64, 256))
+    fg.int4_gemv(x, packed.to(DEV), s4.to(DEV), z4.to(DEV), None, config=fg.GemvConfig(32, 128, 2, 4, 2))
+    assert set(seen) == {"_fp8_gemv_kernel", "_sum_splits_kernel", "_int4_gemv_kernel"}

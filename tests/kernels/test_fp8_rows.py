@@ -53,3 +53,22 @@ def test_bf16_decode_batch_on_the_gpu():
     want_q, want_s = fp8_rows.reference(x)
     assert torch.equal(s, want_s)
     assert (q.float() - want_q.float()).abs().max().item() == 0
+
+
+def test_launch_passes_only_the_kernels_parameters(monkeypatch):
+    """(The interpreter ignores a keyword the kernel does not take; the GPU launcher refuses it.)"""
+    import inspect
+
+    kernel = fp8_rows._quantize_rows_kernel
+
+    class Checked:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                names = list(inspect.signature(kernel.fn).parameters)
+                given = set(names[:len(args)]) | {k for k in kwargs if k not in ("num_warps", "num_stages")}
+                assert given == set(names), sorted(given ^ set(names))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(fp8_rows, "_quantize_rows_kernel", Checked())
+    fp8_rows.quantize_rows(exact_rows(2, 64).to(DEV))

@@ -189,9 +189,9 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: 
     target = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
         x, codes, scale, target, M, N, K, k_per_split, x.stride(0), codes.stride(0),
-        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32", EVEN=even,
-        SPLIT_K=splits, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", EVEN=even, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, block),)](target, y, M * N, M * N, SPLIT_K=splits, BLOCK=block)
