@@ -73,11 +73,13 @@ def _sum_splits_kernel(p_ptr, y_ptr, numel, stride_ps, SPLIT_K: tl.constexpr, BL
 
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_pn,
-                      stride_sn, stride_ym, stride_ys, CDT: tl.constexpr, HAS_XS: tl.constexpr,
+                      stride_sn, stride_ym, stride_ys, CDT: tl.constexpr, PREC: tl.constexpr, HAS_XS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
-    GROUP / 2 bytes a row: low nibble = even channel), dequantized (code - zero) * scale in registers; the even
-    and odd channels meet the matching columns of x (times its input scale) in two dots."""
+    GROUP / 2 bytes a row: low nibble = even channel). The zero point and scale are factored out of the group's
+    sum, sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k), so the codes go to the tensor cores as
+    they are (0..15, exact in 16 bits) and only the [BLOCK_N, BLOCK_M] partial sums see the scale: the even and
+    odd channels meet the matching columns of x (times its input scale) in two dots."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = GROUP // 2
@@ -92,11 +94,9 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, M, N, K, k_per_
     for k in range(k_lo, k_hi, GROUP):
         g = k // GROUP
         p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :], mask=n_ok[:, None],
-                    other=0).to(tl.int32)
-        s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)[:, None]
-        z = tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32)[:, None]
-        w_even = (((p & 15).to(tl.float32) - z) * s).to(CDT)
-        w_odd = (((p >> 4).to(tl.float32) - z) * s).to(CDT)
+                    other=0)
+        s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
+        z = tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
         ke = k + 2 * rj
         x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=row_ok & (ke < k_hi)[:, None],
                          other=0.0).to(tl.float32)
@@ -105,8 +105,12 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, M, N, K, k_per_
         if HAS_XS:
             x_even = x_even * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
             x_odd = x_odd * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
-        acc = tl.dot(w_even, x_even.to(CDT), acc)
-        acc = tl.dot(w_odd, x_odd.to(CDT), acc)
+        x_even = x_even.to(CDT)
+        x_odd = x_odd.to(CDT)
+        part = tl.dot((p & 15).to(CDT), x_even, input_precision=PREC)
+        part = tl.dot((p >> 4).to(CDT), x_odd, part, input_precision=PREC)
+        x_sum = tl.sum(x_even.to(tl.float32), axis=0) + tl.sum(x_odd.to(tl.float32), axis=0)
+        acc += s[:, None] * (part - z[:, None] * x_sum[None, :])
     y_ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok)
 
@@ -227,7 +231,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     xs = input_scale.float().contiguous() if input_scale is not None else scale
     _int4_gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
         x, packed, scale, zero, xs, target, M, N, K, k_per_split, x.stride(0), packed.stride(0), scale.stride(0),
-        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt, HAS_XS=input_scale is not None,
+        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", HAS_XS=input_scale is not None,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
