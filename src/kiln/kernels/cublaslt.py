@@ -11,12 +11,12 @@ For FP16/BF16 GEMMs torch's addmm reaches the same epilogues, but always offers 
 with one cuBLASLt picks kernels that clear a buffer before every call (see MAX_WORKSPACE); `gemm` here
 asks for the kernels that need none.
 
-This module calls the cuBLASLt library torch itself loaded, through ctypes (no build step, no new
-dependency), or through NVIDIA's nvmath-python bindings (`pip install 'kiln[nvmath]'`, chosen with
-KILN_CUBLASLT_BINDINGS=nvmath), with Hopper's fast FP8 accumulation (as Triton's FP8 dot on sm_90 does). Both
-call the same functions with the same values: tests/kernels/test_cublaslt.py checks the enum values written here
-against nvmath's. cuBLASLt's GELU
-is the tanh form: it differs from the erf form by at most 4.7e-4 (at |x| = 2.7, where FP16's step is
+This module calls cuBLASLt through ctypes, over the library torch itself loaded (no build step, no new
+dependency), or through NVIDIA's nvmath-python bindings where that is installed (`pip install 'kiln[nvmath]'`;
+KILN_CUBLASLT_BINDINGS=ctypes or nvmath chooses), with Hopper's fast FP8 accumulation (as Triton's FP8 dot on
+sm_90 does). Both call the same functions with the same values (tests/kernels/test_cublaslt.py checks the enum
+values written here against nvmath's) and run the same kernels. cuBLASLt's GELU is the tanh form: it differs
+from the erf form by at most 4.7e-4 (at |x| = 2.7, where FP16's step is
 2e-3), and the builder checks every tactic's output against the exact reference.
 """
 
@@ -163,7 +163,7 @@ class NvmathBindings:
     def __init__(self):
         try:
             from nvmath.bindings import cublasLt
-        except ImportError as e:
+        except Exception as e:  # noqa: BLE001 - missing, or its CUDA libraries not loadable here: not usable
             raise CublasLtError(f"the nvmath cuBLASLt bindings need nvmath-python: pip install 'kiln[nvmath]' ({e})")
         self.lt = cublasLt
 
@@ -235,11 +235,21 @@ _BINDINGS = {"ctypes": CtypesBindings, "nvmath": NvmathBindings}
 
 
 def bindings(name: str | None = None):
-    """The cuBLASLt bindings by name ('ctypes' or 'nvmath'); by default KILN_CUBLASLT_BINDINGS's, else ctypes."""
-    name = name or os.environ.get("KILN_CUBLASLT_BINDINGS", "ctypes")
+    """The cuBLASLt bindings by name ('ctypes' or 'nvmath'); by default KILN_CUBLASLT_BINDINGS's, else nvmath's
+    where nvmath-python imports, else ctypes. Both run the same kernels (docs/design/cublaslt.md)."""
+    name = name or os.environ.get("KILN_CUBLASLT_BINDINGS") or _default_bindings()
     if name not in _BINDINGS:
         raise CublasLtError(f"KILN_CUBLASLT_BINDINGS: '{name}' should be one of {sorted(_BINDINGS)}")
     return _bindings(name)
+
+
+@functools.cache
+def _default_bindings() -> str:
+    try:
+        _bindings("nvmath")
+        return "nvmath"
+    except CublasLtError:  # not installed, or not importable here
+        return "ctypes"
 
 
 @functools.cache
