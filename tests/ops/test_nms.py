@@ -33,6 +33,7 @@ def _case(rng, batches: int, classes: int, n: int, center_point_box: int):
     wh = rng.uniform(0, 15, (batches, n, 2))
     wh[:, : n // 10] = 0  # empty boxes never suppress nor are suppressed
     if center_point_box:
+        wh[:, n // 10: n // 5] *= -1  # a negative width or height: an empty box, never swapped
         boxes = np.concatenate([xy, wh], -1)
     else:
         a, b = xy, xy + wh

@@ -557,17 +557,18 @@ def _box_corners(boxes: torch.Tensor, center_point_box: int):
 _NMS_CHECK_EVERY = 8
 
 
-def _suppressed(planes: torch.Tensor, nonempty: torch.Tensor, picked: torch.Tensor, iou_thr: float) -> torch.Tensor:
+def _suppressed(planes: torch.Tensor, picked: torch.Tensor, iou_thr: float) -> torch.Tensor:
     """[R, N]: the box picked in row r suppresses box j of row r (IoU > threshold). planes [5, R, N]: x0, y0, x1,
-    y1 and area of every box; nonempty: area > 0; picked [R] positions. Degenerate pairs (no overlap, empty
-    boxes) never suppress, as in ONNX's reference; between two nonempty boxes the union is positive (rounding is
-    monotone, so the intersection never exceeds either area) and needs no check of its own."""
+    y1 and area of every box; picked [R, 1] positions. As in ONNX's reference, pairs that do not overlap and
+    empty boxes never suppress: an overlap's width and area both positive is that whole test (an empty box's
+    zero width or height bounds the overlap's, a zero area from underflow bounds its area, and rounding is
+    monotone), and between two nonempty boxes the union is positive."""
     x0, y0, x1, y1, area = planes
     px0, py0, px1, py1, pa = planes.gather(2, picked.view(1, -1, 1).expand(5, -1, 1))  # each [R, 1]
     iw = torch.minimum(x1, px1).sub_(torch.maximum(x0, px0))
     ih = torch.minimum(y1, py1).sub_(torch.maximum(y0, py0))
     inter = iw * ih
-    valid = (iw > 0) & (ih > 0) & (inter > 0) & nonempty & (pa > 0)
+    valid = (iw > 0) & (inter > 0)
     return valid & (inter / (area + pa).sub_(inter) > iou_thr)
 
 
@@ -576,19 +577,22 @@ def _greedy_select(planes: torch.Tensor, alive: torch.Tensor, limit: int, iou_th
     every row, the first box still alive (no earlier pick suppressed it) and suppresses the boxes it overlaps.
     Returns [R, steps] picked positions, -1 once a row has no box left; a row's picks come first, in order.
     The loop runs at most `limit` steps (max_output_boxes_per_class) and stops when no row has a box left, so
-    its length is the most boxes any class keeps, not the number of boxes."""
-    picks, nonempty = [], planes[4] > 0
+    its length is the most boxes any class keeps, not the number of boxes. A step is about twenty small
+    kernels and no host sync (an eager postprocess spends its time launching them)."""
+    firsts, found = [], []
+    alive = alive.to(torch.uint8)  # argmax reads it as it is
     every = 1 if alive.device.type == "cpu" else _NMS_CHECK_EVERY  # a CPU tensor's check costs no sync
     for step in range(limit):
         if step % every == 0 and step and not bool(alive.any()):
             break
-        first = alive.to(torch.uint8).argmax(1, keepdim=True)  # the first alive position (0 where none is)
-        picks.append(torch.where(alive.gather(1, first), first, -1))
-        alive &= ~_suppressed(planes, nonempty, first[:, 0], iou_thr)
-        alive.scatter_(1, first, False)
-    if not picks:
+        first = alive.argmax(1, keepdim=True)  # the first alive position (0 where none is)
+        firsts.append(first)
+        found.append(alive.gather(1, first))
+        alive.masked_fill_(_suppressed(planes, first, iou_thr), 0)
+        alive.scatter_(1, first, 0)
+    if not firsts:
         return torch.full((alive.shape[0], 0), -1, dtype=torch.long, device=alive.device)
-    return torch.cat(picks, 1)
+    return torch.where(torch.cat(found, 1).bool(), torch.cat(firsts, 1), -1)
 
 
 @register("NonMaxSuppression", host_inputs=(2, 3, 4), data_dependent=True, since=10,
