@@ -215,6 +215,9 @@ def _print_build_summary(engine, source: str) -> None:
     prec = engine.precision + (f" ({quant} {kind} layers)" if quant else "")
     out.print(f"  target: {engine.target.describe()}   precision: {prec}   "
               f"build time: {engine.build_seconds:.2f} s")
+    phases = engine.build_config.get("build_phases") or {}
+    if phases:  # where the time went (an 8-bit GPU build's inner builds: `kiln inspect`'s precision-by-speed)
+        out.print("  build phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     host = sum(n.placement == "host" for n in g.nodes)
     out.print(f"  layers: {len(g.nodes)} ({host} shape-arithmetic layers on the host)   "
               f"weights: {engine.weight_bytes / 2**20:.2f} MiB   "
