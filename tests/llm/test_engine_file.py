@@ -73,6 +73,8 @@ def test_round_trip_is_exact_and_runs(fp8_engine, tiny_llama):
         assert torch.equal(r.scale.cpu(), q.scale.cpu())
     for (k0, v0), (k1, v1) in zip(built.kv_scales, back.kv_scales):
         assert torch.equal(k0.cpu(), k1.cpu()) and torch.equal(v0.cpu(), v1.cpu())
+    for b, r in zip(built.kv_scales, back.kv_scales):  # FP8 keys are stored centred on their calibrated mean
+        assert b.k_offset is not None and torch.equal(b.k_offset.cpu(), r.k_offset)
     _, _, tok = load_hf_dir(tiny_llama)
     text = "The potter lit the fire. Hello world!"
     assert back.tokenizer.encode(text) == tok.encode(text)
@@ -151,6 +153,25 @@ def test_tampering_is_refused(fp8_engine, tmp_path):
     (tmp_path / "trunc.kiln").write_bytes(path.read_bytes()[:1000])
     with pytest.raises(EngineFileError, match="truncated, corrupted"):
         ef.read_llm_engine(tmp_path / "trunc.kiln")
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("k_scale", ["1"], "'k_scale' is not a list of finite positive numbers"),
+    ("v_scale", [0.0, 1.0], "'v_scale' is not a list of finite positive numbers"),
+    ("k_offset", [[0.0]], "'k_offset' needs one row of equal length per KV head"),
+    ("k_offset", [[0.0, 1.0], [float("nan"), 1.0]], "'k_offset' is not a list of finite numbers"),
+])
+def test_malformed_kv_scales_are_refused(fp8_engine, tmp_path, field, value, words):
+    path, _ = fp8_engine
+
+    def edit(members):  # a consistent file whose manifest holds what no build writes
+        m = json.loads(members["manifest.json"])
+        m["kv_cache"]["scales"]["layers"][1][field] = value
+        members["manifest.json"] = json.dumps(m).encode()
+        members["checksums.json"] = ef.checksums_of(members)
+
+    with pytest.raises(EngineFileError, match="layer 1 " + words.replace("(", r"\(")):
+        ef.read_llm_engine(_rewrite(path, tmp_path / "bad.kiln", edit))
 
 
 def test_engine_for_another_gpu_is_refused(fp8_engine, tmp_path):

@@ -5,9 +5,8 @@ cache back: per layer, the absolute maximum of the keys (after RoPE, as the cach
 and the keys' mean. FP8 (E4M3): one scale per layer, amax / 448, repeated over the KV heads (the cache
 contract's layout), and the keys stored centred on their mean (kiln.kernels.paged_attention's k_offset: exact
 for softmax, and FP8's 3-bit mantissa then rounds the keys' spread instead of their large common part); INT8:
-one per KV head, amax / 127. (Centring is asked for by `centre_keys`; a .kiln engine file does not store the
-offsets yet, so its build does not ask.) Every scale comes from data: an empty or all-zero calibration is refused, never
-replaced by 1.0.
+one per KV head, amax / 127. (Centring is asked for by `centre_keys`; a .kiln engine file stores the offsets in
+its manifest.) Every scale comes from data: an empty or all-zero calibration is refused, never replaced by 1.0.
 
 `activation_stats` records, for every decoder matrix, the inputs it multiplies: the per-input-channel absolute
 maximum (SmoothQuant's statistic) and a bounded random sample of input rows (AWQ's scale search).

@@ -156,7 +156,7 @@ def prepare_model(source, *, dtype=None, device="auto", weights=None, kv_cache_d
 
             ids = calibration_ids(tokenizer, calib, calib_tokens)
             step(f"calibrating {kv_cache_name(kv_dtype)} KV scales over {len(ids)} tokens of {Path(calib).name}")
-            scales = calibrate_kv_scales(model, ids, kv_dtype)
+            scales = calibrate_kv_scales(model, ids, kv_dtype, centre_keys=True)
     quantized = {k: w for k, w in quantize.linear_weights(model).items() if isinstance(w, quantize.QuantizedWeight)}
     return PreparedModel(model, tokenizer, hf_config, method, kv_cache_name(kv_dtype), scales, quantized)
 
@@ -378,11 +378,42 @@ def read_llm_engine(path, device: str = "auto", verify_key: bytes | None = None)
             raise EngineFileError(f"'{path}': quantized matrix '{key}' lacks its codes or scales.")
         quantized[key] = quantize.QuantizedWeight.from_tensors(info["method"], info["shape"][1], parts)
     kv = m["kv_cache"]
-    scales = None
-    if kv.get("scales"):
-        scales = [(torch.tensor(layer["k_scale"], dtype=torch.float32),
-                   torch.tensor(layer["v_scale"], dtype=torch.float32)) for layer in kv["scales"]["layers"]]
+    scales = _kv_scales(path, kv["scales"]) if kv.get("scales") else None
     return LLMEngineFile(path, m, m["architecture"], tensors, quantized, tokenizer, kv["dtype"], scales)
+
+
+def _kv_scales(path: Path, described) -> list:
+    """The manifest's K/V scales (and key offsets, where the keys are stored centred) as KVScales per layer, each
+    field checked to be finite numbers of a consistent shape: a manifest is data from a file."""
+    from .attention import KVScales
+
+    def numbers(n, field, value, positive):
+        t = None
+        if isinstance(value, list) and value and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                     for x in value):
+            t = torch.tensor(value, dtype=torch.float32)
+        if t is None or not torch.isfinite(t).all() or (positive and not (t > 0).all()):
+            raise EngineFileError(f"'{path}' is malformed: kv_cache.scales layer {n} '{field}' is not a list of "
+                                  f"finite{' positive' if positive else ''} numbers; rebuild it with `kiln llm build`.")
+        return t
+
+    layers = described.get("layers") if isinstance(described, dict) else None
+    if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+        raise EngineFileError(f"'{path}' is malformed: kv_cache.scales has no list of layers; rebuild it with "
+                              "`kiln llm build`.")
+    out = []
+    for n, layer in enumerate(layers):
+        k, v = numbers(n, "k_scale", layer.get("k_scale"), True), numbers(n, "v_scale", layer.get("v_scale"), True)
+        offset = None
+        if layer.get("k_offset") is not None:
+            rows = layer["k_offset"]
+            if not isinstance(rows, list) or len(rows) != len(k) or len({len(r) if isinstance(r, list) else -1
+                                                                          for r in rows}) != 1:
+                raise EngineFileError(f"'{path}' is malformed: kv_cache.scales layer {n} 'k_offset' needs one row "
+                                      f"of equal length per KV head ({len(k)}); rebuild it with `kiln llm build`.")
+            offset = torch.stack([numbers(n, "k_offset", row, False) for row in rows])
+        out.append(KVScales(k, v, offset))
+    return out
 
 
 # Engine path -> the key `--verify-key` pinned it to: every later read of that path in this process checks the
