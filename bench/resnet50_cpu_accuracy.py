@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import kiln  # noqa: E402
 from bench.models import export_onnx, resnet50  # noqa: E402
-from kiln.engine import quantized_io  # noqa: E402
+from kiln.builder import quantized_io  # noqa: E402
 from kiln.passes import stem_patches  # noqa: E402
 
 

@@ -507,7 +507,7 @@ def main(argv=None) -> int:
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
         return text
 
-    from kiln.tools.progress import terminal_progress
+    from kiln.progress import terminal_progress
 
     # A bar of finished cases on a terminal's stderr; the per-case lines and the table stay on stdout.
     with terminal_progress("zoo", len(entries) * len(batches) * len(precisions), "cases") as bar:

@@ -39,7 +39,8 @@ class KilnRep(BackendRep):
         return dict(zip(self.input_names, inputs))
 
     def run(self, inputs, **kwargs):
-        from .engine.builder import BuildConfig, build
+        from .build import build
+        from .builder.config import BuildConfig
 
         feeds = self._feeds(inputs)
         key = tuple((k, np.shape(v)) for k, v in feeds.items())
@@ -71,7 +72,7 @@ class KilnBackend(Backend):
 
     @classmethod
     def prepare(cls, model, device="CPU", **kwargs):
-        from .engine.builder import check_supported
+        from .builder.builder import check_supported
         from .frontend.check import preflight
 
         preflight(model, "the model")  # a missing initializer or a cycle is a ModelError here, not a KeyError

@@ -55,6 +55,9 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timingCacheFile", metavar="FILE", help="reuse and update tactic timings in this JSON file")
     p.add_argument("--excludeTactics", default="", metavar="NAMES",
                    help="tactics never to time or choose, by name or pattern: triton_tma_*,cudnn_conv_relu")
+    p.add_argument("--dumpPasses", metavar="DIR",
+                   help="write the graph after each build pass into DIR as NN-pass.onnx (.txt where ONNX cannot "
+                        "hold it), to see what each pass did")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
     p.add_argument("--maxAuxStreams", type=int, default=0, choices=range(2), metavar="0..1",
@@ -76,12 +79,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(a):
-    from .engine.config import (
-        BuildConfig,
-        parse_layer_precisions,
-        parse_mem_pool,
-        profile_from_flags,
-    )
+    from .builder.config import BuildConfig, parse_layer_precisions, parse_mem_pool
+    from .engine.profile import profile_from_flags
     from .tools.verify import parse_budgets
 
     counts = {len(a.minShapes), len(a.optShapes), len(a.maxShapes)} - {0}
@@ -108,6 +107,7 @@ def _config_from_args(a):
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile, precision_constraints=a.precisionConstraints,
         exclude_tactics=tuple(p.strip() for p in a.excludeTactics.split(",") if p.strip()),
+        dump_passes=a.dumpPasses,
     )
 
 
@@ -127,9 +127,9 @@ def _has_calibration(a) -> bool:
 
 # --- kiln build ---------------------------------------------------------------
 def cmd_build(a) -> int:
+    from .build import build
     from .engine import signing
-    from .engine.builder import build
-    from .engine.config import Profile
+    from .engine.profile import Profile
     from .errors import EngineFileError
     from .fileio import check_destination
 
@@ -272,7 +272,7 @@ def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _run_and_report(engine, a) -> int:
-    from .engine.config import parse_shapes
+    from .engine.profile import parse_shapes
     from .ir import dtypes
     from .samples import load_samples
     from .tools.timing import render, time_context
@@ -292,12 +292,12 @@ def _run_and_report(engine, a) -> int:
                               "outputs will likely be NaN.")
         input_sets = [{k: dtypes.to_torch(x) for k, x in sample.items()} for sample in loaded]
     else:
-        from .tools.synthetic import parse_val_range
+        from .engine.synthetic import parse_val_range
 
         val_range = parse_val_range(a.valRange, [v.name for v in engine.inputs])
         input_sets = [engine.random_inputs(a.profile, shapes=shapes, seed=seed, val_range=val_range)
                       for seed in range(4)]
-        from .tools.synthetic import describe
+        from .engine.synthetic import describe
 
         out.print("Synthetic inputs (--loadInputs gives real ones): "
                   + "; ".join(f"{k}: {how}" for k, how in describe(engine, val_range).items()))
@@ -358,7 +358,7 @@ def cmd_run(a) -> int:
         if a.noCudaGraph:
             engine.build_config["cuda_graphs"] = False
     else:
-        from .engine.builder import build
+        from .build import build
 
         engine = build(a.onnx, _config_from_args(a))
     return _run_and_report(engine, a)
@@ -367,7 +367,7 @@ def cmd_run(a) -> int:
 # --- main ---------------------------------------------------------------------
 def version_text() -> str:
     """Kiln, torch, Triton and CUDA versions and the GPU: what an engine's stamp and a bug report need."""
-    from . import __version__
+    from .version import __version__
 
     try:
         import triton
@@ -420,8 +420,8 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     from .frontend import check as check_cmd
-    from .serve import export as export_tool
     from .serve import engine_cli as serve_tool
+    from .serve import export as export_tool
     from .tools import bench as bench_tool
     from .tools import compare as compare_tool
     from .tools import inspect as inspect_tool
@@ -431,6 +431,9 @@ def _parser() -> argparse.ArgumentParser:
     check_cmd.add_check_command(sub)
     for tool in (inspect_tool, compare_tool, verify_tool, bench_tool, report_tool, export_tool, serve_tool):
         tool.add_command(sub)
+    from .build import build
+
+    sub.choices["compare"].set_defaults(build=build)  # --runners builds with kiln.build, a layer above the tools
     from .llm import cli as llm_cli
 
     llm_cli.add_command(sub)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from .engine.builder import build
-from .engine.config import BuildConfig, Profile
+from .build import build
+from .builder.config import BuildConfig
+from .engine.profile import Profile
 from .errors import ConfigError, InputError
 
 _PRECISIONS = {"fp32": {}, "float32": {}, "tf32": {"tf32": True}, "fp16": {"fp16": True},

@@ -1,4 +1,4 @@
-"""The build's memory estimate counts the intermediate activations (engine/footprint.py): a liveness walk over
+"""The build's memory estimate counts the intermediate activations (builder/footprint.py): a liveness walk over
 the layers the engine runs, at the profile's max shapes, on real small ONNX graphs whose peaks are worked out
 by hand below."""
 
@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln import passes
-from kiln.engine import footprint, placement
+from kiln.builder import footprint, placement
 from kiln.engine.target import resolve
 from kiln.errors import ConfigError
 from kiln.ir.from_onnx import model_to_graph
@@ -34,7 +34,8 @@ def _w(*shape, seed=0):
 
 def _fused(model):
     graph = model_to_graph(model)
-    passes.optimize(graph)
+    for p in passes.PIPELINE:
+        p.run(graph)
     placement.assign(graph)
     return graph
 

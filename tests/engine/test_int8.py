@@ -1,5 +1,7 @@
 """INT8 post-training quantization end to end on a trained model (scikit-learn digits CNN, CPU)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -61,7 +63,7 @@ def test_fp8_engine_keeps_held_out_accuracy(trained):
 
 
 def test_fp8_on_a_gpu_without_fp8_is_refused():
-    from kiln.engine.builder import _check_quantized_target
+    from kiln.builder.pipeline import _check_quantized_target
     from kiln.engine.target import Target
 
     with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*A100.*8.0"):
@@ -92,15 +94,15 @@ def _search_cfg(trained, budget):
 
 
 def test_precision_search_keeps_full_int8_when_it_meets_the_budget(trained, monkeypatch):
-    from kiln.engine import builder
+    from kiln.builder import builder
 
-    built, original = [], builder.build
+    built, original = [], builder.build_engine
 
-    def counted(model, config):  # the INT8 builds (calibration builds an FP32 engine too)
+    def counted(model, config, calibrate=None):  # the INT8 builds (calibration builds an FP32 engine too)
         built.extend([1] if config.int8 else [])
-        return original(model, config)
+        return original(model, config, calibrate)
 
-    monkeypatch.setattr(builder, "build", counted)
+    monkeypatch.setattr(builder, "build_engine", counted)
     eng = kiln.build(str(trained / "digits.onnx"), _search_cfg(trained, {"top1": 0.5}))
     report = next(f for f in eng.findings if f.get("kind") == "precision-search")
     assert report["kept_in_float"] == [] and report["engines_built"] == 1 == len(built)  # not rebuilt to validate
@@ -109,8 +111,8 @@ def test_precision_search_keeps_full_int8_when_it_meets_the_budget(trained, monk
     assert any(n.precision == "int8" for n in eng.graph.nodes)
 
 
-def test_precision_search_keeps_the_most_sensitive_layers_in_float(trained, monkeypatch):
-    """Real builds and engines; the metric is replaced by a known one so the search's choices can be
+def test_precision_search_keeps_the_most_sensitive_layers_in_float(trained):
+    """Real builds and engines; the metric passed in is a known one so the search's choices can be
     checked: each quantized layer costs its known sensitivity, the budget allows 1.0 point."""
     import onnx
 
@@ -129,9 +131,9 @@ def test_precision_search_keeps_the_most_sensitive_layers_in_float(trained, monk
         drop = sum(cost[s] for n in engine.graph.nodes if n.precision == "int8" for s in n.sources if s in cost)
         return drop <= budgets["top1"], {"top1": drop}
 
-    monkeypatch.setattr(search_mod, "_metric_drop", fake_drop)
-    eng = kiln.build(str(trained / "digits.onnx"), _search_cfg(trained, {"top1": 1.0}))
-    report = next(f for f in eng.findings if f.get("kind") == "precision-search")
+    cfg = _search_cfg(trained, {"top1": 1.0})
+    eng, report = search_mod.search(str(trained / "digits.onnx"), dataclasses.replace(cfg, accuracy_budget={}),
+                                    cfg.accuracy_budget, cfg.budget_data, kiln.build, fake_drop)
     # Keeping layers from the most sensitive down until only cost <= 1 remains: all but the first.
     assert [k["layer"] for k in report["kept_in_float"]] == gemms[::-1][:-1]
     quantized = {s for n in eng.graph.nodes if n.precision == "int8" for s in n.sources if s in cost}

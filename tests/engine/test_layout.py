@@ -1,10 +1,10 @@
-"""Weight layouts chosen for a GPU (kiln/engine/layout.py)."""
+"""Weight layouts chosen for a GPU (kiln/builder/layout.py)."""
 
 import numpy as np
 import torch
 
 import kiln
-from kiln.engine import layout
+from kiln.builder import layout
 
 from ..models import mlp
 

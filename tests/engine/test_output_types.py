@@ -1,4 +1,4 @@
-"""A layer that computes a model's FP32 output writes it in FP32 in a low-precision engine (engine/precision.py)."""
+"""A layer that computes a model's FP32 output writes it in FP32 in a low-precision engine (builder/precision.py)."""
 
 import numpy as np
 import torch

@@ -1,4 +1,4 @@
-"""8-bit activations between quantized layers (kiln/engine/quantized_io.py), against onnxruntime."""
+"""8-bit activations between quantized layers (kiln/builder/quantized_io.py), against onnxruntime."""
 
 import numpy as np
 import onnxruntime as ort
@@ -134,7 +134,7 @@ def test_a_layernorm_read_as_float_and_by_a_quantized_gemm_writes_both(tmp_path,
 def test_only_a_last_axis_norm_with_fp32_statistics_and_one_output_becomes_a_skip_layer_norm():
     """What kiln::SkipLayerNorm computes without its skip: LayerNormalization over the last axis, statistics in FP32,
     no Mean/InvStdDev outputs read."""
-    from kiln.engine.quantized_io import _plain_norm
+    from kiln.builder.quantized_io import _plain_norm
     from kiln.ir.graph import Node
 
     def norm(outputs=("y",), **attrs):

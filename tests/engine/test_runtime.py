@@ -104,7 +104,7 @@ def test_fp16_engine_casts_layers_and_weights_and_keeps_io_types():
 
 
 def test_fp16_weights_saturate_instead_of_overflowing():
-    from kiln.engine.precision import saturating_cast
+    from kiln.engine.interpreter import saturating_cast
 
     w = torch.tensor([np.finfo(np.float32).min, -1e5, 3.0, 1e5, float("-inf"), float("nan")])
     got = saturating_cast(w, torch.float16)

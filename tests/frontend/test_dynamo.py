@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kiln  # noqa: F401  (registers the backend when the package metadata does not)
+from kiln.dynamo import OPTIONS, kiln_backend
 from kiln.errors import ConfigError
-from kiln.frontend.dynamo import OPTIONS, kiln_backend
 
 # An operator Kiln knows nothing about, in the middle of the model: it must stay in PyTorch.
 torch.library.define("kilntest::scale_columns", "(Tensor x) -> Tensor")

@@ -256,7 +256,7 @@ def test_the_8_bit_stem_over_patches_runs_on_the_gpu_and_matches_onnxruntime(qty
 
 def test_int8_residual_blocks_carry_8_bit_residuals_and_match_onnxruntime():
     """Three ResNet blocks of 64 channels: the middle block reads its residual and writes its output in 8 bits
-    (engine/quantized_io.py; entropy calibration, so at a scale widened to the calibrated maximum), on the GPU's
+    (builder/quantized_io.py; entropy calibration, so at a scale widened to the calibrated maximum), on the GPU's
     8-bit kernels; the engine stays within 5% of onnxruntime's range."""
 
     model = residual_blocks(3, channels=64, in_channels=16)
@@ -448,7 +448,7 @@ def test_onnxruntimes_default_quantized_blocks_run_int8_on_the_gpu_and_match_onn
 @pytest.mark.parametrize("qtype", ["int8", "fp8"])
 def test_an_attention_writes_its_projections_8_bit_input_on_the_gpu(qtype):
     """BERT-shaped attention in an 8-bit FP16 engine: the flash kernel (or an SDPA tactic) quantizes its result
-    for the output projection (engine/quantized_io.py), FP8 engines also read q, k and v as FP8 codes (the flash
+    for the output projection (builder/quantized_io.py), FP8 engines also read q, k and v as FP8 codes (the flash
     kernel only), and the engine stays within 5% (INT8) or 10% (FP8, three
     mantissa bits: 6.3% in a CPU build) of onnxruntime's range."""
 

@@ -72,7 +72,7 @@ def test_queries_keys_and_head_dim_that_fill_whole_blocks():
 @pytest.mark.parametrize("qtype", ["int8", pytest.param("fp8", marks=pytest.mark.skipif(
     INTERPRETED, reason="the interpreter rounds FP32 values just under 128 to FP8 64"))])
 def test_an_8_bit_output_is_the_float_result_quantized(qtype):
-    """With y_scale the kernel writes the quantized layer after it its 8-bit input (engine/quantized_io.py): the
+    """With y_scale the kernel writes the quantized layer after it its 8-bit input (builder/quantized_io.py): the
     FP16 result quantized as the GEMMs' epilogues quantize (x * (1/s), saturating), from the float tile in
     registers."""
     from kiln.kernels.gemm import QTYPES

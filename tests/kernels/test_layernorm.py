@@ -43,7 +43,7 @@ def test_every_launch_including_a_last_partial_program(launch):
 
 
 def test_fp16_rows_normalized_into_an_fp32_output():
-    # a transformer's last norm writing the model's FP32 output itself (engine/precision.py): one kernel, no cast
+    # a transformer's last norm writing the model's FP32 output itself (builder/precision.py): one kernel, no cast
     g = torch.Generator().manual_seed(12)
     a, b = (torch.randn(4, 48, generator=g).half().to(DEV) for _ in range(2))
     gamma, beta = torch.randn(48, generator=g).half().to(DEV), torch.randn(48, generator=g).half().to(DEV)
@@ -116,7 +116,7 @@ def test_an_8bit_copy_of_the_rows_for_quantized_readers(qtype):
     gamma, beta = torch.randn(37, generator=g).to(DEV), torch.randn(37, generator=g).to(DEV)
     scale = torch.tensor(0.015625 if qtype == "int8" else 0.0078125, device=DEV)  # powers of two: exact
     y, s, q = layernorm.skip_layernorm(a, b, gamma, beta, 1e-5, q_scale=scale, qtype=qtype)
-    from kiln.tactics.select import _close
+    from kiln.builder.tactic_selection import _close
 
     want = quantize_int8(y, scale) if qtype == "int8" else quantize_fp8(y, scale)  # the stored rows, quantized
     assert q.dtype == want.dtype
@@ -169,7 +169,7 @@ def test_norm_sums_split_k_partials_with_bias_and_skip(parts, rows, cols):
 
 
 def test_a_norm_without_the_add_writes_an_8_bit_copy():
-    # a LayerNormalization given an 8-bit copy (engine/quantized_io.py): the kernel without the skip, with the copy
+    # a LayerNormalization given an 8-bit copy (builder/quantized_io.py): the kernel without the skip, with the copy
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 40, generator=g).to(DEV)
     gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)

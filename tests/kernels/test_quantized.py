@@ -131,7 +131,7 @@ def test_qconv_int8_matches_reference_into_a_poisoned_buffer(case):
 
 @pytest.mark.parametrize("pointwise", [False, True])
 def test_qconv_adds_an_8bit_residual_times_its_scale(pointwise):
-    """A block output written once as int8 (engine/quantized_io.py) is the next block's residual: z_scale * z."""
+    """A block output written once as int8 (builder/quantized_io.py) is the next block's residual: z_scale * z."""
     node = _qconv_node(1 if pointwise else 3, pads=(0, 0, 0, 0) if pointwise else (1, 1, 1, 1), act="Relu")
     k = node.attr("kernel_shape")
     x = _rand(2, 40, 5, 7, seed=11).to(memory_format=torch.channels_last)
@@ -149,7 +149,7 @@ def test_qconv_adds_an_8bit_residual_times_its_scale(pointwise):
 
 def test_qconv_writes_an_8bit_output_and_an_8bit_copy_at_two_scales():
     """A block output whose residual the copy's scale would clip: 8-bit at its own scale, and the copy for the
-    next convolution, both quantized from the float result (engine/quantized_io.py)."""
+    next convolution, both quantized from the float result (builder/quantized_io.py)."""
     node = _qconv_node(1, act="Relu")
     x = _rand(2, 40, 5, 7, seed=15).to(memory_format=torch.channels_last)
     w = _weights(24, 40, 1, 1, seed=16).to(memory_format=torch.channels_last)
@@ -231,7 +231,7 @@ def test_every_qgemm_tactic_matches_the_layer_reference():
     _check_tactics(_tactics("QGemm", "triton_qgemm_"), node, args, qgemm(node, *args))
 
 
-# --- 8-bit activations between layers (kiln/engine/quantized_io.py) ---------------------------
+# --- 8-bit activations between layers (kiln/builder/quantized_io.py) ---------------------------
 def test_gemm_reads_int8_activations_and_writes_the_next_layers_int8():
     node = _qgemm_node("Relu")
     node.attrs.update(x_quantized=1, float_type="float32")
@@ -274,7 +274,7 @@ def test_int8_conv_tactics_match_the_reference_on_resnet50_layers(layer):
     """Every level-3 INT8 convolution tactic on one of ResNet-50's layer kinds (batch 4, channels-last FP16),
     judged as the builder judges it: float outputs within FP16's share of the range, int8 outputs within one
     quantization step."""
-    from kiln.tactics.select import _close
+    from kiln.builder.tactic_selection import _close
 
     C, OC, hw, k, s, x_int8, y_int8, residual = RESNET_LAYERS[layer]
     node = _qconv_node(k, strides=(s, s), pads=(k // 2,) * 4, act="Relu")
@@ -315,7 +315,7 @@ def test_int8_conv_tactics_match_the_reference_on_resnet50_layers(layer):
 # --- 1x1 convolutions through the GEMM kernel -------------------------------------------------
 @pytest.mark.parametrize("x_int8, y_int8, residual", [(False, False, True), (True, True, False), (True, False, True)])
 def test_pointwise_qconv_as_a_gemm_matches_the_reference(x_int8, y_int8, residual):
-    from kiln.tactics.select import _close
+    from kiln.builder.tactic_selection import _close
 
     node = _qconv_node(1, act="Relu")
     node.precision = "int8"

@@ -1,6 +1,6 @@
 """Progress bars of LLM work: drawn on stderr only when it is a terminal, never touching stdout.
 
-A terminal is forced through rich's own switch, TTY_COMPATIBLE=1 (kiln.tools.progress.terminal_progress asks
+A terminal is forced through rich's own switch, TTY_COMPATIBLE=1 (kiln.progress.terminal_progress asks
 rich whether stderr is one); pytest's captured stderr is not a terminal otherwise.
 """
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.engine.config import Profile
+from kiln.engine.profile import Profile
 from kiln.errors import ConfigError
 from kiln.frontend import from_torch
 from kiln.frontend.named_dims import dim_names, profile_from_dims

@@ -1,5 +1,5 @@
 """8-bit residuals on a trained residual network: a small ResNet-style CNN trained here on scikit-learn's digits
-keeps its held-out top-1 in an INT8 engine whose blocks add their residuals in 8 bits (engine/quantized_io.py)."""
+keeps its held-out top-1 in an INT8 engine whose blocks add their residuals in 8 bits (builder/quantized_io.py)."""
 
 import torch
 from torch import nn

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_bad_shapes_flag_is_named_as_given():
-    from kiln.engine.config import profile_from_flags
+    from kiln.engine.profile import profile_from_flags
 
     with pytest.raises(ConfigError, match=r"^--shapes for input 'x': '-3x8'"):
         profile_from_flags("x:-3x8", "x:-3x8", "x:-3x8", ("--shapes",) * 3)

@@ -51,10 +51,10 @@ def test_fake_quantize_fallback_equals_quantize_then_scale():
 def test_int8_library_gemm_with_its_one_pass_epilogue():
     """cuBLASLt's int8 GEMM (torch._int_mm, which also runs on the CPU) + kernels/rescale, against the layer
     reference; float output, and int8 output re-quantized for the next layer; weights K-major as on a GPU."""
+    from kiln.builder.tactic_selection import _close
     from kiln.ir.graph import Node
     from kiln.ops.fused import qgemm
     from kiln.tactics.library import int8_int_mm
-    from kiln.tactics.select import _close
 
     g = torch.Generator().manual_seed(1)
     x, b = torch.randn(2, 20, 64, generator=g), torch.randn(48, generator=g)

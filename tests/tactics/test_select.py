@@ -2,7 +2,7 @@
 
 import torch
 
-from kiln.tactics.select import _close
+from kiln.builder.tactic_selection import _close
 
 FP8 = torch.float8_e4m3fn
 
@@ -43,8 +43,9 @@ def _selector_rig(monkeypatch, times=None, small_only=()):
     from types import SimpleNamespace
 
     from kiln import tactics
+    from kiln.builder import tactic_selection as select
     from kiln.ir.graph import Node
-    from kiln.tactics import Tactic, select
+    from kiln.tactics import Tactic
     from kiln.tactics.cache import TimingCache
 
     runs, last = {}, []
@@ -148,8 +149,8 @@ def test_a_quantized_layer_is_timed_with_its_weights_out_of_l2_and_its_other_inp
     inputs and not its weights; a CPU build gets none."""
     from types import SimpleNamespace
 
+    from kiln.builder import tactic_selection as select
     from kiln.ir.graph import Node
-    from kiln.tactics import select
     from kiln.tactics.cache import TimingCache
 
     class Reset:
@@ -178,8 +179,8 @@ def test_a_quantized_layer_is_timed_warm_with_the_cold_option_off(monkeypatch):
     timing; the build records the option."""
     from types import SimpleNamespace
 
+    from kiln.builder import tactic_selection as select
     from kiln.ir.graph import Node
-    from kiln.tactics import select
     from kiln.tactics.cache import TimingCache
 
     monkeypatch.setattr(select, "L2Reset", lambda device: SimpleNamespace(keeping=lambda tensors: "reset"))

@@ -56,7 +56,7 @@ def test_eager_peer_and_a_failing_compile_mode_in_the_same_run(mlp_files, capsys
     assert eager.ok and eager.speedup > 0 and eager.timings["iterations"] == 3
     failed = res.peers[-1]
     assert not failed.ok and "Unrecognized mode=no-such-mode" in failed.error
-    tool.render(res, __import__("kiln.tools.console", fromlist=["console"]).console())
+    tool.render(res, __import__("kiln.console", fromlist=["console"]).console())
     out = capsys.readouterr().out
     assert "torch.compile no-such-mode (float16)" in out and "FAILED: RuntimeError" in out
 

@@ -74,7 +74,7 @@ def test_findings_missed_fusion_and_higher_precision(capsys):
     assert missed["pattern"] == "Conv + activation" and "conv" in missed["nodes"] and "readers" in missed["reason"]
     prec = next(f for f in ins.findings if f["kind"] == "precision")
     assert prec["layer"] == "sum" and prec["actual"] == "float32" and prec["requested"] == "float16"
-    tool.render(ins, __import__("kiln.tools.console", fromlist=["console"]).console())
+    tool.render(ins, __import__("kiln.console", fromlist=["console"]).console())
     out = capsys.readouterr().out
     assert "fusion not applied: Conv + activation on 'conv'" in out
     assert "layer 'sum' runs in float32, the build requested float16" in out

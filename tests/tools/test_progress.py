@@ -5,7 +5,7 @@ import io
 from rich.console import Console
 
 from kiln.ir.shapes import fmt_shape
-from kiln.tools.progress import ProgressDisplay, progress
+from kiln.progress import ProgressDisplay, progress
 
 
 def _plain(label: str, total=None) -> tuple[ProgressDisplay, io.StringIO]:

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kiln
+from kiln.engine.synthetic import describe, embedding_rows, parse_val_range
 from kiln.errors import ConfigError
-from kiln.tools.synthetic import describe, embedding_rows, parse_val_range
 
 from .conftest import CPU
 from .text_model import VOCAB, text_classifier

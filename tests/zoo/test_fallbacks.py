@@ -12,7 +12,7 @@ import torch
 
 import kiln
 from kiln import BuildConfig, Profile
-from kiln.engine.builder import validate
+from kiln.builder.builder import validate
 from kiln.engine.interpreter import TacticFallbackWarning
 from kiln.tactics import _BY_NAME, _TACTICS, tactic
 from kiln.tools.inspect import describe_finding, inspect_engine
@@ -73,7 +73,7 @@ def test_padded_stem_weights_pad_the_image_for_a_1x1_branch_too():
     """A GPU engine gives RGB stem weights a zero fourth channel and pads the image to match; a 1x1 weight
     reads as contiguous in both layouts, and its branch got the unpadded image (RepVGG-A0 FP16 on the H200:
     'weight of size [48, 4, 1, 1], expected input[1, 3, 224, 224] to have 4 channels')."""
-    from kiln.engine import layout
+    from kiln.builder import layout
 
     torch.manual_seed(0)
     net = TwoBranchStem().eval()

@@ -25,8 +25,8 @@ import torch
 from ..errors import InputError, ShapeError
 from ..ir import dtypes
 from ..ir.dtypes import FLOAT_TYPES
+from ..ir.graph import reads
 from ..ops.registry import lookup
-from ..passes.dead_code import reads
 from . import streams
 from .interpreter import call_node, cast_input, casts, compute_type, run_node
 

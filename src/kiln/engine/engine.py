@@ -9,7 +9,7 @@ import torch
 from ..ir import dtypes
 from ..ir.graph import Graph, Value
 from ..ops.registry import lookup
-from .config import Profile
+from .profile import Profile
 from .target import Target
 
 
@@ -31,9 +31,9 @@ class Engine:
     tactics: list[dict] = field(default_factory=list)
     # Convolution weights stored channels-last on the device (NHWC: Tensor Core friendly).
     channels_last: list[str] = field(default_factory=list)
-    # Of those, [K, 3, R, S] stem weights stored with a fourth, zero input channel (kiln/engine/layout.py).
+    # Of those, [K, 3, R, S] stem weights stored with a fourth, zero input channel (kiln/builder/layout.py).
     padded_channels: list[str] = field(default_factory=list)
-    column_major: list[str] = field(default_factory=list)  # 2-D weights stored transposed (kiln/engine/layout.py)
+    column_major: list[str] = field(default_factory=list)  # 2-D weights stored transposed (kiln/builder/layout.py)
     _device_weights: dict | None = field(default=None, repr=False)
 
     # --- bindings -------------------------------------------------------------
@@ -67,9 +67,9 @@ class Engine:
     def random_inputs(self, profile: int = 0, pick: int = 1, shapes: dict | None = None, seed: int = 0,
                       device=None, val_range: dict | None = None) -> dict[str, torch.Tensor]:
         """Seeded synthetic inputs at a profile's min (pick=0), opt (1) or max (2) shape, or at `shapes`,
-        drawn to look like data (kiln/tools/synthetic.py): token ids over the embedding's rows, masks as
+        drawn to look like data (kiln/engine/synthetic.py): token ids over the embedding's rows, masks as
         masks, floats standard normal, `val_range` {input or None: (lo, hi)} as --valRange gives."""
-        from ..tools.synthetic import synthetic_inputs
+        from .synthetic import synthetic_inputs
 
         return synthetic_inputs(self, profile, pick, shapes, seed, device, val_range)
 

@@ -18,10 +18,9 @@ from ..ir.graph import Graph, Node
 from ..kernels import pad_channels
 from ..ops.registry import lookup
 from ..tactics import implementation
-from .precision import saturating_cast
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_CONVOLUTIONS = ("Conv", "FusedConv", "QConv")  # the layers whose weights engine/layout.py stores channels-last
+_CONVOLUTIONS = ("Conv", "FusedConv", "QConv")  # the layers whose weights builder/layout.py stores channels-last
 
 
 def compute_type(node: Node, entry) -> torch.dtype | None:
@@ -53,7 +52,7 @@ def cast_input(entry, pos: int, a, want: torch.dtype | None, channels_last: bool
 
 def cast_for(node: Node, entry, args: list):
     """Cast float inputs to the layer's compute precision (compute_type). A convolution whose weights are
-    stored channels-last (engine/layout.py) gets its input cast into that layout by the same copy: its
+    stored channels-last (builder/layout.py) gets its input cast into that layout by the same copy: its
     kernel would otherwise make a second, layout-only copy (ResNet-50's FP32 NCHW image: 2.6 us at batch 1).
     A stem whose weights were given a zero fourth channel gets its image padded to match in that copy."""
     want = compute_type(node, entry)
@@ -61,7 +60,7 @@ def cast_for(node: Node, entry, args: list):
     # a channels-last activation must not be padded or re-laid out (that padded a detector's concatenation).
     conv = node.op_type in _CONVOLUTIONS and len(args) > 1
     nhwc = conv and _channels_last_weights(args[1])
-    # A stem weight given a zero channel (engine/layout.py): a 1x1 weight reads as contiguous in both layouts,
+    # A stem weight given a zero channel (builder/layout.py): a 1x1 weight reads as contiguous in both layouts,
     # so the channel counts, not the strides, say so (RepVGG's 1x1 stem branch).
     if (conv and isinstance(args[1], torch.Tensor) and args[1].dim() == 4 and node.attr("group", 1) == 1
             and args[0].dim() == 4 and args[0].shape[1] < args[1].shape[1]):
@@ -91,7 +90,7 @@ def call_node(node: Node, args: list, env: MutableMapping | None = None, tactic:
     if entry is None:
         raise KilnError(f"node '{node.label}': operator {node.domain or 'ai.onnx'}::{node.op_type} is not implemented.")
     args = cast_for(node, entry, args)
-    kwargs = {"scope": env if env is not None else {}} if entry.uses_scope else {}
+    kwargs = {"scope": env if env is not None else {}, "run_subgraph": run_subgraph} if entry.uses_scope else {}
     tactic = tactic or node.tactic
     fn = (tactic != "reference" and implementation(node, args, tactic)) or entry.impl
     try:
@@ -163,3 +162,11 @@ def run_subgraph(graph: Graph, feeds: dict[str, torch.Tensor],
         return [env[v.name] for v in graph.outputs]
     except KeyError as e:
         raise KilnError(f"subgraph '{graph.name}' output {e} is never produced.") from None
+
+
+def saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in a float type, finite values beyond its range clamped to its largest finite values instead of
+    becoming infinite. An exporter's "masked" constant, float32's lowest value, would otherwise turn into
+    -inf in FP16, and a fully masked attention row into NaN where the FP32 model computes numbers."""
+    big = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(t), t.clamp(-big, big), t).to(dtype)

@@ -32,11 +32,12 @@ from ..errors import EngineFileError
 from ..fileio import atomic_write
 from ..ir import dtypes
 from ..ir.from_onnx import model_to_graph
+from ..ir.graph import set_body_precision
 from ..ir.to_onnx import graph_to_model
 from . import manifest as schema
-from . import precision, signing
-from .config import Profile
+from . import signing
 from .engine import Engine
+from .profile import Profile
 from .target import Target, resolve, versions
 
 FORMAT = "kiln-engine"
@@ -346,7 +347,7 @@ def load(path, device: str = "auto", verify_key: bytes | None = None) -> Engine:
         for f in _LAYER_FIELDS:
             if f in info:  # engines saved before per-profile tactics have no profile_tactics
                 setattr(node, f, info[f])
-        precision.set_body(node, node.precision)  # control-flow bodies run in their layer's precision
+        set_body_precision(node, node.precision)  # control-flow bodies run in their layer's precision
     _check_tactics(path, graph)
     return Engine(
         graph=graph, profiles=[Profile.from_json(p) for p in m["profiles"]], target=target,

@@ -46,7 +46,7 @@ def resolve(device: str = "auto") -> Target:
 
 
 def versions() -> dict:
-    from .. import __version__
+    from ..version import __version__
 
     v = {"kiln": __version__, "torch": torch.__version__.split("+")[0], "python": platform.python_version()}
     try:

@@ -20,7 +20,7 @@ import ast
 
 import onnx
 
-from ..engine.config import Profile
+from ..engine.profile import Profile
 from ..errors import ConfigError, UnsupportedError
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import onnx
 import torch
 
-from ..engine.config import Profile
+from ..engine.profile import Profile
 from ..errors import ConfigError, KilnError, UnsupportedError
 from ..ir.shapes import fmt_shape
 from . import external_data

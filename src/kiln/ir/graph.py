@@ -40,7 +40,7 @@ class Node:
     opset: int = 17  # opset version of the node's domain in its model
     # Set by the builder and kept in the engine:
     precision: str = "float32"  # compute precision chosen for this layer
-    placement: str = "device"  # "device" or "host" (shape arithmetic, see engine/placement.py)
+    placement: str = "device"  # "device" or "host" (shape arithmetic, see builder/placement.py)
     sources: list[str] = field(default_factory=list)  # ONNX nodes fused into this one
     tactic: str = "reference"
     # The fastest tactic per optimization profile, when they differ (tactic is then the best over all of them).
@@ -73,7 +73,7 @@ class Graph:
     findings: list[dict] = field(default_factory=list)
     # INT8 builds: calibrated absolute range per activation name (passes/insert_qdq.py).
     quant_amax: dict[str, float] | None = None
-    # ... and the largest |value| calibration saw per activation (engine/quantized_io.py: residual scales)
+    # ... and the largest |value| calibration saw per activation (builder/quantized_io.py: residual scales)
     quant_absmax: dict[str, float] | None = None
     quant_type: str = "int8"  # or "fp8" (E4M3)
 
@@ -96,3 +96,22 @@ class Graph:
                 for g in v if isinstance(v, list) else [v]:
                     if isinstance(g, Graph):
                         yield from g.walk()
+
+
+def reads(node: Node) -> set[str]:
+    """Names a node reads, including outer-scope names read inside its subgraphs (If/Loop/Scan bodies)."""
+    names = {i for i in node.inputs if i}
+    for v in node.attrs.values():
+        for g in v if isinstance(v, list) else [v]:
+            if isinstance(g, Graph):
+                names |= {i for sub in g.walk() for i in sub.inputs if i}
+    return names
+
+
+def set_body_precision(node: Node, precision: str) -> None:
+    """Every node of a control-flow layer's bodies runs in the layer's precision."""
+    for v in node.attrs.values():
+        for g in v if isinstance(v, list) else [v]:
+            if isinstance(g, Graph):
+                for sub in g.walk():
+                    sub.precision = precision

@@ -14,7 +14,7 @@ Head dims up to 128 (32, 64, 80, 96, 128 in the models that matter; D is padded 
 a power of two inside the kernel and masked).
 
 FP8 inputs (qkv_scale): q, k and v as FP8 E4M3 codes sharing one scale, as an FP8 engine's merged QKV
-projection writes them (kiln/engine/quantized_io.py). q k^T runs on the codes on FP8 tensor cores (products
+projection writes them (kiln/builder/quantized_io.py). q k^T runs on the codes on FP8 tensor cores (products
 exact, FP32 sums); v is converted to the float type as it is loaded, since p is in that type. The scale is
 applied after the dots: its square folded into the softmax scale, once more on the output. This is faster
 than FP16 inputs, and than converting q and k too (fp8_qk=False; see docs/design/attention.md).

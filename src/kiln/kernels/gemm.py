@@ -153,7 +153,7 @@ def copy(acc, out, qs_ptr, Q_DTYPE: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZ
          RELU: tl.constexpr):
     """`finish`'s 8-bit copy for quantized readers (*qs_ptr's scale), made from the stored float values as they
     would quantize them, or from the FP32 result when the output itself is 8-bit (a residual at its own scale
-    beside a copy at the next layer's, engine/quantized_io.py). Kernels compute it after storing the output: both
+    beside a copy at the next layer's, builder/quantized_io.py). Kernels compute it after storing the output: both
     computed first took more code (sm_90 SASS of the FP8 TMA GEMM with residual, 8-bit output and copy: 11165
     instructions against 10545)."""
     return quantize(acc if Y_QUANTIZED else out, qs_ptr, QUANT, RELU).to(Q_DTYPE)
@@ -161,7 +161,7 @@ def copy(acc, out, qs_ptr, Q_DTYPE: tl.constexpr, QUANT: tl.constexpr, Y_QUANTIZ
 
 @triton.jit
 def residual(z, zs_ptr, Z_SCALED: tl.constexpr):
-    """A residual tile in FP32: an 8-bit one (a quantized block's output, engine/quantized_io.py) times its
+    """A residual tile in FP32: an 8-bit one (a quantized block's output, builder/quantized_io.py) times its
     scale *zs_ptr, a float one as it is."""
     z = z.to(tl.float32)
     if Z_SCALED:

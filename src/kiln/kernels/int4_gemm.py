@@ -1,6 +1,6 @@
 """Dequantizing GEMM for INT4 weight-only layers: y = (x * in_scale) @ dequant(Wq) + b, FP32 accumulate.
 
-Weights are laid out [K, N] (x @ W) as kiln.quant.int4 packs them:
+Weights are laid out [K, N] (x @ W) as kiln/ops/int4.py defines them:
   packed [ceil(K/2), N] uint8: row r holds k = 2r in its low nibble and k = 2r+1 in its high nibble,
       each an unsigned code u in 0..15;
   scales [G, N] (G = ceil(K / group_size)): one scale per group of group_size consecutive k per column;
@@ -12,7 +12,7 @@ Weights are laid out [K, N] (x @ W) as kiln.quant.int4 packs them:
 The kernel never materializes the FP weight: each K step loads BLOCK_KP packed rows, splits the
 nibbles into the even-k and odd-k halves of the tile and multiplies them with the even and odd
 columns of x (two tl.dot's), so no interleave is needed. group_size must be even (a byte never
-straddles two groups). Reference: `reference` below (unpack, dequantize, torch.matmul in FP32).
+straddles two groups). Reference: ops/int4.py's `reference` (unpack, dequantize, torch.matmul in FP32).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from ..ops.int4 import check_operands, dequantize, reference, unpack  # noqa: F401  (the format, and the reference)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -83,33 +85,13 @@ class Int4GemmConfig:
 CONFIGS = [Int4GemmConfig(16, 64, 64), Int4GemmConfig(64, 64, 32), Int4GemmConfig(128, 128, 32, 8)]
 
 
-def _check(x, packed, scales, zeros, group_size, in_scale, bias):
-    K = x.shape[-1]
-    G = -(-K // group_size)
-    if group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size must be even, not {group_size}")
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[0] != (K + 1) // 2:
-        raise ValueError(f"packed must be uint8 [ceil(K/2), N] = [{(K + 1) // 2}, N], got {packed.dtype} "
-                         f"{list(packed.shape)}")
-    N = packed.shape[1]
-    if tuple(scales.shape) != (G, N):
-        raise ValueError(f"scales must be [G, N] = [{G}, {N}], got {list(scales.shape)}")
-    if zeros is not None and tuple(zeros.shape) != (G, N):
-        raise ValueError(f"zeros must be [G, N] = [{G}, {N}], got {list(zeros.shape)}")
-    if in_scale is not None and in_scale.numel() != K:
-        raise ValueError(f"in_scale must have K = {K} elements, got {in_scale.numel()}")
-    if bias is not None and bias.numel() != N:
-        raise ValueError(f"bias must have N = {N} elements, got {bias.numel()}")
-    return K, N
-
-
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
               group_size: int, bias: torch.Tensor | None = None, in_scale: torch.Tensor | None = None,
               config: Int4GemmConfig = CONFIGS[0], out: torch.Tensor | None = None) -> torch.Tensor:
     """(x * in_scale) @ dequant(packed) + bias for x [.., K]; returns [.., N] in x's dtype (into `out` if given)."""
     if x.dtype not in DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, not {x.dtype}")
-    K, N = _check(x, packed, scales, zeros, group_size, in_scale, bias)
+    K, N = check_operands(x, packed, scales, zeros, group_size, in_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -131,29 +113,3 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y2.view(*lead, N)
-
-
-def unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The codes u (0..15, int16) [k, N] of packed [ceil(k/2), N] uint8."""
-    p = packed.to(torch.int16)
-    u = torch.stack([p & 15, (p >> 4) & 15], dim=1).reshape(-1, packed.shape[1])
-    return u[:k]
-
-
-def dequantize(packed, scales, zeros, group_size: int, k: int) -> torch.Tensor:
-    """The FP32 weight [k, N]."""
-    u = unpack(packed, k).float()
-    z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
-    rep = lambda v: v.repeat_interleave(group_size, dim=0)[:k]
-    return (u - rep(z)) * rep(scales.float())
-
-
-def reference(x, packed, scales, zeros, group_size, bias=None, in_scale=None):
-    """The same product in torch: unpack, dequantize, FP32 matmul; x's dtype out."""
-    K = x.shape[-1]
-    _check(x, packed, scales, zeros, group_size, in_scale, bias)
-    xf = x.float() if in_scale is None else x.float() * in_scale.float().reshape(-1)
-    y = torch.matmul(xf, dequantize(packed, scales, zeros, group_size, K))
-    if bias is not None:
-        y = y + bias.float().reshape(-1)
-    return y.to(x.dtype)

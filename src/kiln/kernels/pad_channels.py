@@ -4,7 +4,7 @@ strides -> [N, C_OUT, H, W] channels-last of the layer's dtype, channels C..C_OU
 Why: cuDNN runs a 7x7 RGB stem over 4 channels (the fourth zero, weights zero-padded to match) about a third
 faster than over 3 (see docs/design/stem.md). The engine casts the FP32 NCHW image into FP16 channels-last anyway;
 this kernel writes the
-padded layout in that same copy (engine/layout.py picks the convolutions, engine/interpreter.cast_for calls it).
+padded layout in that same copy (builder/layout.py picks the convolutions, engine/interpreter.cast_for calls it).
 
 Reference: `reference` below (zeros, then a strided copy).
 """

@@ -456,7 +456,7 @@ class LLM:
         """Outputs in prompt order. prompts: a string, a list of strings, or a list of token-id lists.
         use_tqdm (vLLM's name): a bar of finished requests and the output rate on stderr, drawn only when stderr
         is a terminal; False draws nothing."""
-        from kiln.tools.progress import terminal_progress
+        from kiln.progress import terminal_progress
 
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

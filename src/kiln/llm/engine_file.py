@@ -457,7 +457,7 @@ def require_signed(model, verify_key: bytes | None) -> None:
 def load_llm_engine(path, device: str = "auto", progress: bool = False):
     """(hf_config, tensors, tokenizer, extras) for kiln.llm.engine.LLMEngine (see the module docstring).
     progress: each step (checksums, weights, dequantizing) on stderr when it is a terminal."""
-    from ..tools.progress import terminal_progress
+    from ..progress import terminal_progress
     from .config import ModelConfig
     from .loader import check_tensors, check_tokenizer
 
@@ -492,7 +492,7 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
     progress: the loading bar, then each step (calibration, every matrix quantized, perplexity, writing) on
     stderr when it is a terminal."""
     from ..engine.target import resolve
-    from ..tools.progress import terminal_progress
+    from ..progress import terminal_progress
     from .engine import load_model
     from .perplexity import perplexity, read_text_tokens
 
@@ -568,7 +568,7 @@ def render_inspection(path, con) -> None:
     """`kiln inspect` for an LLM engine: target, build, layers with their precisions, KV layout and scales."""
     from rich.table import Table
 
-    from ..tools.console import fmt_bytes
+    from ..console import fmt_bytes
 
     m = read_manifest(path)
     t, bc, kv, q = m["target"], m["build_config"], m["kv_cache"], m["quantization"]
@@ -641,8 +641,8 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
 
 
 def run_build(args) -> int:
+    from ..console import console, fmt_bytes
     from ..engine.signing import load_key
-    from ..tools.console import console, fmt_bytes
 
     con = console()
     sign_key = load_key(args.sign) if args.sign else None  # before the build: a bad key file costs nothing

@@ -98,7 +98,7 @@ def load_gguf(path, progress: bool = False):
     progress: a bar of the tensors read and dequantized, on a terminal."""
     from gguf import GGUFReader
 
-    from ..tools.progress import terminal_progress
+    from ..progress import terminal_progress
 
     path = Path(path)
     if not path.is_file():

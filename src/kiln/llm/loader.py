@@ -47,7 +47,7 @@ def load_safetensors(files: list[Path], progress: bool = False) -> tuple[dict[st
     """Every tensor of the files, and the file each came from. progress: a bar of tensors read on a terminal."""
     from safetensors import SafetensorError, safe_open
 
-    from kiln.tools.progress import terminal_progress
+    from kiln.progress import terminal_progress
 
     def unreadable(f, e):
         return ModelError(f"{f}: not a readable safetensors file ({e}).")

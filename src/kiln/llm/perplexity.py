@@ -177,9 +177,9 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from ..console import console
     from ..engine.signing import load_key
     from ..json_file import atomic_write_json
-    from ..tools.console import console
     from .engine_file import prepare_model, require_signed
 
     con = console()

@@ -1,6 +1,6 @@
 """Control flow: If, Loop, Scan.
 
-Bodies run through the interpreter with the enclosing values as their outer
+Bodies run through the interpreter (the run_subgraph it passes) with the enclosing values as their outer
 scope. Conditions and trip counts are read on the host, so these ops make an
 engine run eagerly rather than as one CUDA graph.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.interpreter import run_subgraph
 from ..ir.graph import Graph, Node, Value
 from .registry import register
 
@@ -28,13 +27,13 @@ def _empty_scan(node: Node, value: Value, axis: int) -> torch.Tensor:
 
 
 @register("If", uses_scope=True, data_dependent=True, host_inputs=(0,))
-def if_(node, cond, *, scope):
+def if_(node, cond, *, scope, run_subgraph):
     branch = node.attr("then_branch") if bool(cond.reshape(-1)[0]) else node.attr("else_branch")
     return _on_device(node, run_subgraph(branch, {}, scope))
 
 
 @register("Loop", uses_scope=True, data_dependent=True, host_inputs=(0, 1))
-def loop(node, max_trip_count, cond, *initial, scope):
+def loop(node, max_trip_count, cond, *initial, scope, run_subgraph):
     body: Graph = node.attr("body")
     n = len(initial)
     names = [v.name for v in body.inputs]
@@ -62,7 +61,7 @@ def loop(node, max_trip_count, cond, *initial, scope):
     return _on_device(node, carried + stacked)
 
 
-def _scan_loop(body: Graph, states: list, xs: list, scope, valid=None):
+def _scan_loop(body: Graph, states: list, xs: list, scope, run_subgraph, valid=None):
     """Run `body` once per slice along axis 0 of each of `xs` (already in iteration order).
 
     Returns (final states, per scan output the list of its slices). valid: optional
@@ -91,7 +90,7 @@ def _stack(node: Node, slices: list, value: Value, axis: int) -> torch.Tensor:
     return torch.stack([y.to(node.device) for y in slices], axis % (slices[0].dim() + 1))
 
 
-def _scan9(node, inputs, scope):
+def _scan9(node, inputs, scope, run_subgraph):
     body: Graph = node.attr("body")
     m = node.attr("num_scan_inputs")
     states, xs = list(inputs[: len(inputs) - m]), list(inputs[len(inputs) - m:])
@@ -102,14 +101,14 @@ def _scan9(node, inputs, scope):
     out_axes = node.attr("scan_output_axes") or [0] * k
     out_dirs = node.attr("scan_output_directions") or [0] * k
     xs = [x.movedim(a, 0).flip(0) if d else x.movedim(a, 0) for x, a, d in zip(xs, in_axes, in_dirs)]
-    states, ys = _scan_loop(body, states, xs, scope)
+    states, ys = _scan_loop(body, states, xs, scope, run_subgraph)
     # A reverse scan output gets the first iteration's slice last.
     outs = [_stack(node, acc[::-1] if d else acc, v, a)
             for acc, a, d, v in zip(ys, out_axes, out_dirs, body.outputs[n:])]
     return _on_device(node, states + outs)
 
 
-def _scan8(node, sequence_lens, inputs, scope):
+def _scan8(node, sequence_lens, inputs, scope, run_subgraph):
     """Scan-8: inputs carry a leading batch axis and each batch entry is scanned on its own.
 
     sequence_lens stays on the device: every entry runs all steps, masked past its
@@ -133,7 +132,7 @@ def _scan8(node, sequence_lens, inputs, scope):
             valid = t < lens[b]
             back = torch.where(valid, lens[b] - 1 - t, t)
         seqs = [x[b].index_select(0, back) if d else x[b] for x, d in zip(xs, dirs)]
-        st, ys = _scan_loop(body, [s[b] for s in states], seqs, scope, valid)
+        st, ys = _scan_loop(body, [s[b] for s in states], seqs, scope, run_subgraph, valid)
         for acc, s in zip(final, st):
             acc.append(s)
         for acc, y, v in zip(per_batch, ys, body.outputs[n:]):
@@ -142,7 +141,7 @@ def _scan8(node, sequence_lens, inputs, scope):
 
 
 @register("Scan", uses_scope=True, data_dependent=True, since=8)
-def scan(node, *inputs, scope):
+def scan(node, *inputs, scope, run_subgraph):
     if node.opset < 9:
-        return _scan8(node, inputs[0], inputs[1:], scope)
-    return _scan9(node, inputs, scope)
+        return _scan8(node, inputs[0], inputs[1:], scope, run_subgraph)
+    return _scan9(node, inputs, scope, run_subgraph)

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import int4
 from .registry import lookup, register
 
 KILN = "kiln"
@@ -70,7 +71,7 @@ def pooled_gemm(node, x, w, b=None):
 
 
 def writes_fp32(node) -> bool:
-    """A layer told to write a model's FP32 output itself (attribute output_type, engine/precision.py)."""
+    """A layer told to write a model's FP32 output itself (attribute output_type, builder/precision.py)."""
     return node.attr("output_type", "") == "float32"
 
 
@@ -82,7 +83,7 @@ def attention(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
     exporter's own transpose is left in place and undone here as a free view.
     nan_guard: exporters zero the probabilities of rows whose keys are all masked.
     y_scale (input 4, attribute qtype): the result as 8-bit values for the quantized layer that reads it
-    (BERT's output projection; kiln/engine/quantized_io.py).
+    (BERT's output projection; kiln/builder/quantized_io.py).
     qkv_scale (input 5): q, k and v are FP8 codes of this one scale (an FP8 engine's merged QKV projection
     writes them so), computed in the layer's float type (attribute float_type).
     """
@@ -105,7 +106,7 @@ def attention(node, q, k, v, mask=None, y_scale=None, qkv_scale=None):
 def skip_layer_norm(node, a, b, gamma, beta=None, q_scale=None, c=None):
     """LayerNorm(a + b) over the last axis; second output is the sum (residual stream). b omitted: LayerNorm(a)
     (a LayerNormalization given an 8-bit copy). With q_scale (input 4, attribute qtype), a third output: the
-    normalized rows as 8-bit values for the quantized layers that read them (kiln/engine/quantized_io.py).
+    normalized rows as 8-bit values for the quantized layers that read them (kiln/builder/quantized_io.py).
     c (input 5): a third addend, broadcast to the sum, added last: LayerNorm((a + b) + c), as BERT's embeddings
     (word + token type, then + position). output_type "float32": the normalized rows in FP32 (a model's output)."""
     s = a if b is None else a + b
@@ -155,7 +156,7 @@ def elementwise(node, *inputs):
 # y = act(sx * sw * (q(x) @ w_q) + b): the activation is quantized with the model's own
 # scale (round half to even, saturate), weights are int8 with per-channel scales or FP8
 # E4M3 with one scale (attribute qtype). Between two quantized layers the activation can
-# travel as 8-bit values (kiln/engine/quantized_io.py): the producer quantizes its output
+# travel as 8-bit values (kiln/builder/quantized_io.py): the producer quantizes its output
 # with the reader's scale (input y_scale) and the reader (attribute x_quantized) takes x as
 # is, producing the float type in attribute float_type.
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,7 +183,7 @@ def quantized_input(node, x, x_scale):
 
 def float_type(node, x) -> torch.dtype:
     """The float type a quantized layer computes its epilogue in and returns (unless it re-quantizes): the
-    engine's (attribute float_type, kiln/engine/quantized_io.py), not x's. A network's first layer reads the
+    engine's (attribute float_type, kiln/builder/quantized_io.py), not x's. A network's first layer reads the
     FP32 graph input even in an FP16 engine; returning FP32 there would write its output at twice the size
     and cast it back for the FP16 layer after it (ResNet-50's stem: two passes over 25.7M values at batch 32)."""
     from ..ir.dtypes import from_name
@@ -215,7 +216,7 @@ def residual(z: torch.Tensor, z_scale: torch.Tensor | None, dtype: torch.dtype) 
 @register("QConv", domain=KILN, keeps_input_types=True)
 def qconv(node, x, w_q, x_scale, w_scale, b=None, z=None, y_scale=None, q_scale=None, z_scale=None):
     """act(sx * sw * conv(q(x), w_q) + b + z): z is an optional residual (ResNet's shortcut Add), float or, with
-    z_scale (input 8), the 8-bit copy a quantized block output's producer wrote (engine/quantized_io.py). With
+    z_scale (input 8), the 8-bit copy a quantized block output's producer wrote (builder/quantized_io.py). With
     q_scale (input 7), a second output: y quantized for the quantized layers that read it, while others
     read y as float (a ResNet block's output: the next block's first convolution and its residual) or, with
     y_scale too, as 8-bit values at their own scale (a residual that the copy's scale would clip)."""
@@ -251,7 +252,7 @@ def stem_patches_reference(x: torch.Tensor, channels: int, first: int, columns: 
 
 
 # y_scale (input 1): the quantized convolution's input scale; the output is then its 8-bit input (attribute qtype),
-# as kiln/engine/quantized_io.py links patches that only quantized layers read.
+# as kiln/builder/quantized_io.py links patches that only quantized layers read.
 @register("StemPatches", domain=KILN, keeps_input_types=True, uncast_inputs=(1,))
 def stem_patches(node, x, y_scale=None):
     """A stride-2 convolution's input over few channels (an RGB stem) rearranged for the stride-1 convolution over
@@ -263,9 +264,7 @@ def stem_patches(node, x, y_scale=None):
 @register("Int4Gemm", domain=KILN, keeps_input_types=True)
 def int4_gemm(node, x, packed, scales, b=None):
     """x @ dequant(packed int4 [K/2, N], group scales [K/g, N]) + b, in x's float type."""
-    from ..kernels.int4_gemm import reference
-
-    return reference(x, packed, scales.to(torch.float32), None, node.attr("group_size"), bias=b)
+    return int4.reference(x, packed, scales.to(torch.float32), None, node.attr("group_size"), bias=b)
 
 
 @register("RMSNorm", domain=KILN)

@@ -300,7 +300,7 @@ def _flat_indices(idx, in_spatial, pad_begin, padded_spatial, storage_order):
 
 
 # y_scale (Kiln's, not ONNX's): quantized readers' scale; the output is then their 8-bit input (attribute qtype),
-# as kiln/engine/quantized_io.py links a pool whose every reader quantizes it. With attribute x_quantized, x holds
+# as kiln/builder/quantized_io.py links a pool whose every reader quantizes it. With attribute x_quantized, x holds
 # 8-bit values at that scale already (a QConv wrote them), and their max is the output as it is.
 @register("MaxPool", check=_check_pool, uncast_inputs=(1,))
 def max_pool(node, x, y_scale=None):

@@ -47,7 +47,8 @@ class OpEntry:
     # Input positions narrowed to the layer precision saturating (finite stays finite): an attention
     # mask's "masked" constant, float32's lowest value, must not become -inf in FP16.
     saturating_inputs: tuple[int, ...] = ()
-    # Control flow: impl also receives `scope=` (the enclosing values) to run subgraphs.
+    # Control flow: impl also receives `scope=` (the enclosing values) and `run_subgraph=` (the runtime's
+    # interpreter, run_subgraph(body, feeds, scope) -> outputs) to run its bodies.
     uses_scope: bool = False
     # Returns a reason string when this node's attributes/inputs are outside
     # what the implementation handles, else None. Used by `kiln check`.

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ..errors import UnsupportedError
 from ..ir import dtypes
 from .indexing import signed_view
 from .registry import register
@@ -246,13 +247,28 @@ def _check_constant(node):
     return None
 
 
-@register("Constant", check=_check_constant)
-def constant(node):
-    # Top-level Constants become weights during folding; this runs the ones in subgraphs.
-    from ..passes.fold_constants import (
-        constant_value,  # imported here: passes import the ops
+def constant_value(node) -> torch.Tensor:
+    """The tensor a Constant node holds, whichever attribute carries it."""
+    a = node.attrs
+    if "value" in a:
+        return a["value"]
+    if "value_float" in a:
+        return torch.tensor(a["value_float"], dtype=torch.float32)
+    if "value_floats" in a:
+        return torch.tensor(a["value_floats"], dtype=torch.float32)
+    if "value_int" in a:
+        return torch.tensor(a["value_int"], dtype=torch.int64)
+    if "value_ints" in a:
+        return torch.tensor(a["value_ints"], dtype=torch.int64)
+    raise UnsupportedError(
+        f"Constant node '{node.label}' carries {sorted(a) or 'no value'}; Kiln supports numeric "
+        "value/value_float(s)/value_int(s) constants."
     )
 
+
+@register("Constant", check=_check_constant)
+def constant(node):
+    # Top-level Constants become weights during folding (passes/fold_constants.py); this runs the ones in subgraphs.
     return constant_value(node).to(node.device)
 
 

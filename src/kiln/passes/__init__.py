@@ -1,4 +1,5 @@
-"""The graph optimization pipeline, in the order it runs.
+"""The graph rewrites, in the order they run (builder/pipeline.py runs them between the build's first and last
+steps, in its one list of passes).
 
 Each pass is one module with `run(graph) -> None` (it rewrites the graph in
 place) and one test: graph before/after, numerics unchanged. Fused layers are
@@ -12,6 +13,7 @@ from . import (
     dead_code,
     fold_batchnorm,
     fold_constants,
+    fold_dequantized_weights,
     fuse_attention,
     fuse_conv,
     fuse_elementwise,
@@ -44,6 +46,7 @@ PIPELINE = [
     insert_qdq,  # INT8 builds: calibrated Q/DQ around GEMMs and convolutions (post-training quantization)
     fuse_int4_weights,  # MatMul on INT4 weights (group scales) -> weight-only INT4 GEMM
     fuse_qdq,  # Q/DQ around MatMul/Gemm/Conv -> INT8/FP8 layers (explicit quantization)
+    fold_dequantized_weights,  # integer weights of layers left in float -> float weights
     fuse_conv,  # Conv + bias + residual Add + activation
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
     fuse_pooled_gemm,  # global average pool + flatten + classifier GEMM -> one layer (a CNN's head)
@@ -59,8 +62,13 @@ PIPELINE = [
 ]
 
 
-def optimize(graph, on_pass=None) -> None:
-    for p in PIPELINE:
-        p.run(graph)
-        if on_pass:
-            on_pass(p.__name__.rsplit(".", 1)[-1])
+# The passes that write standard ONNX operators only (the others write Kiln's own, domain "kiln"): a graph
+# rewritten by these alone is one other runtimes run (quant/qdq_export.py exports the quantized graph so).
+STANDARD_ONNX = {fold_constants, remove_noops, dead_code, gather_as_slice, split_heads_as_view, fold_batchnorm,
+                 insert_qdq, fold_dequantized_weights}
+
+
+def up_to(last, standard_onnx: bool = False) -> list:
+    """PIPELINE's passes up to and including `last`; standard_onnx: only those in STANDARD_ONNX."""
+    head = PIPELINE[:PIPELINE.index(last) + 1]
+    return [p for p in head if p in STANDARD_ONNX or not standard_onnx]

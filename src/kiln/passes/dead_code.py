@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-from ..ir.graph import Graph
-
-
-def reads(node) -> set[str]:
-    """Names a node reads, including outer-scope names read inside its subgraphs."""
-    names = {i for i in node.inputs if i}
-    for v in node.attrs.values():
-        for g in v if isinstance(v, list) else [v]:
-            if hasattr(g, "walk"):
-                for sub in g.walk():
-                    names.update(i for i in sub.inputs if i)
-    return names
+from ..ir.graph import Graph, reads
 
 
 def run(graph: Graph) -> None:

@@ -5,31 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..engine.interpreter import call_node
-from ..errors import UnsupportedError
 from ..ir.graph import Graph, Node
 from ..ops.registry import lookup
+from ..ops.shape import constant_value
 
 # Folding must not turn a small graph into a huge file (e.g. ConstantOfShape of a big shape).
 MAX_FOLDED_ELEMENTS = 1 << 24
-
-
-def constant_value(node: Node) -> torch.Tensor:
-    """The tensor a Constant node holds, whichever attribute carries it."""
-    a = node.attrs
-    if "value" in a:
-        return a["value"]
-    if "value_float" in a:
-        return torch.tensor(a["value_float"], dtype=torch.float32)
-    if "value_floats" in a:
-        return torch.tensor(a["value_floats"], dtype=torch.float32)
-    if "value_int" in a:
-        return torch.tensor(a["value_int"], dtype=torch.int64)
-    if "value_ints" in a:
-        return torch.tensor(a["value_ints"], dtype=torch.int64)
-    raise UnsupportedError(
-        f"Constant node '{node.label}' carries {sorted(a) or 'no value'}; Kiln supports numeric "
-        "value/value_float(s)/value_int(s) constants."
-    )
 
 
 def _quantized_weight(node: Node, consts: dict) -> bool:

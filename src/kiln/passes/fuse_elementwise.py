@@ -8,10 +8,9 @@ one launch and one intermediate tensor per op.
 
 from __future__ import annotations
 
-from ..engine.placement import host_values
 from ..ir.graph import Graph, Node
 from ..ops.fused import BINARY, UNARY
-from .rewrite import View, fused_name, replace
+from .rewrite import View, fused_name, host_values, replace
 
 FUSABLE = UNARY | BINARY
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.graph import Graph, Node
-from ..quant.int4 import pack_int4
+from ..ops.int4 import pack as pack_int4
 from .rewrite import View, fused_name, replace
 
 

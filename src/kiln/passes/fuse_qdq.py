@@ -26,7 +26,7 @@ import torch
 
 from ..engine.interpreter import call_node
 from ..ir.graph import Graph, Node
-from . import activations, fold_constants
+from . import activations
 from .rewrite import View, fused_name, miss, replace
 
 
@@ -246,4 +246,3 @@ def run(graph: Graph) -> None:
         if pad is not None:
             graph.nodes.insert(next(i for i, n in enumerate(graph.nodes) if n is fused), pad)
         view.refresh()
-    fold_constants.run(graph, keep_quantized=False)  # weights of layers left in float

@@ -3,14 +3,13 @@
 HF transformers builds BERT's padding mask as a GatherND of the attention mask over arange-made indices.
 The indices depend only on the input shape, yet GatherND turned them into offsets on the device in every
 run: seven small int64 kernels at batch 1. Split, the offsets are computed on the host once per input
-shape (engine/placement.py places GatherNDOffsets there, its inputs being host values) and the device
+shape (builder/placement.py places GatherNDOffsets there, its inputs being host values) and the device
 runs one gather."""
 
 from __future__ import annotations
 
-from ..engine.placement import host_values
 from ..ir.graph import Graph, Node
-from .rewrite import replace
+from .rewrite import host_values, replace
 
 
 def run(graph: Graph) -> None:

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.precision import pinned
 from ..ir.graph import Graph, Node
-from .rewrite import View, miss
+from .rewrite import View, miss, pinned
 
 
 def quantize_weight(w: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,12 @@
-"""Small helpers the passes share: who produces and reads a value, constants, replacing nodes."""
+"""Small helpers the passes share: who produces and reads a value, constants, replacing nodes, pinned layers,
+host-known values."""
 
 from __future__ import annotations
 
 import torch
 
-from ..engine.precision import pinned
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph, Node, reads
+from ..ops.registry import lookup
 
 
 class View:
@@ -76,16 +77,6 @@ def replace(graph: Graph, old: list[Node], new: Node) -> None:
     graph.nodes = _readers_after(nodes, new)
 
 
-def _reads(node: Node) -> set[str]:
-    """Every value a node reads, also from inside its subgraphs (If/Loop bodies read outer values by name)."""
-    names = {i for i in node.inputs if i}
-    for v in node.attrs.values():
-        for g in v if isinstance(v, list) else [v]:
-            if isinstance(g, Graph):
-                names |= {i for m in g.walk() for i in m.inputs if i}
-    return names
-
-
 def _readers_after(nodes: list[Node], new: Node) -> list[Node]:
     """A fused node that also exposes an intermediate (SkipLayerNorm's sum) sits where its last source sat, so a
     reader of that intermediate placed between the sources (GPT-2's Shape of the embedding sum) would run before
@@ -93,7 +84,7 @@ def _readers_after(nodes: list[Node], new: Node) -> list[Node]:
     at = next(i for i, n in enumerate(nodes) if n is new)
     produced, moved = {o for o in new.outputs if o}, []
     for n in nodes[:at]:
-        if _reads(n) & produced:
+        if reads(n) & produced:
             moved.append(n)
             produced |= {o for o in n.outputs if o}
     if not moved:
@@ -123,3 +114,20 @@ def fused_name(nodes: list[Node]) -> str:
 def miss(graph: Graph, pattern: str, nodes: list[Node], reason: str) -> None:
     graph.findings.append({"kind": "fusion-missed", "pattern": pattern,
                            "nodes": [n.name for n in nodes], "reason": reason})
+
+
+def pinned(node) -> bool:
+    """Whether --layerPrecisions pinned the layer (or, fused, one of its sources): it keeps that float precision."""
+    return node.note.startswith("pinned")
+
+
+def host_values(graph: Graph) -> set[str]:
+    """Names of the values computable on the host (weights and shape arithmetic)."""
+    known = set(graph.initializers)
+    for node in graph.nodes:
+        entry = lookup(node.op_type, node.domain)
+        ins = [i for i in node.inputs if i]
+        pure = not (entry.nondeterministic or entry.uses_scope or entry.data_dependent)
+        if entry.shape_only or (pure and ins and all(i in known for i in ins)):
+            known.update(o for o in node.outputs if o)
+    return known

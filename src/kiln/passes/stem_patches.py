@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.precision import pinned
 from ..ir.graph import Graph, Node
 from .insert_qdq import MIN_CHANNELS
+from .rewrite import pinned
 
 CELL_CHANNELS = 4  # channels per cell phase: the image's, zero-padded (3 -> 4)
 

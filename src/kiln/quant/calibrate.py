@@ -30,8 +30,8 @@ import torch
 from ..errors import ConfigError, InputError, ShapeError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
+from ..progress import progress as show_progress
 from ..samples import load_samples, split_to_profile
-from ..tools.progress import progress as show_progress
 from .calibrators import (
     DEFAULT_BINS,
     WeightScale,
@@ -432,7 +432,8 @@ def model_inputs(model):
 def fp32_engine(model, samples: list[dict], device: str = "auto", build_config=None, what: str = "calibration"):
     """The engine statistics are taken on: `model` itself if it is an FP32 engine, else an FP32 build of
     it whose profile spans the samples' shapes (or build_config's profiles)."""
-    from ..engine.config import BuildConfig, Profile
+    from ..builder.config import BuildConfig
+    from ..engine.profile import Profile
 
     if _is_engine(model):
         if model.precision not in ("float32", "tf32"):
@@ -461,9 +462,9 @@ def fp32_engine(model, samples: list[dict], device: str = "auto", build_config=N
         cfg.profiles = [Profile(shapes)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from ..engine.builder import build
+        from ..builder.builder import build_engine
 
-        return build(graph, cfg)
+        return build_engine(graph, cfg)
 
 
 def run_pass(engine, samples: list[dict], col: _Collector, profile: int = 0, progress: bool = True,

@@ -32,20 +32,9 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..kernels import int4_gemm as _k
+from ..ops.int4 import pack as pack_int4
 
 GROUP_SIZES = (32, 64, 128)
-
-
-def pack_int4(u: torch.Tensor) -> torch.Tensor:
-    """Codes u (0..15) [K, N] -> uint8 [ceil(K/2), N]: row r = u[2r] | u[2r+1] << 4 (odd K padded with 0)."""
-    if u.dim() != 2:
-        raise ConfigError(f"pack_int4 expects a 2-D [K, N] tensor, got {list(u.shape)}")
-    u = u.to(torch.int16)
-    if int(u.min()) < 0 or int(u.max()) > 15:
-        raise ConfigError("int4 codes must lie in 0..15 (add 8 to signed values)")
-    if u.shape[0] % 2:
-        u = torch.cat([u, u.new_zeros(1, u.shape[1])])
-    return (u[0::2] | (u[1::2] << 4)).to(torch.uint8)
 
 
 def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:

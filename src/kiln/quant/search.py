@@ -28,19 +28,9 @@ _GEMMS = ("Conv", "MatMul", "Gemm")
 KEPT_BY_SEARCH = "pinned in float by the --accuracyBudget search"  # "pinned": the runtime's float-input rule holds
 
 
-def _metric_drop(engine, model, data, budgets) -> tuple:
-    """(inside the budget, {metric: drop}, {metric: {"engine", "reference", "drop"}})."""
-    from ..tools.verify import verify
-
-    res = verify(engine, data, reference=model, metrics=list(budgets), budgets=budgets)
-    values = {m.name: {"engine": m.engine, "reference": m.reference, "drop": m.drop} for m in res.metrics}
-    return (all(m.passed for m in res.metrics if m.budget is not None), {m.name: m.drop for m in res.metrics},
-            values)
-
-
-def _metric(engine, model, data, budgets) -> tuple[bool, dict, dict]:
-    """_metric_drop's answer; the metric values default to the drops where a caller's metric gives only those."""
-    ok, drops, *values = _metric_drop(engine, model, data, budgets)
+def _metric(metric, engine, model, data, budgets) -> tuple[bool, dict, dict]:
+    """metric's answer; the metric values default to the drops where a metric gives only those."""
+    ok, drops, *values = metric(engine, model, data, budgets)
     return ok, drops, values[0] if values else {k: {"drop": v} for k, v in drops.items()}
 
 
@@ -55,7 +45,7 @@ def _quantized_anchors(engine, onnx_names: dict[str, str]) -> list[str]:
 
 def _validated(engine, config):
     """The chosen engine, validated as a normal build is (the candidates were built without it)."""
-    from ..engine.builder import validate
+    from ..builder.builder import validate
 
     if config.validate:
         validate(engine)
@@ -112,23 +102,25 @@ def summary(report: dict) -> list[str]:
     return lines
 
 
-def search(model, config, budgets: dict[str, float], data, build):
-    """Returns (engine, report). `build` is kiln.build; `config` an INT8/FP8 BuildConfig."""
+def search(model, config, budgets: dict[str, float], data, build, metric):
+    """Returns (engine, report). `build` is kiln.build; `config` an INT8/FP8 BuildConfig; `metric(engine, model,
+    data, budgets)` -> (inside the budget, {metric: drop}[, {metric: {"engine", "reference", "drop"}}]):
+    kiln.build passes kiln verify's."""
     if not config.quantized:
         raise ConfigError("--accuracyBudget searches quantized builds: add --int8 or --fp8.")
     if data is None:
         raise ConfigError("--accuracyBudget needs held-out data with labels: pass --budgetData=FILE.npz "
                           "(inputs by binding name and 'labels').")
-    from ..tools.progress import build_progress
+    from ..progress import build_progress
 
     start = time.perf_counter()
     with (build_progress() if config.progress else contextlib.nullcontext()) as bar:
-        engine, report = _search(model, config, budgets, data, build, _Display(bar))
+        engine, report = _search(model, config, budgets, data, build, metric, _Display(bar))
     engine.build_seconds = time.perf_counter() - start  # the whole search, every candidate build
     return engine, report
 
 
-def _search(model, config, budgets, data, build, display: _Display):
+def _search(model, config, budgets, data, build, metric, display: _Display):
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
     onnx_names = {n.name: n.op_type for n in proto.graph.node}
     float_prec = config.precision if config.precision != "tf32" else "float32"
@@ -141,7 +133,7 @@ def _search(model, config, budgets, data, build, display: _Display):
 
     display.step(f"every layer {q} (calibrating)")
     full = build(proto, base)
-    ok, drops, values = _metric(full, proto, data, budgets)
+    ok, drops, values = _metric(metric, full, proto, data, budgets)
     anchors = _quantized_anchors(full, onnx_names)
     report = {"kind": "precision-search", "budget": budgets, "quantized_layers": len(anchors),
               "full_quantization_drop": drops, "kept_in_float": [], "engines_built": 1,
@@ -155,7 +147,7 @@ def _search(model, config, budgets, data, build, display: _Display):
         display.step(f"sensitivity: only {layer} {q}")
         others = {a: float_prec for a in anchors if a != layer}
         eng = build(proto, dataclasses.replace(base, layer_precisions={**config.layer_precisions, **others}))
-        _, sensitivity[layer], values = _metric(eng, proto, data, budgets)
+        _, sensitivity[layer], values = _metric(metric, eng, proto, data, budgets)
         report["engines_built"] += 1
         report["steps"].append({"step": f"only {layer} {q}", "kept_in_float": [a for a in anchors if a != layer],
                                 "metrics": values, "within_budget": None})
@@ -166,7 +158,7 @@ def _search(model, config, budgets, data, build, display: _Display):
         kept = {a: float_prec for a in order[:k]}
         eng = build(proto, dataclasses.replace(base, layer_precisions={**config.layer_precisions, **kept}))
         report["engines_built"] += 1
-        ok, drops, values = _metric(eng, proto, data, budgets)
+        ok, drops, values = _metric(metric, eng, proto, data, budgets)
         rest = f", the rest {q}" if k < len(order) else f": no layer left in {q}"
         report["steps"].append({"step": f"{', '.join(order[:k])} in {float_prec}{rest}",
                                 "kept_in_float": order[:k], "metrics": values, "within_budget": ok})

@@ -28,7 +28,6 @@ the inspector shows the layers kept in float and why.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -73,16 +72,9 @@ def _groups(q, f) -> list[tuple[set[str], list, list]]:
     return list(groups.values())
 
 
-def latency_us(engine) -> float:
-    """The engine's median latency at its first profile's opt shape (CUDA-graph replay on a GPU), in us."""
-    from ..tools.bench import bench
-
-    return statistics.median(bench(engine, iterations=50, warmup_ms=200.0).timings.latency_ms) * 1e3
-
-
-def keep_faster_float(model, config, build, latency=latency_us):
+def keep_faster_float(model, config, build, latency):
     """Returns (engine, finding). `build` is kiln.build; `config` an INT8/FP8 BuildConfig on a GPU; `latency`
-    times an engine end to end (us)."""
+    times an engine end to end (us; kiln.build passes kiln bench's median)."""
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as scratch:  # caches the builds share, unless given
         base = dataclasses.replace(config, precision_constraints="obey", validate=False,

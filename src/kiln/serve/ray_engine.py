@@ -120,11 +120,10 @@ def infer_response(model: str, request: dict, outputs: dict[str, torch.Tensor]) 
 
 class EngineReplica:
     def __init__(self, path: str, device: str, max_batch: int):
-        import kiln
-
+        from ..engine.serialize import load
         from .batching import BatchRunner
 
-        self.engine = kiln.load(path, device=device)
+        self.engine = load(path, device=device)
         self.runner = BatchRunner(self.engine, self.engine.target.device, batching=max_batch > 0,
                                   max_rows=max_batch or None)
         self._batched.set_max_batch_size(max(1, max_batch))

@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 try:
-    import kiln
+    from kiln.engine.serialize import load
     from kiln.serve.batching import BatchRunner
 except ImportError as e:  # the backend's interpreter is not the one Kiln is installed in
     raise ImportError(f"the Triton Python backend cannot import kiln ({e}): install Kiln into the Python the "
@@ -32,7 +32,7 @@ class TritonPythonModel:
         path = Path(args["model_repository"]) / args["model_version"] / engine_file
         gpu = args["model_instance_kind"] == "GPU"
         device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
-        self.runner = BatchRunner(kiln.load(path, device=str(device)), device, config["max_batch_size"] > 0)
+        self.runner = BatchRunner(load(path, device=str(device)), device, config["max_batch_size"] > 0)
 
     def execute(self, requests):
         feeds = [{name: from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())

@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cublaslt, cudnn_conv
-from ..ops.fused import activation, attention, float_type, fused_conv, skip_layer_norm, writes_fp32
+from ..ops.fused import (
+    activation,
+    attention,
+    float_type,
+    fused_conv,
+    skip_layer_norm,
+    writes_fp32,
+)
 from . import layer_gemm, tactic
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -317,7 +324,7 @@ def fp8_scaled_mm(node, x, w_q, x_scale, w_scale, b=None, y_scale=None):
     ft = float_type(node, x)
     out_dtype = ft if ft in _LOW else torch.float32
     bias = b.to(out_dtype) if b is not None and out_dtype != torch.float32 else None  # FP32 output takes no bias
-    # cuBLASLt takes B column-major: a no-op for the engine's weights, stored so (kiln/engine/layout.py).
+    # cuBLASLt takes B column-major: a no-op for the engine's weights, stored so (kiln/builder/layout.py).
     y = torch._scaled_mm(to_8bit(x.reshape(-1, x.shape[-1]), x_scale, "fp8"), w_q.t().contiguous().t(),
                          scale_a=x_scale.float().reshape(()), scale_b=w_scale.float().reshape(()), bias=bias,
                          out_dtype=out_dtype)

@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..console import console, device_note
 from ..errors import ConfigError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
 from ..json_file import atomic_write_json
 from ..samples import check_feeds_in_profile, load_samples, random_feeds
 from .compare import layer_name
-from .console import console, device_note
 from .engine_args import (
     add_verify_key_flag,
     load_engine,

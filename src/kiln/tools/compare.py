@@ -47,12 +47,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..console import console
 from ..errors import ConfigError, InputError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
 from ..json_file import atomic_write_json
 from ..samples import check_feeds_in_profile, load_samples, split_to_profile
-from .console import console
 from .engine_args import (
     add_verify_key_flag,
     load_engine,
@@ -319,7 +319,7 @@ class CompareResult:
     layers_skipped: int = 0
     first_bad_layer: LayerResult | None = None
     # Where the inputs came from: "--loadInputs PATH", "calibration data PATH", "given samples" or
-    # "synthetic"; for synthetic ones, how each input was drawn (kiln/tools/synthetic.py).
+    # "synthetic"; for synthetic ones, how each input was drawn (kiln/engine/synthetic.py).
     inputs: str = "given samples"
     synthetic_rules: dict = field(default_factory=dict)
     # Per sample {output: array} of each side, for --save-outputs (not in to_json: the statistics are).
@@ -424,7 +424,7 @@ def compare(reference, engine, samples: list[dict] | None = None, *, seed: int =
         else:
             samples, inputs = synthetic_samples(engine, profile, seed, 1, shapes, val_range), "synthetic"
     if inputs == "synthetic":
-        from .synthetic import describe
+        from ..engine.synthetic import describe
 
         rules = describe(engine, val_range)
     if not samples:
@@ -513,7 +513,7 @@ def _layerwise(result: CompareResult, ref, engine, feeds: dict, profile: int, ex
 
 def _y_scale(engine, node) -> torch.Tensor | None:
     """The scale of a layer that writes 8-bit values for the quantized layer after it, or None."""
-    from ..engine.quantized_io import output_scale
+    from ..builder.quantized_io import output_scale
 
     name = output_scale(node)
     return engine.graph.initializers[name].float().cpu() if name else None
@@ -684,8 +684,8 @@ def add_command(subparsers) -> argparse.ArgumentParser:
 
 
 def _run_runners(args, con) -> int:
+    from ..engine.synthetic import parse_val_range
     from . import polygraphy_json, runners
-    from .synthetic import parse_val_range
 
     if args.engine:
         raise ConfigError("--runners builds its own engines from the model: leave out ENGINE (or drop --runners to "
@@ -695,7 +695,7 @@ def _run_runners(args, con) -> int:
     rtol, per_rtol = parse_named_floats(args.rtol, "--rtol")
     if per_atol or per_rtol:
         raise ConfigError("--runners takes one --atol/--rtol for every output (OUT:TOL is for an engine compare).")
-    from ..engine.config import parse_shapes
+    from ..engine.profile import parse_shapes
 
     shapes = parse_shapes(args.shapes or "", "--shapes")
     samples, inputs = None, ""
@@ -708,7 +708,7 @@ def _run_runners(args, con) -> int:
                                  torch_module=args.torch, calib=args.calib, reference_runner=args.reference_runner,
                                  device=args.device, seed=args.seed, count=args.samples,
                                  val_range=parse_val_range(args.valRange, model_inputs), atol=atol, rtol=rtol,
-                                 accept_vacuous=args.accept_vacuous)
+                                 accept_vacuous=args.accept_vacuous, build=args.build)
     runners.render(result, con)
     _save_polygraphy(args, con, result.samples_used, result.outputs, result.runtimes)
     if args.json:
@@ -744,7 +744,7 @@ def run(args) -> int:
     engine = load_engine(args.engine, args.device, verify_key=verify_key_of(args))
     atol, per_atol = parse_named_floats(args.atol, "--atol")
     rtol, per_rtol = parse_named_floats(args.rtol, "--rtol")
-    from .synthetic import parse_val_range
+    from ..engine.synthetic import parse_val_range
 
     shapes = parse_shapes_arg(args.shapes, engine)
     val_range = parse_val_range(args.valRange, [v.name for v in engine.inputs])

@@ -39,7 +39,7 @@ def load_engine(engine, device: str = "auto", verify_key: bytes | None = None):
 
 
 def parse_shapes_arg(text: str, engine, flag: str = "--shapes") -> dict[str, tuple]:
-    from ..engine.config import parse_shapes
+    from ..engine.profile import parse_shapes
 
     shapes = parse_shapes(text or "", flag)
     names = [v.name for v in engine.inputs]

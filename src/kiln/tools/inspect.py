@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..console import console, fmt_bytes
 from ..errors import EngineFileError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
 from ..json_file import atomic_write_json
 from ..samples import random_feeds
 from .compare import layer_name
-from .console import console, fmt_bytes
 from .engine_args import load_engine
 
 # Compute precisions from narrowest to widest (a layer above the requested one is a finding).

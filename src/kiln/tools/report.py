@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..console import console, device_note
 from ..errors import ConfigError, KilnError
 from ..fileio import atomic_write_text
 from ..ir.shapes import fmt_shape
@@ -40,7 +41,6 @@ from ..json_file import atomic_write_json
 from ..samples import load_samples
 from . import inspect as inspect_tool
 from . import plots
-from .console import console, device_note
 from .engine_args import (
     add_verify_key_flag,
     load_engine,
@@ -65,7 +65,7 @@ class Request:
 
 
 def _parse_entry(item, engine, where: str) -> Request:
-    from ..engine.config import parse_shapes
+    from ..engine.profile import parse_shapes
 
     names = [v.name for v in engine.inputs]
     count = 1

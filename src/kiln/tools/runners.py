@@ -108,7 +108,7 @@ def _input_shapes(model, given: dict) -> dict[str, tuple]:
 
 
 def _profile(samples: list[dict]):
-    from ..engine.config import Profile
+    from ..engine.profile import Profile
 
     shapes = {}
     for name in samples[0]:
@@ -119,9 +119,8 @@ def _profile(samples: list[dict]):
     return Profile(shapes)
 
 
-def _build(model, runner: str, profile, device: str, calib):
-    from ..engine.builder import build
-    from ..engine.config import BuildConfig
+def _build(build, model, runner: str, profile, device: str, calib):
+    from ..builder.config import BuildConfig
 
     _, flags = KILN_PRECISIONS[runner]
     cfg = BuildConfig(profiles=[profile], device=device, calib=calib if ("int8" in flags or "fp8" in flags) else None,
@@ -133,8 +132,9 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
                 shapes: dict | None = None, torch_module: str | None = None, calib: str | None = None,
                 reference_runner: str | None = None, device: str = "auto", seed: int = 0, count: int = 1,
                 val_range: dict | None = None, atol: float | None = None, rtol: float | None = None,
-                accept_vacuous: bool = False) -> MultiRunnerResult:
-    """Run `samples` (or synthetic ones) through every runner and compare each with the reference runner."""
+                accept_vacuous: bool = False, build) -> MultiRunnerResult:
+    """Run `samples` (or synthetic ones) through every runner and compare each with the reference runner.
+    `build`: kiln.build (the Kiln runners' engines)."""
     if "torch" in runners and not torch_module:
         raise ConfigError("the 'torch' runner needs the PyTorch module: --torch MODULE:FACTORY (called with the "
                           "model's inputs in order).")
@@ -146,34 +146,34 @@ def run_runners(model_path: str, runners: list[str], *, samples: list[dict] | No
     out_names = [vi.name for vi in model.graph.output]
     result = MultiRunnerResult(model=str(model_path), reference_runner=ref_name, runners={}, samples=0,
                                inputs=inputs or "given samples")
-    from .progress import progress
+    from ..progress import progress
 
     with progress("kiln compare", total=2 * len(runners), first="preparing inputs") as bar:
         _run_all(model, model_path, runners, result, bar, samples=samples, shapes=shapes, onnx_inputs=onnx_inputs,
                  out_names=out_names, torch_module=torch_module, calib=calib, device=device, seed=seed, count=count,
-                 val_range=val_range)
+                 val_range=val_range, build=build)
     _compare_rows(result, runners, ref_name, out_names, atol, rtol, accept_vacuous)
     return result
 
 
 def _run_all(model, model_path, runners, result, bar, *, samples, shapes, onnx_inputs, out_names, torch_module,
-             calib, device, seed, count, val_range) -> None:
+             calib, device, seed, count, val_range, build) -> None:
     """Build every Kiln runner, then run every runner on every sample (result.outputs/runtimes)."""
     engines = {}
     # Float Kiln engines first: synthetic inputs are drawn from an engine's graph (token ids over the
     # embedding's rows, masks as masks), and the quantized builds may calibrate on the inputs.
     if samples is None:
+        from ..engine.synthetic import describe
         from .compare import synthetic_samples
-        from .synthetic import describe
 
         fixed = _input_shapes(model, shapes or {})
-        from ..engine.config import Profile
+        from ..engine.profile import Profile
 
         profile = Profile({k: (v, v, v) for k, v in fixed.items()})
         float_kiln = [r for r in runners if r in KILN_PRECISIONS and r not in ("kiln-int8", "kiln-fp8")]
         seed_runner = float_kiln[0] if float_kiln else "kiln-fp32"
         bar.step(f"building {seed_runner} (its graph draws the synthetic inputs)")
-        seed_engine = _build(model, seed_runner, profile, device, None)
+        seed_engine = _build(build, model, seed_runner, profile, device, None)
         if seed_runner in runners:
             engines[seed_runner] = seed_engine
             bar.advance(f"built {seed_runner}")
@@ -194,7 +194,7 @@ def _run_all(model, model_path, runners, result, bar, *, samples, shapes, onnx_i
                 result.notes.append(f"{r}: scales calibrated on the {len(samples)} compared input sample(s) "
                                     f"({result.inputs}); pass --calib DATA to calibrate on other data.")
             bar.step(f"building {r}")
-            engines[r] = _build(model, r, profile, device, data)
+            engines[r] = _build(build, model, r, profile, device, data)
             bar.advance(f"built {r}")
         elif r not in KILN_PRECISIONS:
             bar.advance(f"{r} needs no build")

@@ -25,12 +25,12 @@ from typing import Callable
 
 import numpy as np
 
+from ..console import console
 from ..errors import ConfigError, InputError, KilnError, ShapeError
 from ..ir import dtypes
 from ..ir.shapes import fmt_shape
 from ..json_file import atomic_write_json
 from ..samples import read_npz
-from .console import console
 from .engine_args import add_verify_key_flag, load_engine, verify_key_of
 from .references import check_bindings, make_reference
 from .user_code import load_callable

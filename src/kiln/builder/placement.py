@@ -13,18 +13,6 @@ from ..ir.graph import Graph
 from ..ops.registry import lookup
 
 
-def host_values(graph: Graph) -> set[str]:
-    """Names of the values computable on the host (weights and shape arithmetic)."""
-    known = set(graph.initializers)
-    for node in graph.nodes:
-        entry = lookup(node.op_type, node.domain)
-        ins = [i for i in node.inputs if i]
-        pure = not (entry.nondeterministic or entry.uses_scope or entry.data_dependent)
-        if entry.shape_only or (pure and ins and all(i in known for i in ins)):
-            known.update(o for o in node.outputs if o)
-    return known
-
-
 def assign(graph: Graph) -> bool:
     """Mark each node host or device; return True when the device work can be
     captured as one CUDA graph (no value-dependent shapes, no control flow)."""
@@ -45,3 +33,16 @@ def assign(graph: Graph) -> bool:
             if pos < len(node.inputs) and node.inputs[pos] and node.inputs[pos] not in host_known:
                 capturable = False  # a shape argument computed from data
     return capturable
+
+
+def inputs_read_as_values(graph: Graph) -> list[str]:
+    """The graph inputs some layer reads as numbers (a Range delta, a Slice end): random values cannot stand in
+    for them, so a build runs no validation or tactic timing on random data."""
+    names = {v.name for v in graph.inputs}
+    found = set()
+    for node in graph.nodes:
+        entry = lookup(node.op_type, node.domain)
+        for pos in entry.host_inputs:
+            if pos < len(node.inputs) and node.inputs[pos] in names:
+                found.add(node.inputs[pos])
+    return sorted(found)

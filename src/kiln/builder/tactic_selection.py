@@ -18,9 +18,9 @@ import torch
 
 from ..engine.interpreter import cast_for
 from ..ops.registry import lookup
-from . import candidates, load_all
-from .cache import TimingCache, layer_key
-from .timer import L2Reset, median_ms, synchronizes
+from ..tactics import candidates, load_all
+from ..tactics.cache import TimingCache, layer_key
+from ..tactics.timer import L2Reset, median_ms, synchronizes
 
 # Max error of a candidate against the reference, as a share of the output's range. INT8/FP8 layers
 # return FP16 (or BF16) values and their reference sums exactly in float64, so they get FP16's bound.

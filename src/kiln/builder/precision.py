@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.graph import Graph
+from ..engine.interpreter import saturating_cast
+from ..ir.graph import Graph, reads, set_body_precision
 from ..ops.registry import lookup
 
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,11 +32,6 @@ WRITES_FP32_OUTPUT = ("PooledGemm", "SkipLayerNorm", "GemmSkipLayerNorm")
 PINNED = "pinned by --layerPrecisions"
 _PIN_NAMES = {"fp32": "float32", "float32": "float32", "tf32": "tf32", "fp16": "float16", "float16": "float16",
               "bf16": "bfloat16", "bfloat16": "bfloat16"}
-
-
-def pinned(node) -> bool:
-    """Whether --layerPrecisions pinned the layer (or, fused, one of its sources): it keeps that float precision."""
-    return node.note.startswith("pinned")
 
 
 def pin(graph: Graph, pins: dict[str, str]) -> None:
@@ -52,14 +48,6 @@ def pin(graph: Graph, pins: dict[str, str]) -> None:
         if prec.lower() not in _PIN_NAMES:
             raise ConfigError(f"--layerPrecisions: '{prec}' for layer '{name}' is not one of {sorted(_PIN_NAMES)}.")
         by_name[name].precision, by_name[name].note = _PIN_NAMES[prec.lower()], PINNED
-
-
-def set_body(node, precision: str) -> None:
-    for v in node.attrs.values():
-        for g in v if isinstance(v, list) else [v]:
-            if isinstance(g, Graph):
-                for sub in g.walk():
-                    sub.precision = precision
 
 
 def assign(graph: Graph, precision: str, guard_feeds: list[dict] | None = None, device=None) -> None:
@@ -79,7 +67,7 @@ def assign(graph: Graph, precision: str, guard_feeds: list[dict] | None = None, 
             node.precision, node.note = "float32", f"kept FP32: {entry.keep_fp32}"
         else:
             node.precision = precision
-        set_body(node, node.precision)
+        set_body_precision(node, node.precision)
     if guard_feeds and precision in _LOW:
         graph.findings.extend(guard(graph, precision, guard_feeds, device or torch.device("cpu")))
     _cast_weights(graph)
@@ -98,8 +86,7 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
     finite (an overflow past 65504 in FP16), or drifts beyond DRIFT_LIMIT, is kept in FP32 (node.note says
     why; the build's precision findings list it). Each layer is judged on exact inputs, so one layer's
     error does not condemn the layers after it. Returns one finding summing up what was kept."""
-    from ..passes.dead_code import reads
-    from .interpreter import call_node, run_node
+    from ..engine.interpreter import call_node, run_node
 
     if not any(n.precision == precision and n.placement == "device" for n in graph.nodes):
         return []
@@ -267,11 +254,3 @@ def _cast_weights(graph: Graph) -> None:
             graph.initializers[copy] = saturating_cast(w, _LOW[p])
             for node, pos in readers[p]:
                 node.inputs[pos] = copy
-
-
-def saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in a float type, finite values beyond its range clamped to its largest finite values instead of
-    becoming infinite. An exporter's "masked" constant, float32's lowest value, would otherwise turn into
-    -inf in FP16, and a fully masked attention row into NaN where the FP32 model computes numbers."""
-    big = torch.finfo(dtype).max
-    return torch.where(torch.isfinite(t), t.clamp(-big, big), t).to(dtype)

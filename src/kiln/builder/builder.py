@@ -1,9 +1,13 @@
-"""The builder: ONNX model in, Engine out.
+"""The builder: ONNX model in, one Engine out.
 
-    load + check -> kiln Graph -> profiles -> (INT8/FP8: calibration of an FP32 engine)
-    -> optimization passes (passes/__init__.py) -> placement (host shape arithmetic vs
-    device work) -> layer precision -> layout -> tactic timing on the GPU
-    -> validation run of every profile on the target (measures the arena)
+    load + check -> kiln Graph -> profiles (and the memory they need)
+    -> the build's passes, in order (builder/pipeline.py): layer pins, INT8/FP8 calibration, the graph
+       rewrites (passes/__init__.py), placement (host shape arithmetic vs device work), layer precision,
+       8-bit values between quantized layers, weight layouts
+    -> tactic timing on the GPU -> validation run of every profile on the target (measures the arena)
+
+kiln.build (kiln/build.py) calls it once per engine: calibration, the precision search and keep-faster-float
+are around it, not in it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from contextlib import nullcontext
 
 import onnx
 
-from .. import passes
+from ..engine.engine import Engine
+from ..engine.profile import Profile
+from ..engine.target import resolve, versions
 from ..errors import ConfigError, UnsupportedError
 from ..frontend.check import preflight
 from ..ir.from_onnx import model_to_graph
@@ -23,10 +29,9 @@ from ..ir.graph import Graph
 from ..ir.shapes import fmt_shape
 from ..ops.registry import unsupported_reason
 from ..passes.insert_qdq import KEPT_IN_FLOAT
-from . import footprint, layout, placement, precision, quantized_io
-from .config import BuildConfig, Profile
-from .engine import Engine
-from .target import resolve, versions
+from . import footprint, pipeline
+from .config import BuildConfig
+from .placement import inputs_read_as_values
 
 
 class ProfileWarning(UserWarning):
@@ -100,64 +105,12 @@ def _requested(node, config: BuildConfig) -> str:
     return config.quantized if config.quantized and node.note.startswith(KEPT_IN_FLOAT) else config.precision
 
 
-def _check_quantized_target(kind: str, target) -> None:
-    if kind == "fp8" and target.kind == "cuda" and tuple(map(int, target.capability.split("."))) < (8, 9):
-        raise ConfigError(
-            f"--fp8 needs a GPU with FP8 Tensor Cores (compute capability 8.9 or newer: Ada, Hopper); "
-            f"{target.name} has compute capability {target.capability}. Build with --int8 or --fp16 instead."
-        )
+def check_precision_constraints(config: BuildConfig) -> None:
+    if config.precision_constraints not in ("none", "obey"):
+        raise ConfigError(f"--precisionConstraints must be 'none' or 'obey', not '{config.precision_constraints}'.")
 
 
-def _calibration(model, config: BuildConfig, profiles: list[Profile]):
-    """Calibrated activation ranges: from the calibration cache, else by calibrating an FP32 engine."""
-    from pathlib import Path
-
-    from ..quant.calibrate import Calibration, calibrate
-
-    cache = Path(config.calib_cache) if config.calib_cache else None
-    if cache is not None and cache.exists():
-        return Calibration.load(cache)
-    if config.calib is None:
-        raise ConfigError(
-            f"an {config.quantized.upper()} build needs calibration data: pass --calib=DATA (100 to 1000 "
-            "representative samples as a "
-            ".npz keyed by input name, a folder of .npz files, or NAME:FILE.npy) or an existing --calibCache=FILE. "
-            "Kiln never makes up quantization scales."
-        )
-    if isinstance(model, Graph):
-        raise ConfigError("calibration needs the ONNX model (a path or ModelProto), not a kiln Graph.")
-    fp32 = BuildConfig(profiles=profiles, device=config.device, progress=False)
-    cal = calibrate(model, config.calib, method=config.calib_method, device=config.device, build_config=fp32,
-                    progress=config.progress)
-    if cache is not None:
-        cal.save(cache)
-    return cal
-
-
-def _inputs_read_as_values(graph: Graph) -> list[str]:
-    from ..ops.registry import lookup
-
-    names = {v.name for v in graph.inputs}
-    found = set()
-    for node in graph.nodes:
-        entry = lookup(node.op_type, node.domain)
-        for pos in entry.host_inputs:
-            if pos < len(node.inputs) and node.inputs[pos] in names:
-                found.add(node.inputs[pos])
-    return sorted(found)
-
-
-def _guard_feeds(graph: Graph, config: BuildConfig, profiles: list[Profile]) -> list[dict] | None:
-    """Random inputs at each profile's opt shape for precision.guard (FP16/BF16 builds that validate, and the
-    float layers of INT8/FP8 ones), or None where it does not run: random values cannot stand in for inputs
-    read as shape arguments."""
-    if not (config.validate and config.precision_guard and config.precision in ("float16", "bfloat16")) \
-            or _inputs_read_as_values(graph):
-        return None
-    return [precision.sample_inputs(graph.inputs, {k: s[1] for k, s in p.shapes.items()}) for p in profiles]
-
-
-def _check_excluded_tactics(patterns) -> None:
+def check_excluded_tactics(patterns) -> None:
     """Every --excludeTactics pattern names at least one tactic: a misspelt one would exclude nothing, silently."""
     if not patterns:  # the common case: no reason to import every tactic module (Triton) at the start of a build
         return
@@ -175,36 +128,21 @@ def _check_excluded_tactics(patterns) -> None:
                               f"close names: {', '.join(near)}. `kiln inspect` lists the tactics an engine chose.")
 
 
-def build(model, config: BuildConfig | None = None) -> Engine:
-    """Build an engine. `model`: an onnx.ModelProto, a path to an .onnx file, or a kiln Graph."""
+def build_engine(model, config: BuildConfig | None = None, calibrate=None) -> Engine:
+    """Build one engine. `model`: an onnx.ModelProto, a path to an .onnx file, or a kiln Graph. `calibrate`
+    (INT8/FP8 builds): calibrate(model, config, profiles) -> the calibration (kiln/build.py's, which reads the
+    calibration cache or calibrates an FP32 engine). kiln.build calls this once per engine it compares."""
     from ..frontend.onnx_loader import load_onnx, mark_dynamic_dims
-    from ..tools.progress import build_progress
+    from ..progress import build_progress
 
     config = config or BuildConfig()
-    _check_excluded_tactics(config.exclude_tactics)
-    if config.accuracy_budget:
-        import dataclasses
-
-        from ..quant.search import search
-
-        engine, report = search(model, dataclasses.replace(config, accuracy_budget={}), config.accuracy_budget,
-                                config.budget_data, build)
-        engine.findings.append(report)
-        return engine
-    if config.precision_constraints not in ("none", "obey"):
-        raise ConfigError(f"--precisionConstraints must be 'none' or 'obey', not '{config.precision_constraints}'.")
+    check_excluded_tactics(config.exclude_tactics)
+    check_precision_constraints(config)
+    if config.quantized and calibrate is None:
+        raise ConfigError(f"an {config.quantized.upper()} build_engine needs calibrate=: build with kiln.build, which "
+                          "reads the calibration cache or calibrates.")
     start = time.perf_counter()
     target = resolve(config.device)
-    if (config.quantized and config.precision_constraints == "none" and target.kind == "cuda"
-            and config.optimization_level > 0 and not isinstance(model, Graph)):
-        from ..quant.speed import keep_faster_float
-
-        engine, report = keep_faster_float(model, config, build)
-        engine.findings.append(report)
-        if config.validate:
-            validate(engine)
-        engine.build_seconds = time.perf_counter() - start
-        return engine
     phases: dict[str, float] = {}  # seconds per phase of the build (engine.build_config["build_phases"])
     clock = [time.perf_counter(), None]
 
@@ -229,36 +167,23 @@ def build(model, config: BuildConfig | None = None) -> Engine:
         profiles = resolve_profiles(graph, config)
         floor = footprint.float_bytes_floor(config.precision, config.quantized)
         footprint.check_inputs(graph, profiles, target, floor)  # before any tensor of the profile is allocated
-        precision.pin(graph, config.layer_precisions)
-        calibration = None
-        if config.quantized:
-            _check_quantized_target(config.quantized, target)
-            step(f"{config.quantized.upper()} calibration")
-            calibration = _calibration(model, config, profiles)
-            # A copy: passes/stem_patches.py adds the patches' range, which is not the calibration's
-            graph.quant_amax, graph.quant_type = dict(calibration.amax), config.quantized
-            graph.quant_absmax = {k: t.absmax for k, t in calibration.tensors.items() if t.absmax is not None}
-        passes.optimize(graph, on_pass=lambda name: step(f"pass: {name}"))
-        step("placement and precision")
-        capturable = placement.assign(graph)
-        footprint.check(graph, profiles, target, floor)  # the fused graph's activations, before the guard runs it
-        precision.assign(graph, config.precision, _guard_feeds(graph, config, profiles), target.device)
-        quantized_io.link(graph, config.precision)
+        build = pipeline.Build(model, config, target, profiles, calibrate, step, floor)
+        pipeline.run(graph, build)
         engine = Engine(
             graph=graph, profiles=profiles, target=target, build_config=config.to_json(),
-            capturable=capturable, versions=versions(),
+            capturable=build.capturable, versions=versions(),
             findings=graph.findings + [{"kind": "precision", "layer": n.name, "requested": _requested(n, config),
                                         "actual": n.precision, "reason": n.note} for n in graph.nodes if n.note],
         )
+        calibration = build.calibration
         if calibration is not None:  # what the report's calibration litmus question reads
             engine.build_config["calibration"] = {
                 "method": calibration.method, "samples": calibration.samples, "tensors": len(calibration.amax),
                 "cache": config.calib_cache}
-        engine.channels_last = layout.channels_last_weights(graph, target.kind, config.precision)
-        engine.padded_channels = layout.padded_channel_weights(graph, engine.channels_last)
-        engine.column_major = layout.column_major_weights(graph, target.kind)
+        engine.channels_last, engine.padded_channels = build.channels_last, build.padded_channels
+        engine.column_major = build.column_major
         # Random values cannot stand in for inputs a layer reads as numbers (a Range delta, a Slice end).
-        value_inputs = _inputs_read_as_values(graph)
+        value_inputs = inputs_read_as_values(graph)
         if value_inputs:
             engine.findings.append({"kind": "build", "reason": f"inputs {value_inputs} are read as shape arguments: "
                                     "the build ran no validation or tactic timing on random data"})
@@ -283,7 +208,7 @@ def validate(engine: Engine, step=lambda msg: None) -> None:
     """The build's last step: run the engine at each profile's opt and max shapes on its target, so errors
     surface now, and record each profile's activation peak. Skipped where random inputs cannot stand in
     (inputs read as shape arguments; the build recorded a finding)."""
-    if _inputs_read_as_values(engine.graph):
+    if inputs_read_as_values(engine.graph):
         return
     for i in range(len(engine.profiles)):
         step(f"validating profile {i} on {engine.target.describe()}")
@@ -297,7 +222,7 @@ def validate(engine: Engine, step=lambda msg: None) -> None:
 
 def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig, step) -> list[dict]:
     from ..tactics.cache import TimingCache
-    from ..tactics.select import Selector
+    from .tactic_selection import Selector
 
     cache = TimingCache(config.timing_cache)
     count = [0]

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.profile import Profile
+from ..engine.target import Target
 from ..errors import ConfigError, ShapeError
 from ..ir.graph import Graph
 from ..ir.shapes import fmt_shape
 from ..ops.registry import lookup
-from . import placement
-from .config import Profile
-from .target import Target
+from ..passes.rewrite import host_values
 
 # A host (shape-arithmetic) value larger than this is not computed for real: the walk keeps its size only.
 HOST_VALUE_LIMIT = 64 * 2**20
@@ -124,10 +124,12 @@ def _meta_inputs(graph: Graph, shapes: dict) -> dict[str, torch.Tensor]:
 def estimate(graph: Graph, shapes: dict, float_bytes: int | None = None) -> Footprint:
     """The footprint of running `graph` on inputs of these shapes (name -> shape; at a profile's max for the
     check). float_bytes: float_bytes_floor of the build."""
-    from .context import _liveness  # the runtime's own rule for when a value is dropped
+    from ..engine.context import (
+        _liveness,  # the runtime's own rule for when a value is dropped
+    )
 
     inputs = _meta_inputs(graph, shapes)
-    host = placement.host_values(graph)
+    host = host_values(graph)
     keep = set(graph.initializers) | set(inputs) | {v.name for v in graph.outputs} | host
     free_after = _liveness(graph, keep)
     env: dict = {**graph.initializers, **inputs}
@@ -204,7 +206,7 @@ def estimate(graph: Graph, shapes: dict, float_bytes: int | None = None) -> Foot
 
 def _outputs(node, args: list, env: dict, device=_META) -> tuple:
     """(the node's outputs, None), or (None, why it could not run) (its reference implementation, on `device`)."""
-    from .interpreter import call_node
+    from ..engine.interpreter import call_node
 
     node.device = device
     try:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError, KilnError
+from .errors import ConfigError, KilnError
 
 _PRECISIONS = {"fp32": {}, "float32": {}, "tf32": {"tf32": True}, "fp16": {"fp16": True},
                "float16": {"fp16": True}, "bf16": {"bf16": True}, "bfloat16": {"bf16": True}}
@@ -133,7 +133,7 @@ class KilnSupport:
     """Whether a node of dynamo's graph can run inside a Kiln engine (torch.fx OperatorSupport protocol)."""
 
     def __init__(self, constants: set):
-        from ..ops.registry import lookup
+        from .ops.registry import lookup
 
         self._lookup = lookup
         self._constants = constants  # placeholders holding parameters: frozen into the engines
@@ -228,7 +228,7 @@ class Options:
         return o
 
     def build_config(self, profile, device: str):
-        from ..engine.config import BuildConfig
+        from .builder.config import BuildConfig
 
         return BuildConfig(profiles=[profile], device=device, workspace_bytes=self.workspace,
                            timing_cache=self.timing_cache, optimization_level=self.optimization_level,
@@ -365,7 +365,7 @@ class KilnRegion(torch.nn.Module):
         return f"region '{self.name}' ({len(self.ops)} operator(s): {shown})"
 
     def _profile(self, examples: list[torch.Tensor]):
-        from ..engine.config import Profile
+        from .engine.profile import Profile
 
         shapes = {}
         for k, pos in enumerate(self.dynamic_positions):
@@ -382,8 +382,8 @@ class KilnRegion(torch.nn.Module):
 
     def build(self, examples: list[torch.Tensor]) -> bool:
         """Export and build the engine for these example inputs; False (and a warning) when it fails."""
-        from ..engine.builder import build
-        from .torch_export import from_torch
+        from .build import build
+        from .frontend.torch_export import from_torch
 
         profile = self._profile(examples)
         dynamic = [{a: torch.export.Dim.AUTO for a in range(x.dim()) if profile.shapes[f"in{k}"][0][a]
@@ -542,7 +542,7 @@ def register() -> None:
 
 
 def registered_by_entry_point() -> bool:
-    """Whether Kiln's installed package metadata names "kiln" in torch's `torch_dynamo_backends` group
+    """Whether Kiln's installed package metadata names this module's "kiln" in torch's `torch_dynamo_backends` group
     (only Kiln's own metadata is read: scanning every installed distribution would slow `import kiln`)."""
     from importlib.metadata import PackageNotFoundError, distribution
 
@@ -550,4 +550,6 @@ def registered_by_entry_point() -> bool:
         eps = distribution("kiln").entry_points
     except PackageNotFoundError:
         return False
-    return any(ep.group == "torch_dynamo_backends" and ep.name == "kiln" for ep in eps)
+    # The value too: metadata written before this module moved names a module that no longer exists.
+    return any(ep.group == "torch_dynamo_backends" and ep.name == "kiln" and ep.value == f"{__name__}:kiln_backend"
+               for ep in eps)

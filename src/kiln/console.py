@@ -1,4 +1,4 @@
-"""What the proof tools print: a rich console (wide enough for layer tables in files and pipes), byte counts,
+"""What the commands print: a rich console (wide enough for layer tables in files and pipes), byte counts,
 and the note that says which device a measurement comes from."""
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""Build options (trtexec's vocabulary) and optimization profiles."""
+"""Build options, in trtexec's vocabulary."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
+from ..engine.profile import Profile, Shape
 from ..errors import ConfigError
-
-Shape = tuple[int, ...]
-
-
-@dataclass
-class Profile:
-    """min/opt/max shape per input. Kernels are tuned for opt; runs outside min..max are refused."""
-
-    shapes: dict[str, tuple[Shape, Shape, Shape]] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {k: {"min": list(a), "opt": list(b), "max": list(c)} for k, (a, b, c) in self.shapes.items()}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Profile":
-        return cls({k: (tuple(v["min"]), tuple(v["opt"]), tuple(v["max"])) for k, v in d.items()})
 
 
 @dataclass
@@ -57,7 +42,7 @@ class BuildConfig:
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
     # FP16/BF16 builds (with validate): each layer is compared with FP32 on the profiles' opt shapes and kept in
-    # FP32 where it overflows or drifts (engine/precision.guard; the build's findings say which and why).
+    # FP32 where it overflows or drifts (builder/precision.guard; the build's findings say which and why).
     precision_guard: bool = True
     # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also
     # Triton fused add+LayerNorm and generated elementwise kernels; 4-5: also Triton GEMM,
@@ -67,9 +52,12 @@ class BuildConfig:
     # Tactic names (shell-style patterns, e.g. "triton_tma_*") never to time or choose: to take a misbehaving
     # tactic out of a build, or to measure what a family of tactics is worth (bench/ab_tactics.py).
     exclude_tactics: tuple[str, ...] = ()
-    # 8-bit GEMMs and convolutions timed with their weights out of L2, as an engine meets them (tactics/select.py);
+    # 8-bit GEMMs and convolutions timed with their weights out of L2, as an engine meets them (tactic_selection.py);
     # False times them warm, to compare the two (bench/ab_tactics.py --off time_quantized_cold).
     time_quantized_cold: bool = True
+    # A folder for the graph after each build pass (builder/pipeline.py), as NN-pass.onnx (or .txt): to see what
+    # each pass did. Not part of the engine.
+    dump_passes: str | None = None
 
     @property
     def quantized(self) -> str | None:
@@ -96,47 +84,6 @@ class BuildConfig:
             "precision_constraints": self.precision_constraints, "precision_guard": self.precision_guard,
             "exclude_tactics": list(self.exclude_tactics), "time_quantized_cold": self.time_quantized_cold,
         }
-
-
-def parse_dims(text: str, what: str) -> Shape:
-    text = text.strip()
-    if text == "":
-        return ()  # a scalar input
-    try:
-        dims = tuple(int(d) for d in text.lower().split("x"))
-    except ValueError:
-        raise ConfigError(f"{what}: '{text}' is not a shape; write dimensions joined by 'x', "
-                          "e.g. 1x3x224x224.") from None
-    if any(d < 0 for d in dims):
-        raise ConfigError(f"{what}: '{text}' has a negative dimension.")
-    return dims
-
-
-def parse_shapes(text: str, flag: str) -> dict[str, Shape]:
-    """'x:1x3x224x224,mask:1x128' -> {'x': (1, 3, 224, 224), 'mask': (1, 128)}."""
-    out: dict[str, Shape] = {}
-    if not text:
-        return out
-    for item in re.split(r",(?=[^,]*:)", text):
-        if ":" not in item:
-            raise ConfigError(f"{flag}: '{item}' should be NAME:DIMS, e.g. input:1x3x224x224.")
-        name, dims = item.rsplit(":", 1)
-        name = name.strip().strip("'\"")
-        out[name] = parse_dims(dims, f"{flag} for input '{name}'")
-    return out
-
-
-def profile_from_flags(min_s: str, opt_s: str, max_s: str,
-                       flags: tuple[str, str, str] = ("--minShapes", "--optShapes", "--maxShapes")) -> Profile:
-    """The profile the three shape flags give; `flags` names them in errors (--shapes when it stands for all three)."""
-    mins, opts, maxs = (parse_shapes(min_s, flags[0]), parse_shapes(opt_s, flags[1]), parse_shapes(max_s, flags[2]))
-    names = list(dict.fromkeys([*mins, *opts, *maxs]))
-    shapes = {}
-    for n in names:
-        given = [s for s in (mins.get(n), opts.get(n), maxs.get(n)) if s is not None]
-        lo, mid, hi = mins.get(n, given[0]), opts.get(n), maxs.get(n, given[-1])
-        shapes[n] = (lo, mid if mid is not None else hi, hi)
-    return Profile(shapes)
 
 
 def parse_layer_precisions(text: str) -> dict[str, str]:
