@@ -71,7 +71,7 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
 
 
 # Triton and Gluon candidates compile on their first call; a cold 8-bit build spends most of its time there
-# (ResNet-18 INT8 on the H200: ~8 s per distinct convolution for ~45 candidates). KILN_PARALLEL_COMPILE=N makes
+# (docs/performance.md). KILN_PARALLEL_COMPILE=N makes
 # their first calls in N threads before the layer is timed (Triton's compiler can release the GIL in its passes
 # and in ptxas), so the timing loop finds every kernel compiled. Off until measured on the GPU.
 COMPILE_THREADS = 0
