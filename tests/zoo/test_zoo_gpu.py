@@ -1,31 +1,19 @@
 """The whole model zoo at FP16 on the GPU against the FP32 reference, at the tiny sizes: one test per model.
 Run with the GPU suite whenever kernels or tactics change (a tactic that breaks a model shows up here)."""
 
-import importlib.util
-
 import pytest
 
 from bench import zoo
 from bench.zoo_models import ZOO
 
-from .test_zoo_cpu import KNOWN_FAILURES
-
-BATCH = 2
+from .test_zoo_cpu import KNOWN_FAILURES, prepared_tiny
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
 def test_zoo_model_matches_fp32_at_fp16_on_the_gpu(entry):
-    missing = [m for m in entry.needs if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (pip install -e '.[zoo]')")
     if entry.name in KNOWN_FAILURES:
         pytest.skip(KNOWN_FAILURES[entry.name])
-    try:
-        spec = entry.make("tiny", BATCH)
-    except FileNotFoundError as e:  # an installed release of the package that ships another file
-        pytest.skip(str(e))
-    batch = spec.fixed_batch or BATCH
-    prep = zoo.prepare(entry, "tiny", batch, spec if batch == BATCH else None)
+    prep, batch = prepared_tiny(entry)
     row = zoo.run_case(entry, prep, "fp16", batch, "cuda", timing=False, torch_compile=False)
     assert row.status == "ok", row  # within FP16's tolerance, or 1.5x eager PyTorch's own FP16 error

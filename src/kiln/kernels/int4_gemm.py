@@ -1,13 +1,7 @@
 """Dequantizing GEMM for INT4 weight-only layers: y = (x * in_scale) @ dequant(Wq) + b, FP32 accumulate.
 
-Weights are laid out [K, N] (x @ W) as kiln/ops/int4.py defines them:
-  packed [ceil(K/2), N] uint8: row r holds k = 2r in its low nibble and k = 2r+1 in its high nibble,
-      each an unsigned code u in 0..15;
-  scales [G, N] (G = ceil(K / group_size)): one scale per group of group_size consecutive k per column;
-  zeros [G, N] (optional, asymmetric): the code of 0.0 per group; without it the code of 0.0 is 8
-      (symmetric, q = u - 8 in -8..7);
-  in_scale [K] (optional): a per-input-channel multiplier of x (AWQ's 1/s).
-  dequant(Wq)[k, n] = (u[k, n] - zero[k // group_size, n]) * scales[k // group_size, n].
+Weights are laid out [K, N] (x @ W) as kiln/ops/int4.py's docstring defines them: packed nibble pairs of
+even and odd k, per-group scales and optional zeros, an optional per-input-channel in_scale.
 
 The kernel never materializes the FP weight: each K step loads BLOCK_KP packed rows, splits the
 nibbles into the even-k and odd-k halves of the tile and multiplies them with the even and odd
