@@ -286,11 +286,67 @@ def _torch_peer(prep: Prepared, precision: str, device):
     return module, args
 
 
+@contextmanager
+def gpu_turn():
+    """Hold the GPU alone while timing: with ZOO_GPU_LOCK set (parallel shards of one zoo run), the shards take
+    turns through that lock file for their builds (whose tactic timing needs the GPU alone) and timings, and
+    compile torch.compile's graphs (CPU work) outside it."""
+    path = os.environ.get("ZOO_GPU_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compiled_peer(prep: Prepared, precision: str, device: torch.device):
+    """torch.compile (reduce-overhead) of the torch module at the row's precision, compiled and warmed up, with
+    its arguments; or the reason it failed. A copy: the FP32 module stays the other references' source."""
+    import copy
+
+    dtype = _TORCH_DTYPE.get(precision, torch.float32)
+    module = copy.deepcopy(prep.torch_module).to(device=device, dtype=dtype)
+    args = tuple(a.to(device=device, dtype=dtype) if a.is_floating_point() else a.to(device) for a in prep.torch_args)
+    torch._dynamo.reset()
+    try:
+        fast = torch.compile(module, mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(3):
+                fast(*args)
+        return fast, args, None
+    except Exception as e:
+        return None, args, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
 def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, timing: bool,
              torch_compile: bool, calls: int = 20, validate: bool = True) -> Row:
     """One row. validate=False skips the build's own validation runs (the comparison below runs the engine
     anyway; CI saves two runs a model) and with them the FP16/BF16 precision guard."""
     row = Row(entry.name, precision, batch, source=entry.source)
+    compiled = None
+    want_compile = timing and torch_compile and prep.torch_module is not None and torch.cuda.is_available() \
+        and device != "cpu"
+    if want_compile:  # before the GPU turn: compiling is CPU work another shard's timing need not wait for
+        compiled = _compiled_peer(prep, precision, torch.device("cuda"))
+    try:
+        with gpu_turn():
+            _build_check_time(row, prep, precision, device, timing, compiled, calls, validate)
+    finally:
+        if compiled is not None:
+            torch._dynamo.reset()
+        if prep.torch_module is not None:
+            prep.torch_module.to(device="cpu", dtype=torch.float32)
+    return row
+
+
+def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, timing: bool, compiled,
+                      calls: int, validate: bool) -> None:
     engine = build(prep, precision, device, validate=validate)
     row.build_s = round(engine.build_seconds, 2)
     row.findings = len(engine.findings)
@@ -316,7 +372,7 @@ def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, tim
     else:
         row.status = f"mismatch (tolerance {bound:.3g})"
     if not timing:
-        return row
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         row.kiln_ms = round(time_ms(lambda: ctx.run(feeds, copy_outputs=False), dev, calls), 4)
@@ -335,21 +391,14 @@ def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, tim
                 row.eager_ms = round(time_ms(lambda: module(*args), dev, calls), 4)
             except Exception as e:  # eager at this precision may not run (BF16 LSTM on the CPU, say)
                 row.status += f"; eager failed: {type(e).__name__}"
-            if torch_compile and dev.type == "cuda":
-                try:
-                    torch._dynamo.reset()
-                    fast = torch.compile(module, mode="reduce-overhead")
-                    for _ in range(3):
-                        fast(*args)
-                    row.compile_ms = round(time_ms(lambda: fast(*args), dev, calls), 4)
-                except Exception as e:
-                    row.status += f"; torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                finally:
-                    torch._dynamo.reset()
-        prep.torch_module.to(device="cpu", dtype=torch.float32)
+            if compiled is not None:
+                fast, cargs, failure = compiled
+                if failure:
+                    row.status += f"; {failure}"
+                else:
+                    row.compile_ms = round(time_ms(lambda: fast(*cargs), dev, calls), 4)
     peer = row.compile_ms or row.eager_ms
     row.ratio = round(row.kiln_ms / peer, 3) if peer else None
-    return row
 
 
 def _reason(e: BaseException) -> str:
