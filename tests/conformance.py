@@ -94,6 +94,35 @@ def _load_inputs(case, data):
     return [onnx.numpy_helper.to_array(t) if isinstance(t, onnx.TensorProto) else t for t in data]
 
 
+def _compare(got, want, case, random: bool) -> str | None:
+    """None when one output matches, else why not (a sequence output: element by element); raises
+    AssertionError for values outside the case's tolerance."""
+    if isinstance(want, list):
+        if not isinstance(got, list):
+            return f"a {type(got).__name__}, expected a sequence of {len(want)} tensor(s)"
+        if len(got) != len(want):
+            return f"a sequence of {len(got)} tensor(s), expected {len(want)}"
+        return next((why for g, w in zip(got, want) if (why := _compare(g, w, case, random))), None)
+    want = np.asarray(want)
+    got = np.asarray(got)
+    if want.dtype == object or want.dtype.kind in "US":
+        return "string output"
+    if got.shape != want.shape:
+        return f"shape {got.shape}, expected {want.shape}"
+    if random:
+        return None
+    if want.dtype.kind == "f" or got.dtype.kind == "f" or want.dtype.name == "bfloat16":
+        # One bfloat16 step near 1 is 2^-8: ONNX's rtol of 1e-3 would demand sub-step agreement.
+        # Allow four steps: chains of bf16-rounded ops (expanded attention) differ from
+        # numpy's sequential rounding by a few steps.
+        rtol = max(case.rtol, 2.0**-6) if want.dtype.name == "bfloat16" else case.rtol
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=rtol, atol=case.atol, equal_nan=True)
+    else:
+        np.testing.assert_array_equal(got, want)
+    return None
+
+
 def run_case(case, device: str = "CPU") -> str | None:
     """None when the case passes, else a short reason."""
     try:
@@ -107,23 +136,9 @@ def run_case(case, device: str = "CPU") -> str | None:
             if len(outs) < len(expected):
                 return f"{len(outs)} outputs, expected {len(expected)}"
             for got, want in zip(outs, expected):
-                want = np.asarray(want)
-                got = np.asarray(got)
-                if want.dtype == object or want.dtype.kind in "US":
-                    return "string output"
-                if got.shape != want.shape:
-                    return f"shape {got.shape}, expected {want.shape}"
-                if random:
-                    continue
-                if want.dtype.kind == "f" or got.dtype.kind == "f" or want.dtype.name == "bfloat16":
-                    # One bfloat16 step near 1 is 2^-8: ONNX's rtol of 1e-3 would demand sub-step agreement.
-                    # Allow four steps: chains of bf16-rounded ops (expanded attention) differ from
-                    # numpy's sequential rounding by a few steps.
-                    rtol = max(case.rtol, 2.0**-6) if want.dtype.name == "bfloat16" else case.rtol
-                    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
-                                               rtol=rtol, atol=case.atol, equal_nan=True)
-                else:
-                    np.testing.assert_array_equal(got, want)
+                why = _compare(got, want, case, random)
+                if why:
+                    return why
         return None
     except AssertionError as e:
         return "mismatch: " + " ".join(str(e).split())[:200]

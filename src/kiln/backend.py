@@ -13,6 +13,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep
 
 from .errors import InputError
+from .frontend.sequence_inputs import bind_sequence_inputs, element_names, sequence_inputs
 from .ir import dtypes
 from .ir.from_onnx import model_to_graph
 from .ops import unsupported_reason
@@ -43,18 +44,29 @@ class KilnRep(BackendRep):
         from .builder.config import BuildConfig
 
         feeds = self._feeds(inputs)
+        # A sequence input (a list of arrays) is bound as one tensor input per element (frontend/sequence_inputs.py).
+        lengths = {k: len(feeds[k]) for k in sequence_inputs(self.model) if k in feeds}
+        for k in lengths:
+            feeds.update(zip(element_names(k, lengths[k]), feeds.pop(k)))
         key = tuple((k, np.shape(v)) for k, v in feeds.items())
         engine = self._engines.get(key)
         if engine is None:
             shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
             config = BuildConfig(shapes=shapes, device=self.device, progress=False, validate=False)
-            engine = build(self.model, config)
+            engine = build(bind_sequence_inputs(self.model, lengths) if lengths else self.model, config)
             self._engines[key] = engine
             while len(self._engines) > self.max_engines:
                 self._engines.popitem(last=False)
         self._engines.move_to_end(key)
         outputs = engine.create_execution_context().run(feeds)
-        return tuple(dtypes.to_numpy(t) if hasattr(t, "detach") else t for t in outputs.values())
+        return tuple(_numpy(t) for t in outputs.values())
+
+
+def _numpy(t):
+    """An output as numpy: a tensor as an array, a sequence as a list of arrays."""
+    if isinstance(t, list):
+        return [_numpy(x) for x in t]
+    return dtypes.to_numpy(t) if hasattr(t, "detach") else t
 
 
 class KilnBackend(Backend):
@@ -67,7 +79,7 @@ class KilnBackend(Backend):
             preflight(model, "the model")
         except KilnError:
             return False
-        graph = model_to_graph(model)
+        graph = model_to_graph(_bound_once(model))
         return all(unsupported_reason(n) is None for n in graph.walk())
 
     @classmethod
@@ -76,9 +88,9 @@ class KilnBackend(Backend):
         from .frontend.check import preflight
 
         preflight(model, "the model")  # a missing initializer or a cycle is a ModelError here, not a KeyError
-        graph = model_to_graph(model)
-        check_supported(graph)  # unsupported ops fail here, before any run
-        return KilnRep(model, device, [v.name for v in graph.inputs])
+        check_supported(model_to_graph(_bound_once(model)))  # unsupported ops fail here, before any run
+        inits = {t.name for t in model.graph.initializer}
+        return KilnRep(model, device, [v.name for v in model.graph.input if v.name not in inits])
 
     @classmethod
     def run_model(cls, model, inputs, device="CPU", **kwargs):
@@ -91,6 +103,12 @@ class KilnBackend(Backend):
         import torch
 
         return device.upper() == "CUDA" and torch.cuda.is_available()
+
+
+def _bound_once(model):
+    """The model with each sequence input bound as one tensor: its ops and types, for the checks before a run."""
+    seqs = sequence_inputs(model)
+    return bind_sequence_inputs(model, dict.fromkeys(seqs, 1)) if seqs else model
 
 
 prepare = KilnBackend.prepare

@@ -1,5 +1,6 @@
-"""Value types Kiln refuses (as TensorRT does): sequences, optionals and strings fail at import
-with an UnsupportedError naming the graph value, the node that uses it and the type."""
+"""Value types Kiln refuses (as TensorRT does): optionals, sequences of anything but tensors, and strings fail
+at import with an UnsupportedError naming the graph value, the node that uses it and the type. Sequences of
+tensors are built (ops/sequence.py); as model inputs they must be bound as tensors first."""
 
 import numpy as np
 import pytest
@@ -18,8 +19,8 @@ def _identity_model(value_type):
 
 
 @pytest.mark.parametrize("value_type, shown", [
-    (helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None)),
-     "sequence(tensor(float))"),
+    (helper.make_sequence_type_proto(helper.make_sequence_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, None))), "sequence(sequence(tensor(float)))"),
     (helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.INT64, [3])),
      "optional(tensor(int64))"),
 ])
@@ -28,9 +29,23 @@ def test_non_tensor_values_are_refused_naming_the_node(value_type, shown):
     with pytest.raises(UnsupportedError) as e:
         kiln.backend.prepare(model, "CPU")
     msg = str(e.value)
-    assert "'x'" in msg and "'pass_through' (Identity)" in msg and shown in msg and "dense tensors only" in msg
+    assert "'x'" in msg and "'pass_through' (Identity)" in msg and shown in msg and "dense tensors" in msg
     with pytest.raises(UnsupportedError):
         kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+
+
+def test_a_sequence_input_is_bound_as_tensors():
+    """kiln.build refuses a sequence input, naming it and the rewrite; kiln.backend binds one tensor per element."""
+    model = _identity_model(helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None)))
+    with pytest.raises(UnsupportedError, match=r"\['x'\] are sequences.*bind_sequence_inputs"):
+        kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+    xs = [np.arange(3, dtype=np.float32), np.ones((2, 2), np.float32)]
+    (ys,) = kiln.backend.prepare(model, "CPU").run([xs])
+    assert isinstance(ys, list) and len(ys) == 2
+    for y, x in zip(ys, xs):
+        np.testing.assert_array_equal(y, x)
+    bound = kiln.frontend.bind_sequence_inputs(model, {"x": 2})
+    assert [v.name for v in bound.graph.input] == ["x__0", "x__1"] and bound.graph.node[0].op_type == "SequenceConstruct"
 
 
 def test_string_tensors_are_refused_naming_the_node():

@@ -11,10 +11,7 @@ from kiln.errors import KilnError
 from bench.zoo_models import ZOO
 
 # What Kiln does not build yet, with the reason: the test expects the failure and says so.
-KNOWN_FAILURES = {
-    "embedding_bag_recommender": "nn.EmbeddingBag exports through ONNX sequence ops (SequenceEmpty, "
-                                 "SequenceInsert, ConcatFromSequence), which Kiln does not implement",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 BATCH = 2
 
 

@@ -199,10 +199,11 @@ class ExecutionContext:
         inputs, as_numpy = self._normalize(feeds)
         outs = self._replay(inputs) if self.uses_cuda_graphs else self._eager(inputs)
         if copy_outputs or as_numpy:
-            outs = [t.clone() for t in outs]
+            outs = [[x.clone() for x in t] if isinstance(t, list) else t.clone() for t in outs]
         result = dict(zip(self._output_names, outs))
-        if as_numpy:
-            return {k: dtypes.to_numpy(t) for k, t in result.items()}
+        if as_numpy:  # a sequence output (ops/sequence.py) comes back as a list of arrays
+            return {k: [dtypes.to_numpy(x) for x in t] if isinstance(t, list) else dtypes.to_numpy(t)
+                    for k, t in result.items()}
         return result
 
     __call__ = run
@@ -328,6 +329,9 @@ class ExecutionContext:
         outs = []
         for v in self.engine.outputs:
             t = env[v.name]
+            if isinstance(t, list):  # a sequence output: a list of tensors on the device
+                outs.append([x.to(self.device) for x in t])
+                continue
             if t.device != self.device:  # a host value as an output: uploaded once (by the warm-up, not in a capture)
                 if v.name not in uploads:
                     uploads[v.name] = t.to(self.device)

@@ -62,11 +62,14 @@ def _type_name(t: onnx.TypeProto) -> str:
 def _value(vi: onnx.ValueInfoProto, g: onnx.GraphProto) -> Value:
     tt = vi.type.tensor_type
     kind = vi.type.WhichOneof("value")
-    if kind not in (None, "tensor_type"):  # sequence, optional, map, sparse tensor
+    sequence = kind == "sequence_type" and vi.type.sequence_type.elem_type.WhichOneof("value") == "tensor_type"
+    if sequence:  # a sequence of tensors (ops/sequence.py): typed by its elements
+        tt, kind = vi.type.sequence_type.elem_type.tensor_type, "tensor_type"
+    if kind not in (None, "tensor_type"):  # optional, map, sparse tensor, a sequence of those
         raise UnsupportedError(
             f"graph value '{vi.name}'{_nodes_using(vi.name, g)} has type {_type_name(vi.type)}; "
-            "Kiln builds dense tensors only, as TensorRT does.")
-    if not vi.type.HasField("tensor_type"):
+            "Kiln builds dense tensors and sequences of them only.")
+    if kind is None:
         return Value(vi.name, None, None)
     try:
         dtype = dtypes.onnx_to_torch(tt.elem_type) if tt.elem_type else None
@@ -79,7 +82,7 @@ def _value(vi: onnx.ValueInfoProto, g: onnx.GraphProto) -> Value:
         shape = tuple(
             d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
         )
-    return Value(vi.name, dtype, shape)
+    return Value(vi.name, dtype, shape, sequence=sequence)
 
 
 def _attr(a: onnx.AttributeProto, node_label: str, opsets: dict[str, int]):
@@ -139,4 +142,10 @@ def model_to_graph(model: onnx.ModelProto) -> Graph:
     model = dtypes.pin_narrow_types(model)  # int4/float4 values live in wider torch types: keep the ONNX type
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     opsets.setdefault("", 1)
-    return graph_from_onnx(model.graph, opsets)
+    graph = graph_from_onnx(model.graph, opsets)
+    bound = [v.name for v in graph.inputs if v.sequence]
+    if bound:  # an engine's bindings are tensors, as TensorRT's are; sequences live inside the graph
+        raise UnsupportedError(
+            f"model input(s) {bound} are sequences of tensors; an engine binds tensors only. Give each element "
+            "its own tensor input (kiln.frontend.bind_sequence_inputs rewrites the model so).")
+    return graph

@@ -23,6 +23,9 @@ class Value:
     name: str
     dtype: torch.dtype | None
     shape: tuple[Dim, ...] | None
+    # An ONNX sequence(tensor(T)) value: dtype and shape are its elements' (shape None unless all share one).
+    # At run time it is a Python list of tensors (src/kiln/ops/sequence.py).
+    sequence: bool = False
 
     @property
     def is_dynamic(self) -> bool:

@@ -20,7 +20,8 @@ def _dims(shape) -> str:
 
 
 def _value(v: Value) -> str:
-    return f"{v.name}: {str(v.dtype).removeprefix('torch.') if v.dtype is not None else '?'}{_dims(v.shape)}"
+    text = f"{str(v.dtype).removeprefix('torch.') if v.dtype is not None else '?'}{_dims(v.shape)}"
+    return f"{v.name}: sequence({text})" if v.sequence else f"{v.name}: {text}"
 
 
 def _attr(v) -> str:

@@ -39,6 +39,8 @@ def _attr(key: str, v):
 
 def _value(v: Value) -> onnx.ValueInfoProto:
     elem = dtypes.torch_to_onnx(v.dtype) if v.dtype is not None else onnx.TensorProto.UNDEFINED
+    if v.sequence:
+        return helper.make_tensor_sequence_value_info(v.name, elem, list(v.shape) if v.shape is not None else None)
     return helper.make_tensor_value_info(v.name, elem, list(v.shape) if v.shape is not None else None)
 
 

@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     random,
     reduce,
     rnn,
+    sequence,
     shape,
 )
 from .registry import (

@@ -88,7 +88,7 @@ def transpose(node, x):
 
 @register("Identity")
 def identity(node, x):
-    return x
+    return (x,)  # a 1-tuple: x may be a sequence (a list), which must not read as several outputs
 
 
 # Random only in training mode (opset 12's input); inference models lose Dropout in remove_noops.
