@@ -52,9 +52,10 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int]) -> di
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
+    params = {n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, output_kind="final_only")
+              for n in set(output_lens)}
     for i, (p, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                           arrival_time=t0)
+        engine.add_request(f"bench-{i}", p, params[n], arrival_time=t0)
     finished, steps, decode_steps, decode_time = [], 0, 0, 0.0
     while engine.has_unfinished_requests():
         s0 = time.perf_counter()

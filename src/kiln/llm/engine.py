@@ -9,6 +9,7 @@ on rank 0. `LLM` wraps it for offline use
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 import weakref
@@ -25,7 +26,7 @@ from kiln.llm.parallel import Shard, check_tensor_parallel, shard_quantized
 from kiln.llm.runner import ModelRunner, kv_cache_torch_dtype
 from kiln.llm.sampling import SamplingParams
 from kiln.llm.scheduler import Scheduler
-from kiln.llm.sequence import Sequence
+from kiln.llm.sequence import Sequence, SequenceStatus
 from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
 from kiln.llm.tp_workers import Workers, init_group, rank_devices
 
@@ -71,6 +72,10 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def final_only(self) -> bool:
+        return self.params.output_kind == "final_only"
 
 
 def load_model(path, progress: bool = False) -> tuple[dict, dict, Tokenizer, dict]:
@@ -223,6 +228,10 @@ class LLMEngine:
             self.shutdown()
             raise
         self.requests: dict[str, _Request] = {}
+        # Queue step N+1 on the device before step N's text and outputs are made (see step()); False runs the
+        # steps one after the other.
+        self.overlap_steps = True
+        self._inflight = None  # (ScheduledStep, runner.LaunchedStep) queued and not yet collected
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -339,41 +348,81 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        if not step.seqs:
-            return []
+        """Runs one scheduler step and returns the outputs of the requests that produced a token (or finished).
+
+        With overlap_steps (the default), the next step is scheduled and queued on the device as soon as this
+        step's tokens are appended and its stop rules applied, before this step's text is detokenized and its
+        outputs are built, so that host work runs while the GPU computes. Sequences that finished or were
+        aborted before their step completed are dropped from it."""
+        if self._inflight is None:
+            self._inflight = self._launch(self.scheduler.schedule())
+            if self._inflight is None:
+                return []
+        (step, launched), self._inflight = self._inflight, None
         try:
-            seqs, tokens, logprobs = self.runner.execute(step)
+            seqs, tokens, logprobs = self.runner.collect(launched)
         except Exception:
-            self._fail_all()
-            if self.workers is not None:  # the ranks are out of step now: raise a worker's error, stop them all
-                try:
-                    self.workers.raise_failure()
-                finally:
-                    self.shutdown()
+            self._step_failed()
             raise
+        bm = self.block_manager
+        bs, hashing = bm.block_size, bm.enable_prefix_caching
         for seq, n in zip(step.seqs, step.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.mark_computed(seq)
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.num_computed_tokens += n
+                if hashing and seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # a block became full
+                    bm.mark_computed(seq)
         now = time.perf_counter()
-        touched = {}
+        requests, touched, text_later = self.requests, {}, []
         for seq, tok, lp in zip(seqs, tokens, logprobs):
-            self._append_token(seq, tok, lp, now)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            if seq.status is SequenceStatus.FINISHED:  # aborted while its step ran
+                continue
+            self._append_token(seq, tok, lp, now, text_later)
+            touched[seq.request_id] = requests[seq.request_id]
+        if self.overlap_steps:
+            self._inflight = self._launch(self.scheduler.schedule())
+        for seq, tok, flush in text_later:
+            if tok is not None:
+                seq.detokenizer.add(tok)
+            if flush:
+                seq.detokenizer.flush()
         outputs = []
         for req in touched.values():
+            if req.final_only and not all(s.is_finished for s in req.seqs):
+                continue
             out = self._output(req)
             if out.finished:
-                del self.requests[req.request_id]
+                del requests[req.request_id]
             outputs.append(out)
         return outputs
+
+    def _launch(self, step):
+        """(step, runner.LaunchedStep) of a scheduled step queued on the device; None for an empty step."""
+        if not step.seqs:
+            return None
+        try:
+            return step, self.runner.launch(step)
+        except Exception:
+            self._step_failed()
+            raise
+
+    def _step_failed(self) -> None:
+        self._inflight = None
+        self._fail_all()
+        if self.workers is not None:  # the ranks are out of step now: raise a worker's error, stop them all
+            try:
+                self.workers.raise_failure()
+            finally:
+                self.shutdown()
 
     def _fail_all(self) -> None:
         """A step raised: return every block so nothing leaks, and drop the requests."""
         for rid in list(self.requests):
             self.abort_request(rid)
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float, text_later: list) -> None:
+        """Appends a sampled token and applies the stop rules. The text is made at once only where a stop string
+        needs it; otherwise (seq, token or None, flush) goes to text_later, for the detokenizer after the next
+        step is launched."""
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
@@ -382,42 +431,58 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         p = seq.params
-        before = len(seq.detokenizer.text)
-        stop_ids = p.stop_token_ids or ()
+        n_out = len(seq.token_ids) - seq.prompt_len
         is_eos = token in seq.eos_token_ids and not p.ignore_eos
-        special_stop = (is_eos or token in stop_ids) and seq.num_output_tokens >= p.min_tokens
-        if not (special_stop and p.skip_special_tokens and self.tokenizer.is_special(token)):
-            seq.detokenizer.add(token)
+        special_stop = (is_eos or (p.stop_token_ids is not None and token in p.stop_token_ids)) \
+            and n_out >= p.min_tokens
+        shown = None if special_stop and p.skip_special_tokens and self.tokenizer.is_special(token) else token
         if special_stop:
-            return self._finish(seq, "stop", token, now)
-        if p.stop and seq.num_output_tokens >= p.min_tokens:
-            text = seq.detokenizer.text
+            self._finish(seq, "stop", token, now)
+            text_later.append((seq, shown, True))
+            return
+        if p.stop and n_out >= p.min_tokens:
+            detok = seq.detokenizer
+            before = len(detok.text)
+            detok.add(token)
+            text = detok.text
             # Only the new text (plus the longest stop string's reach back) can hold a fresh match.
             start = max(0, before - max(len(s) for s in p.stop) + 1)
             hits = [(text.find(s, start), s) for s in p.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                seq.detokenizer.text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
-                return self._finish(seq, "stop", s, now)
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                detok.text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
+                self._finish(seq, "stop", s, now)  # the text is cut where it matched: no flush
+            elif n_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self._finish(seq, "length", None, now)
+                detok.flush()
+            return
+        if n_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None, now)
+            text_later.append((seq, token, True))
+        else:
+            text_later.append((seq, token, False))
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
-        if not isinstance(stop_reason, str):  # a stop string already cut the text where it matched
-            seq.detokenizer.flush()
         seq.finish_time = now
         self.scheduler.finish(seq, reason, stop_reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.output_text, s.output_token_ids, s.finish_reason, s.stop_reason,
+        seqs = req.seqs
+        outs = [CompletionOutput(s.index, s.detokenizer.text if s.detokenizer is not None else "",
+                                 s.token_ids[s.prompt_len:], s.finish_reason, s.stop_reason,
                                  list(s.logprobs) if s.logprobs is not None else None,
-                                 s.cumulative_logprob if s.logprobs is not None else None) for s in req.seqs]
-        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        done = all(s.is_finished for s in req.seqs)
-        metrics = RequestMetrics(req.seqs[0].arrival_time, min(first) if first else None,
-                                 max(s.finish_time or 0 for s in req.seqs) if done else None,
-                                 sum(s.num_preemptions for s in req.seqs))
+                                 s.cumulative_logprob if s.logprobs is not None else None) for s in seqs]
+        first_seq = seqs[0]
+        if len(seqs) == 1:
+            done = first_seq.status == SequenceStatus.FINISHED
+            first, finish = first_seq.first_token_time, first_seq.finish_time if done else None
+        else:
+            times = [s.first_token_time for s in seqs if s.first_token_time is not None]
+            done = all(s.is_finished for s in seqs)
+            first = min(times) if times else None
+            finish = max(s.finish_time or 0 for s in seqs) if done else None
+        metrics = RequestMetrics(first_seq.arrival_time, first, finish, sum(s.num_preemptions for s in seqs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, done, metrics)
 
     def stats(self) -> dict:
@@ -465,10 +530,15 @@ class LLM:
             raise InputError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts.")
         eng = self.llm_engine
         ids = []
+        # generate returns finished outputs only, so none is built per step; the key keeps its params alive.
+        final: dict[int, tuple[SamplingParams, SamplingParams]] = {}
         try:
             for prompt, p in zip(prompts, params_list):
                 ids.append(self._new_id())
-                eng.add_request(ids[-1], prompt, p)
+                p = p or SamplingParams()
+                if id(p) not in final:
+                    final[id(p)] = (p, dataclasses.replace(p, output_kind="final_only"))
+                eng.add_request(ids[-1], prompt, final[id(p)][1])
             done: dict[str, RequestOutput] = {}
             start, generated = time.perf_counter(), 0
             with terminal_progress("generate", len(ids), "requests", enabled=use_tqdm) as bar:

@@ -129,7 +129,7 @@ class BlockManager:
                 self.free[block_id] = None
                 if block.hash is None:  # nothing reusable: hand it out before any cached block
                     self.free.move_to_end(block_id, last=False)
-        seq.block_table.clear()
+        seq.block_table = []  # a new list: the runner tells a sequence's tables apart by the list object
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
 

@@ -4,6 +4,10 @@ On CUDA, decode-only steps replay CUDA graphs captured at bucketed batch sizes (
 over static buffers; a batch is padded up to its bucket with rows that write nowhere (slot -1). Steps with
 prefill, batches above the largest bucket, and any capture that fails run eagerly.
 
+A step is split in two so the engine can overlap host work with the GPU: `launch` prepares the inputs, queues
+the forward and, for greedy batches, the argmax and the copy of the token ids to pinned host memory, without
+waiting; `collect` waits for those ids (the one sync of a step) or runs the sampler. `execute` is both.
+
 Under tensor parallelism every rank holds a runner over its model shard and its KV heads; rank 0 prepares each
 step (`prepare`), hands it to `on_step` (which sends it to the other ranks), and every rank runs it
 (`run_inputs`): the same bucket, the same collectives, in the same order.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.errors import ConfigError
@@ -50,10 +55,22 @@ class StepInputs:
     slots: list[int]
     starts: list[int]  # query_start_loc
     seq_lens: list[int]
-    tables: list[list[int]]  # block tables, padded to one width
+    # Block tables: each sequence's own list (unpadded, not copied) on one rank; padded to one width where the
+    # step is sent to other ranks (tp_workers.encode_step) and in what they receive.
+    tables: list[list[int]]
     sample_rows: list[int]  # rows whose logits are needed
     max_query_len: int
     decode_only: bool
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: what `collect` needs to return its tokens."""
+
+    samplers: list  # the sequences that sample this step
+    logits: torch.Tensor | None  # their logits, when the sampler runs at collect
+    token_ids: torch.Tensor | None  # greedy batches: the argmax, on the host once `ready` has passed
+    ready: object = None  # a CUDA event recorded after the copy of token_ids (None: already there)
 
 
 class ModelRunner:
@@ -83,6 +100,10 @@ class ModelRunner:
                                           torch.zeros(shape, dtype=kv_dtype, device=self.device), ks, vs,
                                           ko.contiguous() if ko is not None else None))
         self.sampler = Sampler()
+        # Greedy steps' token ids arrive here by an asynchronous copy (on CUDA; the CPU's argmax is already there).
+        cuda = self.device.type == "cuda"
+        self._tokens_host = torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True) if cuda else None
+        self._tokens_ready = torch.cuda.Event() if cuda else None
         self.on_step = None  # rank 0 under tensor parallelism: sends each step's inputs to the other ranks
         self.graphs: dict = {}  # bucket batch size -> callable running a decode step from the static buffers
         self.graph_error: str | None = None
@@ -122,25 +143,52 @@ class ModelRunner:
             row += n
             starts.append(row)
             seq_lens.append(end)
-            if end == seq.num_tokens:  # this step reaches its end: it samples
+            if end == len(seq.token_ids):  # this step reaches its end: it samples
                 sample_rows.append(row - 1)
-        width = max(len(s.block_table) for s in step.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in step.seqs]
+        tables = [s.block_table for s in step.seqs]
+        if self.on_step is not None:  # sent to other ranks as one padded array
+            width = max(len(t) for t in tables)
+            tables = [t + [0] * (width - len(t)) for t in tables]
         return StepInputs(ids, positions, slots, starts, seq_lens, tables, sample_rows, max(step.num_new_tokens),
                           step.is_decode_only)
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list, list[int], list]:
         """Runs one step; returns (sequences that sampled, their tokens, their logprobs)."""
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: ScheduledStep) -> LaunchedStep:
+        """Queues one step on the device and returns without waiting for it. One step at a time: collect it
+        before launching the next (greedy batches share one pinned buffer for their token ids)."""
         inputs = self.prepare(step)
         if self.on_step is not None:
             self.on_step(inputs)
         logits = self.run_inputs(inputs)
         samplers = [s for s, n in zip(step.seqs, step.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
         if not samplers:
-            return [], [], []
-        tokens, logprobs = self.sampler(logits, samplers)
-        return samplers, tokens, logprobs
+            return LaunchedStep([], None, None)
+        if not self.sampler.plain_greedy(samplers):
+            return LaunchedStep(samplers, logits, None)
+        tokens = logits.argmax(dim=-1)
+        if self._tokens_host is None:
+            return LaunchedStep(samplers, None, tokens)
+        host = self._tokens_host[:len(samplers)]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens_ready.record()
+        return LaunchedStep(samplers, None, host, self._tokens_ready)
+
+    @torch.inference_mode()
+    def collect(self, launched: LaunchedStep) -> tuple[list, list[int], list]:
+        """Waits for a launched step; returns (sequences that sampled, their tokens, their logprobs)."""
+        if launched.token_ids is None:
+            if not launched.samplers:
+                return [], [], []
+            tokens, logprobs = self.sampler(launched.logits, launched.samplers)
+            return launched.samplers, tokens, logprobs
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.samplers, launched.token_ids.tolist(), [None] * len(launched.samplers)
 
     @torch.inference_mode()
     def run_inputs(self, x: StepInputs) -> torch.Tensor | None:
@@ -158,7 +206,7 @@ class ModelRunner:
             return torch.tensor(v, dtype=dtype).to(dev, non_blocking=True)
 
         md = AttentionMetadata(slot_mapping=t(x.slots, torch.int64), query_start_loc=t(x.starts, torch.int32),
-                               seq_lens=t(x.seq_lens, torch.int32), block_tables=t(x.tables, torch.int32),
+                               seq_lens=t(x.seq_lens, torch.int32), block_tables=padded_tables(x.tables).to(dev),
                                max_query_len=x.max_query_len, max_seq_len=max(x.seq_lens))
         hidden = self.model.forward(t(x.ids, torch.int64), t(x.positions, torch.int64), md, self.caches)
         if not x.sample_rows:
@@ -190,7 +238,10 @@ class ModelRunner:
         self.h_i32 = torch.zeros(self.g_i32.shape, dtype=torch.int32, pin_memory=pin).copy_(self.g_i32)
         self._h64, self._h32 = self.h_i64.numpy(), self.h_i32.numpy()
         self._h_lens, self._h_tables = self._h32[:n], self._h32[n:].reshape(n, w)
-        self._sent_tables: list[list[int]] = []  # the rows the host mirror holds now
+        # What each row of the host mirror's block tables holds: (the sequence's block-table list, entries
+        # written). A sequence's list only grows until its blocks are freed, when it gets a new list, so the
+        # list object and a count say which entries of a row are current.
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * n
         self._copies_done = torch.cuda.Event() if pin else None
 
     def static_decode_step(self, b: int):
@@ -253,16 +304,31 @@ class ModelRunner:
         h[2, n:b] = -1  # padding rows write nowhere
         self._h_lens[:n] = seq_lens
         self._h_lens[n:b] = 1
-        sent = self._sent_tables
-        for i, t in enumerate(tables):  # only rows that changed (a sequence's new block, another sequence)
-            if i >= len(sent) or sent[i] != t:
-                self._h_tables[i, :len(t)] = t
-        self._sent_tables = tables
+        rows, h_tables = self._rows, self._h_tables
+        # Rank 0 alone reads the sequences' own lists; padded copies (sent or received) are new lists each step,
+        # told apart by their contents.
+        own = self.on_step is None and self.model.shard.rank == 0
+        for i, t in enumerate(tables):  # only entries that changed: a sequence's new block, another sequence
+            held, written = rows[i]
+            if held is t:
+                if written < len(t):
+                    h_tables[i, written:len(t)] = t[written:]
+            elif own or held != t:
+                h_tables[i, :len(t)] = t
+            rows[i] = (t, len(t))
         self.g_i64.copy_(self.h_i64, non_blocking=True)
         self.g_i32.copy_(self.h_i32, non_blocking=True)
         if self._copies_done is not None:
             self._copies_done.record()
         return self.graphs[b]()
+
+
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables [num_seqs, widest] int32, rows padded with 0 (entries past a sequence's length are never read)."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return torch.from_numpy(out)
 
 
 class _Replay:

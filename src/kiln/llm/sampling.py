@@ -16,6 +16,9 @@ import torch
 from kiln.errors import InputError
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -35,6 +38,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # "cumulative": a RequestOutput (all text and tokens so far) each step the request produces a token;
+    # "final_only": one, when it finishes (what offline generate needs: no per-step output is built).
+    output_kind: str = "cumulative"
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -82,6 +88,8 @@ class SamplingParams:
             bad("logprobs", "must be an integer >= 0")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {list(OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:
@@ -130,13 +138,31 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits.masked_fill(mask, float("-inf"))
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (p.temperature == 0 and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.min_tokens)
+
+
 class Sampler:
+    @staticmethod
+    def plain_greedy(seqs) -> bool:
+        """True when every sequence's token is the argmax of its raw logits (no penalty, logprobs or min_tokens):
+        the common serving case, one kernel on the device."""
+        cache: dict[int, bool] = {}  # requests share one SamplingParams object: test each once
+        for s in seqs:
+            key = id(s.params)
+            ok = cache.get(key)
+            if ok is None:
+                ok = cache[key] = _plain_greedy(s.params)
+            if not ok:
+                return False
+        return True
+
     def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
         """logits [S, vocab] FP32 of the sequences that sample; returns their next tokens and top logprobs."""
         params = [s.params for s in seqs]
-        if all(p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-               and not p.frequency_penalty and not p.min_tokens for p in params):
-            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)  # the common serving case: one kernel
+        if self.plain_greedy(seqs):
+            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = None
         if any(n is not None for n in want_logprobs):

@@ -99,10 +99,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Mark seq finished and return its blocks (finished, stopped or aborted alike)."""
+        was = seq.status
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq in self.running:
+        if was == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        if seq in self.waiting:
+        elif was == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free_sequence(seq)

@@ -30,6 +30,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
+        # Only grows (kv_cache.BlockManager appends) until the blocks are freed, which gives it a new list.
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # prefix-cache bookkeeping (kv_cache.BlockManager)
         self.last_block_hash = None
