@@ -325,7 +325,7 @@ def _compiled_peer(prep: Prepared, precision: str, device: torch.device):
 
 
 def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, timing: bool,
-             torch_compile: bool, calls: int = 20, validate: bool = True) -> Row:
+             torch_compile: bool, calls: int = 20, validate: bool = True, profile_top: int = 0) -> Row:
     """One row. validate=False skips the build's own validation runs (the comparison below runs the engine
     anyway; CI saves two runs a model) and with them the FP16/BF16 precision guard."""
     row = Row(entry.name, precision, batch, source=entry.source)
@@ -336,7 +336,7 @@ def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, tim
         compiled = _compiled_peer(prep, precision, torch.device("cuda"))
     try:
         with gpu_turn():
-            _build_check_time(row, prep, precision, device, timing, compiled, calls, validate)
+            _build_check_time(row, prep, precision, device, timing, compiled, calls, validate, profile_top)
     finally:
         if compiled is not None:
             torch._dynamo.reset()
@@ -346,7 +346,7 @@ def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, tim
 
 
 def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, timing: bool, compiled,
-                      calls: int, validate: bool) -> None:
+                      calls: int, validate: bool, profile_top: int = 0) -> None:
     engine = build(prep, precision, device, validate=validate)
     row.build_s = round(engine.build_seconds, 2)
     row.findings = len(engine.findings)
@@ -376,6 +376,8 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         row.kiln_ms = round(time_ms(lambda: ctx.run(feeds, copy_outputs=False), dev, calls), 4)
+    if profile_top:
+        print_layer_profile(row, engine, feeds, profile_top)
     del ctx, engine
     if prep.torch_module is None:  # a real ONNX file: onnxruntime's CPU time stands in for eager
         import onnxruntime as ort
@@ -401,6 +403,20 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
     row.ratio = round(row.kiln_ms / peer, 3) if peer else None
 
 
+def print_layer_profile(row: Row, engine, feeds: dict, top: int) -> None:
+    """The `top` slowest layers of the engine run layer by layer (kiln bench --dumpProfile's table), and how
+    much of the layer-by-layer total they hold: where a slow row's time goes."""
+    from kiln.tools.bench import layer_profile
+
+    layers = sorted(layer_profile(engine, feeds, iterations=5), key=lambda x: -x.mean_ms)
+    total = sum(x.mean_ms for x in layers)
+    print(f"-- {row.model} {row.precision} b{row.batch}: {len(layers)} layers, {total:.3f} ms layer by layer "
+          f"(graph replay {row.kiln_ms} ms)", flush=True)
+    for x in layers[:top]:
+        print(f"   {x.mean_ms:8.4f} ms {x.share:5.1f}%  {x.op_type:<22} {x.precision:<5} {x.tactic or '-':<34} "
+              f"{x.name[:70]}", flush=True)
+
+
 def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = text[0] if text else ""
@@ -408,10 +424,11 @@ def _reason(e: BaseException) -> str:
 
 
 def run(entries, precisions, batches, device: str, size: str, timing: bool, torch_compile: bool,
-        case_timeout: float, time_limit_s: float, log=print, on_row=None) -> list[Row]:
+        case_timeout: float, time_limit_s: float, log=print, on_row=None, profile_top: int = 0) -> list[Row]:
     """Every case of every entry; on_row(rows) after each row (main writes the files as it goes)."""
     rows = _Rows(on_row)
-    _cases(rows, entries, precisions, batches, device, size, timing, torch_compile, case_timeout, time_limit_s, log)
+    _cases(rows, entries, precisions, batches, device, size, timing, torch_compile, case_timeout, time_limit_s, log,
+           profile_top)
     return list(rows)
 
 
@@ -432,7 +449,7 @@ class _Rows(list):
 
 
 def _cases(rows, entries, precisions, batches, device, size, timing, torch_compile, case_timeout, time_limit_s,
-           log) -> None:
+           log, profile_top: int = 0) -> None:
     start = time.perf_counter()
     for entry in entries:
         missing = [m for m in entry.needs if __import__("importlib").util.find_spec(m) is None]
@@ -468,7 +485,8 @@ def _cases(rows, entries, precisions, batches, device, size, timing, torch_compi
                 t0 = time.perf_counter()
                 try:
                     with time_limit(case_timeout):
-                        row = run_case(entry, prep, precision, batch, device, timing, torch_compile)
+                        row = run_case(entry, prep, precision, batch, device, timing, torch_compile,
+                                       profile_top=profile_top)
                 except BaseException as e:  # noqa: BLE001
                     if isinstance(e, KeyboardInterrupt):
                         raise
@@ -529,6 +547,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch-compile", action="store_true")
     ap.add_argument("--case-timeout", type=float, default=300.0)
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds for the whole zoo (0: none)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print each timed case's N slowest layers (run layer by layer)")
     ap.add_argument("--shard", default="", help="I/N: every Nth model from the Ith (parallel runs)")
     a = ap.parse_args(argv)
     entries = zoo_models.by_name(a.models.split(",")) if a.models else list(zoo_models.ZOO)
@@ -566,7 +586,8 @@ def main(argv=None) -> int:
             write(rows)
 
         rows = run(entries, precisions, batches, device, a.size, not a.no_timing, not a.no_torch_compile,
-                   a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True), on_row=on_row)
+                   a.case_timeout, a.time_limit, log=lambda s: print(s, flush=True), on_row=on_row,
+                   profile_top=a.profile)
     print(write(rows))
     return 0
 
