@@ -115,27 +115,35 @@ def source(kernel, types, cx):
              if n not in cx and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "k_per_split"))}
     return ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
 
-def gemv(codes, out, cfg, block_m, even=True):
-    types = dict(x_ptr="*bf16", w_ptr=codes, s_ptr="*fp32", y_ptr=out)
-    cx = dict(CDT=tl.bfloat16, PREC="tf32", EVEN=even, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-    return source(fg._fp8_gemv_kernel, types, cx), cfg
+def gemv(codes, cfg, block_m, even=True, x="*bf16"):
+    elem = 2 if codes in ("*bf16", "*fp16") else 1
+    types = dict(x_ptr=x, w_ptr=codes, s_ptr="*fp32", y_ptr=x, part_ptr="*fp32", count_ptr="*i32")
+    cdt = {"*bf16": tl.bfloat16, "*fp16": tl.float16}[codes] if elem == 2 else tl.float16
+    cx = dict(X_SCALE=fg.X_SCALE_BF16 if (elem == 1 and x == "*bf16") else 1.0, CDT=cdt, PREC="tf32",
+              HAS_SCALE=elem == 1, EVEN=even, PDL=True, PREFETCH=cfg.prefetch if even else 0, ELEM=elem,
+              PF_CHUNKS=fg._prefetch_chunks(cfg, elem), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    return source(fg._gemv_kernel, types, cx), cfg
 
-cases = [("heuristic m16", *gemv("*fp8e4nv", "*bf16", fg.heuristic_config(4096, 4096), 16)),
-         ("widest tile m64", *gemv("*fp8e4nv", "*bf16", fg.GemvConfig(128, 128, 1, 4, 4), 64)),
-         ("split partials", *gemv("*fp8e4nv", "*fp32", fg.GemvConfig(64, 128, 4), 16)),
-         ("int8 ragged", *gemv("*i8", "*bf16", fg.GemvConfig(64, 128), 16, False))]
+cases = [("heuristic m16", *gemv("*fp8e4nv", fg.heuristic_config(4096, 4096), 16)),
+         ("widest tile m64", *gemv("*fp8e4nv", fg.GemvConfig(128, 128, 1, 4, 4), 64)),
+         ("split and L2 prefetch", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 4, 4, 4, 2), 16)),
+         ("bf16 weights", *gemv("*bf16", fg.GemvConfig(64, 128, 2, 4, 4, 2), 16)),
+         ("int8 ragged", *gemv("*i8", fg.GemvConfig(64, 128), 16, False))]
 for name, src, cfg in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
     print(name, "mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
-src = source(fg._int4_gemv_kernel, dict(x_ptr="*bf16", p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", xs_ptr="*fp32",
-                                        y_ptr="*bf16"), dict(CDT=tl.bfloat16, PREC="tf32", HAS_XS=True, BLOCK_M=16, BLOCK_N=64,
-                                                             GROUP=128))
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-print("int4 mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
-s = source(fg._sum_splits_kernel, dict(p_ptr="*fp32", y_ptr="*bf16"), dict(SPLIT_K=4, BLOCK=1024))
-triton.compile(s, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print("sum splits mma: 0")
+    if name.startswith("split"):
+        print("fp8 cvt to fp16:", ptx.count("cvt.rn.f16x2.e4m3x2"), "prefetch:", ptx.count("bulk.prefetch.L2"),
+              "griddep:", ptx.count("griddepcontrol"), "atom:", ptx.count("atom."))
+for x, magic in (("*bf16", 0x4300), ("*fp16", 0x6400)):
+    types = dict(x_ptr=x, p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", xs_ptr="*fp32", y_ptr=x, part_ptr="*fp32",
+                 count_ptr="*i32")
+    cx = dict(CDT=tl.bfloat16 if x == "*bf16" else tl.float16, PREC="tf32", HAS_XS=True, MAGIC=magic, PDL=True,
+              BLOCK_M=16, BLOCK_N=64, GROUP=128)
+    ptx = triton.compile(source(fg._int4_gemv_kernel, types, cx), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    print(f"int4 {x[1:]} mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
 from kiln.kernels import fp8_rows  # the activation quantizer that feeds _scaled_mm above GEMV_MAX_M rows
 s = source(fp8_rows._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(BLOCK=4096))
 ptx = triton.compile(s, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
@@ -154,10 +162,16 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    counts = dict(line.rsplit(" mma: ", 1) for line in run.stdout.splitlines())
-    assert len(counts) >= 5, run.stdout
-    assert all(int(v) > 0 for k, v in counts.items() if k not in ("sum splits", "quantize rows")), run.stdout
+    lines = run.stdout.splitlines()
+    counts = dict(line.rsplit(" mma: ", 1) for line in lines if " mma: " in line)
+    assert len(counts) == 8, run.stdout
+    assert all(int(v) > 0 for k, v in counts.items() if k != "quantize rows"), run.stdout
     assert counts["quantize rows"] == "0", run.stdout  # converted by the hardware's saturating FP8 cvt
+    # E4M3 codes go to FP16 by the hardware's pair conversion; the L2 prefetch (2 ahead of the loop, 1 in it),
+    # the PDL wait and trigger, and the split-K arrival count (atomic add, reset) are all in the code
+    info = next(ln for ln in lines if ln.startswith("fp8 cvt to fp16:")).split()
+    cvt, prefetch, griddep, atom = int(info[4]), int(info[6]), int(info[8]), int(info[10])
+    assert cvt > 0 and prefetch == 3 and griddep == 2 and atom == 2, run.stdout
 
 
 @pytest.mark.parametrize("m,n,k,split,xs", [(1, 64, 256, 1, True), (5, 80, 300, 2, False), (16, 32, 640, 3, True)])
@@ -190,13 +204,14 @@ def test_launches_pass_only_the_kernels_parameters(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 names = list(inspect.signature(self.kernel.fn).parameters)
-                given = set(names[:len(args)]) | {k for k in kwargs if k not in ("num_warps", "num_stages")}
+                given = set(names[:len(args)]) | {k for k in kwargs
+                                                   if k not in ("num_warps", "num_stages", "launch_pdl")}
                 assert given == set(names), (self.kernel.fn.__name__, sorted(given ^ set(names)))
                 seen.append(self.kernel.fn.__name__)
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    for name in ("_fp8_gemv_kernel", "_sum_splits_kernel", "_int4_gemv_kernel"):
+    for name in ("_gemv_kernel", "_int4_gemv_kernel"):
         monkeypatch.setattr(fg, name, Checked(getattr(fg, name)))
     x, codes, scale = operands(2, 64, 256, torch.float32)
     fg.fp8_gemv(x, codes, scale, fg.GemvConfig(32, 64, 2, 4, 2))
@@ -204,4 +219,4 @@ def test_launches_pass_only_the_kernels_parameters(monkeypatch):
 
     packed, s4, z4 = quantize_int4(torch.randn(64, 256))
     fg.int4_gemv(x, packed.to(DEV), s4.to(DEV), z4.to(DEV), None, config=fg.GemvConfig(32, 128, 2, 4, 2))
-    assert set(seen) == {"_fp8_gemv_kernel", "_sum_splits_kernel", "_int4_gemv_kernel"}
+    assert set(seen) == {"_gemv_kernel", "_int4_gemv_kernel"}

@@ -1,20 +1,34 @@
-"""Weight-only 8-bit matrix multiply for the few rows of a decode step: y = x @ (codes * scale[:, None]).T.
+"""Weight-only matrix multiply for the few rows of a decode step: y = x @ (codes * scale[:, None]).T.
 
-x [M, K] BF16/FP16/FP32 activations (M small: one row per decoding sequence), codes [N, K] FP8 E4M3 (or INT8,
-or 16-bit for comparison with a plain GEMV) weights (row-major, as `torch.nn.functional.linear` holds a weight), scale [N] FP32 per output channel. The weight is
-read once, one byte an element, converted to x's type in registers and multiplied on the tensor cores with FP32
-accumulation; the per-channel scale multiplies the accumulator. Activations stay in their own type (no
-per-token quantization), so at small M the kernel reads half of what a BF16 matmul reads and nothing more.
+x [M, K] BF16/FP16/FP32 activations (M small: one row per decoding sequence), codes [N, K] FP8 E4M3 or INT8
+weights (row-major, as `torch.nn.functional.linear` holds a weight; BF16/FP16 weights take the same kernel
+without a scale: kernels/bf16_gemv.py), scale [N] FP32 per output channel. The weight is read once, in its own
+width, converted in registers and multiplied on the tensor cores with FP32 accumulation; the per-channel scale
+multiplies the accumulator once.
+
+The type the dot runs in (`compute_dtype`): 8-bit codes always go to FP16, since Hopper converts a pair of E4M3
+codes to FP16 in one instruction but to BF16 only through FP32, which held the GEMV to a third of HBM's speed.
+BF16 activations are then converted to FP16 in the kernel, multiplied by 2^-4 first (exact: a power of two) so
+that values up to 2^20 stay finite; the accumulator takes the 2^4 back with the scale. 16-bit weights run in
+their own type.
 
 Tiles are "swapped" for small M: each program computes acc [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @
 x_tile.T [BLOCK_K, BLOCK_M], so the weight fills the MMA's large dimension and the few activation rows its
 small one (BLOCK_M = M rounded up to a power of two, at least 16: the smallest tile tl.dot takes).
-Split-K gives every SM work when N alone has too few tiles (N = 4096 is 64 tiles of 64 on 132 SMs): each split
-writes FP32 partial sums and a second kernel adds them in a fixed order, so a row's result does not depend on
-timing (no atomics), and the tile and split never depend on M.
 
-`choose_config` picks a tile per (N, K, dtype) once: on CUDA outside graph capture it times a few candidates
-on the device; otherwise it uses the heuristic. `reference` is the same product in torch.
+Split-K gives every SM work when N alone has too few tiles (N = 4096 is 64 tiles of 64 on 132 SMs). Each split
+writes its FP32 partial sums to a workspace and counts itself in a per-tile counter; the split that arrives last
+adds every split's partials in split order and writes the output, then resets the counter. One launch, and a
+row's result does not depend on timing (the sum's order is fixed) nor on M (the tile and split never depend on
+M). The counters are one buffer per device, which is safe because kernels of one stream run one after another.
+
+On Hopper the kernels are launched as programmatic dependents (kernels/pdl.py): a program may start while the
+kernel before is finishing, prefetches the first `prefetch` K tiles of its weight into L2 (the weight does not
+depend on the kernel before) and waits only before reading x. With `prefetch` > 0 the K loop also prefetches
+that many tiles ahead into L2, which keeps more of HBM's latency covered than the registers' pipelined loads.
+
+`choose_config` picks a tile per weight shape and type once: on CUDA outside graph capture it times the
+candidates on the device; otherwise it uses the heuristic. `reference` is the same product in torch.
 """
 
 from __future__ import annotations
@@ -24,16 +38,65 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .pdl import launch_options
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CODES = (FP8, torch.int8, torch.bfloat16, torch.float16)  # 16-bit weights: the same GEMV with scales of 1
+CODES = (FP8, torch.int8, torch.bfloat16, torch.float16)  # 16-bit weights: the same GEMV without a scale
 MAX_M = 64  # rows one program holds at most (as the MMA's small dimension); larger batches belong to a GEMM
+X_SCALE_BF16 = 2.0 ** -4  # BF16 activations going to an FP16 dot are multiplied by this (exact), see above
+MAX_TILES = 1 << 16  # output tiles one launch may count (the split-K counter buffer's length)
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """Bulk-prefetch nbytes (a multiple of 16; 0 skips) at each 16-byte aligned address into L2 (sm_90)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, n0, stride_wn, k, k_hi, ELEM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PF_CHUNKS: tl.constexpr):
+    """L2 prefetch of the weight tile [n0:n0 + BLOCK_N, k:k + BLOCK_K] as BLOCK_N x PF_CHUNKS pieces (one a
+    thread); nothing past k_hi."""
+    rows = n0 + tl.arange(0, BLOCK_N)
+    piece: tl.constexpr = BLOCK_K * ELEM // PF_CHUNKS
+    c = tl.arange(0, PF_CHUNKS)
+    offs = rows[:, None].to(tl.int64) * stride_wn * ELEM + k * ELEM + c[None, :] * piece
+    size = tl.where(k + (c[None, :] + 1) * (BLOCK_K // PF_CHUNKS) <= k_hi, piece, 0) + 0 * rows[:, None]
+    _prefetch_l2(w_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + offs, size)
+
+
+@triton.jit
+def _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits):
+    """Write acc [BLOCK_N, BLOCK_M] (FP32, rows rn of the output's columns, rm its rows). With splits > 1: the
+    partials go to part [splits, M, N]; the split that counts itself last sums all of them in split order."""
+    ok = (rn[:, None] < N) & (rm[None, :] < M)
+    if splits == 1:
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        offs = rm[None, :] * N + rn[:, None]
+        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], total.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
-                     stride_ys, CDT: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm,
+                 stride_wn, stride_ym, X_SCALE: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                 ELEM: tl.constexpr, PF_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,11 +104,21 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH > 0:  # the weight does not depend on the kernel before: fetch its first tiles while it ends
+        for t in tl.static_range(PREFETCH):
+            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k_lo + t * BLOCK_K, k_hi, ELEM, BLOCK_N, BLOCK_K,
+                           PF_CHUNKS)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
     row_ok = rm[None, :] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH > 0:
+            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k + PREFETCH * BLOCK_K, k_hi, ELEM, BLOCK_N,
+                           BLOCK_K, PF_CHUNKS)
         if EVEN:  # N and every split's K range are whole tiles
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs, mask=row_ok, other=0.0)
@@ -53,33 +126,30 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm
             k_ok = (k + rk) < k_hi
             w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=row_ok & k_ok[:, None], other=0.0)
+        if X_SCALE != 1.0:
+            xt = xt.to(tl.float32) * X_SCALE
         acc = tl.dot(w.to(CDT), xt.to(CDT), acc, input_precision=PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[:, None]
-    y_ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & row_ok)
-
-
-@triton.jit
-def _sum_splits_kernel(p_ptr, y_ptr, numel, stride_ps, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * stride_ps + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    if HAS_SCALE:
+        acc = acc * (tl.load(s_ptr + rn, mask=rn < N, other=0.0) * (1.0 / X_SCALE))[:, None]
+    elif X_SCALE != 1.0:
+        acc = acc * (1.0 / X_SCALE)
+    _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_pn,
-                      stride_sn, stride_ym, stride_ys, CDT: tl.constexpr, PREC: tl.constexpr, HAS_XS: tl.constexpr,
+def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                      splits, stride_xm, stride_pn, stride_sn, stride_ym, CDT: tl.constexpr, PREC: tl.constexpr,
+                      HAS_XS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
     GROUP / 2 bytes a row: low nibble = even channel). The zero point and scale are factored out of the group's
     sum, sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k), so the codes go to the tensor cores as
-    they are (0..15, exact in 16 bits) and only the [BLOCK_N, BLOCK_M] partial sums see the scale: the even and
-    odd channels meet the matching columns of x (times its input scale) in two dots."""
+    they are and only the [BLOCK_N, BLOCK_M] partial sums see the scale: the even and odd channels meet the
+    matching columns of x (times its input scale) in two dots. MAGIC (16-bit dots): a code q becomes the 16-bit
+    float whose bits are MAGIC | q, i.e. B + q (B = 1024 in FP16, 128 in BF16: exact), two integer operations
+    instead of an integer-to-float conversion; B joins the zero point, (B + q) - (B + z) = q - z."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = GROUP // 2
@@ -90,29 +160,43 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, M, N, K, k_per_
     row_ok = rm[None, :] < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if MAGIC == 0x6400:
+        base = 1024.0
+    elif MAGIC == 0x4300:
+        base = 128.0
+    else:
+        base = 0.0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, GROUP):
         g = k // GROUP
         p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :], mask=n_ok[:, None],
                     other=0)
         s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
-        z = tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
+        z = tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32) + base
         ke = k + 2 * rj
         x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=row_ok & (ke < k_hi)[:, None],
-                         other=0.0).to(tl.float32)
+                         other=0.0)
         x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None],
-                        mask=row_ok & ((ke + 1) < k_hi)[:, None], other=0.0).to(tl.float32)
+                        mask=row_ok & ((ke + 1) < k_hi)[:, None], other=0.0)
         if HAS_XS:
-            x_even = x_even * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
-            x_odd = x_odd * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
+            x_even = x_even.to(tl.float32) * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
+            x_odd = x_odd.to(tl.float32) * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
         x_even = x_even.to(CDT)
         x_odd = x_odd.to(CDT)
-        part = tl.dot((p & 15).to(CDT), x_even, input_precision=PREC)
-        part = tl.dot((p >> 4).to(CDT), x_odd, part, input_precision=PREC)
+        if MAGIC != 0:
+            lo = ((p & 15).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
+            hi = ((p >> 4).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
+        else:
+            lo = (p & 15).to(CDT)
+            hi = (p >> 4).to(CDT)
+        part = tl.dot(lo, x_even, input_precision=PREC)
+        part = tl.dot(hi, x_odd, part, input_precision=PREC)
         x_sum = tl.sum(x_even.to(tl.float32), axis=0) + tl.sum(x_odd.to(tl.float32), axis=0)
         acc += s[:, None] * (part - z[:, None] * x_sum[None, :])
-    y_ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok)
+    _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits)
 
 
 @dataclass(frozen=True)
@@ -122,16 +206,22 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    prefetch: int = 0  # K tiles prefetched into L2 ahead of the loads (Hopper; 0: none)
 
     @property
     def name(self) -> str:
-        return f"fp8gemv_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}"
+        pf = f"_pf{self.prefetch}" if self.prefetch else ""
+        return f"gemv_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}{pf}"
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, waves: float = 2.0) -> int:
@@ -141,35 +231,73 @@ def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, waves: f
     return max(1, min(want, k // (4 * block_k)))
 
 
-def heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    return GemvConfig(64, 128, split_for(n, k, 64, 128, num_sms))
+def compute_dtype(x_dtype: torch.dtype, codes_dtype: torch.dtype) -> torch.dtype:
+    """The type the tensor cores multiply in (see the module's docstring)."""
+    if x_dtype == torch.float32:
+        return torch.float32
+    if codes_dtype in (torch.bfloat16, torch.float16):
+        return codes_dtype
+    return torch.float16
 
 
-def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
+def heuristic_config(n: int, k: int, num_sms: int = 132, codes_dtype: torch.dtype = FP8) -> GemvConfig:
+    bk = 256 if codes_dtype.itemsize == 1 else 128
+    return GemvConfig(64, bk, split_for(n, k, 64, bk, num_sms), 4, 4)
+
+
+def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8) -> list[GemvConfig]:
+    """The tiles choose_config times: each shape's bytes per K step (a row's tile of 256 bytes or 512) in tiles
+    of 32 to 128 rows, with 4 or 8 warps, splits for one or two programs an SM, with and without L2 prefetch."""
+    wide = codes_dtype.itemsize == 1
     out = []
-    for bn, bk, warps, stages in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4)):
-        for waves in (1.0, 2.0, 4.0):
-            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages)
+    for bn, bk, warps, stages, pf in ((32, 256, 4, 4, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 2),
+                                      (128, 256, 8, 3, 0), (64, 512, 8, 3, 0), (128, 128, 8, 4, 2),
+                                      (32, 512, 4, 3, 2)):
+        if not wide:
+            bk //= 2
+        for waves in (1.0, 2.0):
+            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, pf)
             if c not in out:
                 out.append(c)
     return out
 
 
-def check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+def check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be a 2-D float16, bfloat16 or float32 tensor, got {x.dtype} {list(x.shape)}")
     if codes.dtype not in CODES or codes.dim() != 2 or codes.shape[1] != x.shape[1]:
         raise ValueError(f"codes must be float8_e4m3fn, int8, bfloat16 or float16 [N, K={x.shape[1]}], got "
                          f"{codes.dtype} {list(codes.shape)}")
-    if scale.numel() != codes.shape[0]:
+    if scale is not None and scale.numel() != codes.shape[0]:
         raise ValueError(f"scale must have N = {codes.shape[0]} elements, got {scale.numel()}")
     if x.shape[0] > MAX_M:
         raise ValueError(f"fp8_gemv takes at most {MAX_M} rows, got {x.shape[0]}")
 
 
-def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: GemvConfig | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= 64, K] @ (codes [N, K] FP8 or INT8 * scale [N]).T -> [M, N] in x's dtype (into `out` when given)."""
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of a device (zeros between launches: the last split resets its own)."""
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def _prefetch_chunks(cfg: GemvConfig, elem: int) -> int:
+    """Pieces a row's tile is prefetched in: one piece a thread, at least 16 bytes each."""
+    lanes = max(1, cfg.num_warps * 32 // cfg.block_n)
+    while lanes > 1 and (cfg.block_k * elem // lanes < 16 or cfg.block_k % lanes):
+        lanes //= 2
+    return lanes
+
+
+def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, config: GemvConfig | None = None,
+             out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+    """x [M <= 64, K] @ (codes [N, K] FP8 or INT8 * scale [N]).T -> [M, N] in x's dtype (into `out` when given).
+    16-bit codes take scale None (a plain GEMV)."""
     check(x, codes, scale)
     M, K = x.shape
     N = codes.shape[0]
@@ -177,34 +305,58 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: 
         x = x.contiguous()
     if codes.stride(1) != 1:
         codes = codes.contiguous()
-    scale = scale.reshape(-1)
-    if scale.dtype != torch.float32 or not scale.is_contiguous():
-        scale = scale.float().contiguous()
+    if scale is not None:
+        scale = scale.reshape(-1)
+        if scale.dtype != torch.float32 or not scale.is_contiguous():
+            scale = scale.float().contiguous()
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if y.shape != (M, N) or y.stride(1) != 1:
         raise ValueError(f"out must be [{M}, {N}] with unit column stride, got {list(y.shape)} {y.stride()}")
     if M == 0 or N == 0:
         return y
-    cfg = config or choose_config(N, K, x.dtype, x.device)
+    cfg = config or choose_config(N, K, x.dtype, x.device, codes.dtype)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(K, k_per_split)
-    even = N % cfg.block_n == 0 and K % k_per_split == 0
-    cdt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
-    target = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
-        x, codes, scale, target, M, N, K, k_per_split, x.stride(0), codes.stride(0),
-        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", EVEN=even, BLOCK_M=max(16, triton.next_power_of_2(M)),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](target, y, M * N, M * N, SPLIT_K=splits, BLOCK=block)
+    tiles = triton.cdiv(N, cfg.block_n)
+    if splits > 1 and tiles > MAX_TILES:
+        splits, k_per_split = 1, K
+    even = N % cfg.block_n == 0 and K % k_per_split == 0 and k_per_split % cfg.block_k == 0
+    cdt = compute_dtype(x.dtype, codes.dtype)
+    x_scale = X_SCALE_BF16 if x.dtype == torch.bfloat16 and cdt == torch.float16 else 1.0
+    elem = codes.element_size()
+    hopper = _is_hopper(x.device)
+    # L2 prefetch: whole 16-byte pieces of whole tiles only (an unaligned or ragged one is not asked for)
+    prefetch = cfg.prefetch if (hopper and even and (codes.stride(0) * elem) % 16 == 0
+                                and codes.data_ptr() % 16 == 0) else 0
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y
+    counts = _counters(x.device) if splits > 1 else y
+    _gemv_kernel[(tiles, splits)](
+        x, codes, scale if scale is not None else y, y, part, counts, M, N, K, k_per_split, splits, x.stride(0),
+        codes.stride(0), y.stride(0), X_SCALE=x_scale, CDT=_TL[cdt],
+        PREC="ieee" if cdt == torch.float32 else "tf32", HAS_SCALE=scale is not None, EVEN=even,
+        PDL=hopper and pdl, PREFETCH=prefetch, ELEM=elem, PF_CHUNKS=_prefetch_chunks(cfg, elem),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
 
 
+def int4_heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    return GemvConfig(64, 128, split_for(n, k, 64, 128, num_sms), 4, 4)
+
+
+def int4_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    out = []
+    for bn, warps, stages in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)):
+        for waves in (1.0, 2.0):
+            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages)
+            if c not in out:
+                out.append(c)
+    return out
+
+
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-              input_scale: torch.Tensor | None = None, group: int = 128, config: GemvConfig | None = None
-              ) -> torch.Tensor:
+              input_scale: torch.Tensor | None = None, group: int = 128, config: GemvConfig | None = None,
+              pdl: bool = True) -> torch.Tensor:
     """(x [M <= 64, K] * input_scale) @ W.T for kiln.llm.quantize's INT4 layout: packed uint8 [N, G * group / 2]
     (low nibble = even input channel), scale FP32 [N, G], zero uint8 [N, G], W = (code - zero) * scale per group
     of `group` input channels. Returns [M, N] in x's dtype."""
@@ -223,68 +375,124 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    cfg = config or heuristic_config(N, K, _num_sms(x.device))
+    cfg = config or choose_int4_config(N, K, group, x.dtype, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), group) * group
     splits = triton.cdiv(K, k_per_split)
-    cdt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
-    target = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(N, cfg.block_n)
+    if splits > 1 and tiles > MAX_TILES:
+        splits, k_per_split = 1, triton.cdiv(K, group) * group
+    cdt = _TL[x.dtype]
+    magic = {torch.float16: 0x6400, torch.bfloat16: 0x4300}.get(x.dtype, 0)
+    hopper = _is_hopper(x.device)
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y
+    counts = _counters(x.device) if splits > 1 else y
     xs = input_scale.float().contiguous() if input_scale is not None else scale
-    _int4_gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
-        x, packed, scale, zero, xs, target, M, N, K, k_per_split, x.stride(0), packed.stride(0), scale.stride(0),
-        N if splits > 1 else y.stride(0), M * N if splits > 1 else 0, CDT=cdt,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", HAS_XS=input_scale is not None,
+    _int4_gemv_kernel[(tiles, splits)](
+        x, packed, scale, zero, xs, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), packed.stride(0),
+        scale.stride(0), y.stride(0), CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_XS=input_scale is not None, MAGIC=magic, PDL=hopper and pdl,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](target, y, M * N, M * N, SPLIT_K=splits, BLOCK=block)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
 
 
-def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The same product in torch, FP32, returned in x's dtype."""
     check(x, codes, scale)
-    return (x.float() @ (codes.float() * scale.float().reshape(-1, 1)).t()).to(x.dtype)
+    w = codes.float() if scale is None else codes.float() * scale.float().reshape(-1, 1)
+    return (x.float() @ w.t()).to(x.dtype)
 
 
 # --- picking a tile on the device ------------------------------------------------------------------------------
 
 _CHOSEN: dict = {}
+TIMING_BYTES = 128 << 20  # weights cycled through when timing a tile: more than L2 holds, as a step's layers are
 
 
-def _time_config(cfg: GemvConfig, x, weights, scale, reps: int = 4) -> float:
-    """Milliseconds a call, cycling through `weights` (together larger than L2, as a step's layers are)."""
-    fp8_gemv(x, weights[0], scale, cfg)  # compile outside the timing
+def time_us(fn, weights: list, reps: int = 3) -> float:
+    """GPU microseconds a call of fn(w), cycling through `weights` (together larger than L2, as a step's layers
+    are), replayed in a CUDA graph (a step's launches are; eager launches would time the host)."""
+    for w in weights:
+        fn(w)  # compiles, and allocates outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for w in weights:
+                fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        for w in weights:
-            fp8_gemv(x, w, scale, cfg)
+    for _ in range(3):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / (reps * len(weights))
+    return start.elapsed_time(end) * 1000 / (3 * reps * len(weights))
 
 
-def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
-    """The tile for an [n, k] weight: timed on the device once per shape (CUDA, not capturing a graph), else
-    the heuristic. The choice never depends on M, so a row's result does not depend on its batch."""
-    key = (n, k, dtype, str(device))
+def timing_weights(n: int, k: int, dtype: torch.dtype, device, weight: torch.Tensor | None = None) -> list:
+    """Weights for timing an [n, k] product: `weight` itself where it alone is larger than L2's reach, else
+    zero copies of TIMING_BYTES together."""
+    nbytes = n * k * dtype.itemsize
+    if weight is not None and nbytes >= TIMING_BYTES:
+        return [weight]
+    return [torch.zeros((n, k), dtype=dtype, device=device) for _ in range(max(2, -(-TIMING_BYTES // nbytes)))]
+
+
+def _fastest(candidates, run, fallback):
+    timed = {}
+    for c in candidates:
+        try:
+            timed[c] = run(c)
+        except Exception:  # noqa: BLE001, S112 - a tile this Triton cannot compile for the device: not a candidate
+            continue
+    return min(timed, key=timed.get) if timed else fallback
+
+
+def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device, codes_dtype: torch.dtype = FP8,
+                  weight: torch.Tensor | None = None) -> GemvConfig:
+    """The tile for an [n, k] weight of codes_dtype times x of dtype: timed on the device once per shape (CUDA,
+    not capturing a graph), else the heuristic. The choice never depends on M, so a row's result does not
+    depend on its batch."""
+    device = torch.device(device)
+    key = (n, k, dtype, codes_dtype, str(device))
     cfg = _CHOSEN.get(key)
     if cfg is not None:
         return cfg
     sms = _num_sms(device)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return heuristic_config(n, k, sms)
-    copies = max(2, -(-(256 << 20) // (n * k)))  # 256 MiB of weights: L2 cannot hold them
-    weights = [torch.zeros((n, k), dtype=FP8, device=device) for _ in range(copies)]
-    scale = torch.ones(n, dtype=torch.float32, device=device)
+        return heuristic_config(n, k, sms, codes_dtype)
+    weights = timing_weights(n, k, codes_dtype, device, weight)
+    scale = None if codes_dtype.itemsize == 2 else torch.ones(n, dtype=torch.float32, device=device)
     x = torch.zeros((1, k), dtype=dtype, device=device)
-    timed = {}
-    for c in candidate_configs(n, k, sms):
-        try:
-            timed[c] = _time_config(c, x, weights, scale)
-        except Exception:  # noqa: BLE001, S112 - a tile this Triton cannot compile for the device: not a candidate
-            continue
-    cfg = min(timed, key=timed.get) if timed else heuristic_config(n, k, sms)
+    _counters(device)
+    cfg = _fastest(candidate_configs(n, k, sms, codes_dtype),
+                   lambda c: time_us(lambda w: fp8_gemv(x, w, scale, c), weights),
+                   heuristic_config(n, k, sms, codes_dtype))
+    _CHOSEN[key] = cfg
+    return cfg
+
+
+def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
+    """choose_config's rule for int4_gemv's tile (groups of `group`; the K tile is one group)."""
+    device = torch.device(device)
+    key = ("int4", n, k, group, dtype, str(device))
+    cfg = _CHOSEN.get(key)
+    if cfg is not None:
+        return cfg
+    sms = _num_sms(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or group != 128:
+        return int4_heuristic_config(n, k, sms)
+    g = -(-k // group)
+    copies = max(2, -(-TIMING_BYTES // (n * g * group // 2)))
+    packed = [torch.zeros((n, g * group // 2), dtype=torch.uint8, device=device) for _ in range(copies)]
+    scale = torch.ones((n, g), dtype=torch.float32, device=device)
+    zero = torch.zeros((n, g), dtype=torch.uint8, device=device)
+    x = torch.zeros((1, k), dtype=dtype, device=device)
+    _counters(device)
+    cfg = _fastest(int4_candidate_configs(n, k, sms),
+                   lambda c: time_us(lambda p: int4_gemv(x, p, scale, zero, None, group, c), packed),
+                   int4_heuristic_config(n, k, sms))
     _CHOSEN[key] = cfg
     return cfg

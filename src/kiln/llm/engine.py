@@ -114,6 +114,7 @@ def build_rank_model(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, device
         # Per output channel: a column-parallel shard's scales are the full matrix's; a row-parallel shard's are
         # those of its own columns.
         quantize.quantize_model(model, quantize.check_method(quantization))
+    quantize.use_decode_gemv(model)  # float matrices and the LM head: the BF16 GEMV where it beats cuBLAS here
     return model
 
 

@@ -22,6 +22,10 @@ Formats (`--weights`):
 A `QuantizedWeight` stands exactly where the float weight [out, in] of an `F.linear` stood: the model keeps
 calling `F.linear(x, w, bias)` and the tensor's `__torch_function__` runs the quantized matmul. Its own storage
 is the codes, so counting a weight's bytes counts what a step reads.
+
+Float matrices (`none`, and the LM head of every format) take the same route on CUDA through `DecodeWeight`
+(`use_decode_gemv`): a decode step's few rows go to kiln.kernels.bf16_gemv where it beat cuBLAS on this device
+for that shape and row count (timed once per shape when the engine is built), to torch's matmul otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ INT8_MAX = 127.0
 INT4_GROUP = 128
 SMOOTH_ALPHA = 0.5
 AWQ_GRID = 20
+DECODE_GEMV_MIN_BYTES = 4 << 20  # float matrices smaller than this stay with cuBLAS (launch-bound either way)
 GEMV_MAX_M = 16  # rows up to which the weight-only GEMV beats a GEMM on these weights (fp8, int8, int4) on CUDA
 # The decoder's matrices (model.py's layer dict keys); embeddings, norms and the LM head stay in float.
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "fc", "proj")
@@ -131,6 +136,67 @@ class QuantizedWeight(torch.Tensor):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+
+class DecodeWeight(torch.Tensor):
+    """A float [out, in] weight whose `F.linear` runs kiln.kernels.bf16_gemv for at most `gemv_rows` rows on
+    CUDA (the rows up to which that kernel beat cuBLAS for this shape here), torch's matmul otherwise."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, gemv_rows: int):
+        t = torch.Tensor._make_subclass(cls, weight, False)
+        t.gemv_rows = gemv_rows
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.shape[0] <= w.gemv_rows and x.is_cuda and x.dtype == w.dtype:
+                from kiln.kernels.bf16_gemv import bf16_gemv
+
+                with torch._C.DisableTorchFunctionSubclass():
+                    y = bf16_gemv(x2, w)
+                    if bias is not None:
+                        y = y + bias.to(y.dtype)
+                    return y.reshape(*x.shape[:-1], w.shape[0])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self):
+        return f"DecodeWeight([{self.shape[0]}, {self.shape[1]}], {self.dtype}, GEMV up to {self.gemv_rows} rows)"
+
+
+def use_decode_gemv(model) -> dict[str, int]:
+    """Wrap the decoder's float matrices and its LM head in DecodeWeight where bf16_gemv beats cuBLAS on this
+    device (CUDA, BF16/FP16 weights): returns {key: rows} of the wrapped ones ('lm_head' for the head). A
+    no-op elsewhere; quantized matrices keep their own GEMV."""
+    from kiln.kernels.bf16_gemv import DTYPES, gemv_rows
+
+    if model.device.type != "cuda" or model.dtype not in DTYPES:
+        return {}
+    chosen = {}
+
+    def wrap(w):
+        if (isinstance(w, (QuantizedWeight, DecodeWeight)) or w.dtype not in DTYPES or w.dim() != 2
+                or w.numel() * w.element_size() < DECODE_GEMV_MIN_BYTES):
+            return w, 0
+        rows = gemv_rows(w.shape[0], w.shape[1], w.dtype, w.device, w)
+        return (DecodeWeight(w, rows) if rows else w), rows
+
+    for key, w in linear_weights(model).items():
+        new, rows = wrap(w)
+        if rows:
+            set_linear_weight(model, key, new)
+            chosen[key] = rows
+    head, rows = wrap(model.lm_head)
+    if rows:
+        model.lm_head = head
+        chosen["lm_head"] = rows
+    return chosen
 
 
 def _gemv_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:

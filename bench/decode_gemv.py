@@ -1,0 +1,147 @@
+"""Decode-step GEMVs on Llama-3-8B's projections against cuBLAS (torch.matmul in BF16), on the GPU.
+
+Kernels: Kiln's BF16 GEMV (kiln.kernels.bf16_gemv), the FP8 weight-only GEMV with BF16 activations
+(kiln.kernels.fp8_gemv; E4M3 codes and activations go to an FP16 dot), the same launched without programmatic
+dependent launch ("no pdl"), and the INT4 GEMV (kiln.llm.quantize's layout, groups of 128), each with the tile
+that choose_config times on the device, at M = 1, 4, 8 rows. First every kernel's output against a torch
+reference on the same operands (max error over the largest output, relative to its largest value); then times.
+
+Each time is one call's GPU time inside a CUDA graph of calls that cycle through enough copies of the weight
+(more than 2x L2 together) that every call reads its weight from HBM, as a decode step's layers do. GB/s counts
+the weight's bytes alone (codes, plus INT4's scales and zero points): what a decode step is bound by.
+`--sweep` also times every candidate tile at M = 1 (the tile table choose_config picks from).
+
+    python bench/decode_gemv.py [--rows 1,4,8] [--shapes qkv,o,gate_up,down,lm_head] [--sweep] [--budget-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kiln.kernels import bf16_gemv as bg  # noqa: E402
+from kiln.kernels import fp8_gemv as fg  # noqa: E402
+from kiln.llm.quantize import dequantize_int4, quantize_int4  # noqa: E402
+
+FP8 = fg.FP8
+# (name, N out, K in) as F.linear holds them: Llama-3-8B's fused q/k/v, o, fused gate/up, down and the LM head
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+TOL = {"bf16 gemv": 2e-2, "fp8 gemv": 2e-2, "int4 gemv": 2e-2}
+
+
+def graph_us(fn_of, copies: int, calls: int = 3) -> float:
+    """GPU microseconds per call of fn_of(i) (i = which weight copy), replayed in a CUDA graph."""
+    for i in range(copies):
+        fn_of(i)  # compile and pick tiles outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            for i in range(copies):
+                fn_of(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * calls * copies)
+
+
+def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep: bool) -> None:
+    copies = max(2, -(-(2 * l2) // (n * k)))  # FP8 copies over 2x L2 (BF16 ones twice that)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+    scale = (w16[0].float().abs().amax(dim=1) / 448).clamp_min(1e-12)
+    w8 = [(w.float() / scale[:, None]).clamp(-448, 448).to(FP8) for w in w16]
+    w4 = [quantize_int4(w) for w in w16]  # (packed, scale, zero), groups of 128
+    bytes16, bytes8 = 2 * n * k, n * k
+    bytes4 = n * k // 2 + 5 * n * (-(-k // 128))
+    t0 = time.perf_counter()
+    c16 = fg.choose_config(n, k, torch.bfloat16, dev, torch.bfloat16, w16[0])
+    c8 = fg.choose_config(n, k, torch.bfloat16, dev, FP8, w8[0])
+    c4 = fg.choose_int4_config(n, k, 128, torch.bfloat16, dev)
+    rule = bg.gemv_rows(n, k, torch.bfloat16, dev, w16[0])
+    print(f"{name} [{n} x {k}]: tiles bf16 {c16.name}, fp8 {c8.name}, int4 {c4.name}; bf16 GEMV rule: up to "
+          f"{rule} rows ({time.perf_counter() - t0:.1f} s to choose)", flush=True)
+    x = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16, generator=g)
+    want4 = x.float() @ dequantize_int4(*w4[0], k).t()
+    errs = {"bf16 gemv": max_rel(bg.bf16_gemv(x, w16[0], c16), bg.reference(x, w16[0])),
+            "fp8 gemv": max_rel(fg.fp8_gemv(x, w8[0], scale, c8), fg.reference(x, w8[0], scale)),
+            "int4 gemv": max_rel(fg.int4_gemv(x, *w4[0], None, 128, c4), want4)}
+    cublas_err = max_rel(torch.matmul(x, w16[0].t()), bg.reference(x, w16[0]))
+    verdict = "ok" if all(errs[key] < TOL[key] for key in errs) else "MISMATCH"
+    print(f"  vs torch reference (max rel err, M={max(rows)}): " + ", ".join(f"{key} {v:.1e}" for key, v in errs.items())
+          + f" (cuBLAS bf16 itself {cublas_err:.1e}): {verdict}", flush=True)
+    for m in rows:
+        xm = x[:m].contiguous()
+        t = {"cublas": graph_us(lambda i, xm=xm: torch.matmul(xm, w16[i].t()), copies),
+             "bf16": graph_us(lambda i, xm=xm: bg.bf16_gemv(xm, w16[i], c16), copies),
+             "fp8": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, c8), copies),
+             "fp8 no pdl": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, c8, pdl=False), copies),
+             "int4": graph_us(lambda i, xm=xm: fg.int4_gemv(xm, *w4[i], None, 128, c4), copies)}
+        nbytes = {"cublas": bytes16, "bf16": bytes16, "fp8": bytes8, "fp8 no pdl": bytes8, "int4": bytes4}
+        cells = " | ".join(f"{t[key]:7.1f} us {nbytes[key] / t[key] / 1e3:5.0f} GB/s" for key in t)
+        print(f"  {name:8s} M={m} | {cells} | vs cuBLAS: bf16 {t['cublas'] / t['bf16']:.2f}x, "
+              f"fp8 {t['cublas'] / t['fp8']:.2f}x, int4 {t['cublas'] / t['int4']:.2f}x", flush=True)
+    if sweep:
+        x1 = x[:1].contiguous()
+        for label, cands, run, nb in (
+                ("fp8", fg.candidate_configs(n, k, fg._num_sms(dev), FP8),
+                 lambda c: graph_us(lambda i: fg.fp8_gemv(x1, w8[i], scale, c), copies), bytes8),
+                ("bf16", fg.candidate_configs(n, k, fg._num_sms(dev), torch.bfloat16),
+                 lambda c: graph_us(lambda i: bg.bf16_gemv(x1, w16[i], c), copies), bytes16),
+                ("int4", fg.int4_candidate_configs(n, k, fg._num_sms(dev)),
+                 lambda c: graph_us(lambda i: fg.int4_gemv(x1, *w4[i], None, 128, c), copies), bytes4)):
+            timed = []
+            for c in cands:
+                try:
+                    timed.append((run(c), c.name))
+                except Exception as e:  # noqa: BLE001
+                    timed.append((float("inf"), f"{c.name} failed ({type(e).__name__}: {str(e)[:80]})"))
+            timed.sort()
+            print(f"  sweep {label} {name} M=1: " + "; ".join(
+                f"{nm} {us:.1f}us/{nb / us / 1e3:.0f}GB/s" for us, nm in timed), flush=True)
+    del w16, w8, w4
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    ap.add_argument("--rows", default="1,4,8", help="comma-separated M values (default 1,4,8)")
+    ap.add_argument("--sweep", action="store_true", help="also time every candidate tile at M = 1")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip the shapes left past this time")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 60 << 20)
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}")
+    print("columns: cuBLAS bf16 (torch.matmul) | Kiln bf16 GEMV | fp8 GEMV | fp8 GEMV without PDL | int4 GEMV; "
+          "GB/s of weight bytes")
+    for name in a.shapes.split(","):
+        if time.perf_counter() - t0 > a.budget_s:
+            print(f"{name}: skipped (budget)")
+            continue
+        bench_shape(name, *SHAPES[name], dev, l2, [int(m) for m in a.rows.split(",")], a.sweep)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
