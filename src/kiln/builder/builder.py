@@ -18,6 +18,7 @@ import warnings
 from contextlib import nullcontext
 
 import onnx
+import torch
 
 from ..engine.engine import Engine
 from ..engine.profile import Profile
@@ -222,7 +223,7 @@ def validate(engine: Engine, step=lambda msg: None) -> None:
 
 def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig, step) -> list[dict]:
     from ..tactics.cache import TimingCache
-    from .tactic_selection import Selector
+    from .tactic_selection import Selector, compile_threads
 
     cache = TimingCache(config.timing_cache)
     count = [0]
@@ -233,17 +234,37 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
 
     sel = Selector(engine, config.optimization_level, config.workspace_bytes, cache, on_layer,
                    exclude=config.exclude_tactics, time_quantized_cold=config.time_quantized_cold)
-    for i in range(len(profiles)):
-        ctx = engine.create_execution_context(profile=i, cuda_graphs=False)
-        feeds = engine.random_inputs(profile=i, pick=1, device=engine.target.device)
-        sel.profile = i
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    runs = [(i, engine.create_execution_context(profile=i, cuda_graphs=False),
+             engine.random_inputs(profile=i, pick=1, device=engine.target.device)) for i in range(len(profiles))]
+    threads = compile_threads()
+    compile_s = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if threads >= 2:  # every profile's candidates compiled before any is timed (builder/compile_ahead.py)
+            from .compile_ahead import CompileAhead
+
+            step(f"compiling tactics: {threads} threads")
+            start = time.perf_counter()
+            sel.compiler = CompileAhead(threads, torch.device(engine.target.device))
+            try:
+                for i, ctx, feeds in runs:
+                    sel.profile = i
+                    ctx.run_with_inputs_hook(feeds, sel.ahead)
+            finally:
+                sel.compiler.finish()
+            compile_s = time.perf_counter() - start
+        for i, ctx, feeds in runs:
+            sel.profile = i
             ctx.run_with_inputs_hook(feeds, sel.visit)
     report = sel.assign()
     engine.findings.extend(sel.findings())
     cache.save()
     engine.build_config["timing_cache"] = {"path": config.timing_cache, "hits": cache.hits, "misses": cache.misses}
+    stats = {k: round(v, 3) if isinstance(v, float) else v for k, v in sel.stats.items()}
+    if sel.compiler is not None:
+        stats.update(compile_threads=threads, compiled_ahead=sel.compiler.calls, failed_ahead=sel.compiler.failed,
+                     compile_ahead_s=round(compile_s, 3))
+    engine.build_config["tactic_selection"] = stats
     return report
 
 

@@ -41,8 +41,9 @@ class BuildConfig:
     max_aux_streams: int = 0
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)
-    # FP16/BF16 builds (with validate): each layer is compared with FP32 on the profiles' opt shapes and kept in
-    # FP32 where it overflows or drifts (builder/precision.guard; the build's findings say which and why).
+    # FP16/BF16 builds, and the float layers of INT8/FP8 ones (with or without validate): each layer is compared
+    # with FP32 on the profiles' opt shapes and kept in FP32 where it overflows or drifts (builder/precision.guard;
+    # the build's findings say which and why).
     precision_guard: bool = True
     # 0: reference kernels only; 1-2: library tactics (cuDNN, cuBLASLt, SDPA); 3 (default): also
     # Triton fused add+LayerNorm and generated elementwise kernels; 4-5: also Triton GEMM,

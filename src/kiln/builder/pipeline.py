@@ -95,10 +95,11 @@ def _footprint(graph: Graph, build: Build) -> None:
 
 
 def guard_feeds(graph: Graph, config: BuildConfig, profiles: list[Profile]) -> list[dict] | None:
-    """Random inputs at each profile's opt shape for precision.guard (FP16/BF16 builds that validate, and the
-    float layers of INT8/FP8 ones), or None where it does not run: random values cannot stand in for inputs
-    read as shape arguments."""
-    if not (config.validate and config.precision_guard and config.precision in ("float16", "bfloat16")) \
+    """Random inputs at each profile's opt shape for precision.guard (FP16/BF16 builds, and the float layers of
+    INT8/FP8 ones), or None where it does not run: precision_guard off, or inputs read as shape arguments (random
+    values cannot stand in for them). Not tied to the validation run: the builds that kiln.build compares for an
+    8-bit engine (quant/speed.py, quant/search.py) skip that run, and their float layers need the guard."""
+    if not (config.precision_guard and config.precision in ("float16", "bfloat16")) \
             or placement.inputs_read_as_values(graph):
         return None
     return [precision.sample_inputs(graph.inputs, {k: s[1] for k, s in p.shapes.items()}) for p in profiles]

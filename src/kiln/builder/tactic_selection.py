@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from concurrent.futures import ThreadPoolExecutor
+import time
 
 import torch
 
@@ -71,40 +71,45 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
 
 
 # Triton and Gluon candidates compile on their first call; a cold 8-bit build spends most of its time there
-# (docs/performance.md). KILN_PARALLEL_COMPILE=N makes
-# their first calls in N threads before the layer is timed (Triton's compiler can release the GIL in its passes
-# and in ptxas), so the timing loop finds every kernel compiled. Off until measured on the GPU.
+# (docs/performance.md). With KILN_PARALLEL_COMPILE=N (N >= 2) the selector compiles them ahead in N threads
+# (builder/compile_ahead.py); 0 or 1 compiles each on its first call in the timing loop.
 COMPILE_THREADS = 0
 _JIT_TACTICS = ("triton_", "gluon_")
 
 
-def _compile_threads() -> int:
+def compile_threads() -> int:
     value = os.environ.get("KILN_PARALLEL_COMPILE", "")
     return int(value) if value.strip().isdigit() else COMPILE_THREADS
 
 
-def _precompile(node, args, cands) -> None:
-    """Call each Triton/Gluon candidate once, in parallel threads, so that its kernels are compiled before the
-    layer's timing loop calls it. Best effort: a candidate that raises here raises again in the loop, which
-    records why."""
-    threads = _compile_threads()
-    jit = [t for t in cands if t.name.startswith(_JIT_TACTICS)]
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if threads < 2 or len(jit) < 2 or first is None or not first.is_cuda:
-        return
-    device = first.device
-    stream = torch.cuda.current_stream(device)  # the stream the layer's inputs were written on
+# Candidates that a better family of kernels supersedes below optimization level PRUNE_BELOW_LEVEL: (the
+# superseded names' prefixes, the superseding family's prefixes). A layer is offered the first only where no
+# candidate of the second applies to it. On the H200 the pointer-based Triton 8-bit kernels lost to the TMA and
+# warp-specialized (Gluon) ones on every ResNet-50 and BERT-base layer where both applied, and the TMA 3x3
+# convolutions to the warp-specialized ones (batch 32, bench/results/H200-quant-1828-resnet50.json and
+# H200-quant-2022-bert.json: none chosen; pointer 1x1 tiles summed 0.72-0.86 ms over ResNet-50's 33 1x1 layers,
+# the TMA tiles 0.52-0.57 on the same layers), and each is one more compile per layer in a cold build.
+SUPERSEDED = (
+    (("triton_qconv_", "triton_qconv1x1_", "triton_qgemm_"), ("triton_tma_q", "gluon_")),
+    (("triton_tma_qconv_",), ("gluon_ws_qconv_", "gluon_halo_")),
+)
+PRUNE_BELOW_LEVEL = 4
 
-    def warm(t):
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            try:
-                t.fn(node, *args)
-            except Exception:  # noqa: BLE001  (the timing loop runs it again and records the failure)
-                pass
 
-    with ThreadPoolExecutor(min(threads, len(jit)), thread_name_prefix="kiln-compile") as pool:
-        list(pool.map(warm, jit))
-    torch.cuda.synchronize(device)
+def superseded(names: list[str], level: int) -> dict[str, str]:
+    """{name: why it is not offered} for the candidates of `names` (those that apply to a layer) that SUPERSEDED
+    takes out at optimization `level`."""
+    if level >= PRUNE_BELOW_LEVEL:
+        return {}
+    out = {}
+    for losers, winners in SUPERSEDED:
+        better = [n for n in names if n.startswith(winners)]
+        if better:
+            for n in names:
+                if n.startswith(losers):
+                    out[n] = (f"superseded below optimization level {PRUNE_BELOW_LEVEL} by {len(better)} "
+                              f"{'/'.join(p.rstrip('_') + '*' for p in winners)} candidate(s) that apply")
+    return out
 
 
 class Selector:
@@ -127,22 +132,59 @@ class Selector:
         self.report: dict[int, dict] = {}
         self.on_layer = on_layer
         self.l2: L2Reset | None = None  # made for the first layer timed cold
+        self.compiler = None  # a compile_ahead.CompileAhead, for the run before the timing run (ahead)
+        # Where the selection's time went (the engine's build_config["tactic_selection"]).
+        self.stats = {"layers_measured": 0, "layers_from_cache": 0, "candidates_measured": 0, "superseded": 0,
+                      "first_calls_s": 0.0, "timing_s": 0.0}
 
-    def visit(self, node, args) -> None:
+    def _offered(self, node, args):
+        """(args cast as the layer will see them, usable candidates, {name: why skipped}), or None for a layer
+        without candidates at this level."""
         cands = [t for t in candidates(node) if t.level <= self.level]
         if not cands:
-            return
+            return None
         args = cast_for(node, lookup(node.op_type, node.domain), args)  # as the layer will see them
         usable, skipped = self._screen(node, args, cands)
+        return args, usable, skipped
+
+    def _key(self, node, args) -> str:
         key = layer_key(self.engine.target, self.engine.versions, node, args)
         if node.op_type in _TIMED_COLD and not self._cold(node):  # warm timings are cached apart from cold ones
             key += "-warm"
+        return key
+
+    def ahead(self, node, args) -> None:
+        """The run before timing: each layer the timing loop will measure hands its JIT candidates the timing
+        cache lacks to the compile pool (self.compiler)."""
+        offered = self._offered(node, args)
+        if offered is None or self.compiler is None:
+            return
+        args, usable, _ = offered
+        key = self._key(node, args)
+        cached = self.cache.entries.get(key) or {"timings": {}, "excluded": {}}
+        todo = [t for t in usable if t.name.startswith(_JIT_TACTICS) and t.name not in cached["timings"]
+                and t.name not in cached["excluded"]]
+        weights = self.engine.graph.initializers
+        held = [a for name, a in zip(node.inputs, args) if name not in weights and isinstance(a, torch.Tensor)]
+        self.compiler.submit(key, node, args, todo, held)
+
+    def visit(self, node, args) -> None:
+        offered = self._offered(node, args)
+        if offered is None:
+            return
+        args, usable, skipped = offered
+        key = self._key(node, args)
         cached = self.cache.get(key) or {"timings": {}, "excluded": {}}
         todo = [t for t in usable if t.name not in cached["timings"] and t.name not in cached["excluded"]]
         if todo or "reference" not in cached["timings"]:
             found = self._measure(node, args, todo)
             cached = {k: {**cached[k], **found[k]} for k in ("timings", "excluded")}
             self.cache.put(key, cached)
+            self.stats["layers_measured"] += 1
+            self.stats["candidates_measured"] += len(todo)
+            self.stats["superseded"] += sum(why.startswith("superseded") for why in skipped.values())
+        else:
+            self.stats["layers_from_cache"] += 1
         if self.on_layer:
             self.on_layer(node)
         names = {t.name for t in usable} | {"reference"}
@@ -173,18 +215,25 @@ class Selector:
                 skipped[t.name] = f"needs {need / 2**20:.1f} MiB workspace, cap is {self.cap / 2**20:.1f} MiB"
             else:
                 usable.append(t)
-        return usable, skipped
+        pruned = superseded([t.name for t in usable], self.level)
+        skipped.update(pruned)
+        return [t for t in usable if t.name not in pruned], skipped
 
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
         ref = entry.impl(node, *args)
-        _precompile(node, args, cands)
         before = self._l2_reset(node, args) if self._cold(node) else None
+        start = time.perf_counter()
         timings = {"reference": median_ms(lambda: entry.impl(node, *args), before=before)}
         excluded = {}
+        first = 0.0
         for t in cands:
             try:
-                out = t.fn(node, *args)  # one-time work (cuDNN's plan search, a Triton compile) happens here
+                called = time.perf_counter()
+                try:
+                    out = t.fn(node, *args)  # one-time work (cuDNN's plan search, a Triton compile) happens here
+                finally:
+                    first += time.perf_counter() - called
                 if synchronizes(lambda: t.fn(node, *args)):  # the reference may (data-dependent ops); a tactic not
                     excluded[t.name] = "synchronizes with the host: it would break the engine's CUDA graph"
                     continue
@@ -195,6 +244,8 @@ class Selector:
                 timings[t.name] = median_ms(lambda: t.fn(node, *args), may_sync=False, before=before)  # checked above
             except Exception as e:  # a candidate that cannot run here is simply not chosen
                 excluded[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        self.stats["first_calls_s"] += first
+        self.stats["timing_s"] += time.perf_counter() - start - first
         return {"timings": timings, "excluded": excluded}
 
     def _cold(self, node) -> bool:

@@ -197,8 +197,11 @@ def _choose(proto, config, base, build, latency):
 
 def _build_time(what: str, engine) -> dict:
     """One inner build's seconds and their phases (where an 8-bit build's time goes)."""
-    return {"engine": what, "seconds": round(engine.build_seconds or 0.0, 2),
-            "phases": engine.build_config.get("build_phases", {})}
+    out = {"engine": what, "seconds": round(engine.build_seconds or 0.0, 2),
+           "phases": engine.build_config.get("build_phases", {})}
+    if engine.build_config.get("tactic_selection"):
+        out["tactic_selection"] = engine.build_config["tactic_selection"]
+    return out
 
 
 def _explain(engine, report, pinned: set[str], qtype: str, prec: str) -> None:
