@@ -2,8 +2,8 @@
 
 Formats (`--weights`):
 - fp8       FP8 E4M3 codes, one FP32 scale per output channel (amax / 448). On CUDA, a decode step's few rows
-            (at most GEMV_MAX_M) go through kiln.kernels.fp8_gemv (weight-only: activations stay BF16, the
-            codes are converted in registers, so the step reads one byte a weight); more rows quantize the
+            (at most GEMV_MAX_M) go through kiln.kernels.fp8_gemv (weight-only: activations are not quantized,
+            codes and activations meet in an FP16 dot, so the step reads one byte a weight); more rows quantize the
             activations per token to FP8 (kiln.kernels.fp8_rows, one kernel) for torch._scaled_mm
             (row-wise scales). Dequantized weights elsewhere.
 - int8      INT8 weight-only, one scale per output channel (amax / 127). On CUDA, few rows run the same
