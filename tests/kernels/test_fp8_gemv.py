@@ -190,6 +190,23 @@ def test_int4_gemv_matches_dequantized_weights(m, n, k, split, xs):
     assert rel_err(got.cpu(), want) < 1e-5 * 8  # the zero point's term, subtracted per group, cancels some digits
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if not INTERPRETED else []))
+def test_int4_gemv_16_bit_codes_by_their_bits(dtype):
+    """16-bit activations: the codes enter the dot as the floats B + q made from their bits (B = 1024 in FP16,
+    128 in BF16) and B leaves with the zero point; the result is the dequantized product within 16-bit rounding."""
+    from kiln.llm.quantize import dequantize_int4, quantize_int4
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 384, generator=g)
+    packed, scale, zero = quantize_int4(w)
+    x = torch.randn(3, 384, generator=g).to(dtype)
+    in_scale = torch.rand(384, generator=g) + 0.5
+    want = (x.float() * in_scale) @ dequantize_int4(packed, scale, zero, 384).t()
+    got = fg.int4_gemv(x.to(DEV), packed.to(DEV), scale.to(DEV), zero.to(DEV), in_scale.to(DEV),
+                       config=fg.GemvConfig(16, 128, 2, 4, 2))
+    assert got.dtype == dtype and rel_err(got.cpu(), want) < 1e-2
+
+
 def test_launches_pass_only_the_kernels_parameters(monkeypatch):
     """Triton's interpreter ignores a keyword a kernel does not take; the GPU launcher refuses it. Every launch
     of the module's kernels passes exactly the kernel's parameters (positional + keyword)."""
