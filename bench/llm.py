@@ -1,21 +1,31 @@
 """Kiln-LLM end to end on the GPU: a Llama-3-8B-shaped model with random BF16 weights made on the device
-(nothing downloaded), 128 prompt tokens in and 256 out at batch 1 and 64, against Hugging Face transformers'
-`generate` (eager, greedy) on the same weights in the same run, with the HBM roofline.
+(nothing downloaded), against Hugging Face transformers' `generate` on the same weights in the same run, with
+the HBM roofline.
 
-Sections, each guarded so one failing still leaves the others' results:
+Sections (--sections, comma-separated), each guarded so one failing still leaves the others' results, and
+each bounded by its own time limit (--time-limit NAME=SECONDS; a run past it is cut and measured as far as it
+got, "cut" in the table):
   correctness  a tiny Llama (tests/llm/tiny.py) on CUDA: Kiln's greedy tokens (Triton kernels, CUDA graphs)
                against transformers' generate on the same weights (FP32).
-  kiln         the 8B shape, BF16 weights and KV: output tok/s, TTFT, TPOT, e2e p50/p99, decode step time,
-               and the roofline (weight bytes + KV bytes a step over the measured device-copy bandwidth).
-  hf           transformers' generate, eager, same prompts, same lengths (exactly 256 new tokens each).
-  fp8          optional, time permitting: FP8 weights (kiln.llm.quantize) and an FP8 KV cache with scales
-               calibrated on random tokens (keys centred).
-  int4         on request (--sections ...,int4): INT4 weights (groups of 128) at batch 1.
+  kiln         the 8B shape, BF16 weights and KV, 128 in / 256 out at batch 1 and 64: output tok/s, TTFT, TPOT,
+               e2e p50/p99, decode step time, the roofline, host share of the step and its phases.
+  hf           transformers' generate, eager, same prompts (exactly --hf-output-len new tokens each).
+  hfcompile    transformers' generate with its static cache, the forward under torch.compile (compile timed
+               apart).
+  fp8          FP8 weights (kiln.llm.quantize) and an FP8 KV cache with scales calibrated on random tokens
+               (keys centred), as `kiln` at batch 1 and 64.
+  saturated    ISL/OSL 128/128, FP8 weights + FP8 KV, --sat-prompts requests at once with max_num_seqs
+               --sat-seqs (CUDA graphs up to it, the KV pool sized for it): output tok/s.
+  long         ISL/OSL 1000/1000, FP8 weights + FP8 KV, --long-prompts requests, max_num_seqs --long-seqs.
+  kvctx        FP8 KV against BF16 KV (BF16 weights both): one decode step of batch 64 at --ctx tokens of
+               context, the captured graph timed with the KV blocks filled directly (no prefill).
+  int4         INT4 weights (groups of 128) at batch 1.
+  prefix       64 requests sharing a cached 1,024-token prefix: TTFT with and without prefix caching.
 Random weights make the text meaningless; the timing is what it is for any weights of this shape.
 
     python bench/llm.py --out DIR            (GPU; writes DIR/H200-llm.md and .json)
     python bench/llm.py --tiny --out DIR     (a tiny config, any device: checks the script itself)
-    python bench/llm.py --sections kiln,fp8 --out DIR   (only Kiln's BF16 and FP8 runs: about a minute)
+    python bench/llm.py --sections saturated,long,kvctx --out DIR
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -52,13 +63,31 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-def section(results: dict, name: str, fn, *args):
-    log(f"--- {name}")
+class SectionTimeout(Exception):
+    pass
+
+
+def section(results: dict, name: str, fn, *args, limit_s: float | None = None):
+    """Runs one section; past limit_s (an alarm in the main thread) it stops with what it had measured."""
+    log(f"--- {name}" + (f" (time limit {limit_s:.0f} s)" if limit_s else ""))
+
+    def on_alarm(signum, frame):
+        raise SectionTimeout(f"section {name} passed its time limit of {limit_s:.0f} s")
+
+    old = None
+    if limit_s and hasattr(signal, "SIGALRM"):
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit_s)
     try:
         results[name] = fn(*args)
     except Exception as e:
         results[name] = {"error": f"{type(e).__name__}: {e}"}
-        traceback.print_exc()
+        if not isinstance(e, SectionTimeout):
+            traceback.print_exc()
+    finally:
+        if old is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
     log(f"{name}: {json.dumps(results[name], default=str)[:1500]}")
     return results[name]
 
@@ -131,20 +160,63 @@ def correctness(device: str) -> dict:
             "cuda_graph_error": r.graph_error, "blocks_free_after": s["kv_blocks_free"] == s["kv_blocks_total"]}
 
 
-def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="auto", quant=None,
-              kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None) -> dict:
-    t = time.perf_counter()
-    eng = LLMEngine(cfg, tensors, _NoTokenizer(), dtype=dtype_name, device=device, kv_cache_dtype=kv,
-                    max_num_seqs=max_seq, max_num_batched_tokens=8192, max_model_len=in_len + out_len + 16,
-                    num_kv_blocks=num_kv_blocks, gpu_memory_utilization=util,
-                    quantization=None if quantized_weights else quant, kv_scales=kv_scales,
-                    quantized_weights=quantized_weights)
-    out = {"engine_setup_s": time.perf_counter() - t, "kv_blocks": eng.block_manager.num_blocks,
-           "kv_cache_dtype": str(eng.kv_cache_dtype), "weights": quant or dtype_name,
+def make_engine(tensors, cfg, device, dtype_name, max_len, kv="auto", kv_scales=None, max_seq=64,
+                num_kv_blocks=None, util=0.85, quantized_weights=None, quant=None) -> LLMEngine:
+    return LLMEngine(cfg, tensors, _NoTokenizer(), dtype=dtype_name, device=device, kv_cache_dtype=kv,
+                     max_num_seqs=max_seq, max_num_batched_tokens=8192, max_model_len=max_len,
+                     num_kv_blocks=num_kv_blocks, gpu_memory_utilization=util,
+                     quantization=None if quantized_weights else quant, kv_scales=kv_scales,
+                     quantized_weights=quantized_weights)
+
+
+def engine_facts(eng, setup_s: float, weights: str) -> dict:
+    out = {"engine_setup_s": setup_s, "kv_blocks": eng.block_manager.num_blocks,
+           "kv_cache_dtype": str(eng.kv_cache_dtype).removeprefix("torch."), "weights": weights,
            "kv_tokens_capacity": eng.block_manager.num_blocks * eng.block_manager.block_size,
+           "max_num_seqs": eng.scheduler.max_num_seqs,
            "cuda_graphs": sorted(eng.runner.graphs), "cuda_graph_error": eng.runner.graph_error}
     bw = bm.copy_bandwidth(eng.device) if eng.device.type == "cuda" else None
     out["copy_bandwidth_GBs"] = bw / 1e9 if bw else None
+    return out
+
+
+def measure(eng, prompts, out_lens, batch: int, bw_GBs, time_limit_s=None) -> dict:
+    """One timed run (all prompts at once) with host phases, the roofline at `batch` and the decode graph's
+    GPU time (host share of the step = 1 - graph time / decode step wall time)."""
+    with HostPhases(eng) as phases:
+        r = bm.run_requests(eng, prompts, out_lens, time_limit_s=time_limit_s)
+    r["host_phases_us_per_step"] = phases.per_step(r["steps"], r["wall_s"])
+    r["batch"], r["input_len"], r["output_len"] = batch, len(prompts[0]), max(out_lens)
+    if bw_GBs:
+        rf = bm.roofline(eng, batch, len(prompts[0]) + max(out_lens) / 2, bw_GBs * 1e9)
+        r.update({k: rf[k] for k in ("weight_bytes", "kv_bytes_per_step", "roofline_step_ms", "roofline_tok_s")})
+        r["roofline_fraction"] = r["output_tok_s"] / rf["roofline_tok_s"]
+    if eng.device.type == "cuda" and eng.runner.graphs and eng.runner._bucket(batch):
+        r["graph_replay_ms"] = replay_ms(eng, batch)
+        if r.get("decode_step_ms"):
+            r["host_fraction_of_step"] = 1 - r["graph_replay_ms"] / r["decode_step_ms"]
+    log(f"{eng.model_name}, batch {batch}, {r['input_len']}/{r['output_len']}: {r['output_tok_s']:.1f} tok/s "
+        f"({r['output_tokens']} tokens in {r['wall_s']:.1f} s{', cut' if r['cut'] else ''}), decode step "
+        f"{r.get('decode_step_ms') or 0:.2f} ms, graph {r.get('graph_replay_ms') or 0:.2f} ms, host share "
+        f"{100 * (r.get('host_fraction_of_step') or 0):.0f}%, TTFT p50 {r['ttft_ms_p50'] or 0:.0f} ms, TPOT p50 "
+        f"{r['tpot_ms_p50'] or 0:.2f} ms; host phases us/step {r['host_phases_us_per_step']}")
+    return r
+
+
+def release() -> None:
+    """After the last reference to an engine is dropped: its KV pool and graphs go back to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="auto", quant=None,
+              kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None) -> dict:
+    t = time.perf_counter()
+    eng = make_engine(tensors, cfg, device, dtype_name, in_len + out_len + 16, kv, kv_scales, max_seq,
+                      num_kv_blocks, util, quantized_weights, quant)
+    eng.model_name = f"kiln {quant or dtype_name} kv={kv}"
+    out = engine_facts(eng, time.perf_counter() - t, quant or dtype_name)
     vocab = cfg["vocab_size"]
     for b in batches:
         prompts = bm.random_prompts(vocab, [in_len] * b, seed=b)
@@ -152,53 +224,100 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
         # divisible by 16, so a smaller warm-up could leave a compile inside the first timed prefill), with other
         # prompts than the timed ones, which must not find their prefixes cached.
         bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + b), [2] * b)
-        with HostPhases(eng) as phases:
-            r = bm.run_requests(eng, prompts, [out_len] * b)
-        r["host_phases_us_per_step"] = phases.per_step(r["steps"], r["wall_s"])
-        if bw:
-            rf = bm.roofline(eng, b, in_len + out_len / 2, bw)
-            r.update({k: rf[k] for k in ("weight_bytes", "kv_bytes_per_step", "roofline_step_ms", "roofline_tok_s")})
-            r["roofline_fraction"] = r["output_tok_s"] / rf["roofline_tok_s"]
-            if r.get("decode_step_ms"):
-                r["decode_step_fraction_of_roofline"] = rf["roofline_step_ms"] / r["decode_step_ms"]
-        if eng.device.type == "cuda" and eng.runner.graphs:
-            r["graph_replay_ms"] = replay_ms(eng, b)
-            if r.get("decode_step_ms"):
-                r["host_fraction_of_step"] = 1 - r["graph_replay_ms"] / r["decode_step_ms"]
-        out[f"batch{b}"] = r
-        log(f"kiln {quant or dtype_name} kv={kv} batch {b}: {r['output_tok_s']:.1f} tok/s, "
-            f"decode step {r.get('decode_step_ms') or 0:.2f} ms, graph {r.get('graph_replay_ms') or 0:.2f} ms, "
-            f"host share {100 * (r.get('host_fraction_of_step') or 0):.0f}%, roofline "
-            f"{r.get('roofline_tok_s') or 0:.1f}; host phases us/step {r['host_phases_us_per_step']}")
+        out[f"batch{b}"] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
     del eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release()
+    return out
+
+
+def saturated(tensors, cfg, device, dtype_name, in_len, out_len, seqs, n_prompts, limit_s, fp8) -> dict:
+    """Throughput with the batch full: n_prompts requests submitted at once, max_num_seqs = seqs, FP8 weights
+    and FP8 KV, the KV pool sized for seqs sequences at full length. Stops measuring before limit_s."""
+    t0 = time.perf_counter()
+    scales, weights = fp8()
+    t = time.perf_counter()
+    eng = make_engine(tensors, cfg, device, dtype_name, in_len + out_len + 16, "fp8", scales, seqs,
+                      quantized_weights=weights, util=0.9)
+    eng.model_name = "kiln fp8 weights + fp8 KV, saturated"
+    out = engine_facts(eng, time.perf_counter() - t, "fp8")
+    out["fp8_weights_and_scales_s"] = t - t0
+    log(f"engine ready: {out}")
+    vocab = cfg["vocab_size"]
+    # Warm-up: one full batch's prefill and a few decode steps, other prompts than the timed ones.
+    left = limit_s - (time.perf_counter() - t0)
+    bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * seqs, seed=3000), [3] * seqs,
+                    time_limit_s=max(1.0, left * 0.25))
+    out["warmup_s"] = time.perf_counter() - t0 - out["engine_setup_s"] - out["fp8_weights_and_scales_s"]
+    left = limit_s - (time.perf_counter() - t0) - 6  # the graph timing and freeing after the run
+    prompts = bm.random_prompts(vocab, [in_len] * n_prompts, seed=3001)
+    out["run"] = measure(eng, prompts, [out_len] * n_prompts, seqs, out["copy_bandwidth_GBs"],
+                         time_limit_s=max(1.0, left))
+    del eng
+    release()
+    return out
+
+
+def kv_context(tensors, cfg, device, dtype_name, ctx, batch, fp8) -> dict:
+    """FP8 KV against BF16 KV, BF16 weights both: the decode graph of `batch` sequences at ctx tokens each."""
+    scales, _ = fp8(weights=False)
+    out = {}
+    blocks = batch * -(-ctx // 16) + batch
+    for kv in ("auto", "fp8"):
+        t = time.perf_counter()
+        eng = make_engine(tensors, cfg, device, dtype_name, ctx + 16, kv, scales if kv == "fp8" else None,
+                          batch, num_kv_blocks=blocks)
+        if not eng.runner.graphs:  # the CPU target (a script check): the graphs' step functions, run eagerly
+            eng.runner.make_static_buffers(batch)
+            eng.runner.graphs = {batch: eng.runner.static_decode_step(batch)}
+        r = bm.decode_step_at_context(eng, batch, ctx)
+        r["engine_setup_s"] = time.perf_counter() - t
+        bw = bm.copy_bandwidth(eng.device) if eng.device.type == "cuda" else None
+        r["roofline_step_ms"] = (r["weight_bytes"] + r["kv_bytes_per_step"]) / bw * 1000 if bw else None
+        out.setdefault("runs", []).append(r)
+        log(f"kv {r['kv_cache_dtype']} batch {batch} at {ctx} context: step {r['step_ms']:.2f} ms "
+            f"({r['tok_s']:.0f} tok/s; roofline {_f(r['roofline_step_ms'], '.2f')} ms)")
+        del eng
+        release()
+    base, f8 = out["runs"]
+    out["fp8_speedup"] = base["step_ms"] / f8["step_ms"]
+    out["batch"], out["context"] = batch, ctx
     return out
 
 
 class HostPhases:
-    """Wall time of a run's scheduler, input preparation, forward launch (replay: host-to-device copies and the
-    graph launch) and sampler (argmax and the wait for the GPU) calls; the engine's own bookkeeping is the rest."""
+    """Wall time per step in the scheduler, input preparation, the forward's launch (run_inputs: the
+    host-to-device copies and the graph launch, or the eager forward), collect (the wait for the GPU's tokens,
+    or the sampler) and the engine's own bookkeeping (the rest); and launch_path: from a step's tokens
+    reaching the host to the next step queued on the device, the host time the GPU waits on."""
 
     def __init__(self, eng):
         self.eng, self.totals = eng, {}
         self.targets = [(eng.scheduler, "schedule"), (eng.runner, "prepare"), (eng.runner, "run_inputs"),
-                        (eng.runner, "sampler")]
+                        (eng.runner, "collect"), (eng, "_launch")]
+        self.collected_at = None
 
     def __enter__(self):
         self.saved = []
+        self.totals = {name: 0.0 for _, name in self.targets if name != "_launch"}
+        self.totals["launch_path"] = 0.0
         for obj, name in self.targets:
             fn = getattr(obj, name)
-            self.saved.append((obj, name, vars(obj).get(name)))  # an instance attribute (the sampler) or None
-            self.totals[name] = 0.0
+            self.saved.append((obj, name, vars(obj).get(name)))  # an instance attribute or None
 
             def timed(*a, _fn=fn, _name=name, **k):
                 t = time.perf_counter()
                 try:
                     return _fn(*a, **k)
                 finally:
-                    self.totals[_name] += time.perf_counter() - t
+                    now = time.perf_counter()
+                    if _name == "_launch":
+                        if self.collected_at is not None:
+                            self.totals["launch_path"] += now - self.collected_at
+                            self.collected_at = None
+                    else:
+                        self.totals[_name] += now - t
+                        if _name == "collect":
+                            self.collected_at = now
 
             setattr(obj, name, timed)
         return self
@@ -212,8 +331,9 @@ class HostPhases:
         return False
 
     def per_step(self, steps: int, wall_s: float) -> dict:
-        out = {k: round(v / steps * 1e6, 1) for k, v in self.totals.items()}
-        out["engine_rest"] = round(wall_s / steps * 1e6 - sum(out.values()), 1)
+        out = {k: round(v / max(steps, 1) * 1e6, 1) for k, v in self.totals.items()}
+        out["engine_rest"] = round(wall_s / max(steps, 1) * 1e6 - sum(v for k, v in out.items()
+                                                                      if k != "launch_path"), 1)
         return out
 
 
@@ -255,29 +375,38 @@ def prefix_caching(tensors, cfg, device, dtype_name, prefix_len=1024, suffix_len
     return out
 
 
-def hf_runs(hf, vocab, batches, in_len, out_len) -> dict:
+def hf_runs(hf, vocab, batches, in_len, out_len, static_compiled=False) -> dict:
     if hf is None:
         return {"error": "transformers model unavailable"}
     out = {}
     for b in batches:
         prompts = bm.random_prompts(vocab, [in_len] * b, seed=b)
-        bm.hf_generate_baseline(hf, prompts[:1], 4, 1)  # warm-up
-        out[f"batch{b}"] = r = bm.hf_generate_baseline(hf, prompts, out_len, b)
-        log(f"hf batch {b}: {r['output_tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms a step")
+        if not static_compiled:
+            bm.hf_generate_baseline(hf, prompts[:1], 4, 1)  # warm-up
+        out[f"batch{b}"] = r = bm.hf_generate_baseline(hf, prompts, out_len, b, static_compiled=static_compiled)
+        log(f"hf {r['mode']} batch {b}: {r['output_tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms a step"
+            + (f" (compile {r['compile_s']:.1f} s)" if "compile_s" in r else ""))
     return out
 
 
-def fp8_kv_scales(tensors, cfg, device, dtype_name, vocab):
+def fp8_assets(tensors, cfg, device, dtype_name, weights: bool):
+    """FP8 KV scales calibrated on random tokens (keys centred) or (weights) every decoder matrix in FP8 (per
+    output channel), from a DecoderModel of the shared tensors."""
+    from kiln.llm import quantize
     from kiln.llm.calibrate import calibrate_kv_scales
     from kiln.llm.config import ModelConfig
     from kiln.llm.engine import DTYPES
     from kiln.llm.model import DecoderModel
 
     model = DecoderModel(ModelConfig.from_hf(cfg), tensors, DTYPES[dtype_name], torch.device(device))
-    ids = bm.random_prompts(vocab, [1024], seed=99)[0]
-    scales = calibrate_kv_scales(model, ids, "fp8", window=512, centre_keys=True)
+    if weights:
+        out = {k: quantize.quantize_fp8(w) for k, w in quantize.linear_weights(model).items()}
+    else:
+        ids = bm.random_prompts(cfg["vocab_size"], [1024], seed=99)[0]
+        out = calibrate_kv_scales(model, ids, "fp8", window=512, centre_keys=True)
     del model
-    return scales
+    release()
+    return out
 
 
 def int4_weights(tensors, cfg, device, dtype_name) -> dict:
@@ -300,85 +429,123 @@ def int4_weights(tensors, cfg, device, dtype_name) -> dict:
     return out
 
 
+def _f(v, fmt=".1f"):
+    return "-" if v is None else format(v, fmt)
+
+
+def _run_row(label: str, r: dict, hf_tok_s=None) -> str:
+    vs = f"{r['output_tok_s'] / hf_tok_s:.1f}x" if hf_tok_s else "-"
+    host = r.get("host_fraction_of_step")
+    return (f"| {label} | {r['batch']} | {r['input_len']}/{r['output_len']} | {r['requests']}"
+            f"{' (cut at ' + format(r['wall_s'], '.0f') + ' s, ' + str(r['finished']) + ' done)' if r.get('cut') else ''}"
+            f" | {r['output_tok_s']:,.1f} | {_f(r['ttft_ms_p50'])} / {_f(r['ttft_ms_p99'])} | "
+            f"{_f(r['tpot_ms_p50'], '.2f')} / {_f(r['tpot_ms_p99'], '.2f')} | {_f(r.get('decode_step_ms'), '.2f')} | "
+            f"{_f(r.get('graph_replay_ms'), '.2f')} | {_f(100 * host if host is not None else None, '.0f')}% | "
+            f"{_f(r.get('roofline_tok_s'))} | {vs} |")
+
+
 def render(res: dict, args) -> str:
     env = res.get("env", {})
     lines = [f"# Kiln-LLM on {env.get('gpu', '?')}: Llama-3-8B shape, random BF16 weights"
              if not args.tiny else "# Kiln-LLM bench, tiny config (script check)", "",
-             f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}; "
-             f"{args.input_len} prompt tokens in, {args.output_len} out (greedy, exactly that many). "
-             "Command: `python bench/llm.py --out DIR`.", ""]
-    c = res.get("correctness", {})
-    lines += ["## Correctness (tiny Llama, 6 heads over 2 KV heads, FP32, on the device)", "",
-              f"- greedy tokens equal to transformers' generate: {c.get('tokens_equal_to_hf', c.get('error'))}",
-              f"- CUDA graphs captured at batch sizes {c.get('cuda_graphs')} (error: {c.get('cuda_graph_error')});"
-              f" all KV blocks free after: {c.get('blocks_free_after')}", ""]
-    hf = res.get("hf", {})
+             f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}. "
+             f"Command: `python bench/llm.py {' '.join(sys.argv[1:])}`.", ""]
+    c = res.get("correctness")
+    if c:
+        lines += ["## Correctness (tiny Llama, 6 heads over 2 KV heads, FP32, on the device)", "",
+                  f"- greedy tokens equal to transformers' generate: {c.get('tokens_equal_to_hf', c.get('error'))}",
+                  f"- CUDA graphs captured at batch sizes {c.get('cuda_graphs')} (error: {c.get('cuda_graph_error')});"
+                  f" all KV blocks free after: {c.get('blocks_free_after')}", ""]
+    hf = res.get("hf") if isinstance(res.get("hf"), dict) else {}
     lines += ["## Throughput and latency", "",
-              "| run | batch | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms | "
-              "decode step ms |"
-              " roofline tok/s | % of roofline | vs HF |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-
-    def f(v, fmt=".1f"):
-        return "-" if v is None else format(v, fmt)
-
-    for name in ("kiln", "kiln_fp8", "kiln_int4"):
+              "| run | batch (max_num_seqs) | ISL/OSL | requests | output tok/s | TTFT p50 / p99 ms | "
+              "TPOT p50 / p99 ms | decode step ms | CUDA graph ms | host share | roofline tok/s | vs HF eager |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    labels = {"kiln": "Kiln BF16 weights, BF16 KV", "kiln_fp8": "Kiln FP8 weights, FP8 KV",
+              "kiln_int4": "Kiln INT4 weights, BF16 KV"}
+    for name, label in labels.items():
         run = res.get(name)
-        if not isinstance(run, dict) or "error" in run:
-            if run:
-                lines.append(f"| {name} | - | failed: {run.get('error')} | | | | | | | |")
+        if not isinstance(run, dict):
             continue
-        for b in args.batches:
-            r = run.get(f"batch{b}")
-            if not r:
-                continue
-            h = hf.get(f"batch{b}", {}) if isinstance(hf, dict) else {}
-            vs = f"{r['output_tok_s'] / h['output_tok_s']:.1f}x" if h.get("output_tok_s") else "-"
-            label = f"Kiln {run['weights']} weights, KV {run['kv_cache_dtype'].replace('torch.', '')}"
-            lines.append(
-                f"| {label} | {b} | {r['output_tok_s']:.1f} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | "
-                f"{f(r['tpot_ms_p50'], '.2f')} / {f(r['tpot_ms_p99'], '.2f')} | {f(r['e2e_ms_p50'])} / "
-                f"{f(r['e2e_ms_p99'])} | {f(r.get('decode_step_ms'), '.2f')} | {f(r.get('roofline_tok_s'))} | "
-                f"{f(100 * r['roofline_fraction'] if r.get('roofline_fraction') else None)} | {vs} |")
-    if isinstance(hf, dict):
-        for b in args.batches:
-            h = hf.get(f"batch{b}")
-            if h:
-                lines.append(f"| HF transformers generate (eager) | {b} | {h['output_tok_s']:.1f} | | "
-                             f"{h['step_ms']:.2f} (mean step) | {h['wall_s'] * 1000:.0f} (whole batch) | | | | |")
-        if "error" in hf:
-            lines.append(f"| HF transformers generate | - | failed: {hf['error']} | | | | | | | |")
-    k = res.get("kiln", {})
-    if isinstance(k, dict) and "error" not in k:
-        lines += ["", f"KV pool: {k.get('kv_blocks')} blocks of 16 tokens ({k.get('kv_tokens_capacity')} tokens) at "
-                  f"gpu_memory_utilization 0.85 with the HF model also resident; device-copy bandwidth "
-                  f"{f(k.get('copy_bandwidth_GBs'), '.0f')} GB/s (read + write of a 1 GiB copy). Engine setup "
-                  f"(weights fused, KV allocated, CUDA graphs captured) {f(k.get('engine_setup_s'))} s."]
-    for name in ("kiln", "kiln_fp8", "kiln_int4"):
+        if "error" in run:
+            lines.append(f"| {label} | - | - | - | failed: {run['error']} |||||||")
+            continue
+        for key in sorted(k for k in run if k.startswith("batch")):
+            h = hf.get(key, {})
+            lines.append(_run_row(label, run[key], h.get("output_tok_s")))
+    for name, label in (("saturated", "Kiln FP8 weights + FP8 KV, saturated"),
+                        ("long", "Kiln FP8 weights + FP8 KV, saturated, long")):
         run = res.get(name)
-        if isinstance(run, dict) and "error" not in run:
-            for b in args.batches:
-                r = run.get(f"batch{b}", {})
-                if r.get("graph_replay_ms"):
-                    lines.append(f"- {name} batch {b}: decode step {r['decode_step_ms']:.2f} ms wall, its CUDA graph "
-                                 f"{r['graph_replay_ms']:.2f} ms on the GPU: host share "
-                                 f"{100 * r['host_fraction_of_step']:.0f}% of the step; host phases, us a step "
-                                 f"(sampler includes the wait for the GPU): {r.get('host_phases_us_per_step')}")
+        if isinstance(run, dict):
+            if "error" in run and "run" not in run:
+                lines.append(f"| {label} ({name}) | - | - | - | failed: {run['error']} |||||||")
+            elif "run" in run:
+                lines.append(_run_row(label, run["run"]))
+    for name in ("hf", "hf_compiled"):
+        h = res.get(name)
+        if not isinstance(h, dict):
+            continue
+        if "error" in h:
+            lines.append(f"| HF transformers generate ({name}) | - | - | - | failed: {h['error']} |||||||")
+            continue
+        for key in sorted(k for k in h if k.startswith("batch")):
+            r = h[key]
+            extra = f" (compile {r['compile_s']:.0f} s, untimed)" if "compile_s" in r else ""
+            lines.append(f"| HF generate, {r['mode']}{extra} | {r['batch']} | {args.input_len}/{r['output_len']} | "
+                         f"{r['batch']} | {r['output_tok_s']:,.1f} | | {r['step_ms']:.2f} (mean step) | | | | | 1.0x |"
+                         if r["mode"] == "eager" else
+                         f"| HF generate, {r['mode']}{extra} | {r['batch']} | {args.input_len}/{r['output_len']} | "
+                         f"{r['batch']} | {r['output_tok_s']:,.1f} | | {r['step_ms']:.2f} (mean step) | | | | | |")
+    lines.append("")
+    kv = res.get("kvctx")
+    if isinstance(kv, dict):
+        lines += ["## FP8 KV against BF16 KV: one decode step at long context (BF16 weights both)", ""]
+        if "error" in kv:
+            lines.append(f"- failed: {kv['error']}")
+        else:
+            lines += ["| KV cache | batch | context | step ms (CUDA graph) | tok/s | KV GB a step | roofline step ms |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in kv.get("runs", []):
+                if r:
+                    lines.append(f"| {r['kv_cache_dtype']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['tok_s']:,.0f} | "
+                                 f"{r['kv_bytes_per_step'] / 1e9:.1f} | {_f(r['roofline_step_ms'], '.2f')} |")
+            if kv.get("fp8_speedup"):
+                lines.append(f"\nFP8 KV decode step {kv['fp8_speedup']:.2f}x faster than BF16 KV (target >= 1.4x).")
+        lines.append("")
+    notes = []
+    for name in ("kiln", "kiln_fp8", "kiln_int4", "saturated", "long"):
+        run = res.get(name)
+        if not isinstance(run, dict) or "error" in run and "run" not in run:
+            continue
+        notes.append(f"- {name}: KV pool {run.get('kv_blocks')} blocks of 16 ({run.get('kv_tokens_capacity')} tokens, "
+                     f"{run.get('kv_cache_dtype')}), max_num_seqs {run.get('max_num_seqs')}, CUDA graphs at "
+                     f"{run.get('cuda_graphs')}, engine setup {_f(run.get('engine_setup_s'))} s, device-copy "
+                     f"bandwidth {_f(run.get('copy_bandwidth_GBs'), '.0f')} GB/s")
+        for key in sorted(k for k in run if k.startswith("batch") or k == "run"):
+            r = run[key]
+            notes.append(f"  - batch {r['batch']}: host phases, us a step (collect = the wait for the GPU's tokens; "
+                         f"launch_path = tokens on the host to the next step queued): {r.get('host_phases_us_per_step')}")
     pc = res.get("prefix_caching")
     if isinstance(pc, dict):
         if "error" in pc:
-            lines.append(f"- prefix caching: {pc['error']}")
+            notes.append(f"- prefix caching: {pc['error']}")
         else:
-            lines.append(f"- prefix caching, {pc['requests']} requests sharing a cached {pc['prefix_len']}-token "
-                         f"prefix (+{pc['suffix_len']} own tokens), one "
-                         f"output token: TTFT p50 {pc['on']['ttft_ms_p50']:.1f} ms with caching, "
-                         f"{pc['off']['ttft_ms_p50']:.1f} ms without ({pc['ttft_p50_speedup']:.1f}x); hits "
-                         f"{pc['on']['prefix_cache_hits']} of {pc['on']['prefix_cache_queries']} prompt tokens")
+            notes.append(f"- prefix caching, {pc['requests']} requests sharing a cached {pc['prefix_len']}-token "
+                         f"prefix (+{pc['suffix_len']} own tokens), one output token: TTFT p50 "
+                         f"{pc['on']['ttft_ms_p50']:.1f} ms with caching, {pc['off']['ttft_ms_p50']:.1f} ms without "
+                         f"({pc['ttft_p50_speedup']:.1f}x); hits {pc['on']['prefix_cache_hits']} of "
+                         f"{pc['on']['prefix_cache_queries']} prompt tokens")
+    lines += notes
     lines += ["", "Roofline: a decode step reads every weight once plus each sequence's K/V (average context "
               "= prompt + half the output); bound = batch / ((weight bytes + KV bytes) / bandwidth). "
               "TTFT/e2e are measured from submitting all requests at once; TPOT = (last - first token) / "
-              "(tokens - 1).", ""]
+              "(tokens - 1); host share = 1 - (the decode batch's CUDA graph time) / (decode step wall time). "
+              "A run cut at its time limit reports the output tokens made until then over that time.", ""]
     return "\n".join(lines)
+
+
+LIMITS = {"correctness": 60, "kiln": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
+          "kvctx": 40, "int4": 60, "prefix": 60}
 
 
 def main():
@@ -388,19 +555,39 @@ def main():
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--budget-s", type=float, default=210, help="skip optional sections past this time")
-    ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--hf-output-len", type=int, default=None, help="new tokens for HF generate (default: --output-len)")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=None, help="default: --batches")
+    ap.add_argument("--sat-len", type=int, default=128, help="saturated: ISL = OSL")
+    ap.add_argument("--sat-seqs", type=int, default=512, help="saturated: max_num_seqs")
+    ap.add_argument("--sat-prompts", type=int, default=1024, help="saturated: requests")
+    ap.add_argument("--long-seqs", type=int, default=256, help="long (1000/1000): max_num_seqs")
+    ap.add_argument("--long-prompts", type=int, default=256, help="long: requests")
+    ap.add_argument("--long-len", type=int, default=1000, help="long: ISL = OSL")
+    ap.add_argument("--ctx", type=int, default=4096, help="kvctx: tokens of context per sequence")
+    ap.add_argument("--ctx-batch", type=int, default=64, help="kvctx: batch")
+    ap.add_argument("--time-limit", action="append", default=[], metavar="SECTION=SECONDS",
+                    help=f"a section's time limit (repeatable; defaults {LIMITS})")
     ap.add_argument("--sections", default="correctness,kiln,hf,fp8,prefix",
-                    help="comma-separated sections to run (default: correctness,kiln,hf,fp8,prefix; also int4)")
+                    help="comma-separated sections to run (default: correctness,kiln,hf,fp8,prefix; also "
+                         "hfcompile, saturated, long, kvctx, int4)")
     args = ap.parse_args()
+    limits = dict(LIMITS)
+    for item in args.time_limit:
+        name, _, v = item.partition("=")
+        limits[name] = float(v)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = TINY if args.tiny else LLAMA3_8B
     if args.tiny:
         args.output_len, args.input_len = min(args.output_len, 16), min(args.input_len, 16)
         args.batches = [b for b in args.batches if b <= 8] or [1, 4]
+        args.sat_seqs, args.sat_prompts, args.sat_len = min(args.sat_seqs, 8), min(args.sat_prompts, 16), 16
+        args.long_seqs, args.long_prompts, args.long_len = min(args.long_seqs, 4), min(args.long_prompts, 4), 24
+        args.ctx, args.ctx_batch = min(args.ctx, 256), min(args.ctx_batch, 4)
+    hf_out = args.hf_output_len or args.output_len
+    hf_batches = args.hf_batches or args.batches
     dtype_name = "bf16" if device == "cuda" else "fp32"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    res: dict = {"env": {"device": device, "torch": torch.__version__,
+    res: dict = {"env": {"device": device, "torch": torch.__version__, "argv": sys.argv[1:],
                          "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu"}}
     for mod in ("triton", "transformers"):
         try:
@@ -414,44 +601,63 @@ def main():
         (out / "H200-llm.json").write_text(json.dumps(res, indent=1, default=str))
         (out / "H200-llm.md").write_text(render(res, args))
 
-    want = set(args.sections.split(","))
-    if "fp8" not in want:
-        args.no_fp8 = True
+    want = args.sections.split(",")
+    unknown = sorted(set(want) - set(LIMITS))
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {sorted(LIMITS)}")
     if "correctness" in want:
-        section(res, "correctness", correctness, device)
+        section(res, "correctness", correctness, device, limit_s=limits["correctness"])
         save()
     log("making weights")
     hf, tensors = make_weights(cfg, device, dtype)
     kv_blocks = None if device == "cuda" else 256
-    if "kiln" in want:
-        section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
-                args.output_len, "auto", None, None, max(args.batches), kv_blocks)
-        save()
-    if "hf" in want:
-        section(res, "hf", hf_runs, hf, cfg["vocab_size"], args.batches, args.input_len, args.output_len)
-        save()
-    del hf
-    if not args.no_fp8 and time.perf_counter() - T0 < args.budget_s - 40:
-        def fp8_run():
-            scales = fp8_kv_scales(tensors, cfg, device, dtype_name, cfg["vocab_size"])
-            return kiln_runs(tensors, cfg, device, dtype_name, args.batches, args.input_len, args.output_len,
-                             "fp8", "fp8", scales, max(args.batches), kv_blocks)
+    cache: dict = {}
 
-        section(res, "kiln_fp8", fp8_run)
-    else:
-        res["kiln_fp8"] = {"error": "skipped (time budget)"}
-    save()
-    if "int4" in want:  # batch 1 only: above GEMV_MAX_M rows INT4 still dequantizes its weights each step
-        section(res, "kiln_int4", lambda: kiln_runs(
-            tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
-            max(args.batches), kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name)))
+    def fp8(weights: bool = True):
+        """(FP8 KV scales, FP8 weights or None), each made on first use and shared by the FP8 sections."""
+        for key in ("scales", "weights") if weights else ("scales",):
+            if key not in cache:
+                t = time.perf_counter()
+                cache[key] = fp8_assets(tensors, cfg, device, dtype_name, key == "weights")
+                log(f"FP8 {key} made in {time.perf_counter() - t:.1f} s")
+        return cache["scales"], cache.get("weights")
+
+    max_b = max(args.batches)
+    for name in want:
+        limit = limits[name]
+        if name == "kiln":
+            section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
+                    args.output_len, "auto", None, None, max_b, kv_blocks, limit_s=limit)
+        elif name == "hf":
+            section(res, "hf", hf_runs, hf, cfg["vocab_size"], hf_batches, args.input_len, hf_out, limit_s=limit)
+        elif name == "hfcompile":
+            section(res, "hf_compiled", hf_runs, hf, cfg["vocab_size"], hf_batches, args.input_len, hf_out, True,
+                    limit_s=limit)
+        elif name == "fp8":
+            section(res, "kiln_fp8", lambda: kiln_runs(
+                tensors, cfg, device, dtype_name, args.batches, args.input_len, args.output_len, "fp8", "fp8",
+                fp8()[0], max_b, kv_blocks, quantized_weights=fp8()[1]), limit_s=limit)
+        elif name == "saturated":
+            section(res, "saturated", saturated, tensors, cfg, device, dtype_name, args.sat_len, args.sat_len,
+                    args.sat_seqs, args.sat_prompts, limit, fp8, limit_s=limit + 10)
+        elif name == "long":
+            section(res, "long", saturated, tensors, cfg, device, dtype_name, args.long_len, args.long_len,
+                    args.long_seqs, args.long_prompts, limit, fp8, limit_s=limit + 10)
+        elif name == "kvctx":
+            section(res, "kvctx", kv_context, tensors, cfg, device, dtype_name, args.ctx, args.ctx_batch, fp8,
+                    limit_s=limit)
+        elif name == "int4":  # batch 1 only: above GEMV_MAX_M rows INT4 still dequantizes its weights each step
+            section(res, "kiln_int4", lambda: kiln_runs(
+                tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
+                max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name)),
+                limit_s=limit)
+        elif name == "prefix":
+            section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name,
+                    1024 if not args.tiny else 64, limit_s=limit)
         save()
-    if "prefix" in want and time.perf_counter() - T0 < args.budget_s - 25:
-        prefix_len = 1024 if not args.tiny else 64
-        section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name, prefix_len)
-    else:
-        res["prefix_caching"] = {"error": "skipped (time budget)"}
-    save()
+        if name in ("hf", "hfcompile") and not {"hf", "hfcompile"} & set(want[want.index(name) + 1:]):
+            hf = None  # the HF model's own copies (not the shared weights) go
+            release()
     log(f"done; wrote {out / 'H200-llm.md'}")
     print(render(res, args))
 

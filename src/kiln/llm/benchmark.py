@@ -45,8 +45,10 @@ def sharegpt_like_lengths(num: int, max_len: int, seed: int = 0) -> list[tuple[i
     return pairs
 
 
-def run_requests(engine, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Runs all prompts to their output length (ignore_eos) and measures them."""
+def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_limit_s: float | None = None) -> dict:
+    """Runs all prompts to their output length (greedy, ignore_eos) and measures them. time_limit_s: stop
+    stepping once this much wall time has passed, abort what is left and measure what ran ("cut": True): the
+    output tokens made in that time over that time, and the latencies of the requests that got that far."""
     from kiln.llm.sampling import SamplingParams
 
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -54,40 +56,53 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int]) -> di
     t0 = time.perf_counter()
     params = {n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, output_kind="final_only")
               for n in set(output_lens)}
+    seqs = []
     for i, (p, n) in enumerate(zip(prompts, output_lens)):
         engine.add_request(f"bench-{i}", p, params[n], arrival_time=t0)
-    finished, steps, decode_steps, decode_time = [], 0, 0, 0.0
+        seqs.append(engine.requests[f"bench-{i}"].seqs[0])
+    tokens_before = engine.generation_tokens_total
+    steps, decode_steps, decode_time, cut = 0, 0, 0.0, False
     while engine.has_unfinished_requests():
+        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+            cut = True
+            break
         s0 = time.perf_counter()
         running_before = len(engine.scheduler.running)
         waiting_before = len(engine.scheduler.waiting)
-        outs = engine.step()
+        engine.step()
         dt = time.perf_counter() - s0
         steps += 1
         if waiting_before == 0 and running_before and all(s.num_computed_tokens >= s.prompt_len
                                                           for s in engine.scheduler.running):
             decode_steps += 1
             decode_time += dt
-        finished += [o for o in outs if o.finished]
     sync()
     wall = time.perf_counter() - t0
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in finished]
-    e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in finished]
-    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-            for o in finished if len(o.outputs[0].token_ids) > 1]
+    out_tokens = engine.generation_tokens_total - tokens_before
+    for i in range(len(prompts)):
+        engine.abort_request(f"bench-{i}")
+    ttft = [s.first_token_time - s.arrival_time for s in seqs if s.first_token_time is not None]
+    done = [s for s in seqs if s.finish_reason == "length"]
+    e2e = [s.finish_time - s.arrival_time for s in done]
+    tpot = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1) for s in done
+            if s.num_output_tokens > 1]
     ms = 1000.0
     return {
-        "requests": len(finished), "output_tokens": out_tokens, "wall_s": wall, "steps": steps,
-        "output_tok_s": out_tokens / wall,
-        "total_tok_s": (out_tokens + sum(len(p) for p in prompts)) / wall,
-        "ttft_ms_p50": percentile(ttft, 0.5) * ms, "ttft_ms_p99": percentile(ttft, 0.99) * ms,
-        "tpot_ms_p50": percentile(tpot, 0.5) * ms if tpot else None,
-        "tpot_ms_p99": percentile(tpot, 0.99) * ms if tpot else None,
-        "e2e_ms_p50": percentile(e2e, 0.5) * ms, "e2e_ms_p99": percentile(e2e, 0.99) * ms,
+        "requests": len(prompts), "finished": len(done), "cut": cut, "output_tokens": out_tokens, "wall_s": wall,
+        "steps": steps, "output_tok_s": out_tokens / wall,
+        # prompt tokens of the requests that reached their first token
+        "total_tok_s": (out_tokens + sum(len(p) for p, s in zip(prompts, seqs) if s.first_token_time)) / wall,
+        "ttft_ms_p50": _ms(percentile(ttft, 0.5)), "ttft_ms_p99": _ms(percentile(ttft, 0.99)),
+        "tpot_ms_p50": _ms(percentile(tpot, 0.5)), "tpot_ms_p99": _ms(percentile(tpot, 0.99)),
+        "e2e_ms_p50": _ms(percentile(e2e, 0.5)), "e2e_ms_p99": _ms(percentile(e2e, 0.99)),
         "decode_step_ms": decode_time / decode_steps * ms if decode_steps else None,
+        "decode_steps": decode_steps,
         "cuda_graphs": sorted(engine.runner.graphs), "cuda_graph_error": engine.runner.graph_error,
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -113,23 +128,94 @@ def roofline(engine, batch_size: int, avg_context: float, bandwidth: float) -> d
             "roofline_step_ms": step_s * 1000, "roofline_tok_s": batch_size / step_s}
 
 
+def decode_step_at_context(engine, batch_size: int, context: int, iters: int = 20) -> dict:
+    """GPU time of one decode step (its captured CUDA graph) with batch_size sequences each holding `context`
+    tokens of KV, every sequence on its own blocks. The static buffers are filled directly, as a step at that
+    context would leave them: the time depends on the bytes read (weights, and K/V in the cache's dtype), not
+    on their values, so no prompt is prefilled. Needs batch_size * ceil(context / block_size) KV blocks."""
+    r = engine.runner
+    bucket = r._bucket(batch_size)
+    if bucket is None or bucket != batch_size:
+        raise ValueError(f"no CUDA graph captured at batch {batch_size} (buckets {sorted(r.graphs)})")
+    bs = r.block_size
+    per_seq = -(-context // bs)
+    if batch_size * per_seq > r.num_blocks or per_seq > r.max_blocks_per_seq:
+        raise ValueError(f"{batch_size} sequences of {context} tokens need {batch_size * per_seq} KV blocks and "
+                         f"{per_seq} per sequence; the pool has {r.num_blocks}, a table {r.max_blocks_per_seq}")
+    dev = r.device
+    tables = torch.arange(batch_size * per_seq, dtype=torch.int32, device=dev).view(batch_size, per_seq)
+    r.g_tables[:batch_size, :per_seq] = tables
+    r.g_lens[:batch_size] = context
+    r.g_pos[:batch_size] = context - 1
+    r.g_slots[:batch_size] = tables[:, (context - 1) // bs].long() * bs + (context - 1) % bs
+    r.g_ids[:batch_size] = 1
+    r._rows = [(None, 0)] * len(r._rows)  # the host mirror no longer says what the device rows hold
+    r.h_i32.copy_(r.g_i32)
+    r.h_i64.copy_(r.g_i64)
+    with torch.inference_mode():
+        step_ms = _time_ms(r.graphs[bucket], dev, iters)
+    kv_bytes = batch_size * context * r.kv_bytes_per_token()
+    return {"batch": batch_size, "context": context, "step_ms": step_ms, "tok_s": batch_size / step_ms * 1000,
+            "kv_bytes_per_step": kv_bytes, "weight_bytes": engine.model.weight_bytes(),
+            "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch.")}
+
+
+def _time_ms(fn, device, iters: int) -> float:
+    """Milliseconds per call of fn: CUDA events on the GPU, the wall clock elsewhere (after one untimed call)."""
+    fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t) / iters * 1000
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def hf_generate_baseline(hf_model, prompts: list[list[int]], output_len: int, batch_size: int,
-                         max_batches: int | None = None) -> dict:
-    """transformers' generate (eager, greedy) over the prompts in batches of batch_size, equal-length prompts."""
+                         max_batches: int | None = None, static_compiled: bool = False) -> dict:
+    """transformers' generate (greedy) over the prompts in batches of batch_size, equal-length prompts: eager
+    with its dynamic cache, or (static_compiled) with its static cache and the forward under torch.compile
+    (transformers compiles the decoding forward itself for a static cache on CUDA; the first call, which
+    compiles, is timed apart as compile_s)."""
     dev = next(hf_model.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)][:max_batches]
+    kw = {}
+    if static_compiled:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        kw = {"cache_implementation": "static", "compile_config": CompileConfig()}
+
+    def generate(ids):
+        with torch.inference_mode():
+            return hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                     min_new_tokens=output_len, do_sample=False, pad_token_id=0, **kw)
+
+    out = {"mode": "static cache, torch.compile" if static_compiled else "eager"}
+    if static_compiled:  # compile (and capture) on the first batch's shape, untimed
+        ids = torch.tensor(batches[0], device=dev)
+        sync()
+        t0 = time.perf_counter()
+        generate(ids)
+        sync()
+        out["compile_s"] = time.perf_counter() - t0
     tokens, wall = 0, 0.0
     for batch in batches:
         ids = torch.tensor(batch, device=dev)
         sync()
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                                    min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        res = generate(ids)
         sync()
         wall += time.perf_counter() - t0
-        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-            "step_ms": wall / (output_len * len(batches)) * 1000}
-
+        tokens += (res.shape[1] - ids.shape[1]) * ids.shape[0]
+    out.update({"output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+                "step_ms": wall / (output_len * len(batches)) * 1000, "batch": batch_size,
+                "output_len": output_len})
+    return out

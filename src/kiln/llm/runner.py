@@ -38,10 +38,17 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes decode graphs are captured at: powers of two up to 128, then every 64 (a batch pads up to its
+    bucket, and above 128 rows padding to the next power of two would waste up to half the step), and
+    max_num_seqs itself."""
     sizes, b = [], 1
-    while b < max_num_seqs:
+    while b < min(max_num_seqs, 128):
         sizes.append(b)
         b *= 2
+    b = 128
+    while b < max_num_seqs:
+        sizes.append(b)
+        b += 64
     sizes.append(max_num_seqs)
     return sizes
 
