@@ -329,8 +329,9 @@ class ExecutionContext:
         outs = []
         for v in self.engine.outputs:
             t = env[v.name]
-            if isinstance(t, list):  # a sequence output: a list of tensors on the device
-                outs.append([x.to(self.device) for x in t])
+            if isinstance(t, list):  # a sequence output: a list of tensors on the device, in the model's type
+                keep = v.dtype in FLOAT_TYPES
+                outs.append([x.to(self.device, v.dtype if keep and x.dtype in FLOAT_TYPES else x.dtype) for x in t])
                 continue
             if t.device != self.device:  # a host value as an output: uploaded once (by the warm-up, not in a capture)
                 if v.name not in uploads:

@@ -26,9 +26,12 @@ from . import (
     fuse_skip_layernorm,
     gather_as_slice,
     gather_nd_host_index,
+    inline_control_flow,
     insert_qdq,
+    lower_sequences,
     merge_heads_as_view,
     merge_parallel_gemms,
+    pad_gemm_columns,
     remove_noops,
     split_heads_as_view,
     stem_patches,
@@ -36,6 +39,8 @@ from . import (
 
 PIPELINE = [
     fold_constants,  # Constant nodes and constant-only subgraphs become weights (int8 weights stay int8)
+    inline_control_flow,  # If on a constant -> its branch; Loop with a count the build knows -> its body, unrolled
+    lower_sequences,  # sequences of known elements -> tensors (ConcatFromSequence -> Concat, SequenceAt -> element)
     remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
     dead_code,  # nodes nothing reads, weights nothing uses
     gather_as_slice,  # Gather of one constant index -> Slice (+ Squeeze): a view, not a copy
@@ -51,6 +56,7 @@ PIPELINE = [
     fuse_gemm,  # MatMul/Gemm + bias + activation (incl. GELU as exporters write it)
     fuse_pooled_gemm,  # global average pool + flatten + classifier GEMM -> one layer (a CNN's head)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
+    pad_gemm_columns,  # a wide GEMM of unaligned width (an LM head) on zero-padded weights, then a Slice (a view)
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
     attention_mask_rows,  # a mask And-ed with all-True only to widen it over the queries keeps its row shape
     merge_heads_as_view,  # sequence-first head merge after attention, batch-major: no copy
@@ -64,8 +70,8 @@ PIPELINE = [
 
 # The passes that write standard ONNX operators only (the others write Kiln's own, domain "kiln"): a graph
 # rewritten by these alone is one other runtimes run (quant/qdq_export.py exports the quantized graph so).
-STANDARD_ONNX = {fold_constants, remove_noops, dead_code, gather_as_slice, split_heads_as_view, fold_batchnorm,
-                 insert_qdq, fold_dequantized_weights}
+STANDARD_ONNX = {fold_constants, inline_control_flow, lower_sequences, remove_noops, dead_code, gather_as_slice,
+                 split_heads_as_view, fold_batchnorm, insert_qdq, fold_dequantized_weights}
 
 
 def up_to(last, standard_onnx: bool = False) -> list:
