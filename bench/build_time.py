@@ -52,8 +52,10 @@ def _print_selection(label: str, build: dict) -> None:
 
 def _pruning(engine) -> None:
     """For each layer timed with the superseded candidates: whether one of them won, and the kept best's cost."""
-    from kiln.builder.tactic_selection import superseded
+    from kiln.builder import tactic_selection
 
+    tactic_selection.PRUNE_BELOW_LEVEL = 4  # the rule as a default-level build applies it (--no-prune set 0)
+    superseded = tactic_selection.superseded
     lost, layers = [], 0
     for rep in engine.tactics:
         names = [n for n in rep["timings"] if n != "reference"]
@@ -69,6 +71,57 @@ def _pruning(engine) -> None:
     for layer, chosen, ms, best, best_ms in lost:
         print(f"  {layer}: {chosen} {ms * 1e3:.2f} us, best kept {best} {best_ms * 1e3:.2f} us "
               f"(+{100 * (best_ms / ms - 1):.1f}%)", flush=True)
+
+
+def _count_compiles() -> dict:
+    """Wrap Triton's compile (which JITFunction binds on its first call) to record each compile's kernel, cache
+    key and seconds: {(kernel name, source hash, options): [seconds, ...]}. A key seen twice was compiled twice
+    (the second from Triton's disk cache if the first had finished)."""
+    import threading
+
+    import triton.compiler
+
+    real, seen, lock = triton.compiler.compile, {}, threading.Lock()
+
+    def counted(src, *a, **kw):
+        start = time.perf_counter()
+        try:
+            return real(src, *a, **kw)
+        finally:
+            took = time.perf_counter() - start
+            try:
+                ident = (src.name, src.hash(), json.dumps(kw.get("options"), sort_keys=True, default=str))
+            except Exception:  # noqa: BLE001  (a source this Triton hashes otherwise: counted, not matched)
+                ident = (getattr(src, "name", "?"), str(id(src)), "")
+            with lock:
+                seen.setdefault(ident, []).append(took)
+
+    triton.compiler.compile = counted
+    try:
+        import triton.compiler.compiler as module
+
+        module.compile = counted
+    except ImportError:
+        pass
+    return seen
+
+
+def _print_compiles(seen: dict) -> None:
+    if not seen:
+        print("compiles: none counted (this Triton binds its compile elsewhere)", flush=True)
+        return
+    total = sum(len(v) for v in seen.values())
+    secs = sum(sum(v) for v in seen.values())
+    dup = {k: v for k, v in seen.items() if len(v) > 1}
+    print(f"compiles: {total} ({len(seen)} distinct kernels, {sum(len(v) - 1 for v in dup.values())} repeats), "
+          f"{secs:.1f} s summed over threads", flush=True)
+    by_name: dict[str, list] = {}
+    for (name, _, _), v in seen.items():
+        by_name.setdefault(name, []).extend(v)
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"  {name}: {len(v)} compiles, {sum(v):.1f} s, {max(v):.2f} s the longest", flush=True)
+    for (name, _, _), v in list(dup.items())[:5]:
+        print(f"  repeated: {name} x{len(v)} ({', '.join(f'{t:.2f}' for t in v)} s)", flush=True)
 
 
 def _build(args) -> None:
@@ -89,6 +142,7 @@ def _build(args) -> None:
 
     if args.no_prune:
         tactic_selection.PRUNE_BELOW_LEVEL = 0
+    compiles = _count_compiles()
     folder = Path(args.load)
     model = onnx.load(str(folder / f"{args.model}.onnx"))
     feeds = dict(np.load(folder / f"{args.model}-feeds.npz"))
@@ -123,6 +177,7 @@ def _build(args) -> None:
         print(f"  result: {speed.get('result')}; trials {json.dumps(speed.get('trials', []))}", flush=True)
     else:
         _print_selection("engine", {"seconds": round(engine.build_seconds, 2), **engine.build_config})
+    _print_compiles(compiles)
     if args.no_prune:
         _pruning(engine)
 

@@ -29,7 +29,8 @@ def test_compiled_ahead_builds_time_what_a_serial_build_times(monkeypatch):
     model = _convs()
     rng = np.random.default_rng(1)
     calib = [{"x": rng.standard_normal((8, 64, 16, 16)).astype(np.float32)} for _ in range(8)]
-    cfg = dict(device="cuda", progress=False, precision_constraints="obey", fp16=True, int8=True, calib=calib)
+    cfg = {"device": "cuda", "progress": False, "precision_constraints": "obey", "fp16": True, "int8": True,
+           "calib": calib}
     monkeypatch.setenv("KILN_PARALLEL_COMPILE", "4")
     ahead = kiln.build(model, kiln.BuildConfig(**cfg))
     stats = ahead.build_config["tactic_selection"]

@@ -11,9 +11,11 @@ hold the GIL between a timing's CUDA events and its graph replay, and the timing
 finds every kernel compiled. A candidate that raises here raises again in the timing loop, which records why;
 nothing done here decides a timing.
 
-Identical kernels: two layers whose candidates compile the same kernel (one tile configuration at two spatial
-sizes) would compile it twice if compiled at once, so one tactic's calls never overlap (a lock per tactic): the
-second finds Triton's compiled kernel.
+Identical kernels: Triton keeps each compiled kernel, so a tactic called again with the same specialization
+compiles nothing; two layers that compile the same kernel at once, in two threads, would both compile it. So one
+tactic's first calls on layers of one `family` (same op, attributes, weights and input types: one layer at the
+batch of each profile, or at two spatial sizes) never overlap: the second finds the first's kernel. Layers of
+other families rarely share a kernel, and their compiles run side by side.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class CompileAhead:
     def __init__(self, threads: int, device: torch.device):
         self.threads, self.device = threads, device
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kiln-compile")
-        self._locks: dict[str, threading.Lock] = {}
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._streams = threading.local()
         self._pending: dict[str, list[Future]] = {}  # layer key -> its candidates' first calls
         self._held: dict[str, int] = {}  # layer key -> bytes of activation inputs kept alive for them
@@ -45,9 +47,11 @@ class CompileAhead:
         self.calls = 0  # candidate first calls made here
         self.failed = 0  # ...of which raised (the timing loop records why)
 
-    def submit(self, key: str, node, args: list, tactics: list, activations: list[torch.Tensor]) -> None:
+    def submit(self, key: str, node, args: list, tactics: list, activations: list[torch.Tensor],
+               family: str = "") -> None:
         """Call each of `tactics` once on `args` (the layer's inputs as the timing loop will see them), in the
-        pool. The inputs were written on the current stream: the side streams wait for them."""
+        pool. The inputs were written on the current stream: the side streams wait for them. `activations`: the
+        inputs that are not weights (their bytes count against the budget); `family`: see the module doc."""
         if key in self._pending or not tactics:
             return
         held = sum(t.numel() * t.element_size() for t in activations)
@@ -56,7 +60,8 @@ class CompileAhead:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         self._held[key] = held
-        self._pending[key] = [self._pool.submit(self._first_call, t, node, args, ready) for t in tactics]
+        self._pending[key] = [self._pool.submit(self._first_call, t, node, args, ready, family)
+                              for t in tactics]
 
     def finish(self) -> None:
         """Wait for every queued first call, and end the threads."""
@@ -75,9 +80,9 @@ class CompileAhead:
             stream = self._streams.stream = torch.cuda.Stream(self.device)
         return stream
 
-    def _first_call(self, tactic, node, args, ready: torch.cuda.Event) -> None:
+    def _first_call(self, tactic, node, args, ready: torch.cuda.Event, family: str) -> None:
         failed = 0
-        with self._locks.setdefault(tactic.name, threading.Lock()):
+        with self._locks.setdefault((tactic.name, family), threading.Lock()):
             try:
                 stream = self._stream()
                 with torch.cuda.device(self.device), torch.cuda.stream(stream):

@@ -83,9 +83,10 @@ def compile_threads() -> int:
 
 
 # Candidates that a better family of kernels supersedes below optimization level PRUNE_BELOW_LEVEL: (the
-# superseded names' prefixes, the superseding family's prefixes). A layer is offered the first only where no
-# candidate of the second applies to it. On the H200 the pointer-based Triton 8-bit kernels lost to the TMA and
-# warp-specialized (Gluon) ones on every ResNet-50 and BERT-base layer where both applied, and the TMA 3x3
+# superseded names' prefixes, the superseding family's prefixes). Where a candidate of the second applies to a
+# layer and times correctly, the first are neither compiled nor timed; where none does (none applies, or each
+# raised or was wrong), they are timed as before. On the H200 the pointer-based Triton 8-bit kernels lost to the
+# TMA and warp-specialized (Gluon) ones on every ResNet-50 and BERT-base layer where both applied, and the TMA 3x3
 # convolutions to the warp-specialized ones (batch 32, bench/results/H200-quant-1828-resnet50.json and
 # H200-quant-2022-bert.json: none chosen; pointer 1x1 tiles summed 0.72-0.86 ms over ResNet-50's 33 1x1 layers,
 # the TMA tiles 0.52-0.57 on the same layers), and each is one more compile per layer in a cold build.
@@ -96,20 +97,33 @@ SUPERSEDED = (
 PRUNE_BELOW_LEVEL = 4
 
 
-def superseded(names: list[str], level: int) -> dict[str, str]:
-    """{name: why it is not offered} for the candidates of `names` (those that apply to a layer) that SUPERSEDED
-    takes out at optimization `level`."""
+def superseded(names, level: int) -> dict[str, tuple[str, ...]]:
+    """{name: the prefixes of the candidates that supersede it} for those of `names` (a layer's candidates) that
+    SUPERSEDED offers only as a fallback at optimization `level`: a candidate of theirs is among `names`."""
     if level >= PRUNE_BELOW_LEVEL:
         return {}
-    out = {}
+    out: dict[str, tuple[str, ...]] = {}
     for losers, winners in SUPERSEDED:
-        better = [n for n in names if n.startswith(winners)]
-        if better:
+        if any(n.startswith(winners) for n in names):
             for n in names:
                 if n.startswith(losers):
-                    out[n] = (f"superseded below optimization level {PRUNE_BELOW_LEVEL} by {len(better)} "
-                              f"{'/'.join(p.rstrip('_') + '*' for p in winners)} candidate(s) that apply")
+                    out[n] = out.get(n, ()) + winners
     return out
+
+
+def _superseded_because(winners: tuple[str, ...], by: list[str]) -> str:
+    return (f"superseded below optimization level {PRUNE_BELOW_LEVEL}: {len(by)} "
+            f"{'/'.join(p.rstrip('_') + '*' for p in winners)} candidate(s) timed correctly")
+
+
+def _family(node, args, weights) -> str:
+    """What decides most of a layer's kernels' specializations: its op, attributes, weights' shapes and every
+    input's type (not the activations' shapes). compile_ahead.CompileAhead never compiles one tactic for two
+    layers of a family at once."""
+    inputs = [None if not isinstance(a, torch.Tensor) else
+              (str(a.dtype), list(a.shape) if name in weights else a.dim()) for name, a in zip(node.inputs, args)]
+    attrs = {k: v for k, v in sorted(node.attrs.items()) if isinstance(v, (int, float, str, list))}
+    return repr((node.domain, node.op_type, node.precision, attrs, inputs))
 
 
 class Selector:
@@ -154,19 +168,21 @@ class Selector:
         return key
 
     def ahead(self, node, args) -> None:
-        """The run before timing: each layer the timing loop will measure hands its JIT candidates the timing
-        cache lacks to the compile pool (self.compiler)."""
+        """The run before timing: each layer the timing loop will measure hands the JIT candidates the timing
+        cache lacks to the compile pool (self.compiler); superseded ones (SUPERSEDED) are left to the timing
+        loop, which compiles them only where the candidates superseding them fail."""
         offered = self._offered(node, args)
         if offered is None or self.compiler is None:
             return
         args, usable, _ = offered
         key = self._key(node, args)
         cached = self.cache.entries.get(key) or {"timings": {}, "excluded": {}}
-        todo = [t for t in usable if t.name.startswith(_JIT_TACTICS) and t.name not in cached["timings"]
-                and t.name not in cached["excluded"]]
+        fallback = superseded([t.name for t in usable], self.level)
+        todo = [t for t in usable if t.name.startswith(_JIT_TACTICS) and t.name not in fallback
+                and t.name not in cached["timings"] and t.name not in cached["excluded"]]
         weights = self.engine.graph.initializers
         held = [a for name, a in zip(node.inputs, args) if name not in weights and isinstance(a, torch.Tensor)]
-        self.compiler.submit(key, node, args, todo, held)
+        self.compiler.submit(key, node, args, todo, held, family=_family(node, args, weights))
 
     def visit(self, node, args) -> None:
         offered = self._offered(node, args)
@@ -175,19 +191,26 @@ class Selector:
         args, usable, skipped = offered
         key = self._key(node, args)
         cached = self.cache.get(key) or {"timings": {}, "excluded": {}}
+        fallback = superseded([t.name for t in usable], self.level)
         todo = [t for t in usable if t.name not in cached["timings"] and t.name not in cached["excluded"]]
-        if todo or "reference" not in cached["timings"]:
-            found = self._measure(node, args, todo)
-            cached = {k: {**cached[k], **found[k]} for k in ("timings", "excluded")}
-            self.cache.put(key, cached)
-            self.stats["layers_measured"] += 1
-            self.stats["candidates_measured"] += len(todo)
-            self.stats["superseded"] += sum(why.startswith("superseded") for why in skipped.values())
-        else:
-            self.stats["layers_from_cache"] += 1
+        measured = 0
+        if [t for t in todo if t.name not in fallback] or "reference" not in cached["timings"]:
+            cached = self._measure_into(key, node, args, cached, [t for t in todo if t.name not in fallback])
+            measured += 1
+        # The superseded candidates: skipped where a superseding one timed correctly, else timed as before.
+        passed = [n for n in cached["timings"] if n != "reference"]
+        for name, winners in fallback.items():
+            by = [n for n in passed if n.startswith(winners)]
+            if by:
+                skipped[name] = _superseded_because(winners, by)
+        rest = [t for t in todo if t.name in fallback and t.name not in skipped]
+        if rest:
+            cached = self._measure_into(key, node, args, cached, rest)
+        self.stats["layers_measured" if measured or rest else "layers_from_cache"] += 1
+        self.stats["superseded"] += sum(why.startswith("superseded") for why in skipped.values()) if measured else 0
         if self.on_layer:
             self.on_layer(node)
-        names = {t.name for t in usable} | {"reference"}
+        names = {t.name for t in usable if t.name not in skipped} | {"reference"}
         rep = self.report.setdefault(id(node), {"layer": node.name, "op": node.op_type, "timings": {},
                                                 "excluded": {}})
         totals = self.totals.setdefault(id(node), {}).setdefault(self.profile, {})
@@ -196,6 +219,14 @@ class Selector:
                 totals[name] = totals.get(name, 0.0) + ms
                 rep["timings"][name] = rep["timings"].get(name, 0.0) + ms
         rep["excluded"].update({n: why for n, why in cached["excluded"].items() if n in names}, **skipped)
+
+    def _measure_into(self, key: str, node, args, cached: dict, cands: list) -> dict:
+        """Measure `cands` (and the reference) and add them to the layer's timing cache entry."""
+        found = self._measure(node, args, cands)
+        cached = {k: {**cached[k], **found[k]} for k in ("timings", "excluded")}
+        self.cache.put(key, cached)
+        self.stats["candidates_measured"] += len(cands)
+        return cached
 
     def _screen(self, node, args, cands) -> tuple[list, dict]:
         """(the candidates that apply to these inputs and this build allows, {name: why this build skips it})."""
@@ -215,9 +246,7 @@ class Selector:
                 skipped[t.name] = f"needs {need / 2**20:.1f} MiB workspace, cap is {self.cap / 2**20:.1f} MiB"
             else:
                 usable.append(t)
-        pruned = superseded([t.name for t in usable], self.level)
-        skipped.update(pruned)
-        return [t for t in usable if t.name not in pruned], skipped
+        return usable, skipped
 
     def _measure(self, node, args, cands) -> dict:
         entry = lookup(node.op_type, node.domain)
