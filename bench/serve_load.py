@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kiln.llm.benchmark import percentile, random_prompts, run_requests, sharegpt_like_lengths  # noqa: E402
-from kiln.serve.engine_process import StepTimes  # noqa: E402
+from kiln.serve import cpu_placement, step_profile  # noqa: E402
 
 READY = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)")
 
@@ -52,6 +52,7 @@ def start_server(model: Path, a) -> tuple[subprocess.Popen, int]:
         cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
     if a.max_model_len:
         cmd += ["--max-model-len", str(a.max_model_len)]
+    cmd += ["--step-profile", str(a.step_profile_file), "--engine-cpu", a.engine_cpu]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline, m = time.monotonic() + 600, None
@@ -144,7 +145,9 @@ async def client_share(url: str, prompts, out_lens, clients: int, next_index, st
 
 
 def _client_process(args, done) -> None:
-    url, prompts, out_lens, clients, next_index, start, time_limit, warmup = args
+    url, prompts, out_lens, clients, next_index, start, time_limit, warmup, cpus = args
+    if cpus:  # off the engine's core, as the server's HTTP process
+        cpu_placement.pin(cpus)
     try:
         import uvloop
         uvloop.install()
@@ -167,7 +170,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: int, server_pid: int,
-         warmup=None) -> dict:
+         warmup=None, cpus=None) -> dict:
     """The served run: `procs` client processes (each its own event loop and share of the clients), so the load
     generator's JSON parsing is not what limits the measured throughput; their CPU use is reported."""
     import multiprocessing as mp
@@ -179,14 +182,15 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
     watched = [server_pid, *child_pids(server_pid)]  # the HTTP process and its engine process
     done = ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=((url, prompts, out_lens, n, next_index, start,
-                                                          time_limit, warmup and (*warmup, k, procs)), done),
+                                                          time_limit, warmup and (*warmup, k, procs), cpus), done),
                            daemon=True) for k, n in enumerate(shares)]
     for w in workers:
         w.start()
     start.wait()
-    t0 = time.perf_counter()
+    t0, window_start = time.perf_counter(), time.monotonic()
     cpu0 = [cpu_seconds(p) for p in watched]
     parts = [done.get() for _ in workers]
+    window_end = time.monotonic()
     cpu = [cpu_seconds(p) - c for p, c in zip(watched, cpu0)]
     for w in workers:
         w.join()
@@ -205,7 +209,8 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
             "client_processes": procs,
             "client_cpu_busiest": max(p["cpu_s"] / p["wall_s"] for p in parts),  # fraction of one core
             "client_cpu_cores": sum(p["cpu_s"] for p in parts) / wall,
-            "server_cpu_cores": cpu[0] / wall, "engine_cpu_cores": sum(cpu[1:]) / wall if cpu[1:] else None}
+            "server_cpu_cores": cpu[0] / wall, "engine_cpu_cores": sum(cpu[1:]) / wall if cpu[1:] else None,
+            "window": (window_start, window_end)}  # on time.monotonic(): the engine process's steps in it
 
 
 def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
@@ -220,12 +225,21 @@ def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
     run_requests(engine, [prompts[0][:8]] * 2, [4, 4])  # warm-up, as the served run's
     if warmup:
         run_requests(engine, *warmup)
-    times = StepTimes()
-    step = engine.step
-    engine.step = lambda: times.step(engine, step)  # the split the engine process prints, for the offline run
+    profile = step_profile.StepProfile(engine)  # the phases the engine process records, for the offline run
     result = run_requests(engine, prompts, out_lens)
-    print(f"offline engine steps: {times.summary()}", file=sys.stderr)
+    result["step_records"] = profile.records
     return result
+
+
+def steps_report(records: list) -> dict:
+    """Steps, mean ms per step and per phase, and mean batch, for decode-only steps and steps with prompt tokens."""
+    out = {"steps": len(records), "step_s": sum(r[step_profile.TOTAL] for r in records)}
+    for kind, rs in (("decode_only", [r for r in records if r[step_profile.DECODE]]),
+                     ("with_prompt", [r for r in records if not r[step_profile.DECODE]])):
+        out[kind] = {"steps": len(rs), "ms": step_profile.phase_means(rs) if rs else None,
+                     "mean_seqs": sum(r[step_profile.N_SEQS] for r in rs) / len(rs) if rs else None,
+                     "mean_tokens": sum(r[step_profile.N_TOKENS] for r in rs) / len(rs) if rs else None}
+    return out
 
 
 def render(r: dict) -> str:
@@ -322,16 +336,19 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="N unmeasured requests of the same length law, all at once, before the served and the "
                         "offline runs (first-use kernel compiles out of the measurement; default 0)")
+    p.add_argument("--engine-cpu", default="none", metavar="auto|none|N",
+                   help="kiln llm serve --engine-cpu: the engine's step loop on a core of its own, the HTTP process "
+                        "and the clients on the others; the offline run then steps on that core too (default none)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server below
     if sum(map(bool, (a.model, a.tiny, a.random_model))) != 1:
         p.error("give one of MODEL, --tiny or --random-model")
-    tmp = None
     if a.tiny or a.random_model:
         sys.path.insert(0, str(ROOT))
-        tmp = tempfile.TemporaryDirectory()
+    tmp = tempfile.TemporaryDirectory()
+    a.step_profile_file = Path(tmp.name) / "engine-steps.json"
     if a.tiny:
         from tests.llm.tiny import make_tiny_llama
 
@@ -359,10 +376,11 @@ def main(argv=None) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the server process inherits it
         torch.set_num_threads(a.threads)
+    placement = cpu_placement.placement(a.engine_cpu)  # the server makes the same choice
     proc, port = start_server(model, a)
     try:
         served = load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit, a.client_procs,
-                      proc.pid, warmup)
+                      proc.pid, warmup, placement and placement[1])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -370,22 +388,37 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         sys.stderr.write(proc.stdout.read())  # the server's last lines (drain, the engine process's time)
+    window = served.pop("window")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python", "bench/serve_load.py", *(argv or sys.argv[1:])]),
               "model": ("tiny Llama (tests/llm/tiny.py)" if a.tiny else f"random-weight {a.random_model} (BF16)"
                         if a.random_model else str(model)), "device": a.device,
               "clients": a.clients, "num_requests": a.requests, "threads": a.threads, "warmup": a.warmup,
+              "engine_cpu": a.engine_cpu,
               "mean_input_len": sum(len(x) for x in prompts) / len(prompts),
               "mean_output_len": sum(out_lens) / len(out_lens), "served": served}
+    # The engine process's steps while the clients were measured (not the warm-up's).
+    served_steps = step_profile.load(a.step_profile_file) if a.step_profile_file.exists() else []
+    served_steps = [r for r in served_steps if window[0] <= r[step_profile.START] <= window[1]]
+    result["served_steps"] = steps_report(served_steps)
+    offline_steps = []
     if not a.skip_offline:
+        if placement:  # the offline engine steps where the served one did
+            cpu_placement.pin(placement[0])
         result["offline"] = offline(model, a, prompts, out_lens, warmup)
         result["offline"].pop("cuda_graphs", None)
         result["offline"].pop("cuda_graph_error", None)
+        offline_steps = result["offline"].pop("step_records")
+        result["offline_steps"] = steps_report(offline_steps)
     print(render(result))
+    print(f"\nEngine steps, served (measured window): {step_profile.summary(served_steps)}")
+    if not a.skip_offline:
+        print(f"Engine steps, offline: {step_profile.summary(offline_steps)}")
+        print("\nStep time by batch (ms per step; phases " + " / ".join(step_profile.PHASES) + "):\n")
+        print(step_profile.comparison_table(served_steps, offline_steps))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
-    if tmp:
-        tmp.cleanup()
+    tmp.cleanup()
     return 0 if served["errors"] == 0 and served["not_started"] == 0 else 1
 
 

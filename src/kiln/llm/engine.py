@@ -72,6 +72,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    sent: list | None = None  # output_kind "delta": per sequence [tokens, text characters, finished] returned
 
     @property
     def final_only(self) -> bool:
@@ -470,10 +471,13 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seqs = req.seqs
-        outs = [CompletionOutput(s.index, s.detokenizer.text if s.detokenizer is not None else "",
-                                 s.token_ids[s.prompt_len:], s.finish_reason, s.stop_reason,
-                                 list(s.logprobs) if s.logprobs is not None else None,
-                                 s.cumulative_logprob if s.logprobs is not None else None) for s in seqs]
+        if req.params.output_kind == "delta":
+            outs = self._new_since_last(req)
+        else:
+            outs = [CompletionOutput(s.index, s.detokenizer.text if s.detokenizer is not None else "",
+                                     s.token_ids[s.prompt_len:], s.finish_reason, s.stop_reason,
+                                     list(s.logprobs) if s.logprobs is not None else None,
+                                     s.cumulative_logprob if s.logprobs is not None else None) for s in seqs]
         first_seq = seqs[0]
         if len(seqs) == 1:
             done = first_seq.status == SequenceStatus.FINISHED
@@ -485,6 +489,25 @@ class LLMEngine:
             finish = max(s.finish_time or 0 for s in seqs) if done else None
         metrics = RequestMetrics(first_seq.arrival_time, first, finish, sum(s.num_preemptions for s in seqs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, done, metrics)
+
+    @staticmethod
+    def _new_since_last(req: _Request) -> list[CompletionOutput]:
+        """output_kind "delta": each sequence's tokens, text and logprobs since the request's last output; a
+        sequence with nothing new is left out unless it just finished. No copy of what was returned before."""
+        if req.sent is None:
+            req.sent = [[0, 0, False] for _ in req.seqs]
+        outs = []
+        for s, mark in zip(req.seqs, req.sent):
+            text = s.detokenizer.text if s.detokenizer is not None else ""
+            n, done = len(s.token_ids) - s.prompt_len, s.finish_reason is not None
+            if n == mark[0] and len(text) <= mark[1] and done == mark[2]:
+                continue
+            outs.append(CompletionOutput(s.index, text[mark[1]:], s.token_ids[s.prompt_len + mark[0]:],
+                                         s.finish_reason, s.stop_reason,
+                                         s.logprobs[mark[0]:] if s.logprobs is not None else None,
+                                         s.cumulative_logprob if s.logprobs is not None else None))
+            mark[0], mark[1], mark[2] = n, max(len(text), mark[1]), done
+        return outs
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -16,7 +16,7 @@ import torch
 from kiln.errors import InputError
 
 
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -39,6 +39,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     # "cumulative": a RequestOutput (all text and tokens so far) each step the request produces a token;
+    # "delta": the same steps, each output holding only what that step added (what a server streams);
     # "final_only": one, when it finishes (what offline generate needs: no per-step output is built).
     output_kind: str = "cumulative"
     extra: dict = field(default_factory=dict, repr=False, compare=False)

@@ -13,6 +13,7 @@ new items of one step reach the event loop in one call, not one wakeup per token
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import traceback
@@ -57,36 +58,31 @@ RID, PROMPT, FINISHED, CHOICES = range(4)
 C_INDEX, C_TEXT, C_IDS, C_FINISH, C_STOP, C_LOGPROBS = range(6)
 
 
+STREAMED = "delta"  # the engine's output kind for served requests: each output holds only what its step added
+
+
 class DeltaMaker:
-    """Turns the engine's cumulative RequestOutputs into Deltas: only what is new since the request's last."""
+    """Turns the engine's RequestOutputs of output_kind "delta" (kiln.llm.engine) into Deltas, the prompt's
+    token ids attached to a request's first."""
 
     def __init__(self):
-        self._sent: dict[str, list[list]] = {}  # request id -> per choice [text sent, tokens sent, finished]
+        self._started: set[str] = set()  # requests that got their first delta
 
-    def __call__(self, out) -> tuple | None:
-        sent = self._sent.get(out.request_id)
-        prompt = None
-        if sent is None:
-            sent = self._sent[out.request_id] = [[0, 0, False] for _ in out.outputs]
+    def __call__(self, out) -> tuple:
+        rid = out.request_id
+        if rid in self._started:
+            prompt = None
+            if out.finished:
+                self._started.discard(rid)
+        else:
             prompt = out.prompt_token_ids
-        choices = []
-        for c in out.outputs:
-            s = sent[c.index]
-            text, ids = c.text[s[0]:], c.token_ids[s[1]:]
-            finishing = c.finish_reason is not None and not s[2]
-            if not ids and not text and not finishing:
-                continue
-            lps = c.logprobs[s[1]:] if c.logprobs is not None else None
-            s[0], s[1], s[2] = len(c.text), len(c.token_ids), c.finish_reason is not None
-            choices.append((c.index, text, ids, c.finish_reason, c.stop_reason, lps))
-        if out.finished:
-            del self._sent[out.request_id]
-        if not choices and not out.finished and prompt is None:
-            return None
-        return (out.request_id, prompt, out.finished, choices)
+            if not out.finished:
+                self._started.add(rid)
+        return (rid, prompt, out.finished, [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
+                                            for c in out.outputs])
 
     def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+        self._started.discard(request_id)
 
 
 class Sink:
@@ -175,7 +171,7 @@ class AsyncLLMEngine:
         if kind == "add":
             _, rid, prompt, params, sink = cmd
             try:
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, dataclasses.replace(params, output_kind=STREAMED))
             except KilnError as e:
                 batch.append((sink, e))
                 return
@@ -217,9 +213,7 @@ class AsyncLLMEngine:
                     sink = sinks.get(out.request_id)
                     if sink is None:
                         continue
-                    delta = make(out)
-                    if delta is not None:
-                        batch.append((sink, delta))
+                    batch.append((sink, make(out)))
                     if out.finished:
                         del sinks[out.request_id]
             self._stats = engine.stats()

@@ -32,7 +32,8 @@ import time
 import traceback
 
 from .. import errors
-from .async_engine import ACCEPTED, DeltaMaker, EngineFailure, EngineInfo
+from . import cpu_placement, step_profile
+from .async_engine import ACCEPTED, STREAMED, DeltaMaker, EngineFailure, EngineInfo
 
 _HEADER = struct.Struct("<I")
 _PIPE_BYTES = 1 << 20  # so a step's frame or a burst of adds rarely waits for the reader
@@ -105,7 +106,12 @@ class EngineProcess:
     """The server-side handle of the engine child: `EngineProcess(model, engine_kwargs)` starts it and waits
     until the model is loaded (a KilnError of the load is raised here); then the AsyncLLMEngine interface."""
 
-    def __init__(self, model: str, engine_kwargs: dict, verify_key: bytes | None = None):
+    def __init__(self, model: str, engine_kwargs: dict, verify_key: bytes | None = None,
+                 step_profile: str | None = None, engine_cpu: str | None = None):
+        """step_profile: a file the child writes its engine steps' timings to at exit (StepProfile.save).
+        engine_cpu: kiln/serve/cpu_placement.py's spec (auto, none, a CPU): the child's step loop on a core of
+        its own, this process on the other CPUs."""
+        self.placement = cpu_placement.placement(engine_cpu)
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
         for fd in (self._to_child, from_child_w):
@@ -117,7 +123,9 @@ class EngineProcess:
                                       str(from_child_w)], pass_fds=(to_child_r, from_child_w), env=env)
         os.close(to_child_r)
         os.close(from_child_w)
-        config = {"model": str(model), "kwargs": engine_kwargs, "verify_key": verify_key.hex() if verify_key else None}
+        config = {"model": str(model), "kwargs": engine_kwargs, "verify_key": verify_key.hex() if verify_key else None,
+                  "step_profile": step_profile,
+                  "engine_cpus": sorted(self.placement[0]) if self.placement else None}
         write_frame(self._to_child, json.dumps(config).encode())
         self._reader = FrameReader()
         pending: list = []
@@ -132,6 +140,8 @@ class EngineProcess:
             cls = getattr(errors, msg[1], None)
             raise (cls if isinstance(cls, type) and issubclass(cls, errors.KilnError) else errors.KilnError)(msg[2])
         info = msg[1]
+        if self.placement:  # the child pinned its step loop after loading; this process keeps off that core
+            cpu_placement.pin(self.placement[1])
         self.info = EngineInfo(info["model_name"], _tokenizer_from(info["tokenizer"]), info["vocab_size"],
                                info["max_model_len"], info["max_num_seqs"], info["device"], info["num_kv_blocks"],
                                info["block_size"])
@@ -300,41 +310,15 @@ class _Outbox:
                 pass
 
 
-class StepTimes:
-    """Wall time of each engine step, split into decode-only steps (CUDA-graph replays on a GPU) and steps with
-    prompt tokens, and by quarter of the run: where a served engine's steps are slower than offline ones."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.decode_only: list[bool] = []
-
-    def step(self, engine, step=None):
-        sch = engine.scheduler
-        decode = not sch.waiting and all(s.num_tokens - s.num_computed_tokens <= 1 for s in sch.running)
-        t = time.perf_counter()
-        out = (step or engine.step)()
-        self.times.append(time.perf_counter() - t)
-        self.decode_only.append(decode)
-        return out
-
-    def summary(self) -> str:
-        if not self.times:
-            return "no steps"
-        dec = [t for t, d in zip(self.times, self.decode_only) if d]
-        mix = [t for t, d in zip(self.times, self.decode_only) if not d]
-        q = max(1, len(self.times) // 4)
-        quarters = [self.times[i:i + q] for i in range(0, q * 4, q)]
-
-        def ms(ts):
-            return f"{sum(ts) / len(ts) * 1e3:.2f}" if ts else "-"
-
-        return (f"{len(self.times)} steps, {sum(self.times):.2f} s: {len(dec)} decode-only at {ms(dec)} ms, "
-                f"{len(mix)} with prompt tokens at {ms(mix)} ms; by quarter {' / '.join(ms(x) for x in quarters)} ms")
-
-
-def _serve_engine(engine, fd_in: int, fd_out: int) -> None:
+def _serve_engine(engine, fd_in: int, fd_out: int, profile_path: str | None = None) -> None:
     # After "stop" the server reads no more: what its pipe does not take is dropped.
-    _engine_loop(engine, fd_in, _Outbox(fd_out))
+    profile = step_profile.StepProfile(engine)
+    try:
+        _engine_loop(engine, fd_in, _Outbox(fd_out))
+    finally:
+        print(f"kiln llm serve: engine steps: {step_profile.summary(profile.records)}", file=sys.stderr, flush=True)
+        if profile_path:
+            profile.save(profile_path)
 
 
 def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
@@ -350,7 +334,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
         if kind == "add":
             _, rid, prompt, fields = msg
             try:
-                engine.add_request(rid, prompt, SamplingParams(**fields))
+                engine.add_request(rid, prompt, SamplingParams(**{**fields, "output_kind": STREAMED}))
             except errors.KilnError as e:
                 refused.append((rid, str(e)))
                 return True
@@ -367,7 +351,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
 
     clock = time.perf_counter
     spent = {"idle": 0.0, "commands": 0.0, "step": 0.0, "deltas": 0.0, "send": 0.0}
-    steps, times = 0, StepTimes()
+    steps = 0
     while not stop:
         busy = engine.has_unfinished_requests()
         accepted, refused = [], []
@@ -390,7 +374,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
         if not stop and engine.has_unfinished_requests():
             steps += 1
             try:
-                outputs = times.step(engine)
+                outputs = engine.step()
             except Exception as e:  # the engine already freed everything
                 traceback.print_exc()
                 failure = f"{type(e).__name__}: {e}"
@@ -401,9 +385,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
             for out in outputs:
                 if out.request_id not in live:
                     continue
-                delta = make(out)
-                if delta is not None:
-                    deltas.append(delta)
+                deltas.append(make(out))
                 if out.finished:
                     live.discard(out.request_id)
             t2 = clock()
@@ -416,7 +398,6 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
     total = sum(spent.values()) or 1.0
     print(f"kiln llm serve: engine process: {steps} steps; " + ", ".join(
         f"{k} {v:.2f} s ({v / total:.0%})" for k, v in spent.items()), file=sys.stderr, flush=True)
-    print(f"kiln llm serve: engine steps: {times.summary()}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -440,9 +421,11 @@ def main(argv: list[str]) -> int:
     info = {f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)}
     info["tokenizer"] = _tokenizer_state(engine.tokenizer)
     info["stats"] = engine.stats()
+    if config.get("engine_cpus"):  # the step loop's thread only: threads started by the load keep their CPUs
+        cpu_placement.pin(set(config["engine_cpus"]))
     write_frame(fd_out, marshal.dumps(("info", info)))
     try:
-        _serve_engine(engine, fd_in, fd_out)
+        _serve_engine(engine, fd_in, fd_out, config.get("step_profile"))
     except BrokenPipeError:
         pass
     finally:

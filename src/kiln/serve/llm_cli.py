@@ -26,17 +26,20 @@ def cmd_serve(a) -> int:
     kw["seed"] = a.seed
     if a.replicas is not None or a.autoscale:
         return _serve_on_ray(a, kw)
-    engine = EngineProcess(a.model, kw, load_key(a.verify_key) if getattr(a, "verify_key", None) else None)
+    engine = EngineProcess(a.model, kw, load_key(a.verify_key) if getattr(a, "verify_key", None) else None,
+                           step_profile=a.step_profile, engine_cpu=a.engine_cpu)
     try:
         server = OpenAIServer(engine, model_name=a.served_model_name,
                               api_key=a.api_key or os.environ.get("KILN_API_KEY"), max_waiting=a.max_waiting,
                               drain_timeout=a.drain_timeout)
         info = engine.info
 
+        pinned = f", engine on CPU {min(engine.placement[0])}" if engine.placement else ""
+
         def ready(host, port):
             print(f"kiln llm serve: serving '{server.model_name}' on http://{host}:{port} "
                   f"({info.device}, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, max_model_len "
-                  f"{info.max_model_len}{', API key required' if server.api_key else ''})", flush=True)
+                  f"{info.max_model_len}{pinned}{', API key required' if server.api_key else ''})", flush=True)
 
         run_event_loop(run_server(server, a.host, a.port, ready))
     finally:
@@ -111,6 +114,11 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for admitted requests to finish (default 30)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-cpu", default="none", metavar="auto|none|N",
+                   help="the engine process's step loop on a core of its own (auto: the last core; N: that CPU), "
+                        "the HTTP process on the others (default none: the kernel places them)")
+    p.add_argument("--step-profile", metavar="FILE", help="at exit, write every engine step's time, its phases and "
+                   "its batch to FILE (JSON; kiln/serve/step_profile.py; bench/serve_load.py reads it)")
     p.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N engine replicas on Ray Serve behind one endpoint (needs kiln[ray])")
     p.add_argument("--autoscale", metavar="MIN:MAX", help="Ray Serve autoscaling between MIN and MAX replicas")
