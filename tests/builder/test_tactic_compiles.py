@@ -95,7 +95,7 @@ def _pool(monkeypatch, events):
                 t.fn(node, *args)
                 self.calls += 1
 
-        def finish(self):
+        def finish(self, progress=None):
             events.append(("finish", None))
 
     monkeypatch.setattr(compile_ahead, "CompileAhead", Pool)

@@ -251,7 +251,8 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
                     sel.profile = i
                     ctx.run_with_inputs_hook(feeds, sel.ahead)
             finally:
-                sel.compiler.finish()
+                sel.compiler.finish(lambda done, queued: step(f"compiling tactics: {done}/{queued} candidates, "
+                                                              f"{threads} threads"))
             compile_s = time.perf_counter() - start
         for i, ctx, feeds in runs:
             sel.profile = i

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
 # Held inputs of layers whose compiles are still queued, at most this share of the device's memory: the ahead
 # run waits for the oldest layers' compiles beyond it (a large model's activations need not all be alive).
 HELD_SHARE = 0.1
+PROGRESS_S = 2.0
 
 
 class CompileAhead:
@@ -44,7 +45,8 @@ class CompileAhead:
         self._count = threading.Lock()
         free, _ = torch.cuda.mem_get_info(device)
         self._budget = int(HELD_SHARE * free)
-        self.calls = 0  # candidate first calls made here
+        self.queued = 0  # candidate first calls queued
+        self.calls = 0  # ...and made
         self.failed = 0  # ...of which raised (the timing loop records why)
 
     def submit(self, key: str, node, args: list, tactics: list, activations: list[torch.Tensor],
@@ -60,11 +62,19 @@ class CompileAhead:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         self._held[key] = held
+        self.queued += len(tactics)
         self._pending[key] = [self._pool.submit(self._first_call, t, node, args, ready, family)
                               for t in tactics]
 
-    def finish(self) -> None:
-        """Wait for every queued first call, and end the threads."""
+    def finish(self, progress=None) -> None:
+        """Wait for every queued first call, and end the threads. progress(done, queued), if given, is called
+        every PROGRESS_S while waiting, when more are done (a long compile shows it is moving)."""
+        futures, shown = [f for fs in self._pending.values() for f in fs], -1
+        while progress is not None and futures:
+            if self.calls != shown:
+                shown = self.calls
+                progress(shown, self.queued)
+            futures = list(wait(futures, timeout=PROGRESS_S).not_done)
         for key in list(self._pending):
             self._settle(key)
         self._pool.shutdown(wait=True)
