@@ -9,7 +9,7 @@ reference on the same operands (max error over the largest output, relative to i
 Each time is one call's GPU time inside a CUDA graph of calls that cycle through enough copies of the weight
 (more than 2x L2 together) that every call reads its weight from HBM, as a decode step's layers do. GB/s counts
 the weight's bytes alone (codes, plus INT4's scales and zero points): what a decode step is bound by.
-`--sweep` also times every candidate tile at M = 1 (the tile table choose_config picks from).
+`--sweep` also prints every candidate tile's time at M = 1 (what choose_config measured to pick from).
 
     python bench/decode_gemv.py [--rows 1,4,8] [--shapes qkv,o,gate_up,down,lm_head] [--sweep] [--budget-s S]
 """
@@ -32,7 +32,7 @@ FP8 = fg.FP8
 # (name, N out, K in) as F.linear holds them: Llama-3-8B's fused q/k/v, o, fused gate/up, down and the LM head
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-TOL = {"bf16 gemv": 2e-2, "fp8 gemv": 2e-2, "int4 gemv": 2e-2}
+TOL = 2e-2  # max error relative to the output's largest value (BF16 outputs round at 2^-9 of each value)
 
 
 def graph_us(fn_of, copies: int, calls: int = 3) -> float:
@@ -71,48 +71,39 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep:
     bytes16, bytes8 = 2 * n * k, n * k
     bytes4 = n * k // 2 + 5 * n * (-(-k // 128))
     t0 = time.perf_counter()
-    c16 = fg.choose_config(n, k, torch.bfloat16, dev, torch.bfloat16, w16[0])
-    c8 = fg.choose_config(n, k, torch.bfloat16, dev, FP8, w8[0])
+    c16 = {one: fg.choose_config(n, k, torch.bfloat16, dev, torch.bfloat16, w16[0], one) for one in (True, False)}
+    c8 = {one: fg.choose_config(n, k, torch.bfloat16, dev, FP8, w8[0], one) for one in (True, False)}
     c4 = fg.choose_int4_config(n, k, 128, torch.bfloat16, dev)
     rule = bg.gemv_rows(n, k, torch.bfloat16, dev, w16[0])
-    print(f"{name} [{n} x {k}]: tiles bf16 {c16.name}, fp8 {c8.name}, int4 {c4.name}; bf16 GEMV rule: up to "
-          f"{rule} rows ({time.perf_counter() - t0:.1f} s to choose)", flush=True)
+    print(f"{name} [{n} x {k}]: tiles (M=1 / M>1) bf16 {c16[True].name} / {c16[False].name}, fp8 {c8[True].name} "
+          f"/ {c8[False].name}, int4 {c4.name}; bf16 GEMV rule: up to {rule} rows "
+          f"({time.perf_counter() - t0:.1f} s to choose)", flush=True)
     x = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16, generator=g)
     want4 = x.float() @ dequantize_int4(*w4[0], k).t()
-    errs = {"bf16 gemv": max_rel(bg.bf16_gemv(x, w16[0], c16), bg.reference(x, w16[0])),
-            "fp8 gemv": max_rel(fg.fp8_gemv(x, w8[0], scale, c8), fg.reference(x, w8[0], scale)),
+    x1 = x[:1].contiguous()
+    errs = {"bf16 gemv": max_rel(bg.bf16_gemv(x, w16[0]), bg.reference(x, w16[0])),
+            "bf16 gemv M=1": max_rel(bg.bf16_gemv(x1, w16[0]), bg.reference(x1, w16[0])),
+            "fp8 gemv": max_rel(fg.fp8_gemv(x, w8[0], scale), fg.reference(x, w8[0], scale)),
+            "fp8 gemv M=1": max_rel(fg.fp8_gemv(x1, w8[0], scale), fg.reference(x1, w8[0], scale)),
             "int4 gemv": max_rel(fg.int4_gemv(x, *w4[0], None, 128, c4), want4)}
     cublas_err = max_rel(torch.matmul(x, w16[0].t()), bg.reference(x, w16[0]))
-    verdict = "ok" if all(errs[key] < TOL[key] for key in errs) else "MISMATCH"
+    verdict = "ok" if all(v < TOL for v in errs.values()) else "MISMATCH"
     print(f"  vs torch reference (max rel err, M={max(rows)}): " + ", ".join(f"{key} {v:.1e}" for key, v in errs.items())
           + f" (cuBLAS bf16 itself {cublas_err:.1e}): {verdict}", flush=True)
     for m in rows:
         xm = x[:m].contiguous()
         t = {"cublas": graph_us(lambda i, xm=xm: torch.matmul(xm, w16[i].t()), copies),
-             "bf16": graph_us(lambda i, xm=xm: bg.bf16_gemv(xm, w16[i], c16), copies),
-             "fp8": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, c8), copies),
-             "fp8 no pdl": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, c8, pdl=False), copies),
+             "bf16": graph_us(lambda i, xm=xm: bg.bf16_gemv(xm, w16[i]), copies),
+             "fp8": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale), copies),
+             "fp8 no pdl": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, pdl=False), copies),
              "int4": graph_us(lambda i, xm=xm: fg.int4_gemv(xm, *w4[i], None, 128, c4), copies)}
         nbytes = {"cublas": bytes16, "bf16": bytes16, "fp8": bytes8, "fp8 no pdl": bytes8, "int4": bytes4}
         cells = " | ".join(f"{t[key]:7.1f} us {nbytes[key] / t[key] / 1e3:5.0f} GB/s" for key in t)
         print(f"  {name:8s} M={m} | {cells} | vs cuBLAS: bf16 {t['cublas'] / t['bf16']:.2f}x, "
               f"fp8 {t['cublas'] / t['fp8']:.2f}x, int4 {t['cublas'] / t['int4']:.2f}x", flush=True)
-    if sweep:
-        x1 = x[:1].contiguous()
-        for label, cands, run, nb in (
-                ("fp8", fg.candidate_configs(n, k, fg._num_sms(dev), FP8),
-                 lambda c: graph_us(lambda i: fg.fp8_gemv(x1, w8[i], scale, c), copies), bytes8),
-                ("bf16", fg.candidate_configs(n, k, fg._num_sms(dev), torch.bfloat16),
-                 lambda c: graph_us(lambda i: bg.bf16_gemv(x1, w16[i], c), copies), bytes16),
-                ("int4", fg.int4_candidate_configs(n, k, fg._num_sms(dev)),
-                 lambda c: graph_us(lambda i: fg.int4_gemv(x1, *w4[i], None, 128, c), copies), bytes4)):
-            timed = []
-            for c in cands:
-                try:
-                    timed.append((run(c), c.name))
-                except Exception as e:  # noqa: BLE001
-                    timed.append((float("inf"), f"{c.name} failed ({type(e).__name__}: {str(e)[:80]})"))
-            timed.sort()
+    if sweep:  # what choose_config timed (M = 1, CUDA graphs over the same weight copies' size)
+        for label, codes, nb in (("fp8", FP8, bytes8), ("bf16", torch.bfloat16, bytes16), ("int4", "int4", bytes4)):
+            timed = sorted((us, c.name) for c, us in fg.tile_timings(n, k, torch.bfloat16, dev, codes).items())
             print(f"  sweep {label} {name} M=1: " + "; ".join(
                 f"{nm} {us:.1f}us/{nb / us / 1e3:.0f}GB/s" for us, nm in timed), flush=True)
     del w16, w8, w4
@@ -123,7 +114,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     ap.add_argument("--rows", default="1,4,8", help="comma-separated M values (default 1,4,8)")
-    ap.add_argument("--sweep", action="store_true", help="also time every candidate tile at M = 1")
+    ap.add_argument("--sweep", action="store_true", help="also print every candidate tile's time at M = 1")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the shapes left past this time")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()

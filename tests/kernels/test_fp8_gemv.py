@@ -49,6 +49,15 @@ def test_matches_reference(dtype, m, n, k, cfg):
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("cfg", [fg.GemvConfig(8, 64, 1, 4, 1, row=True), fg.GemvConfig(16, 64, 3, 4, 1, row=True)])
+def test_single_row_kernel(cfg):
+    """M = 1 without the tensor cores (FP32 products summed per tile position), ragged N and K, split-K."""
+    x, codes, scale = operands(1, 40, 300, torch.float16, seed=4)
+    assert rel_err(fg.fp8_gemv(x, codes, scale, cfg), fg.reference(x, codes, scale)) < 1e-3
+    with pytest.raises(ValueError, match="takes one row"):
+        fg.fp8_gemv(torch.cat([x, x]), codes, scale, cfg)
+
+
 def test_int8_codes():
     x, codes, scale = operands(4, 64, 128, torch.float32, seed=2)
     w = codes.float() * scale[:, None]
@@ -124,6 +133,20 @@ def gemv(codes, cfg, block_m, even=True, x="*bf16"):
               PF_CHUNKS=fg._prefetch_chunks(cfg, elem), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     return source(fg._gemv_kernel, types, cx), cfg
 
+def row(codes, cfg):
+    elem = 2 if codes in ("*bf16", "*fp16") else 1
+    types = dict(x_ptr="*bf16", w_ptr=codes, s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
+    cx = dict(HAS_SCALE=elem == 1, EVEN=True, PDL=True, PREFETCH=cfg.prefetch, ELEM=elem,
+              PF_CHUNKS=fg._prefetch_chunks(cfg, elem), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    return source(fg._gemv_row_kernel, types, cx), cfg
+
+for codes, cd in (("*fp8e4nv", fg.FP8), ("*bf16", fg.torch.bfloat16)):
+    cfg = next(c for c in fg.row_candidate_configs(4096, 4096, 132, cd) if c.prefetch)
+    src, cfg = row(codes, cfg)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
+    print(f"single-row {codes[1:]}: fma {'fma.rn.f32' in ptx}, prefetch {'bulk.prefetch.L2' in ptx}")
+
 cases = [("heuristic m16", *gemv("*fp8e4nv", fg.heuristic_config(4096, 4096), 16)),
          ("widest tile m64", *gemv("*fp8e4nv", fg.GemvConfig(128, 128, 1, 4, 4), 64)),
          ("split and L2 prefetch", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 4, 4, 4, 2), 16)),
@@ -163,6 +186,7 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
+    assert "single-row fp8e4nv: fma True, prefetch True" in lines and "single-row bf16: fma True, prefetch True" in lines
     counts = dict(line.rsplit(" mma: ", 1) for line in lines if " mma: " in line)
     assert len(counts) == 8, run.stdout
     assert all(int(v) > 0 for k, v in counts.items() if k != "quantize rows"), run.stdout

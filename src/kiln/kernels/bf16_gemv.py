@@ -44,12 +44,12 @@ def gemv_rows(n: int, k: int, dtype: torch.dtype, device, weight: torch.Tensor |
         return _RULES[key]
     if device.type != "cuda" or dtype not in DTYPES or torch.cuda.is_current_stream_capturing():
         return 0
-    cfg = fg.choose_config(n, k, dtype, device, dtype, weight)
     weights = fg.timing_weights(n, k, dtype, device, weight)
     rows = 0
     for m in ROWS:
+        cfg = fg.choose_config(n, k, dtype, device, dtype, weight, single_row=m == 1)
         x = torch.zeros((m, k), dtype=dtype, device=device)
-        ours = fg.time_us(lambda w, x=x: bf16_gemv(x, w, cfg), weights)
+        ours = fg.time_us(lambda w, x=x, cfg=cfg: bf16_gemv(x, w, cfg), weights)
         theirs = fg.time_us(lambda w, x=x: torch.matmul(x, w.t()), weights)
         if ours >= theirs:
             break

@@ -138,6 +138,50 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits)
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
+                     HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                     ELEM: tl.constexpr, PF_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x (M = 1) without the tensor cores: each thread multiplies its weights by x in FP32 and keeps
+    the products' sums per position of the tile, added across the tile once at the end. Nothing is staged in
+    shared memory and no dot needs 16 rows, so a program is small and an SM holds many."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH > 0:
+        for t in tl.static_range(PREFETCH):
+            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k_lo + t * BLOCK_K, k_hi, ELEM, BLOCK_N, BLOCK_K,
+                           PF_CHUNKS)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    x_ptrs = x_ptr + k_lo + rk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH > 0:
+            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k + PREFETCH * BLOCK_K, k_hi, ELEM, BLOCK_N,
+                           BLOCK_K, PF_CHUNKS)
+        if EVEN:
+            w = tl.load(w_ptrs)
+            xv = tl.load(x_ptrs)
+        else:
+            k_ok = (k + rk) < k_hi
+            w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        out = out * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+    _store_or_reduce(out[:, None], y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, tl.arange(0, 1), 1, N, 0,
+                     splits)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                       splits, stride_xm, stride_pn, stride_sn, stride_ym, CDT: tl.constexpr, PREC: tl.constexpr,
@@ -207,11 +251,13 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     prefetch: int = 0  # K tiles prefetched into L2 ahead of the loads (Hopper; 0: none)
+    row: bool = False  # the single-row kernel without the tensor cores (M = 1 only)
 
     @property
     def name(self) -> str:
         pf = f"_pf{self.prefetch}" if self.prefetch else ""
-        return f"gemv_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}{pf}"
+        kind = "gemv1" if self.row else "gemv"
+        return f"{kind}_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}{pf}"
 
 
 def _num_sms(device: torch.device) -> int:
@@ -251,12 +297,26 @@ def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = F
     wide = codes_dtype.itemsize == 1
     out = []
     for bn, bk, warps, stages, pf in ((32, 256, 4, 4, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 2),
-                                      (128, 256, 8, 3, 0), (64, 512, 8, 3, 0), (128, 128, 8, 4, 2),
-                                      (32, 512, 4, 3, 2)):
+                                      (128, 256, 8, 3, 0), (64, 512, 8, 3, 0), (32, 512, 4, 3, 2)):
         if not wide:
             bk //= 2
         for waves in (1.0, 2.0):
             c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, pf)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def row_candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8) -> list[GemvConfig]:
+    """The single-row kernel's tiles (M = 1): a few rows a program, 256 or 512 bytes of each row a K step,
+    splits for two or four programs an SM (they are small), with and without L2 prefetch."""
+    wide = codes_dtype.itemsize == 1
+    out = []
+    for bn, bk, warps, pf in ((8, 512, 4, 0), (16, 256, 4, 0), (16, 512, 8, 0), (16, 512, 8, 2), (32, 256, 8, 0)):
+        if not wide:
+            bk //= 2
+        for waves in (2.0, 4.0):
+            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, 1, pf, row=True)
             if c not in out:
                 out.append(c)
     return out
@@ -314,7 +374,7 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
         raise ValueError(f"out must be [{M}, {N}] with unit column stride, got {list(y.shape)} {y.stride()}")
     if M == 0 or N == 0:
         return y
-    cfg = config or choose_config(N, K, x.dtype, x.device, codes.dtype)
+    cfg = config or choose_config(N, K, x.dtype, x.device, codes.dtype, single_row=M == 1)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(K, k_per_split)
     tiles = triton.cdiv(N, cfg.block_n)
@@ -330,13 +390,20 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
                                 and codes.data_ptr() % 16 == 0) else 0
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y
     counts = _counters(x.device) if splits > 1 else y
+    common = dict(HAS_SCALE=scale is not None, EVEN=even, PDL=hopper and pdl, PREFETCH=prefetch, ELEM=elem,
+                  PF_CHUNKS=_prefetch_chunks(cfg, elem), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
+    s_arg = scale if scale is not None else y
+    if cfg.row:
+        if M != 1:
+            raise ValueError(f"the single-row GEMV tile {cfg.name} takes one row, got {M}")
+        _gemv_row_kernel[(tiles, splits)](x, codes, s_arg, y, part, counts, N, K, k_per_split, splits,
+                                          codes.stride(0), **common)
+        return y
     _gemv_kernel[(tiles, splits)](
-        x, codes, scale if scale is not None else y, y, part, counts, M, N, K, k_per_split, splits, x.stride(0),
-        codes.stride(0), y.stride(0), X_SCALE=x_scale, CDT=_TL[cdt],
-        PREC="ieee" if cdt == torch.float32 else "tf32", HAS_SCALE=scale is not None, EVEN=even,
-        PDL=hopper and pdl, PREFETCH=prefetch, ELEM=elem, PF_CHUNKS=_prefetch_chunks(cfg, elem),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
+        x, codes, s_arg, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), codes.stride(0), y.stride(0),
+        X_SCALE=x_scale, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else "tf32",
+        BLOCK_M=max(16, triton.next_power_of_2(M)), **common)
     return y
 
 
@@ -406,6 +473,13 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) 
 # --- picking a tile on the device ------------------------------------------------------------------------------
 
 _CHOSEN: dict = {}
+_TIMED: dict = {}  # (n, k, x dtype, codes dtype or "int4", device) -> {config: us at M = 1}
+
+
+def tile_timings(n: int, k: int, dtype: torch.dtype, device, codes) -> dict:
+    """What choose_config (codes: a torch dtype) or choose_int4_config (codes "int4") measured for this shape:
+    {config: microseconds a call at M = 1; inf where it did not compile}."""
+    return dict(_TIMED.get((n, k, dtype, codes, str(torch.device(device))), {}))
 TIMING_BYTES = 128 << 20  # weights cycled through when timing a tile: more than L2 holds, as a step's layers are
 
 
@@ -440,23 +514,25 @@ def timing_weights(n: int, k: int, dtype: torch.dtype, device, weight: torch.Ten
     return [torch.zeros((n, k), dtype=dtype, device=device) for _ in range(max(2, -(-TIMING_BYTES // nbytes)))]
 
 
-def _fastest(candidates, run, fallback):
-    timed = {}
+def _fastest(candidates, timed: dict, run, fallback):
+    """The fastest of `candidates`, timing by run(c) those not yet in `timed` (config -> us, which keeps them)."""
     for c in candidates:
-        try:
-            timed[c] = run(c)
-        except Exception:  # noqa: BLE001, S112 - a tile this Triton cannot compile for the device: not a candidate
-            continue
-    return min(timed, key=timed.get) if timed else fallback
+        if c not in timed:
+            try:
+                timed[c] = run(c)
+            except Exception:  # noqa: BLE001 - a tile this Triton cannot compile for the device: not a candidate
+                timed[c] = float("inf")
+    best = min(candidates, key=timed.get, default=None)
+    return best if best is not None and timed[best] < float("inf") else fallback
 
 
 def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device, codes_dtype: torch.dtype = FP8,
-                  weight: torch.Tensor | None = None) -> GemvConfig:
+                  weight: torch.Tensor | None = None, single_row: bool = False) -> GemvConfig:
     """The tile for an [n, k] weight of codes_dtype times x of dtype: timed on the device once per shape (CUDA,
-    not capturing a graph), else the heuristic. The choice never depends on M, so a row's result does not
-    depend on its batch."""
+    not capturing a graph), else the heuristic. Every M > 1 takes the same tile, so a row's result does not
+    depend on its batch; single_row (M = 1) may instead take the single-row kernel where it was faster."""
     device = torch.device(device)
-    key = (n, k, dtype, codes_dtype, str(device))
+    key = (n, k, dtype, codes_dtype, str(device), single_row)
     cfg = _CHOSEN.get(key)
     if cfg is not None:
         return cfg
@@ -467,7 +543,11 @@ def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device, code
     scale = None if codes_dtype.itemsize == 2 else torch.ones(n, dtype=torch.float32, device=device)
     x = torch.zeros((1, k), dtype=dtype, device=device)
     _counters(device)
-    cfg = _fastest(candidate_configs(n, k, sms, codes_dtype),
+    timed = _TIMED.setdefault(key[:5], {})
+    cands = candidate_configs(n, k, sms, codes_dtype)
+    if single_row:
+        cands = cands + row_candidate_configs(n, k, sms, codes_dtype)
+    cfg = _fastest(cands, timed,
                    lambda c: time_us(lambda w: fp8_gemv(x, w, scale, c), weights),
                    heuristic_config(n, k, sms, codes_dtype))
     _CHOSEN[key] = cfg
@@ -491,7 +571,7 @@ def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: t
     zero = torch.zeros((n, g), dtype=torch.uint8, device=device)
     x = torch.zeros((1, k), dtype=dtype, device=device)
     _counters(device)
-    cfg = _fastest(int4_candidate_configs(n, k, sms),
+    cfg = _fastest(int4_candidate_configs(n, k, sms), _TIMED.setdefault((n, k, dtype, "int4", str(device)), {}),
                    lambda c: time_us(lambda p: int4_gemv(x, p, scale, zero, None, group, c), packed),
                    int4_heuristic_config(n, k, sms))
     _CHOSEN[key] = cfg
