@@ -71,6 +71,7 @@ class Row:
     source: str = ""
     findings: int = 0  # the engine's findings (precision kept in FP32, tactics dropped, ...)
     top1: float | None = None  # class-score outputs: share of rows whose argmax (last axis) matches the reference
+    cuda_graph: str = ""  # on a GPU: "yes" when the engine replays as one CUDA graph, else "no: <why>"
 
 
 class CaseTimeout(Exception):
@@ -357,6 +358,10 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
         warnings.simplefilter("ignore")
         outs = list(ctx.run(feeds).values())
     row.rel_l2 = rel_l2(outs, prep.reference, atol=ORT_ATOL if prep.torch_module is None else 0.0)
+    if dev.type == "cuda":
+        row.cuda_graph = ("yes" if ctx.uses_cuda_graphs and not ctx.capture_failures else
+                          f"no: {ctx.capture_failures[0][:120]}" if ctx.capture_failures else
+                          "no: the engine has layers that cannot be captured")
     if precision in ("fp16", "bf16") and prep.torch_module is not None:
         row.torch_rel_l2 = _torch_error(prep, precision, dev)
     elif precision in ("int8", "fp8") and prep.torch_module is not None:
@@ -516,11 +521,12 @@ def _fmt(v, digits=3) -> str:
 
 def table(rows: list[Row]) -> str:
     head = ("| model | precision | batch | Kiln ms | torch.compile ms | eager ms | ratio | rel L2 vs FP32 ref | "
-            "torch's own rel L2 | top-1 agree | build s | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "torch's own rel L2 | top-1 agree | build s | CUDA graph | status |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.model} | {r.precision} | {r.batch} | {_fmt(r.kiln_ms)} | {_fmt(r.compile_ms)} | {_fmt(r.eager_ms)} | "
         f"{_fmt(r.ratio)} | {_fmt(r.rel_l2)} | {_fmt(r.torch_rel_l2)} | {_fmt(r.top1)} | {_fmt(r.build_s, 1)} | "
-        f"{r.status.replace('|', '/')} |\n" for r in rows)
+        f"{(r.cuda_graph or '-').replace('|', '/')} | {r.status.replace('|', '/')} |\n" for r in rows)
 
 
 def summary(rows: list[Row]) -> str:

@@ -77,7 +77,7 @@ def _attention_bias(node, q_len, kv_len, mask, past_len, nonpad, dtype, device):
     if nonpad is not None and past_len == 0:
         offset = (nonpad.to(torch.int64) - q_len).reshape(-1, 1, 1, 1)  # per batch
     else:
-        offset = torch.tensor(past_len, device=device)
+        offset = past_len  # a Python int: a host tensor copied to the GPU would break CUDA-graph capture
     diff = torch.arange(q_len, device=device).reshape(-1, 1) + offset - torch.arange(kv_len, device=device)
     allowed = torch.ones_like(diff, dtype=torch.bool)
     if node.attr("is_causal", 0):

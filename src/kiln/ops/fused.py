@@ -145,7 +145,8 @@ def elementwise(node, *inputs):
     dtype = next((x.dtype for x in inputs if x.dtype.is_floating_point), inputs[0].dtype)
     out = None
     for op, dst, args in parse_program(node.attr("program")):
-        vals = [torch.tensor(float(a[1:]), dtype=dtype, device=inputs[0].device) if a.startswith("c") else env[a]
+        # torch.full, not torch.tensor: a fill kernel, where a copy from host memory would break CUDA-graph capture
+        vals = [torch.full((), float(a[1:]), dtype=dtype, device=inputs[0].device) if a.startswith("c") else env[a]
                 for a in args]
         step = Node(op, list(args), [dst], opset=node.opset, device=node.device)
         out = env[dst] = lookup(op).impl(step, *vals)
