@@ -33,6 +33,8 @@ candidates on the device; otherwise it uses the heuristic. `reference` is the sa
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -442,7 +444,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    cfg = config or choose_int4_config(N, K, group, x.dtype, x.device)
+    cfg = config or choose_int4_config(N, K, group, x.dtype, x.device, input_scale is not None)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), group) * group
     splits = triton.cdiv(K, k_per_split)
     tiles = triton.cdiv(N, cfg.block_n)
@@ -514,8 +516,29 @@ def timing_weights(n: int, k: int, dtype: torch.dtype, device, weight: torch.Ten
     return [torch.zeros((n, k), dtype=dtype, device=device) for _ in range(max(2, -(-TIMING_BYTES // nbytes)))]
 
 
-def _fastest(candidates, timed: dict, run, fallback):
-    """The fastest of `candidates`, timing by run(c) those not yet in `timed` (config -> us, which keeps them)."""
+def _compile_ahead(candidates, call) -> None:
+    """call(c) once for every candidate in threads: each first call compiles, and Triton's compiler runs mostly
+    outside the GIL, so the candidates compile side by side. The launches all go to this thread's stream (one
+    after another on the device: the split-K counters are never shared by two kernels at once)."""
+    stream = torch.cuda.current_stream()
+
+    def one(c):
+        try:
+            with torch.cuda.stream(stream):
+                call(c)
+        except Exception:  # noqa: BLE001, S110 - the timing loop meets the same error and records it
+            pass
+
+    with ThreadPoolExecutor(max(1, min(len(candidates), os.cpu_count() or 1, 16))) as pool:
+        list(pool.map(one, candidates))
+    torch.cuda.synchronize()
+
+
+def _fastest(candidates, timed: dict, run, fallback, call=None):
+    """The fastest of `candidates`, timing by run(c) those not yet in `timed` (config -> us, which keeps them);
+    call(c), where given, compiles them all first (_compile_ahead)."""
+    if call is not None:
+        _compile_ahead([c for c in candidates if c not in timed], call)
     for c in candidates:
         if c not in timed:
             try:
@@ -547,17 +570,18 @@ def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device, code
     cands = candidate_configs(n, k, sms, codes_dtype)
     if single_row:
         cands = cands + row_candidate_configs(n, k, sms, codes_dtype)
-    cfg = _fastest(cands, timed,
-                   lambda c: time_us(lambda w: fp8_gemv(x, w, scale, c), weights),
-                   heuristic_config(n, k, sms, codes_dtype))
+    cfg = _fastest(cands, timed, lambda c: time_us(lambda w: fp8_gemv(x, w, scale, c), weights),
+                   heuristic_config(n, k, sms, codes_dtype), lambda c: fp8_gemv(x, weights[0], scale, c))
     _CHOSEN[key] = cfg
     return cfg
 
 
-def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
-    """choose_config's rule for int4_gemv's tile (groups of `group`; the K tile is one group)."""
+def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device,
+                       input_scale: bool = False) -> GemvConfig:
+    """choose_config's rule for int4_gemv's tile (groups of `group`; the K tile is one group), timed with an
+    input scale where the weight has one (AWQ's)."""
     device = torch.device(device)
-    key = ("int4", n, k, group, dtype, str(device))
+    key = ("int4", n, k, group, dtype, str(device), input_scale)
     cfg = _CHOSEN.get(key)
     if cfg is not None:
         return cfg
@@ -570,9 +594,10 @@ def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: t
     scale = torch.ones((n, g), dtype=torch.float32, device=device)
     zero = torch.zeros((n, g), dtype=torch.uint8, device=device)
     x = torch.zeros((1, k), dtype=dtype, device=device)
+    xs = torch.ones(k, dtype=torch.float32, device=device) if input_scale else None
     _counters(device)
     cfg = _fastest(int4_candidate_configs(n, k, sms), _TIMED.setdefault((n, k, dtype, "int4", str(device)), {}),
-                   lambda c: time_us(lambda p: int4_gemv(x, p, scale, zero, None, group, c), packed),
-                   int4_heuristic_config(n, k, sms))
+                   lambda c: time_us(lambda p: int4_gemv(x, p, scale, zero, xs, group, c), packed),
+                   int4_heuristic_config(n, k, sms), lambda c: int4_gemv(x, packed[0], scale, zero, xs, group, c))
     _CHOSEN[key] = cfg
     return cfg
