@@ -529,7 +529,8 @@ def _compile_ahead(candidates, call) -> None:
         except Exception:  # noqa: BLE001, S110 - the timing loop meets the same error and records it
             pass
 
-    with ThreadPoolExecutor(max(1, min(len(candidates), os.cpu_count() or 1, 16))) as pool:
+    threads = int(os.environ.get("KILN_GEMV_COMPILE_THREADS", "16"))  # 1: one after another
+    with ThreadPoolExecutor(max(1, min(len(candidates), os.cpu_count() or 1, threads))) as pool:
         list(pool.map(one, candidates))
     torch.cuda.synchronize()
 
