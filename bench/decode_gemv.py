@@ -11,7 +11,10 @@ Each time is one call's GPU time inside a CUDA graph of calls that cycle through
 the weight's bytes alone (codes, plus INT4's scales and zero points): what a decode step is bound by.
 `--sweep` also prints every candidate tile's time at M = 1 (what choose_config measured to pick from).
 
-    python bench/decode_gemv.py [--rows 1,4,8] [--shapes qkv,o,gate_up,down,lm_head] [--sweep] [--budget-s S]
+`--layer` times one decoder layer's four products one after another (what 32 layers of a step run).
+
+    python bench/decode_gemv.py [--rows 1,4,8] [--shapes qkv,o,gate_up,down,lm_head] [--sweep] [--layer]
+                                [--budget-s S]
 """
 
 from __future__ import annotations
@@ -110,11 +113,39 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep:
     torch.cuda.empty_cache()
 
 
+def bench_layer(dev, rows: list[int]) -> None:
+    """One decoder layer's four products (qkv, o, gate_up, down: 436 MB of BF16, more than L2) one after another
+    in a CUDA graph, each kernel kind against cuBLAS's BF16 chain: 32 of these plus the LM head is the weight
+    part of a decode step."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    names = ("qkv", "o", "gate_up", "down")
+    w16 = {nm: torch.randn(*SHAPES[nm], device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for nm in names}
+    sc = {nm: (w.float().abs().amax(dim=1) / 448).clamp_min(1e-12) for nm, w in w16.items()}
+    w8 = {nm: (w.float() / sc[nm][:, None]).clamp(-448, 448).to(FP8) for nm, w in w16.items()}
+    w4 = {nm: quantize_int4(w) for nm, w in w16.items()}
+    total16 = sum(2 * w.numel() for w in w16.values())
+    for m in rows:
+        xs = {nm: torch.randn(m, SHAPES[nm][1], device=dev, dtype=torch.bfloat16, generator=g) for nm in names}
+        chains = {"cublas": lambda i: [torch.matmul(xs[nm], w16[nm].t()) for nm in names],
+                  "bf16": lambda i: [bg.bf16_gemv(xs[nm], w16[nm]) for nm in names],
+                  "fp8": lambda i: [fg.fp8_gemv(xs[nm], w8[nm], sc[nm]) for nm in names],
+                  "int4": lambda i: [fg.int4_gemv(xs[nm], *w4[nm], None, 128) for nm in names]}
+        t = {key: graph_us(fn, 1, calls=4) for key, fn in chains.items()}  # microseconds a layer
+        print(f"  layer chain M={m}: " + ", ".join(f"{key} {us:.1f} us" for key, us in t.items())
+              + f"; x32 layers: cublas {32 * t['cublas'] / 1e3:.2f} ms ({total16 / t['cublas'] / 1e3:.0f} GB/s), "
+              f"bf16 {32 * t['bf16'] / 1e3:.2f} ms ({total16 / t['bf16'] / 1e3:.0f} GB/s), fp8 {32 * t['fp8'] / 1e3:.2f} ms, "
+              f"int4 "
+              f"{32 * t['int4'] / 1e3:.2f} ms", flush=True)
+    del w16, w8, w4
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     ap.add_argument("--rows", default="1,4,8", help="comma-separated M values (default 1,4,8)")
     ap.add_argument("--sweep", action="store_true", help="also print every candidate tile's time at M = 1")
+    ap.add_argument("--layer", action="store_true", help="also time one decoder layer's four products in a row")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the shapes left past this time")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -130,6 +161,8 @@ def main(argv=None) -> int:
             print(f"{name}: skipped (budget)")
             continue
         bench_shape(name, *SHAPES[name], dev, l2, [int(m) for m in a.rows.split(",")], a.sweep)
+    if a.layer:
+        bench_layer(dev, [int(m) for m in a.rows.split(",")])
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
