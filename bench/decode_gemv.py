@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from kiln.kernels import bf16_gemv as bg  # noqa: E402
-from kiln.kernels import fp8_gemv as fg  # noqa: E402
-from kiln.llm.quantize import dequantize_int4, quantize_int4  # noqa: E402
+from kiln.kernels import bf16_gemv as bg
+from kiln.kernels import fp8_gemv as fg
+from kiln.llm.quantize import dequantize_int4, quantize_int4
 
 FP8 = fg.FP8
 # (name, N out, K in) as F.linear holds them: Llama-3-8B's fused q/k/v, o, fused gate/up, down and the LM head
@@ -109,8 +109,6 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep:
             timed = sorted((us, c.name) for c, us in fg.tile_timings(n, k, torch.bfloat16, dev, codes).items())
             print(f"  sweep {label} {name} M=1: " + "; ".join(
                 f"{nm} {us:.1f}us/{nb / us / 1e3:.0f}GB/s" for us, nm in timed), flush=True)
-    del w16, w8, w4
-    torch.cuda.empty_cache()
 
 
 def bench_layer(dev, rows: list[int]) -> None:
@@ -126,18 +124,16 @@ def bench_layer(dev, rows: list[int]) -> None:
     total16 = sum(2 * w.numel() for w in w16.values())
     for m in rows:
         xs = {nm: torch.randn(m, SHAPES[nm][1], device=dev, dtype=torch.bfloat16, generator=g) for nm in names}
-        chains = {"cublas": lambda i: [torch.matmul(xs[nm], w16[nm].t()) for nm in names],
-                  "bf16": lambda i: [bg.bf16_gemv(xs[nm], w16[nm]) for nm in names],
-                  "fp8": lambda i: [fg.fp8_gemv(xs[nm], w8[nm], sc[nm]) for nm in names],
-                  "int4": lambda i: [fg.int4_gemv(xs[nm], *w4[nm], None, 128) for nm in names]}
+        chains = {"cublas": lambda i, xs=xs: [torch.matmul(xs[nm], w16[nm].t()) for nm in names],
+                  "bf16": lambda i, xs=xs: [bg.bf16_gemv(xs[nm], w16[nm]) for nm in names],
+                  "fp8": lambda i, xs=xs: [fg.fp8_gemv(xs[nm], w8[nm], sc[nm]) for nm in names],
+                  "int4": lambda i, xs=xs: [fg.int4_gemv(xs[nm], *w4[nm], None, 128) for nm in names]}
         t = {key: graph_us(fn, 1, calls=4) for key, fn in chains.items()}  # microseconds a layer
         print(f"  layer chain M={m}: " + ", ".join(f"{key} {us:.1f} us" for key, us in t.items())
               + f"; x32 layers: cublas {32 * t['cublas'] / 1e3:.2f} ms ({total16 / t['cublas'] / 1e3:.0f} GB/s), "
               f"bf16 {32 * t['bf16'] / 1e3:.2f} ms ({total16 / t['bf16'] / 1e3:.0f} GB/s), fp8 {32 * t['fp8'] / 1e3:.2f} ms, "
               f"int4 "
               f"{32 * t['int4'] / 1e3:.2f} ms", flush=True)
-    del w16, w8, w4
-    torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
@@ -158,11 +154,13 @@ def main(argv=None) -> int:
           "GB/s of weight bytes")
     if a.layer:  # first: it also picks every projection's tiles, which the shapes below then reuse
         bench_layer(dev, [int(m) for m in a.rows.split(",")])
+        torch.cuda.empty_cache()
     for name in a.shapes.split(","):
         if time.perf_counter() - t0 > a.budget_s:
             print(f"{name}: skipped (budget)")
             continue
         bench_shape(name, *SHAPES[name], dev, l2, [int(m) for m in a.rows.split(",")], a.sweep)
+        torch.cuda.empty_cache()
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -12,8 +12,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kiln.kernels import bf16_gemv as bg  # noqa: E402
-from kiln.kernels import fp8_gemv as fg  # noqa: E402
+from kiln.kernels import bf16_gemv as bg
+from kiln.kernels import fp8_gemv as fg
 
 WDTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 
