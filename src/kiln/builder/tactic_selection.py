@@ -193,12 +193,13 @@ class Selector:
         cached = self.cache.get(key) or {"timings": {}, "excluded": {}}
         fallback = superseded([t.name for t in usable], self.level)
         todo = [t for t in usable if t.name not in cached["timings"] and t.name not in cached["excluded"]]
-        measured = 0
-        if [t for t in todo if t.name not in fallback] or "reference" not in cached["timings"]:
-            cached = self._measure_into(key, node, args, cached, [t for t in todo if t.name not in fallback])
-            measured += 1
-        # The superseded candidates: skipped where a superseding one timed correctly, else timed as before.
-        passed = [n for n in cached["timings"] if n != "reference"]
+        first = [t for t in todo if t.name not in fallback]
+        measured = bool(first) or "reference" not in cached["timings"]
+        if measured:
+            cached = self._measure_into(key, node, args, cached, first)
+        # The superseded candidates: skipped where a superseding one this build allows timed correctly, else timed.
+        allowed = {t.name for t in usable}
+        passed = [n for n in cached["timings"] if n in allowed]
         for name, winners in fallback.items():
             by = [n for n in passed if n.startswith(winners)]
             if by:
