@@ -44,8 +44,7 @@ TensorScatter ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample Where
 REFUSED = {
     "test_equal_string": "string tensors: Kiln, like TensorRT, builds numeric tensors only",
     "test_equal_string_broadcast": "string tensors: Kiln, like TensorRT, builds numeric tensors only",
-    "test_identity_sequence": "a sequence value: Kiln, like TensorRT, builds dense tensors only",
-    "test_identity_opt": "an optional value: Kiln, like TensorRT, builds dense tensors only",
+    "test_identity_opt": "an optional value: Kiln, like TensorRT, builds dense tensors (and sequences of them) only",
 }
 
 # Cases where the spec is ambiguous and Kiln follows onnxruntime and PyTorch (what exported models
