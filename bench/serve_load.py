@@ -213,15 +213,82 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
             "window": (window_start, window_end)}  # on time.monotonic(): the engine process's steps in it
 
 
-def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
-    from kiln.llm.engine import LLMEngine
-
-    kw = dict(device=a.device, max_num_seqs=a.clients)
+def engine_kwargs(a) -> dict:
+    """The engine's settings of both runs (those `kiln llm serve` gets from start_server's flags)."""
+    kw = {"device": a.device, "max_num_seqs": a.clients}
     if a.num_kv_blocks:
         kw["num_kv_blocks"] = a.num_kv_blocks
     if a.max_model_len:
         kw["max_model_len"] = a.max_model_len
-    engine = LLMEngine.from_model(str(model), **kw)
+    return kw
+
+
+def direct(model: Path, a, prompts, out_lens, warmup=None) -> tuple[dict, tuple]:
+    """--direct: the engine process of `kiln llm serve` without the HTTP side. This process drives it over its
+    pipe (EngineProcess) with `clients` closed-loop submitters, each sending its next request when its last
+    ended, as the HTTP clients do; returns the served-run fields and the measured window (time.monotonic())."""
+    from kiln.llm.sampling import SamplingParams
+    from kiln.serve.async_engine import C_IDS, CHOICES, FINISHED, Sink
+    from kiln.serve.engine_process import EngineProcess
+
+    engine = EngineProcess(str(model), engine_kwargs(a), step_profile=str(a.step_profile_file),
+                           engine_cpu=a.engine_cpu)
+    results: list[dict] = []
+    ms = 1000.0
+
+    async def one(rid, prompt, n) -> dict:
+        sink, t0, first, last, tokens = Sink(), time.perf_counter(), None, None, 0
+        engine.add(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink)
+        while True:
+            for item in await sink.take():
+                if not isinstance(item, tuple):
+                    if isinstance(item, Exception) or hasattr(item, "message"):
+                        raise RuntimeError(f"request {rid}: {item}")
+                    continue  # ACCEPTED
+                k = sum(len(c[C_IDS]) for c in item[CHOICES])
+                if k:
+                    last = time.perf_counter()
+                    first = first or last
+                    tokens += k
+                if item[FINISHED]:
+                    return {"ttft": first - t0, "e2e": last - t0, "tokens": tokens,
+                            "tpot": (last - first) / (tokens - 1) if tokens > 1 else None}
+
+    async def main():
+        engine.start()
+        await asyncio.gather(*(one(f"w{k}", prompts[0][:8], 4) for k in range(2)))
+        if warmup:
+            await asyncio.gather(*(one(f"wu{i}", p, n) for i, (p, n) in enumerate(zip(*warmup))))
+        todo = iter(range(len(prompts)))
+
+        async def client():
+            for i in todo:
+                results.append(await one(f"r{i}", prompts[i], out_lens[i]))
+
+        cpu0 = cpu_seconds(engine.proc.pid)
+        start, t0 = time.monotonic(), time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(a.clients)))
+        wall = time.perf_counter() - t0
+        return wall, (start, time.monotonic()), cpu_seconds(engine.proc.pid) - cpu0
+
+    try:
+        wall, window, cpu = asyncio.run(main())
+    finally:
+        engine.stop()
+    ttft, tpot, e2e = ([r[k] for r in results if r[k] is not None] for k in ("ttft", "tpot", "e2e"))
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "errors": 0, "not_started": len(prompts) - len(results), "error_kinds": [],
+            "wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall, "req_s": len(results) / wall,
+            "ttft_ms_p50": percentile(ttft, 0.5) * ms, "ttft_ms_p99": percentile(ttft, 0.99) * ms,
+            "tpot_ms_p50": percentile(tpot, 0.5) * ms, "tpot_ms_p99": percentile(tpot, 0.99) * ms,
+            "e2e_ms_p50": percentile(e2e, 0.5) * ms, "e2e_ms_p99": percentile(e2e, 0.99) * ms,
+            "engine_cpu_cores": cpu / wall}, window
+
+
+def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
+    from kiln.llm.engine import LLMEngine
+
+    engine = LLMEngine.from_model(str(model), **engine_kwargs(a))
     run_requests(engine, [prompts[0][:8]] * 2, [4, 4])  # warm-up, as the served run's
     if warmup:
         run_requests(engine, *warmup)
@@ -260,10 +327,16 @@ def render(r: dict) -> str:
              f"{f(o['tpot_ms_p50'], '.2f')} / {f(o['tpot_ms_p99'], '.2f')}" if o else "-"),
             ("e2e p50 / p99 (ms)", f"{f(s['e2e_ms_p50'])} / {f(s['e2e_ms_p99'])}",
              f"{f(o['e2e_ms_p50'])} / {f(o['e2e_ms_p99'])}" if o else "-")]
-    lines = ["| | served (HTTP, streaming) | offline LLM.generate |", "|---|---|---|"]
+    lines = [f"| | {'engine process, no HTTP' if r.get('direct') else 'served (HTTP, streaming)'} | offline "
+             "LLM.generate |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     if o:
         lines.append(f"\nServed / offline throughput: **{s['output_tok_s'] / o['output_tok_s']:.2f}**")
+    if r.get("direct"):
+        lines.append(f"\nDirect: the engine process driven over its pipe by {r['clients']} closed-loop submitters in this "
+                     "process (no HTTP, no client processes); engine process CPU "
+                     f"{s['engine_cpu_cores']:.2f} cores")
+        return "\n".join(lines)
     busiest = f"{s['client_cpu_busiest'] * 100:.0f}%"
     lines.append(f"\nLoad generator: {s['client_processes']} client processes, {s['client_cpu_cores']:.2f} cores in "
                  f"all, the busiest at {busiest} of a core. Server CPU: HTTP process {s['server_cpu_cores']:.2f} cores"
@@ -339,6 +412,10 @@ def main(argv=None) -> int:
     p.add_argument("--engine-cpu", default="none", metavar="auto|none|N",
                    help="kiln llm serve --engine-cpu: the engine's step loop on a core of its own, the HTTP process "
                         "and the clients on the others; the offline run then steps on that core too (default none)")
+    p.add_argument("--direct", action="store_true",
+                   help="drive the server's engine process from this process, without HTTP or client processes "
+                        "(the same closed-loop clients): is a slower served step the engine process's or the HTTP "
+                        "side's?")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
@@ -377,24 +454,27 @@ def main(argv=None) -> int:
         os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the server process inherits it
         torch.set_num_threads(a.threads)
     placement = cpu_placement.placement(a.engine_cpu)  # the server makes the same choice
-    proc, port = start_server(model, a)
-    try:
-        served = load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit, a.client_procs,
-                      proc.pid, warmup, placement and placement[1])
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    if a.direct:
+        served, window = direct(model, a, prompts, out_lens, warmup)
+    else:
+        proc, port = start_server(model, a)
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        sys.stderr.write(proc.stdout.read())  # the server's last lines (drain, the engine process's time)
-    window = served.pop("window")
+            served = load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit, a.client_procs,
+                          proc.pid, warmup, placement and placement[1])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            sys.stderr.write(proc.stdout.read())  # the server's last lines (drain, the engine process's time)
+        window = served.pop("window")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python", "bench/serve_load.py", *(argv or sys.argv[1:])]),
               "model": ("tiny Llama (tests/llm/tiny.py)" if a.tiny else f"random-weight {a.random_model} (BF16)"
                         if a.random_model else str(model)), "device": a.device,
               "clients": a.clients, "num_requests": a.requests, "threads": a.threads, "warmup": a.warmup,
-              "engine_cpu": a.engine_cpu,
+              "engine_cpu": a.engine_cpu, "direct": a.direct,
               "mean_input_len": sum(len(x) for x in prompts) / len(prompts),
               "mean_output_len": sum(out_lens) / len(out_lens), "served": served}
     # The engine process's steps while the clients were measured (not the warm-up's).
@@ -411,7 +491,7 @@ def main(argv=None) -> int:
         offline_steps = result["offline"].pop("step_records")
         result["offline_steps"] = steps_report(offline_steps)
     print(render(result))
-    print(f"\nEngine steps, served (measured window): {step_profile.summary(served_steps)}")
+    print(f"\nEngine steps, the server's engine process (measured window): {step_profile.summary(served_steps)}")
     if not a.skip_offline:
         print(f"Engine steps, offline: {step_profile.summary(offline_steps)}")
         print("\nStep time by batch (ms per step; phases " + " / ".join(step_profile.PHASES) + "):\n")
