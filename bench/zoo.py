@@ -18,7 +18,9 @@ PyTorch reference with the engine's rounding (bench/fake_quant.py), and they pas
 the share of rows (and sequence steps) whose argmax over the last axis of an output of rank 2 or 3 matches the
 reference's (class scores; for hidden states it means little); an 8-bit row of a real ONNX file (no fake-quant
 reference) whose every prediction stayed passes with a note: PP-OCR's softmax over 6625 characters moves its
-confidences under 8-bit rounding, not its answers.
+confidences under 8-bit rounding, not its answers. A detector whose entry names a mask threshold (PP-OCR's text
+map, binarized at 0.3 by its post-processing) passes at any precision when its mask agrees with the reference's
+on at least 99.9% of the elements; the column then holds that share.
 """
 
 from __future__ import annotations
@@ -243,6 +245,18 @@ def top1_agreement(outs, refs) -> float | None:
     return None
 
 
+MASK_AGREEMENT = 0.999
+
+
+def mask_agreement(outs, refs, threshold: float | None) -> float | None:
+    """Share of the first output's elements on the same side of `threshold` as the reference's (None: no mask)."""
+    if threshold is None:
+        return None
+    o = np.asarray(outs[0].detach().cpu().float() if isinstance(outs[0], torch.Tensor) else outs[0])
+    r = np.asarray(refs[0].detach().cpu().float() if isinstance(refs[0], torch.Tensor) else refs[0])
+    return float(((o > threshold) == (r > threshold)).mean())
+
+
 def _torch_error(prep: Prepared, precision: str, device) -> float | None:
     """Eager PyTorch's relative L2 error at the row's precision against the FP32 reference (None if the module
     does not run at that precision here)."""
@@ -370,8 +384,12 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
     # eager PyTorch's own error at the same precision also passes.
     bound = max(TOLERANCE[precision], PEER_FACTOR * (row.torch_rel_l2 or 0.0))
     row.top1 = top1_agreement(outs, prep.reference)
+    mask = mask_agreement(outs, prep.reference, prep.spec.mask_threshold)
     if row.rel_l2 <= bound:
         row.status = "ok"
+    elif mask is not None and mask >= MASK_AGREEMENT:  # a detector's map: its binarized answer is what it returns
+        row.top1 = mask
+        row.status = f"ok (mask at {prep.spec.mask_threshold:g} agrees on {100 * mask:.2f}%; rel L2 over {bound:.3g})"
     elif precision in ("int8", "fp8") and prep.torch_module is None and row.top1 == 1.0:  # scores moved, answers not
         row.status = f"ok (top-1 unchanged; rel L2 over tolerance {bound:.3g})"
     else:
