@@ -399,9 +399,6 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         row.kiln_ms = round(time_ms(lambda: ctx.run(feeds, copy_outputs=False), dev, calls), 4)
-    if profile_top:
-        print_layer_profile(row, engine, feeds, profile_top)
-    del ctx, engine
     if prep.torch_module is None:  # a real ONNX file: onnxruntime's CPU time stands in for eager
         import onnxruntime as ort
 
@@ -424,17 +421,33 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
                     row.compile_ms = round(time_ms(lambda: fast(*cargs), dev, calls), 4)
     peer = row.compile_ms or row.eager_ms
     row.ratio = round(row.kiln_ms / peer, 3) if peer else None
+    if profile_top:
+        print_profile(row, engine, ctx, feeds, profile_top, compiled)
 
 
-def print_layer_profile(row: Row, engine, feeds: dict, top: int) -> None:
-    """The `top` slowest layers of the engine run layer by layer (kiln bench --dumpProfile's table), and how
-    much of the layer-by-layer total they hold: where a slow row's time goes."""
+def print_profile(row: Row, engine, ctx, feeds: dict, top: int, compiled=None) -> None:
+    """Where a timed case's time goes. On a GPU: the `top` kernels of one graph replay by GPU time, and the same
+    for torch.compile's peer (what it runs instead). On the CPU: the `top` slowest layers, run layer by layer."""
+    if ctx.device.type == "cuda":
+        from run import kernel_profile  # bench/run.py
+
+        peers = [("kiln", lambda f: ctx.run(f, copy_outputs=False), feeds)]
+        if compiled is not None and compiled[0] is not None:
+            peers.append(("torch.compile", lambda args: compiled[0](*args), compiled[1]))
+        for who, fn, arg in peers:
+            with torch.no_grad():
+                kernels = kernel_profile(fn, arg, runs=5, top=1000)
+            total = sum(k["ms"] for k in kernels)
+            print(f"-- {row.model} {row.precision} b{row.batch} {who}: {sum(k['calls'] for k in kernels)} kernels, "
+                  f"{total:.4f} ms of GPU time", flush=True)
+            for k in kernels[:top]:
+                print(f"   {k['ms']:8.4f} ms {100 * k['share']:5.1f}% x{k['calls']:<3} {k['kernel'][:110]}", flush=True)
+        return
     from kiln.tools.bench import layer_profile
 
     layers = sorted(layer_profile(engine, feeds, iterations=5), key=lambda x: -x.mean_ms)
-    total = sum(x.mean_ms for x in layers)
-    print(f"-- {row.model} {row.precision} b{row.batch}: {len(layers)} layers, {total:.3f} ms layer by layer "
-          f"(graph replay {row.kiln_ms} ms)", flush=True)
+    print(f"-- {row.model} {row.precision} b{row.batch}: {len(layers)} layers, "
+          f"{sum(x.mean_ms for x in layers):.3f} ms layer by layer", flush=True)
     for x in layers[:top]:
         print(f"   {x.mean_ms:8.4f} ms {x.share:5.1f}%  {x.op_type:<22} {x.precision:<5} {x.tactic or '-':<34} "
               f"{x.name[:70]}", flush=True)
