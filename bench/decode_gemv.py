@@ -90,9 +90,13 @@ def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep:
             "fp8 gemv M=1": max_rel(fg.fp8_gemv(x1, w8[0], scale), fg.reference(x1, w8[0], scale)),
             "int4 gemv": max_rel(fg.int4_gemv(x, *w4[0], None, 128, c4), want4)}
     cublas_err = max_rel(torch.matmul(x, w16[0].t()), bg.reference(x, w16[0]))
-    verdict = "ok" if all(v < TOL for v in errs.values()) else "MISMATCH"
+    # INT4's nibble unpacking in inline PTX must give the elementwise form's floats: the same output bit for bit
+    prmt_same = torch.equal(fg.int4_gemv(x, *w4[0], None, 128, fg.GemvConfig(64, 128, 1, 4, 4, prmt=True)),
+                            fg.int4_gemv(x, *w4[0], None, 128, fg.GemvConfig(64, 128, 1, 4, 4)))
+    verdict = "ok" if all(v < TOL for v in errs.values()) and prmt_same else "MISMATCH"
     print(f"  vs torch reference (max rel err, M={max(rows)}): " + ", ".join(f"{key} {v:.1e}" for key, v in errs.items())
-          + f" (cuBLAS bf16 itself {cublas_err:.1e}): {verdict}", flush=True)
+          + f" (cuBLAS bf16 itself {cublas_err:.1e}); int4 PTX unpacking equal to elementwise: {prmt_same}: "
+          f"{verdict}", flush=True)
     for m in rows:
         xm = x[:m].contiguous()
         t = {"cublas": graph_us(lambda i, xm=xm: torch.matmul(xm, w16[i].t()), copies),

@@ -162,8 +162,8 @@ for name, src, cfg in cases:
 for x, magic in (("*bf16", 0x4300), ("*fp16", 0x6400)):
     types = dict(x_ptr=x, p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", xs_ptr="*fp32", y_ptr=x, part_ptr="*fp32",
                  count_ptr="*i32")
-    cx = dict(CDT=tl.bfloat16 if x == "*bf16" else tl.float16, PREC="tf32", HAS_XS=True, MAGIC=magic, PDL=True,
-              BLOCK_M=16, BLOCK_N=64, GROUP=128)
+    cx = dict(CDT=tl.bfloat16 if x == "*bf16" else tl.float16, PREC="tf32", HAS_XS=True, MAGIC=magic, PRMT=True,
+              PDL=True, BLOCK_M=16, BLOCK_N=64, GROUP=128)
     ptx = triton.compile(source(fg._int4_gemv_kernel, types, cx), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     print(f"int4 {x[1:]} mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
@@ -229,6 +229,19 @@ def test_int4_gemv_16_bit_codes_by_their_bits(dtype):
     got = fg.int4_gemv(x.to(DEV), packed.to(DEV), scale.to(DEV), zero.to(DEV), in_scale.to(DEV),
                        config=fg.GemvConfig(16, 128, 2, 4, 2))
     assert got.dtype == dtype and rel_err(got.cpu(), want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="inline PTX: CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_nibbles_in_ptx_equal_the_elementwise_form(dtype):
+    from kiln.llm.quantize import quantize_int4
+
+    g = torch.Generator().manual_seed(7)
+    packed, scale, zero = (t.to(DEV) for t in quantize_int4(torch.randn(4096, 4096, generator=g)))
+    x = torch.randn(4, 4096, generator=g).to(DEV, dtype)
+    fast = fg.int4_gemv(x, packed, scale, zero, None, config=fg.GemvConfig(64, 128, 2, 4, 4, prmt=True))
+    assert torch.equal(fast, fg.int4_gemv(x, packed, scale, zero, None, config=fg.GemvConfig(64, 128, 2, 4, 4)))
 
 
 def test_launches_pass_only_the_kernels_parameters(monkeypatch):

@@ -184,10 +184,37 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_pe
                      splits)
 
 
+@triton.jit
+def _nibbles_as_floats(p, MAGIC: tl.constexpr, CDT: tl.constexpr, PRMT: tl.constexpr):
+    """The low and high nibbles q of uint8 codes p as the 16-bit floats with bits MAGIC | q. PRMT: four bytes at
+    a time in 32-bit registers (two byte permutes, two shifts, four three-input logic ops for eight codes)
+    where the elementwise form takes three 16-bit integer operations a code."""
+    if PRMT and MAGIC == 0x4300:  # BF16: 128 + q
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, u0, u1;\n"
+            "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;\n"
+            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;\n"
+            "lop3.b32 $2, u0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $3, u1, 0x000F000F, 0x43004300, 0xEA; }",
+            "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif PRMT:  # FP16: 1024 + q
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, u0, u1;\n"
+            "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;\n"
+            "lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;\n"
+            "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;\n"
+            "lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA; }",
+            "=r,=r,=r,=r,r", [p], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo = ((p & 15).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
+        hi = ((p >> 4).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
+    return lo, hi
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                       splits, stride_xm, stride_pn, stride_sn, stride_ym, CDT: tl.constexpr, PREC: tl.constexpr,
-                      HAS_XS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr,
+                      HAS_XS: tl.constexpr, MAGIC: tl.constexpr, PRMT: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
     GROUP / 2 bytes a row: low nibble = even channel). The zero point and scale are factored out of the group's
@@ -233,8 +260,7 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
         x_even = x_even.to(CDT)
         x_odd = x_odd.to(CDT)
         if MAGIC != 0:
-            lo = ((p & 15).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
-            hi = ((p >> 4).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
+            lo, hi = _nibbles_as_floats(p, MAGIC, CDT, PRMT)
         else:
             lo = (p & 15).to(CDT)
             hi = (p >> 4).to(CDT)
@@ -254,12 +280,15 @@ class GemvConfig:
     num_stages: int = 4
     prefetch: int = 0  # K tiles prefetched into L2 ahead of the loads (Hopper; 0: none)
     row: bool = False  # the single-row kernel without the tensor cores (M = 1 only)
+    prmt: bool = False  # INT4: nibbles to floats four bytes at a time (inline PTX; CUDA only)
 
     @property
     def name(self) -> str:
         pf = f"_pf{self.prefetch}" if self.prefetch else ""
         kind = "gemv1" if self.row else "gemv"
-        return f"{kind}_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}{pf}"
+        prmt = "_prmt" if self.prmt else ""
+        return (f"{kind}_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}"
+                f"{pf}{prmt}")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -415,9 +444,10 @@ def int4_heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
 
 def int4_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
     out = []
-    for bn, warps, stages in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)):
+    for bn, warps, stages, prmt in ((64, 4, 4, False), (64, 4, 4, True), (128, 4, 4, True), (128, 8, 3, True),
+                                    (256, 8, 3, True), (32, 4, 4, True)):
         for waves in (1.0, 2.0):
-            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages)
+            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages, prmt=prmt)
             if c not in out:
                 out.append(c)
     return out
@@ -459,7 +489,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     _int4_gemv_kernel[(tiles, splits)](
         x, packed, scale, zero, xs, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        HAS_XS=input_scale is not None, MAGIC=magic, PDL=hopper and pdl,
+        HAS_XS=input_scale is not None, MAGIC=magic, PRMT=cfg.prmt and magic != 0 and x.is_cuda, PDL=hopper and pdl,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
