@@ -73,10 +73,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     sent: list | None = None  # output_kind "delta": per sequence [tokens, text characters, finished] returned
-
-    @property
-    def final_only(self) -> bool:
-        return self.params.output_kind == "final_only"
+    final_only: bool = False  # params.output_kind == "final_only": no output until every sequence finished
 
 
 def load_model(path, progress: bool = False) -> tuple[dict, dict, Tokenizer, dict]:
@@ -325,7 +322,7 @@ class LLMEngine:
         if len(ids) > self.max_model_len - 1:
             raise InputError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(max_model_len), so at most {self.max_model_len - 1} fit with one generated token.")
-        req = _Request(request_id, text, ids, params)
+        req = _Request(request_id, text, ids, params, final_only=params.output_kind == "final_only")
         eos = frozenset(self.tokenizer.eos_token_ids)
         parent = None
         for i in range(params.n):
@@ -389,7 +386,7 @@ class LLMEngine:
                 seq.detokenizer.flush()
         outputs = []
         for req in touched.values():
-            if req.final_only and not all(s.is_finished for s in req.seqs):
+            if req.final_only and not all(s.status is SequenceStatus.FINISHED for s in req.seqs):
                 continue
             out = self._output(req)
             if out.finished:

@@ -133,13 +133,24 @@ class ModelRunner:
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """Host-side inputs of one step: input ids, positions, metadata, and the rows whose logits are needed."""
         bs = self.block_size
+        if step.is_decode_only:  # one token a sequence, and every sequence samples
+            ids, positions, slots, seq_lens = [], [], [], []
+            for seq in step.seqs:
+                c = seq.num_computed_tokens
+                ids.append(seq.token_ids[c])
+                positions.append(c)
+                slots.append(seq.block_table[c // bs] * bs + c % bs)
+                seq_lens.append(c + 1)
+            n = len(ids)
+            return StepInputs(ids, positions, slots, list(range(n + 1)), seq_lens, self._tables(step),
+                              list(range(n)), 1, True)
         ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
         row = 0
         for seq, n in zip(step.seqs, step.num_new_tokens):
             c = seq.num_computed_tokens
             end = c + n
             table = seq.block_table
-            if n == 1:  # a decoding sequence: the common case, without building ranges
+            if n == 1:  # a decoding sequence, beside prefill chunks
                 ids.append(seq.token_ids[c])
                 positions.append(c)
                 slots.append(table[c // bs] * bs + c % bs)
@@ -152,12 +163,15 @@ class ModelRunner:
             seq_lens.append(end)
             if end == len(seq.token_ids):  # this step reaches its end: it samples
                 sample_rows.append(row - 1)
+        return StepInputs(ids, positions, slots, starts, seq_lens, self._tables(step), sample_rows,
+                          max(step.num_new_tokens), False)
+
+    def _tables(self, step: ScheduledStep) -> list[list[int]]:
         tables = [s.block_table for s in step.seqs]
         if self.on_step is not None:  # sent to other ranks as one padded array
             width = max(len(t) for t in tables)
             tables = [t + [0] * (width - len(t)) for t in tables]
-        return StepInputs(ids, positions, slots, starts, seq_lens, tables, sample_rows, max(step.num_new_tokens),
-                          step.is_decode_only)
+        return tables
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list, list[int], list]:
@@ -172,7 +186,11 @@ class ModelRunner:
         if self.on_step is not None:
             self.on_step(inputs)
         logits = self.run_inputs(inputs)
-        samplers = [s for s, n in zip(step.seqs, step.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        if len(inputs.sample_rows) == len(step.seqs):  # every sequence samples (always in decode-only steps)
+            samplers = step.seqs
+        else:
+            samplers = [s for s, n in zip(step.seqs, step.num_new_tokens)
+                        if s.num_computed_tokens + n == len(s.token_ids)]
         if not samplers:
             return LaunchedStep([], None, None)
         if not self.sampler.plain_greedy(samplers):

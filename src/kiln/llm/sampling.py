@@ -139,25 +139,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits.masked_fill(mask, float("-inf"))
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    return (p.temperature == 0 and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and not p.min_tokens)
-
-
 class Sampler:
     @staticmethod
     def plain_greedy(seqs) -> bool:
-        """True when every sequence's token is the argmax of its raw logits (no penalty, logprobs or min_tokens):
-        the common serving case, one kernel on the device."""
-        cache: dict[int, bool] = {}  # requests share one SamplingParams object: test each once
-        for s in seqs:
-            key = id(s.params)
-            ok = cache.get(key)
-            if ok is None:
-                ok = cache[key] = _plain_greedy(s.params)
-            if not ok:
-                return False
-        return True
+        """True when every sequence's token is the argmax of its raw logits (Sequence.argmax_only): the common
+        serving case, one kernel on the device."""
+        return all(s.argmax_only for s in seqs)
 
     def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
         """logits [S, vocab] FP32 of the sequences that sample; returns their next tokens and top logprobs."""

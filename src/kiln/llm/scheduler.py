@@ -28,7 +28,7 @@ class ScheduledStep:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
+        return sum(self.num_new_tokens) == len(self.num_new_tokens)  # every count is at least 1
 
 
 class Scheduler:
@@ -56,23 +56,26 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         seqs, counts, preempted = [], [], 0
+        running, bm, bs = self.running, self.bm, self.bm.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.try_append(seq, n):
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
-                preempted += 1
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            c = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - c, budget)
+            # One token at a slot inside a block already held (c % bs) needs no block: the common decode step.
+            if (n != 1 or c % bs == 0) and not bm.try_append(seq, n):
+                while True:
+                    victim = running.pop()  # newest first
+                    self._preempt(victim)
+                    preempted += 1
+                    if victim is seq or bm.try_append(seq, n):
+                        break
                 if victim is seq:
-                    break
-            else:
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
-                i += 1
-                continue
-            break  # seq itself was preempted: everything after it was too
+                    break  # seq itself was preempted: everything after it was too
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             parent = seq.parent

@@ -44,6 +44,11 @@ class Sequence:
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # The token is the argmax of the raw logits (greedy, no penalty, logprobs or min_tokens): the sampler's
+        # one-kernel case.
+        self.argmax_only = (params.temperature == 0 and params.logprobs is None and params.repetition_penalty == 1.0
+                            and not params.presence_penalty and not params.frequency_penalty
+                            and not params.min_tokens)
         self.generator = None
         if params.seed is not None:  # per-request randomness, the same whatever else is batched
             self.generator = torch.Generator()
