@@ -183,7 +183,8 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], check=False, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert "single-row fp8e4nv: fma True, prefetch True" in lines and "single-row bf16: fma True, prefetch True" in lines
