@@ -166,11 +166,12 @@ def test_a_sequence_of_known_elements_becomes_tensors():
     _same(got, np.concatenate([A, C, B]))
 
 
-def _bag_loop_model(bags: int, count_from_input=False, opset=18):
+def _bag_loop_model(bags: int, offsets_input=False, opset=18):
     """What torch.onnx writes for nn.EmbeddingBag(mode='sum'): a Loop over the bags, each iteration summing its
     rows of x into a tensor it appends to a loop-carried sequence, then ConcatFromSequence. The trip count comes
-    from a constant (the number of bags), so the build can unroll it (passes/inline_control_flow.py), or with
-    count_from_input from an input 'n', so the Loop stays and runs in the interpreter."""
+    from a constant (the number of bags), so the build can unroll it (passes/inline_control_flow.py); with
+    offsets_input the offsets are an input and the count is its length less one (as a dynamic batch would
+    make it), so the Loop stays and runs in the interpreter."""
     vi = helper.make_tensor_value_info
     body = helper.make_graph(
         [helper.make_node("Add", ["i", "one"], ["i1"]),
@@ -190,15 +191,20 @@ def _bag_loop_model(bags: int, count_from_input=False, opset=18):
              helper.make_node("Loop", ["", "true", "empty"], ["bags"], body=body, name="bag_loop"),
              helper.make_node("ConcatFromSequence", ["bags"], ["y"], axis=0)]
     inits = [numpy_helper.from_array(np.array(1, np.int64), "one"), numpy_helper.from_array(np.array([0], np.int64), "zero"),
-             numpy_helper.from_array(np.array(True), "true"),
-             numpy_helper.from_array(np.array([0, 2, 3, 6, 8][:bags + 1], np.int64), "offsets")]
-    if count_from_input:
-        inputs = [vi("x", F, [8, 4]), vi("n", I64, [])]
+             numpy_helper.from_array(np.array(True), "true")]
+    inputs = [vi("x", F, [8, 4])]
+    if offsets_input:
+        inputs.append(vi("offsets", I64, [bags + 1]))
+        nodes[:0] = [helper.make_node("Shape", ["offsets"], ["n_1d"]), helper.make_node("Squeeze", ["n_1d", "zero"], ["m"]),
+                     helper.make_node("Sub", ["m", "one"], ["n"])]
     else:
-        inputs = [vi("x", F, [8, 4])]
-        inits.append(numpy_helper.from_array(np.array(bags, np.int64), "n"))
+        inits += [numpy_helper.from_array(_offsets(bags), "offsets"), numpy_helper.from_array(np.array(bags, np.int64), "n")]
     graph = helper.make_graph(nodes, "bags", inputs, [vi("y", F, None)], initializer=inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def _offsets(bags: int) -> np.ndarray:
+    return np.array([0, 2, 3, 6, 8][:bags + 1], np.int64)
 
 
 def _bag_reference(x: np.ndarray, bags: int) -> torch.Tensor:
@@ -218,26 +224,24 @@ def test_loop_carried_sequence_unrolled_matches_embedding_bag():
 
 @pytest.mark.parametrize("bags", [1, 4])
 def test_loop_carried_sequence_in_the_interpreter_matches_embedding_bag(bags):
-    """A count read from an input: the Loop and its sequence run in the interpreter."""
+    """Offsets read from an input: the Loop and its sequence run in the interpreter."""
     x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
-    engine = kiln.build(_bag_loop_model(bags, count_from_input=True),
-                        kiln.BuildConfig(device="cpu", progress=False, validate=False))
+    engine = kiln.build(_bag_loop_model(bags, offsets_input=True), kiln.BuildConfig(device="cpu", progress=False))
     assert not engine.capturable and "Loop" in {n.op_type for n in engine.graph.nodes}
-    got = engine.create_execution_context().run({"x": torch.from_numpy(x), "n": torch.tensor(bags)})["y"]
+    got = engine.create_execution_context().run({"x": torch.from_numpy(x), "offsets": torch.from_numpy(_offsets(bags))})["y"]
     torch.testing.assert_close(got, _bag_reference(x, bags))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["float32", "float16"])
-@pytest.mark.parametrize("count_from_input", [False, True])
-def test_cuda_loop_carried_sequence_matches_embedding_bag(precision, count_from_input):
+@pytest.mark.parametrize("offsets_input", [False, True])
+def test_cuda_loop_carried_sequence_matches_embedding_bag(precision, offsets_input):
     """On the device, FP16 too: unrolled to tensor kernels (one CUDA graph), or the Loop and its sequence eagerly."""
     x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
-    engine = kiln.build(_bag_loop_model(4, count_from_input),
-                        kiln.BuildConfig(device="cuda", fp16=precision == "float16", progress=False,
-                                         validate=not count_from_input))
-    assert engine.capturable is not count_from_input
-    feeds = {"x": torch.from_numpy(x).cuda(), **({"n": torch.tensor(4)} if count_from_input else {})}
+    engine = kiln.build(_bag_loop_model(4, offsets_input),
+                        kiln.BuildConfig(device="cuda", fp16=precision == "float16", progress=False))
+    assert engine.capturable is not offsets_input
+    feeds = {"x": torch.from_numpy(x).cuda(), **({"offsets": torch.from_numpy(_offsets(4)).cuda()} if offsets_input else {})}
     ctx = engine.create_execution_context()
     for _ in range(2):  # the second run replays the captured graph
         got = ctx.run(feeds)["y"]

@@ -23,6 +23,7 @@ from . import (
     fuse_pooled_gemm,
     fuse_qdq,
     fuse_rmsnorm,
+    fuse_segment_reductions,
     fuse_skip_layernorm,
     gather_as_slice,
     gather_nd_host_index,
@@ -42,6 +43,7 @@ PIPELINE = [
     inline_control_flow,  # If on a constant -> its branch; Loop with a count the build knows -> its body, unrolled
     lower_sequences,  # sequences of known elements -> tensors (ConcatFromSequence -> Concat, SequenceAt -> element)
     remove_noops,  # Identity, inference Dropout, Transpose pairs that cancel
+    fuse_segment_reductions,  # Concat of reductions over consecutive equal slices (embedding bags) -> one reduction
     dead_code,  # nodes nothing reads, weights nothing uses
     gather_as_slice,  # Gather of one constant index -> Slice (+ Squeeze): a view, not a copy
     gather_nd_host_index,  # GatherND on shape-arithmetic indices: offsets once per shape on the host
@@ -70,8 +72,8 @@ PIPELINE = [
 
 # The passes that write standard ONNX operators only (the others write Kiln's own, domain "kiln"): a graph
 # rewritten by these alone is one other runtimes run (quant/qdq_export.py exports the quantized graph so).
-STANDARD_ONNX = {fold_constants, inline_control_flow, lower_sequences, remove_noops, dead_code, gather_as_slice,
-                 split_heads_as_view, fold_batchnorm, insert_qdq, fold_dequantized_weights}
+STANDARD_ONNX = {fold_constants, inline_control_flow, lower_sequences, remove_noops, fuse_segment_reductions, dead_code,
+                 gather_as_slice, split_heads_as_view, fold_batchnorm, insert_qdq, fold_dequantized_weights}
 
 
 def up_to(last, standard_onnx: bool = False) -> list:
