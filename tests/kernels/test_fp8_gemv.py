@@ -40,6 +40,7 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if not INTERPRETED e
     (5, 64, 512, fg.GemvConfig(32, 64, 4, 4, 2)),  # split-K, each split whole tiles
     (16, 48, 328, fg.GemvConfig(16, 32, 3, 4, 2)),  # split-K with a short last split, full 16 rows
     (33, 32, 64, fg.GemvConfig(32, 32, 1, 4, 2)),  # 64-row tile
+    (3, 64, 256, fg.GemvConfig(32, 64, 2, 4, 2, block_m=8)),  # 8 activation columns
 ])
 def test_matches_reference(dtype, m, n, k, cfg):
     x, codes, scale = operands(m, n, k, dtype)
@@ -151,7 +152,8 @@ cases = [("heuristic m16", *gemv("*fp8e4nv", fg.heuristic_config(4096, 4096), 16
          ("widest tile m64", *gemv("*fp8e4nv", fg.GemvConfig(128, 128, 1, 4, 4), 64)),
          ("split and L2 prefetch", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 4, 4, 4, 2), 16)),
          ("bf16 weights", *gemv("*bf16", fg.GemvConfig(64, 128, 2, 4, 4, 2), 16)),
-         ("int8 ragged", *gemv("*i8", fg.GemvConfig(64, 128), 16, False))]
+         ("int8 ragged", *gemv("*i8", fg.GemvConfig(64, 128), 16, False)),
+         ("8 columns", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 2, 4, 4, block_m=8), 8))]
 for name, src, cfg in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
@@ -189,7 +191,7 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     lines = run.stdout.splitlines()
     assert "single-row fp8e4nv: fma True, prefetch True" in lines and "single-row bf16: fma True, prefetch True" in lines
     counts = dict(line.rsplit(" mma: ", 1) for line in lines if " mma: " in line)
-    assert len(counts) == 8, run.stdout
+    assert len(counts) == 9, run.stdout
     assert all(int(v) > 0 for k, v in counts.items() if k != "quantize rows"), run.stdout
     assert counts["quantize rows"] == "0", run.stdout  # converted by the hardware's saturating FP8 cvt
     # E4M3 codes go to FP16 by the hardware's pair conversion; the L2 prefetch (2 ahead of the loop, 1 in it),
@@ -215,8 +217,9 @@ def test_int4_gemv_matches_dequantized_weights(m, n, k, split, xs):
     assert rel_err(got.cpu(), want) < 1e-5 * 8  # the zero point's term, subtracted per group, cancels some digits
 
 
+@pytest.mark.parametrize("block_m", [16, 8])
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if not INTERPRETED else []))
-def test_int4_gemv_16_bit_codes_by_their_bits(dtype):
+def test_int4_gemv_16_bit_codes_by_their_bits(dtype, block_m):
     """16-bit activations: the codes enter the dot as the floats B + q made from their bits (B = 1024 in FP16,
     128 in BF16) and B leaves with the zero point; the result is the dequantized product within 16-bit rounding."""
     from kiln.llm.quantize import dequantize_int4, quantize_int4
@@ -228,7 +231,7 @@ def test_int4_gemv_16_bit_codes_by_their_bits(dtype):
     in_scale = torch.rand(384, generator=g) + 0.5
     want = (x.float() * in_scale) @ dequantize_int4(packed, scale, zero, 384).t()
     got = fg.int4_gemv(x.to(DEV), packed.to(DEV), scale.to(DEV), zero.to(DEV), in_scale.to(DEV),
-                       config=fg.GemvConfig(16, 128, 2, 4, 2))
+                       config=fg.GemvConfig(16, 128, 2, 4, 2, block_m=block_m))
     assert got.dtype == dtype and rel_err(got.cpu(), want) < 1e-2
 
 

@@ -14,7 +14,8 @@ their own type.
 
 Tiles are "swapped" for small M: each program computes acc [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @
 x_tile.T [BLOCK_K, BLOCK_M], so the weight fills the MMA's large dimension and the few activation rows its
-small one (BLOCK_M = M rounded up to a power of two, at least 16: the smallest tile tl.dot takes).
+small one (BLOCK_M = M rounded up to a power of two, at least the tile's block_m: 16, or 8, the MMA's narrowest
+width, which halves the activations' conversions; the padding columns are zeros).
 
 Split-K gives every SM work when N alone has too few tiles (N = 4096 is 64 tiles of 64 on 132 SMs). Each split
 writes its FP32 partial sums to a workspace and counts itself in a per-tile counter; the split that arrives last
@@ -281,14 +282,16 @@ class GemvConfig:
     prefetch: int = 0  # K tiles prefetched into L2 ahead of the loads (Hopper; 0: none)
     row: bool = False  # the single-row kernel without the tensor cores (M = 1 only)
     prmt: bool = False  # INT4: nibbles to floats four bytes at a time (inline PTX; CUDA only)
+    block_m: int = 16  # the dot's activation columns for up to this many rows (8: mma's narrowest, half of x's work)
 
     @property
     def name(self) -> str:
         pf = f"_pf{self.prefetch}" if self.prefetch else ""
         kind = "gemv1" if self.row else "gemv"
         prmt = "_prmt" if self.prmt else ""
+        bm = f"_m{self.block_m}" if self.block_m != 16 else ""
         return (f"{kind}_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}"
-                f"{pf}{prmt}")
+                f"{pf}{prmt}{bm}")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -324,15 +327,17 @@ def heuristic_config(n: int, k: int, num_sms: int = 132, codes_dtype: torch.dtyp
 
 def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8) -> list[GemvConfig]:
     """The tiles choose_config times: each shape's bytes per K step (a row's tile of 256 bytes or 512) in tiles
-    of 32 to 128 rows, with 4 or 8 warps, splits for one or two programs an SM, with and without L2 prefetch."""
+    of 32 to 128 rows, with 4 or 8 warps, splits for one or two programs an SM, with and without L2 prefetch,
+    with 16 activation columns or 8."""
     wide = codes_dtype.itemsize == 1
     out = []
-    for bn, bk, warps, stages, pf in ((32, 256, 4, 4, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 2),
-                                      (128, 256, 8, 3, 0), (64, 512, 8, 3, 0), (32, 512, 4, 3, 2)):
+    for bn, bk, warps, stages, pf, bm in ((32, 256, 4, 4, 0, 16), (64, 256, 4, 4, 0, 16), (64, 256, 4, 4, 2, 16),
+                                          (128, 256, 8, 3, 0, 16), (64, 512, 8, 3, 0, 16), (32, 512, 4, 3, 2, 16),
+                                          (64, 256, 4, 4, 0, 8), (64, 256, 4, 4, 2, 8), (128, 256, 8, 3, 0, 8)):
         if not wide:
             bk //= 2
         for waves in (1.0, 2.0):
-            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, pf)
+            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, pf, block_m=bm)
             if c not in out:
                 out.append(c)
     return out
@@ -434,7 +439,7 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
     _gemv_kernel[(tiles, splits)](
         x, codes, s_arg, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), codes.stride(0), y.stride(0),
         X_SCALE=x_scale, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else "tf32",
-        BLOCK_M=max(16, triton.next_power_of_2(M)), **common)
+        BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), **common)
     return y
 
 
@@ -444,10 +449,11 @@ def int4_heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
 
 def int4_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
     out = []
-    for bn, warps, stages, prmt in ((64, 4, 4, False), (64, 4, 4, True), (128, 4, 4, True), (128, 8, 3, True),
-                                    (256, 8, 3, True), (32, 4, 4, True)):
+    for bn, warps, stages, prmt, bm in ((64, 4, 4, False, 16), (64, 4, 4, True, 16), (64, 4, 4, True, 8),
+                                        (128, 4, 4, True, 8), (128, 8, 3, True, 8), (256, 8, 3, True, 8),
+                                        (32, 4, 4, True, 8)):
         for waves in (1.0, 2.0):
-            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages, prmt=prmt)
+            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages, prmt=prmt, block_m=bm)
             if c not in out:
                 out.append(c)
     return out
@@ -490,7 +496,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
         x, packed, scale, zero, xs, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         HAS_XS=input_scale is not None, MAGIC=magic, PRMT=cfg.prmt and magic != 0 and x.is_cuda, PDL=hopper and pdl,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
+        BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
 
