@@ -87,7 +87,7 @@ def test_signed_engine_loads_with_its_key_and_is_refused_otherwise(engine, tmp_p
     assert kiln.load(signed, verify_key=KEY).graph.nodes
     with pytest.raises(EngineFileError, match="signed with another key"):
         kiln.load(signed, verify_key=b"another key, sixteen bytes+")
-    with pytest.raises(EngineFileError, match="--verify-key was given and it is not signed"):
+    with pytest.raises(EngineFileError, match="--verifyKey was given and it is not signed"):
         kiln.load(path, verify_key=KEY)
     # Re-sealed checksums after an edit (what a tamperer without the key can do): the signature no longer fits.
     members = read_members(signed)

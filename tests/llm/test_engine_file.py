@@ -199,7 +199,7 @@ def test_build_refusals(tiny_llama, tmp_path, fp8_engine):
         ef.build_llm_engine(tiny_llama, out, weights="int4-awq", log=lambda *a: None)
     with pytest.raises(ConfigError, match="already an engine"):
         ef.build_llm_engine(fp8_engine[0], out, log=lambda *a: None)
-    with pytest.raises(ConfigError, match="--budget needs --eval-text"):
+    with pytest.raises(ConfigError, match="--budget needs --evalText"):
         ef.build_llm_engine(tiny_llama, out, budget=1.0, log=lambda *a: None)
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary left behind
 

@@ -62,5 +62,5 @@ def test_a_pinned_engine_swapped_after_the_check_is_refused_at_load(llm_corpus, 
     path.write_bytes((root / "signed.kiln").read_bytes())
     ef.require_signed(path, key.read_bytes().strip())
     path.write_bytes((root / "tiny.kiln").read_bytes())  # replaced by an unsigned engine between check and load
-    with pytest.raises(EngineFileError, match="--verify-key was given and it is not signed"):
+    with pytest.raises(EngineFileError, match="--verifyKey was given and it is not signed"):
         ef.load_llm_engine(path)

@@ -198,7 +198,7 @@ def read_members(path: Path, verify_key: bytes | None = None, names=MEMBERS,
             if verify_key is not None:
                 why = signing.verify(digests, signature, verify_key)
                 if why is not None:
-                    raise EngineFileError(f"'{path}' is refused: --verify-key was given and {why}. Only engines "
+                    raise EngineFileError(f"'{path}' is refused: --verifyKey was given and {why}. Only engines "
                                           f"signed with this key ({command} --sign KEYFILE) are accepted.")
             digests = {n: {"sha256": d["sha256"], "size": d["size"]} for n, d in digests.items()}
             if expect is not None and digests != expect:

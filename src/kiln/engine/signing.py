@@ -1,7 +1,7 @@
 """Engine signatures: HMAC-SHA256 with a key the deployment keeps, over the member digests.
 
 `kiln build --sign KEYFILE` stores the signature in the engine's checksums.json;
-`kiln run|inspect --verify-key KEYFILE` refuses an engine that is unsigned or
+`kiln run|inspect --verifyKey KEYFILE` refuses an engine that is unsigned or
 signed with another key. The digests cover every member (manifest included), so
 a valid signature means the whole file is what the key holder built.
 """

@@ -38,7 +38,7 @@ def opset_advice(model: onnx.ModelProto) -> list[str]:
     if v < RECOMMENDED_OPSET:
         return [
             f"the model uses ai.onnx opset {v}; Kiln recommends opset {RECOMMENDED_OPSET} or newer. "
-            f"Convert it with `kiln check --upgrade-opset {RECOMMENDED_OPSET} --output upgraded.onnx`, "
+            f"Convert it with `kiln check --upgradeOpset {RECOMMENDED_OPSET} --output upgraded.onnx`, "
             f"or re-export from the framework at opset {RECOMMENDED_OPSET}+."
         ]
     return []

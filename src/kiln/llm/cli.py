@@ -1,7 +1,7 @@
 """`kiln llm ...`: generate text and benchmark decoder models.
 
-    kiln llm generate MODEL --prompt "Hello" --max-tokens 32 --temperature 0
-    kiln llm bench MODEL --input-len 128 --output-len 256 --batch-size 64 --num-prompts 64 --baseline hf --json
+    kiln llm generate MODEL --prompt "Hello" --maxTokens 32 --temperature 0
+    kiln llm bench MODEL --inputLen 128 --outputLen 256 --batchSize 64 --numPrompts 64 --baseline hf --json
 
 MODEL is a Hugging Face directory (config.json + *.safetensors + tokenizer.json), a .gguf file or a .kiln LLM
 engine. Other `kiln llm` subcommands (build, perplexity) come from the modules in _SUBCOMMANDS, each with
@@ -23,7 +23,7 @@ _SUBCOMMANDS = ["kiln.llm.engine_file", "kiln.llm.perplexity", "kiln.serve.llm_c
 
 
 def _engine_kwargs(a) -> dict:
-    """LLMEngine keywords from the flags; with --verify-key, MODEL is first checked to be an engine signed with it."""
+    """LLMEngine keywords from the flags; with --verifyKey, MODEL is first checked to be an engine signed with it."""
     from kiln.engine.signing import load_key
     from kiln.llm.engine_file import require_signed
 
@@ -66,12 +66,12 @@ def cmd_generate(a) -> int:
     from kiln.llm.sampling import SamplingParams
 
     if a.prompt is None and a.prompt_ids is None:
-        raise InputError("give --prompt TEXT or --prompt-ids ID,ID,...")
+        raise InputError("give --prompt TEXT or --promptIds ID,ID,...")
     if a.prompt_ids is not None:
         try:
             prompt = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            raise InputError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers.") from None
+            raise InputError(f"--promptIds {a.prompt_ids!r}: expected comma-separated integers.") from None
     else:
         prompt = a.prompt
     params = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
@@ -88,7 +88,7 @@ def cmd_generate(a) -> int:
     llm = LLM(a.model, **_engine_kwargs(a))
     if a.chat:
         if not isinstance(prompt, str):
-            raise InputError("--chat takes --prompt TEXT, not --prompt-ids.")
+            raise InputError("--chat takes --prompt TEXT, not --promptIds.")
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         prompt = llm.tokenizer.encode(text, add_special_tokens=False)
     out = None
@@ -127,7 +127,7 @@ def cmd_bench(a) -> int:
         pairs = bm.sharegpt_like_lengths(a.num_prompts, engine.max_model_len)
     else:
         if a.input_len + a.output_len > engine.max_model_len:
-            raise ConfigError(f"--input-len + --output-len = {a.input_len + a.output_len} exceeds the context "
+            raise ConfigError(f"--inputLen + --outputLen = {a.input_len + a.output_len} exceeds the context "
                               f"({engine.max_model_len}).")
         pairs = [(a.input_len, a.output_len)] * a.num_prompts
     prompts = bm.random_prompts(vocab, [i for i, _ in pairs])

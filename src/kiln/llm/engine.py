@@ -194,12 +194,12 @@ class LLMEngine:
         if eight_bit and kv_scales is None and kv_calib is None:
             raise ConfigError(
                 f"kv_cache_dtype {kv_cache_dtype!r} needs calibrated per-layer K/V scales: build an engine with "
-                "`kiln llm build --kv-cache-dtype ... --calib TEXT`, give kv_calib (a text file; --calib on the "
+                "`kiln llm build --kvCacheDtype ... --calib TEXT`, give kv_calib (a text file; --calib on the "
                 "CLI) or pass kv_scales; Kiln never assumes a scale of 1.0.")
         if tp > 1 and eight_bit and kv_scales is None:
             raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} with tensor_parallel_size = {tp}: calibrating K/V "
                               "scales (kv_calib) runs on one process; build an engine with `kiln llm build "
-                              "--kv-cache-dtype ... --calib TEXT` (or pass kv_scales) and serve that.")
+                              "--kvCacheDtype ... --calib TEXT` (or pass kv_scales) and serve that.")
         devices = rank_devices(self.device, tp) if tp > 1 else [str(self.device)]
         self.device = torch.device(devices[0])
         if tp > 1:
@@ -372,11 +372,14 @@ class LLMEngine:
                     bm.mark_computed(seq)
         now = time.perf_counter()
         requests, touched, text_later = self.requests, {}, []
+        finished = SequenceStatus.FINISHED
         for seq, tok, lp in zip(seqs, tokens, logprobs):
-            if seq.status is SequenceStatus.FINISHED:  # aborted while its step ran
+            if seq.status is finished:  # aborted while its step ran
                 continue
             self._append_token(seq, tok, lp, now, text_later)
-            touched[seq.request_id] = requests[seq.request_id]
+            req = requests[seq.request_id]
+            if not req.final_only or seq.status is finished:
+                touched[seq.request_id] = req
         if self.overlap_steps:
             self._inflight = self._launch(self.scheduler.schedule())
         for seq, tok, flush in text_later:
@@ -386,7 +389,7 @@ class LLMEngine:
                 seq.detokenizer.flush()
         outputs = []
         for req in touched.values():
-            if req.final_only and not all(s.status is SequenceStatus.FINISHED for s in req.seqs):
+            if req.final_only and not all(s.status is finished for s in req.seqs):
                 continue
             out = self._output(req)
             if out.finished:
@@ -468,7 +471,8 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seqs = req.seqs
-        if req.params.output_kind == "delta":
+        delta = req.params.output_kind == "delta"
+        if delta:
             outs = self._new_since_last(req)
         else:
             outs = [CompletionOutput(s.index, s.detokenizer.text if s.detokenizer is not None else "",
@@ -478,6 +482,8 @@ class LLMEngine:
         first_seq = seqs[0]
         if len(seqs) == 1:
             done = first_seq.status == SequenceStatus.FINISHED
+            if delta and not done:  # a stream's metrics come with its last output
+                return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, False)
             first, finish = first_seq.first_token_time, first_seq.finish_time if done else None
         else:
             times = [s.first_token_time for s in seqs if s.first_token_time is not None]
@@ -490,7 +496,8 @@ class LLMEngine:
     @staticmethod
     def _new_since_last(req: _Request) -> list[CompletionOutput]:
         """output_kind "delta": each sequence's tokens, text and logprobs since the request's last output; a
-        sequence with nothing new is left out unless it just finished. No copy of what was returned before."""
+        sequence with nothing new is left out unless it just finished. No copy of what was returned before, and
+        (with one sequence) the metrics only in the last output: a stream's step costs two small objects."""
         if req.sent is None:
             req.sent = [[0, 0, False] for _ in req.seqs]
         outs = []

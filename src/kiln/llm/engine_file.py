@@ -149,7 +149,7 @@ def prepare_model(source, *, dtype=None, device="auto", weights=None, kv_cache_d
         if is_engine and extras.get("kv_cache_dtype") == kv_cache_name(kv_dtype):
             scales = extras["kv_scales"]
         elif calib is None:
-            raise ConfigError(f"--kv-cache-dtype {kv_name} needs calibrated K/V scales: give --calib FILE "
+            raise ConfigError(f"--kvCacheDtype {kv_name} needs calibrated K/V scales: give --calib FILE "
                               "(Kiln never assumes a scale of 1.0).")
         else:
             from .calibrate import calibrate_kv_scales
@@ -228,7 +228,7 @@ def _scale_kind(method: str) -> str:
 def write_llm_engine(path, prepared: PreparedModel, hf_tensors: dict, *, dtype: str, build_config: dict,
                      target, perplexity: dict | None = None, sign_key: bytes | None = None) -> dict:
     """Write `prepared` as a .kiln LLM engine at `path` (atomically); returns its manifest. sign_key: sign the
-    member digests with it (`kiln llm generate|serve|inspect --verify-key` accept only such engines)."""
+    member digests with it (`kiln llm generate|serve|inspect --verifyKey` accept only such engines)."""
     from ..engine.target import versions
 
     model = prepared.model
@@ -416,7 +416,7 @@ def _kv_scales(path: Path, described) -> list:
     return out
 
 
-# Engine path -> the key `--verify-key` pinned it to: every later read of that path in this process checks the
+# Engine path -> the key `--verifyKey` pinned it to: every later read of that path in this process checks the
 # signature on the very bytes it loads (a file swapped after the first check is refused too).
 _PINNED: dict[Path, bytes] = {}
 # Engine path -> the member digests its last read in this process checked, and -> the digests a read must find:
@@ -427,7 +427,7 @@ _EXPECTED: dict[Path, dict] = {}
 
 def checked_digests(path) -> dict:
     """The member digests (serialize.read_members' `verified`) this process's last read of the engine at path
-    checked; an engine it has not read is checked now (with the key --verify-key pinned it to, if any)."""
+    checked; an engine it has not read is checked now (with the key --verifyKey pinned it to, if any)."""
     path = Path(path).resolve()
     if path not in _LOADED:
         verified: dict = {}
@@ -442,13 +442,13 @@ def expect_digests(path, digests: dict) -> None:
 
 
 def require_signed(model, verify_key: bytes | None) -> None:
-    """--verify-key for `kiln llm generate|bench|serve`: MODEL must be a .kiln LLM engine signed with the key.
+    """--verifyKey for `kiln llm generate|bench|serve`: MODEL must be a .kiln LLM engine signed with the key.
     Checked here (a clear error before anything starts) and pinned for the load that follows."""
     if verify_key is None:
         return
     path = Path(model)
     if path.suffix != ".kiln":
-        raise ConfigError(f"--verify-key checks a .kiln LLM engine, and '{path}' is not one: build a signed engine "
+        raise ConfigError(f"--verifyKey checks a .kiln LLM engine, and '{path}' is not one: build a signed engine "
                           f"with `kiln llm build {path} --saveEngine=model.kiln --sign KEYFILE`.")
     _members(path, verify_key)
     _PINNED[path.resolve()] = verify_key
@@ -503,7 +503,7 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
     quantize.check_method(weights)
     if budget is not None and eval_text is None:
-        raise ConfigError("--budget needs --eval-text FILE: held-out text on which the build measures perplexity.")
+        raise ConfigError("--budget needs --evalText FILE: held-out text on which the build measures perplexity.")
     if budget is not None and budget < 0:
         raise ConfigError(f"--budget {budget}: a perplexity rise in percent, >= 0.")
     target = resolve(device)
@@ -525,10 +525,10 @@ def build_llm_engine(model_path, out, *, dtype: str = "bf16", weights: str = "no
                                  on_step=bar.step)
         cfg = prepared.model.cfg
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
-            raise ConfigError(f"--max-seq-len {max_seq_len} must be in 1..{cfg.max_position_embeddings} (the model's "
+            raise ConfigError(f"--maxSeqLen {max_seq_len} must be in 1..{cfg.max_position_embeddings} (the model's "
                               "context).")
         if max_batch_size < 1:
-            raise ConfigError(f"--max-batch-size {max_batch_size} must be >= 1.")
+            raise ConfigError(f"--maxBatchSize {max_batch_size} must be >= 1.")
         check_tensor_parallel(cfg, tensor_parallel_size, source=str(model_path))
         if budget is not None:
             bar.step(f"perplexity of the engine (weights {prepared.weights}, {prepared.kv_cache_dtype} KV)")
@@ -628,14 +628,14 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (default 64)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--budget", type=float, default=None, metavar="PCT",
-                   help="refuse to write the engine if its perplexity on --eval-text rises more than PCT percent")
+                   help="refuse to write the engine if its perplexity on --evalText rises more than PCT percent")
     p.add_argument("--eval-text", metavar="FILE", help="held-out text for --budget")
     p.add_argument("--eval-tokens", type=int, default=1024, help="tokens of --eval-text scored (default 1024)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the engine's target)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks the engine is split for (its default at serve time; default 1)")
     p.add_argument("--sign", metavar="KEYFILE", help="sign the engine with this key (a file of at least 16 bytes), "
-                   "so `kiln llm generate|serve|inspect --verify-key KEYFILE` accepts only engines you built")
+                   "so `kiln llm generate|serve|inspect --verifyKey KEYFILE` accepts only engines you built")
     p.set_defaults(func=run_build)
     return p
 

@@ -31,7 +31,7 @@ EIGHT_BIT = (FP8, torch.int8)
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
+        raise ConfigError(f"--kvCacheDtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
     return KV_CACHE_DTYPES[name] or model_dtype
 
 
@@ -143,7 +143,7 @@ def read_text_tokens(tokenizer, path, max_tokens: int | None = None) -> list[int
     ids = tokenizer.encode(text, add_special_tokens=True)
     if max_tokens is not None:
         if max_tokens < 2:
-            raise InputError(f"--max-tokens must be at least 2, got {max_tokens}.")
+            raise InputError(f"--maxTokens must be at least 2, got {max_tokens}.")
         ids = ids[:max_tokens]
     if len(ids) < 2:
         raise InputError(f"--text '{path}' holds fewer than 2 tokens.")

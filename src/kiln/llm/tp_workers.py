@@ -12,7 +12,7 @@ all-reduces and the LM head's all-gather go over torch.distributed (NCCL on CUDA
 waits for the next step on its socket, not in a collective, so an idle engine can stay idle.
 
 Start-up, in order: each worker loads the model and keeps its shard (a .kiln engine only if its member digests
-are those rank 0 checked when it loaded the file, signature included under --verify-key: a file replaced or
+are those rank 0 checked when it loaded the file, signature included under --verifyKey: a file replaced or
 modified since is refused before its weights are read), then reports how many KV blocks fit beside it; rank 0
 picks the smallest count and sends it; all ranks join the process group and build their runners (CUDA-graph
 capture included: collective, so on every rank together). A worker that fails reports its error and
@@ -147,7 +147,7 @@ class LazySafetensors(Mapping):
 
 
 def engine_digests(source) -> dict | None:
-    """For a .kiln engine: the member digests rank 0 checked (its signature too, under --verify-key), which every
+    """For a .kiln engine: the member digests rank 0 checked (its signature too, under --verifyKey), which every
     worker's read of the file must find; None for other sources (an HF directory or a GGUF file)."""
     from pathlib import Path
 

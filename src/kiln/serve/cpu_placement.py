@@ -1,11 +1,11 @@
-"""Which CPUs the engine process steps on, apart from the HTTP process (`kiln llm serve --engine-cpu`).
+"""Which CPUs the engine process steps on, apart from the HTTP process (`kiln llm serve --engineCpu`).
 
 The engine's step loop is one busy thread. The HTTP process beside it wakes on every step's frame, and the
 kernel tends to run a woken task where it last ran or near its waker: on the engine's core, or on its SMT
-sibling, which shares that core's execution units and caches. `--engine-cpu auto` gives the step loop a core
+sibling, which shares that core's execution units and caches. `--engineCpu auto` gives the step loop a core
 of its own: the last physical core of the CPUs this process may use, its first hardware thread for the engine
 and its siblings left idle, every other CPU for the HTTP process (and a load generator). With fewer than four
-CPUs nothing is pinned. `--engine-cpu N` names the CPU; `none` (the default) leaves placement to the kernel.
+CPUs nothing is pinned. `--engineCpu N` names the CPU; `none` (the default) leaves placement to the kernel.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _siblings(cpu: int) -> set[int]:
 
 
 def placement(spec: str | None) -> tuple[set[int], set[int]] | None:
-    """(the engine's CPUs, the CPUs for everything else) for --engine-cpu spec, or None: no pinning."""
+    """(the engine's CPUs, the CPUs for everything else) for --engineCpu spec, or None: no pinning."""
     if spec in (None, "", "none"):
         return None
     if not hasattr(os, "sched_getaffinity"):
@@ -44,9 +44,9 @@ def placement(spec: str | None) -> tuple[set[int], set[int]] | None:
     try:
         cpu = int(spec)
     except ValueError:
-        raise ConfigError(f"--engine-cpu {spec!r}: write auto, none or a CPU number.") from None
+        raise ConfigError(f"--engineCpu {spec!r}: write auto, none or a CPU number.") from None
     if cpu not in allowed:
-        raise ConfigError(f"--engine-cpu {cpu}: this process may run on CPUs {sorted(allowed)} only.")
+        raise ConfigError(f"--engineCpu {cpu}: this process may run on CPUs {sorted(allowed)} only.")
     core = _siblings(cpu) & allowed or {cpu}
     rest = allowed - core
     return {cpu}, rest or allowed

@@ -1,11 +1,11 @@
 """`kiln llm serve MODEL`: the OpenAI-compatible server (kiln/serve/openai_server.py) on one engine, or on N
 engine replicas with --replicas N / --autoscale MIN:MAX (Ray Serve, kiln/serve/ray_serve.py).
 
-    kiln llm serve ./SmolLM2-135M --port 8000 --api-key $KEY
+    kiln llm serve ./SmolLM2-135M --port 8000 --apiKey $KEY
     curl -H "Authorization: Bearer $KEY" localhost:8000/v1/completions \\
          -d '{"model": "SmolLM2-135M", "prompt": "Hello", "max_tokens": 16}'
 
-Binds 127.0.0.1 unless --host says otherwise. --api-key (or KILN_API_KEY) makes every endpoint but /health
+Binds 127.0.0.1 unless --host says otherwise. --apiKey (or KILN_API_KEY) makes every endpoint but /health
 require `Authorization: Bearer KEY`.
 """
 
@@ -110,7 +110,7 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL's name)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests admitted beyond --max-num-seqs before 429 (default 1024)")
+                   help="requests admitted beyond --maxNumSeqs before 429 (default 1024)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for admitted requests to finish (default 30)")
     p.add_argument("--seed", type=int, default=0)

@@ -77,7 +77,7 @@ class OpenAIServer:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 raise APIError("Incorrect API key provided: send 'Authorization: Bearer <key>' with the server's "
-                               "--api-key.", status=401, code="invalid_api_key", type_="authentication_error")
+                               "--apiKey.", status=401, code="invalid_api_key", type_="authentication_error")
         return await handler(request)
 
     async def _json(self, request) -> dict:

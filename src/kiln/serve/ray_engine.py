@@ -1,7 +1,7 @@
 """Scale-out of a (non-LLM) Kiln engine on Ray Serve, speaking Triton's HTTP protocol (KServe v2).
 
     kiln serve model.kiln --replicas 4 --port 8000            # a local Ray cluster
-    kiln serve model.kiln --replicas 8 --ray-address auto     # an existing cluster; model.kiln on every node
+    kiln serve model.kiln --replicas 8 --rayAddress auto     # an existing cluster; model.kiln on every node
 
 Clients are Triton's own (tritonclient.http) or any KServe v2 client:
     GET  /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/ready
@@ -194,7 +194,7 @@ def application(path: str, *, name: str, replicas: int, max_batch: int | None = 
     if max_batch is None:
         max_batch = manifest_max
     elif max_batch > manifest_max:
-        raise InputError(f"--max-batch {max_batch}: the engine's profiles accept batches up to {manifest_max}.")
+        raise InputError(f"--maxBatch {max_batch}: the engine's profiles accept batches up to {manifest_max}.")
     replica = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=replicas,
         ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": 1},

@@ -108,14 +108,14 @@ def triton_config(engine: Path, name: str, instances: int = 1, max_batch: int | 
             raise ConfigError(f"'{engine}': {b['io']} '{b['name']}' has no known rank, which a Triton config needs.")
     batch = batch_range(manifest)
     if max_batch is not None and max_batch < 0:
-        raise ConfigError(f"--max-batch must be 0 (no batching) or more, not {max_batch}.")
+        raise ConfigError(f"--maxBatch must be 0 (no batching) or more, not {max_batch}.")
     if max_batch and batch is None:
         raise ConfigError(
-            f"--max-batch {max_batch}: '{engine}' has no batch axis Triton can batch on (every input and output "
-            "needs a dynamic first axis with one range across inputs in each profile); export with --max-batch 0.")
+            f"--maxBatch {max_batch}: '{engine}' has no batch axis Triton can batch on (every input and output "
+            "needs a dynamic first axis with one range across inputs in each profile); export with --maxBatch 0.")
     if max_batch and max_batch > batch[0]:
-        raise ConfigError(f"--max-batch {max_batch} is beyond the engine's profiles, which accept batches up to "
-                          f"{batch[0]}; rebuild with a larger --maxShapes or lower --max-batch.")
+        raise ConfigError(f"--maxBatch {max_batch} is beyond the engine's profiles, which accept batches up to "
+                          f"{batch[0]}; rebuild with a larger --maxShapes or lower --maxBatch.")
     batching = batch is not None and max_batch != 0
     skip = 1 if batching else 0
     profiles = manifest["profiles"]
