@@ -410,7 +410,7 @@ def main(argv=None) -> int:
                    help="N unmeasured requests of the same length law, all at once, before the served and the "
                         "offline runs (first-use kernel compiles out of the measurement; default 0)")
     p.add_argument("--engine-cpu", default="none", metavar="auto|none|N",
-                   help="kiln llm serve --engine-cpu: the engine's step loop on a core of its own, the HTTP process "
+                   help="kiln llm serve --engineCpu: the engine's step loop on a core of its own, the HTTP process "
                         "and the clients on the others; the offline run then steps on that core too (default none)")
     p.add_argument("--direct", action="store_true",
                    help="drive the server's engine process from this process, without HTTP or client processes "
