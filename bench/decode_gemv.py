@@ -12,6 +12,7 @@ the weight's bytes alone (codes, plus INT4's scales and zero points): what a dec
 `--sweep` also prints every candidate tile's time at M = 1 (what choose_config measured to pick from).
 
 `--layer` times one decoder layer's four products one after another (what 32 layers of a step run).
+`--precompile N` (default 12) first compiles every candidate tile in N processes into Triton's on-disk cache.
 
     python bench/decode_gemv.py [--rows 1,4,8] [--shapes qkv,o,gate_up,down,lm_head] [--sweep] [--layer]
                                 [--budget-s S]
@@ -140,12 +141,55 @@ def bench_layer(dev, rows: list[int]) -> None:
               f"{32 * t['int4'] / 1e3:.2f} ms", flush=True)
 
 
+def _warm(job) -> str:
+    """In a worker process: launch one candidate tile once with one split and with two on a 4096 x 4096 weight,
+    which compiles the kernels every projection's launch of that tile uses (Triton specializes on divisibility
+    and on a split count of 1, not on sizes) into Triton's on-disk cache."""
+    import dataclasses
+
+    kind, cfg = job
+    dev = torch.device("cuda")
+    x = torch.zeros((1, 4096), dtype=torch.bfloat16, device=dev)
+    try:
+        for split in (1, 2):
+            c = dataclasses.replace(cfg, split_k=split)
+            if kind == "int4":
+                packed = torch.zeros((4096, 2048), dtype=torch.uint8, device=dev)
+                s = torch.ones((4096, 32), device=dev)
+                fg.int4_gemv(x, packed, s, torch.zeros((4096, 32), dtype=torch.uint8, device=dev), None, 128, c)
+            else:
+                w = torch.zeros((4096, 4096), dtype=FP8 if kind == "fp8" else torch.bfloat16, device=dev)
+                fg.fp8_gemv(x, w, torch.ones(4096, device=dev) if kind == "fp8" else None, c)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # noqa: BLE001 - the timing meets it again and records the tile as failed
+        return f"{kind} {cfg.name}: {type(e).__name__}"
+
+
+def precompile(workers: int) -> None:
+    """Every candidate tile compiled in `workers` processes side by side before anything is timed."""
+    import multiprocessing as mp
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = []
+    for kind, codes in (("fp8", FP8), ("bf16", torch.bfloat16)):
+        for c in fg.candidate_configs(4096, 4096, sms, codes) + fg.row_candidate_configs(4096, 4096, sms, codes):
+            jobs.append((kind, c))
+    jobs += [("int4", c) for c in fg.int4_candidate_configs(4096, 4096, sms)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        failed = [r for r in pool.map(_warm, jobs, chunksize=1) if r]
+    print(f"precompiled {len(jobs)} candidate tiles in {workers} processes in {time.perf_counter() - t0:.1f} s"
+          + (f"; failed: {failed}" if failed else ""), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     ap.add_argument("--rows", default="1,4,8", help="comma-separated M values (default 1,4,8)")
     ap.add_argument("--sweep", action="store_true", help="also print every candidate tile's time at M = 1")
     ap.add_argument("--layer", action="store_true", help="also time one decoder layer's four products in a row")
+    ap.add_argument("--precompile", type=int, default=12, help="processes compiling the candidates first (0: none)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the shapes left past this time")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -156,6 +200,11 @@ def main(argv=None) -> int:
           f"triton {__import__('triton').__version__}")
     print("columns: cuBLAS bf16 (torch.matmul) | Kiln bf16 GEMV | fp8 GEMV | fp8 GEMV without PDL | int4 GEMV; "
           "GB/s of weight bytes")
+    if a.precompile:
+        try:
+            precompile(a.precompile)
+        except Exception as e:  # noqa: BLE001 - the timings then compile as they go
+            print(f"precompile failed ({type(e).__name__}: {e}); compiling as the timings go", flush=True)
     if a.layer:  # first: it also picks every projection's tiles, which the shapes below then reuse
         bench_layer(dev, [int(m) for m in a.rows.split(",")])
         torch.cuda.empty_cache()
