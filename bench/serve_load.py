@@ -486,8 +486,12 @@ def main(argv=None) -> int:
         if placement:  # the offline engine steps where the served one did
             cpu_placement.pin(placement[0])
         result["offline"] = offline(model, a, prompts, out_lens, warmup)
-        result["offline"].pop("cuda_graphs", None)
-        result["offline"].pop("cuda_graph_error", None)
+        graphs, error = result["offline"].pop("cuda_graphs", None), result["offline"].pop("cuda_graph_error", None)
+        if graphs or error:
+            import torch
+
+            print(f"offline engine: {torch.get_num_threads()} torch threads, CUDA graphs for decode batches {graphs}"
+                  + (f"; capture failed: {error}" if error else ""), file=sys.stderr)
         offline_steps = result["offline"].pop("step_records")
         result["offline_steps"] = steps_report(offline_steps)
     print(render(result))

@@ -421,6 +421,13 @@ def main(argv: list[str]) -> int:
     info = {f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)}
     info["tokenizer"] = _tokenizer_state(engine.tokenizer)
     info["stats"] = engine.stats()
+    runner = engine.runner
+    if runner.graphs or runner.graph_error:  # what its decode-only steps replay, and its torch threads
+        import torch
+
+        print(f"kiln llm serve: engine process: {torch.get_num_threads()} torch threads, CUDA graphs for decode "
+              f"batches {sorted(runner.graphs)}" + (f"; capture failed: {runner.graph_error}" if runner.graph_error
+                                                    else ""), file=sys.stderr, flush=True)
     if config.get("engine_cpus"):  # the step loop's thread only: threads started by the load keep their CPUs
         cpu_placement.pin(set(config["engine_cpus"]))
     write_frame(fd_out, marshal.dumps(("info", info)))
