@@ -14,7 +14,7 @@ from kiln.llm.engine import LLMEngine, SamplingParams
 from kiln.serve import cpu_placement, step_profile
 from kiln.serve.async_engine import DeltaMaker
 
-KW = dict(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=24)
+KW = {"device": "cpu", "max_num_seqs": 4, "num_kv_blocks": 64, "max_model_len": 128, "max_num_batched_tokens": 24}
 
 
 @pytest.fixture(scope="module")
