@@ -76,3 +76,13 @@ def test_prefix_caching_off_and_decode_growth():
     assert bm.blocks_needed(b, 1) == 1 and bm.can_append(b, 1)
     bm.free_sequence(b)
     assert bm.num_free_blocks == 4 and bm.num_used_blocks == 0
+
+
+def test_freed_sequence_gets_a_new_table():
+    """The runner tells a sequence's block tables apart by the list object: freeing gives a new one."""
+    bm = BlockManager(4, block_size=4)
+    s = seq(range(6))
+    run_prompt(bm, s)
+    table = s.block_table
+    bm.free_sequence(s)
+    assert s.block_table == [] and s.block_table is not table and bm.num_free_blocks == 4

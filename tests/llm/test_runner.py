@@ -24,3 +24,49 @@ def test_static_buffer_decode_equals_eager(tiny_llama):
     assert {1, 2, 4} <= set(replays)  # padded buckets (3 rows in 4) and a lone last sequence both ran
     s = llm.llm_engine.stats()
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_static_buffer_rows_after_preemption(tiny_llama):
+    """Preempted sequences come back on new blocks, often in a row that held them before with a table of the same
+    length: the host mirror's rows must follow the new blocks (a freed sequence's table is a new list)."""
+    kw = {"max_model_len": 48, "block_size": 4, "max_num_seqs": 4, "num_kv_blocks": 12}
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, max_model_len=48, block_size=4).generate(PROMPTS[:4],
+                                                                                                    params)]
+    llm = LLM(tiny_llama, **kw)
+    runner = llm.llm_engine.runner
+    runner.make_static_buffers(4)
+    runner.graphs = {b: runner.static_decode_step(b) for b in (1, 2, 4)}
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)] == want
+    s = llm.llm_engine.stats()
+    assert s["num_preemptions"] > 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_graph_buckets():
+    from kiln.llm.runner import graph_buckets
+
+    assert graph_buckets(1) == [1] and graph_buckets(3) == [1, 2, 3] and graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert graph_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert graph_buckets(300)[-3:] == [192, 256, 300]
+
+
+def test_host_mirror_rows_follow_the_tables(tiny_llama):
+    """The pinned host mirror of the block tables: a row gets a sequence's new blocks as its list grows, and all
+    of another sequence's blocks when the row changes hands (rows written nowhere: slots -1)."""
+    llm = LLM(tiny_llama, max_model_len=64, block_size=4, max_num_seqs=4)
+    r = llm.llm_engine.runner
+    r.make_static_buffers(4)
+    r.graphs = {b: r.static_decode_step(b) for b in (1, 2, 4)}
+
+    def rows(tables):
+        n = len(tables)
+        r._replay(4, [5] * n, [0] * n, [-1] * n, [1] * n, tables)
+        return [r._h_tables[i, :len(t)].tolist() for i, t in enumerate(tables)]
+
+    a, b = [1, 2], [3]
+    assert rows([a, b]) == [[1, 2], [3]]
+    a.append(7)
+    assert rows([a, b]) == [[1, 2, 7], [3]]
+    assert rows([b, a]) == [[3], [1, 2, 7]]
+    c = [8, 9, 10]  # a's sequence freed and given new blocks: a new list of the same length
+    assert rows([b, c]) == [[3], [8, 9, 10]]
