@@ -20,8 +20,8 @@ import torch
 from ..ir.graph import Graph, Node
 from . import fold_constants
 
-MAX_TRIPS = 256  # iterations copied at most; a longer loop stays a Loop
-MAX_NODES = 20000  # nodes one unrolled loop may add
+MAX_TRIPS = 1024  # iterations copied at most; a longer loop stays a Loop
+MAX_NODES = 50000  # nodes one unrolled loop may add
 _ROUNDS = 8  # an unrolled body may hold an If that folding decides, and so on
 
 
@@ -78,6 +78,25 @@ def _identity(src: str, dst: str, like: Node) -> Node:
     return Node("Identity", [src], [dst], name=f"{like.name}/{dst}", opset=like.opset)
 
 
+def _outputs_renamed(nodes: list[Node], results: list[str], outs: list[str], like: Node) -> list[Node]:
+    """`nodes` computing `results`, made to write them as `outs` (the replaced node's outputs) instead: the
+    copies' own names are renamed where they produce them, so no Identity per output is left (a long
+    unrolled loop would leave thousands for remove_noops). A result the copies do not produce (an outer
+    value, a weight) is passed on by an Identity."""
+    produced = {o for n in nodes for o in n.outputs if o}
+    alias, extra = {}, []
+    for src, dst in zip(results, outs):
+        if not dst:
+            continue
+        if src in produced and src not in alias:
+            alias[src] = dst
+        else:
+            extra.append(_identity(alias.get(src, src), dst, like))
+    if alias:
+        nodes = [_renamed_node(n, lambda s: alias.get(s, s), n.name) for n in nodes]
+    return nodes + extra
+
+
 def _inline_ifs(graph: Graph) -> bool:
     consts = graph.initializers
     out, changed = [], False
@@ -95,8 +114,8 @@ def _inline_ifs(graph: Graph) -> bool:
 
         copy = _renamed_graph(branch, rename)
         consts.update(copy.initializers)
-        out += [replace(n, name=prefix + n.name) for n in copy.nodes]
-        out += [_identity(v.name, o, node) for v, o in zip(copy.outputs, node.outputs) if o]
+        out += _outputs_renamed([replace(n, name=prefix + n.name) for n in copy.nodes],
+                                [v.name for v in copy.outputs], node.outputs, node)
         changed = True
     graph.nodes = out
     return changed
@@ -127,6 +146,8 @@ def _unrolled(loop: Node, graph: Graph) -> tuple[list[Node], dict] | None:
     if not trip_name and not cond_name:
         return None  # an infinite loop as far as the graph says
     limit = int(consts[trip_name].reshape(-1)[0]) if trip_name else None
+    if limit is not None and limit > MAX_TRIPS and not cond_name:
+        return None  # too many copies, known before making any
     running = bool(consts[cond_name].reshape(-1)[0]) if cond_name else True
     body: Graph = loop.attr("body")
     n = len(initial)
@@ -167,7 +188,10 @@ def _unrolled(loop: Node, graph: Graph) -> tuple[list[Node], dict] | None:
     if scan_out and i == 0:
         return None  # zero iterations: the stacked outputs' shapes are not known here; the Loop makes them
     outs = loop.outputs + [""] * (n + len(scan_out) - len(loop.outputs))
-    nodes += [_identity(src, dst, loop) for src, dst in zip(current, outs[:n]) if dst]
+    scanned = {name for acc in scans for name in acc}  # also read by the stacking: not renamed away
+    kept = [(src, dst) for src, dst in zip(current, outs[:n]) if dst and src not in scanned]
+    nodes = _outputs_renamed(nodes, [src for src, _ in kept], [dst for _, dst in kept], loop)
+    nodes += [_identity(src, dst, loop) for src, dst in zip(current, outs[:n]) if dst and src in scanned]
     for acc, dst in zip(scans, outs[n:]):
         if dst:
             nodes += _stacked(acc, dst, loop, consts)
