@@ -183,7 +183,7 @@ def engine_facts(eng, setup_s: float, weights: str) -> dict:
 def measure(eng, prompts, out_lens, batch: int, bw_GBs, time_limit_s=None) -> dict:
     """One timed run (all prompts at once) with host phases, the roofline at `batch` and the decode graph's
     GPU time (host share of the step = 1 - graph time / decode step wall time)."""
-    with HostPhases(eng) as phases:
+    with bm.HostPhases(eng) as phases:
         r = bm.run_requests(eng, prompts, out_lens, time_limit_s=time_limit_s)
     r["host_phases_us_per_step"] = phases.per_step(r["steps"], r["wall_s"])
     r["batch"], r["input_len"], r["output_len"] = batch, len(prompts[0]), max(out_lens)
@@ -192,7 +192,7 @@ def measure(eng, prompts, out_lens, batch: int, bw_GBs, time_limit_s=None) -> di
         r.update({k: rf[k] for k in ("weight_bytes", "kv_bytes_per_step", "roofline_step_ms", "roofline_tok_s")})
         r["roofline_fraction"] = r["output_tok_s"] / rf["roofline_tok_s"]
     if eng.device.type == "cuda" and eng.runner.graphs and eng.runner._bucket(batch):
-        r["graph_replay_ms"] = replay_ms(eng, batch)
+        r["graph_replay_ms"] = bm.graph_replay_ms(eng, batch)
         if r.get("decode_step_ms"):
             r["host_fraction_of_step"] = 1 - r["graph_replay_ms"] / r["decode_step_ms"]
     log(f"{eng.model_name}, batch {batch}, {r['input_len']}/{r['output_len']}: {r['output_tok_s']:.1f} tok/s "
@@ -282,72 +282,6 @@ def kv_context(tensors, cfg, device, dtype_name, ctx, batch, fp8) -> dict:
     out["fp8_speedup"] = base["step_ms"] / f8["step_ms"]
     out["batch"], out["context"] = batch, ctx
     return out
-
-
-class HostPhases:
-    """Wall time per step in the scheduler, input preparation, the forward's launch (run_inputs: the
-    host-to-device copies and the graph launch, or the eager forward), collect (the wait for the GPU's tokens,
-    or the sampler) and the engine's own bookkeeping (the rest); and launch_path: from a step's tokens
-    reaching the host to the next step queued on the device, the host time the GPU waits on."""
-
-    def __init__(self, eng):
-        self.eng, self.totals = eng, {}
-        self.targets = [(eng.scheduler, "schedule"), (eng.runner, "prepare"), (eng.runner, "run_inputs"),
-                        (eng.runner, "collect"), (eng, "_launch")]
-        self.collected_at = None
-
-    def __enter__(self):
-        self.saved = []
-        self.totals = {name: 0.0 for _, name in self.targets if name != "_launch"}
-        self.totals["launch_path"] = 0.0
-        for obj, name in self.targets:
-            fn = getattr(obj, name)
-            self.saved.append((obj, name, vars(obj).get(name)))  # an instance attribute or None
-
-            def timed(*a, _fn=fn, _name=name, **k):
-                t = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    now = time.perf_counter()
-                    if _name == "_launch":
-                        if self.collected_at is not None:
-                            self.totals["launch_path"] += now - self.collected_at
-                            self.collected_at = None
-                    else:
-                        self.totals[_name] += now - t
-                        if _name == "collect":
-                            self.collected_at = now
-
-            setattr(obj, name, timed)
-        return self
-
-    def __exit__(self, *exc):
-        for obj, name, own in self.saved:
-            if own is not None:
-                setattr(obj, name, own)
-            else:
-                delattr(obj, name)  # the class's method shows through again
-        return False
-
-    def per_step(self, steps: int, wall_s: float) -> dict:
-        out = {k: round(v / max(steps, 1) * 1e6, 1) for k, v in self.totals.items()}
-        out["engine_rest"] = round(wall_s / max(steps, 1) * 1e6 - sum(v for k, v in out.items()
-                                                                      if k != "launch_path"), 1)
-        return out
-
-
-def replay_ms(eng, b: int, iters: int = 20) -> float:
-    """GPU time of one decode step's graph at batch b (static buffers as the last step left them)."""
-    run = eng.runner.graphs[eng.runner._bucket(b)]
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def prefix_caching(tensors, cfg, device, dtype_name, prefix_len=1024, suffix_len=32, n=64) -> dict:

@@ -38,3 +38,13 @@ def test_bench_json(tiny_llama, capsys):
     k = r["kiln"]
     assert k["requests"] == 3 and k["output_tokens"] == 12 and k["output_tok_s"] > 0
     assert k["ttft_ms_p50"] <= k["e2e_ms_p50"] and k["tpot_ms_p50"] > 0
+
+
+def test_bench_time_limit_and_static_cache_baseline(tiny_llama, capsys):
+    assert main(["llm", "bench", str(tiny_llama), "--input-len", "8", "--output-len", "50", "--batch-size", "2",
+                 "--time-limit", "0", "--baseline", "hf-compile", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["kiln"]["cut"] and r["kiln"]["finished"] == 0
+    assert r["hf"]["mode"] == "static cache, torch.compile" and r["hf"]["output_tokens"] == 100
+    assert main(["llm", "bench", str(tiny_llama), "--input-len", "8", "--output-len", "3", "--time-limit", "60"]) == 0
+    assert "cut" not in capsys.readouterr().out

@@ -4,6 +4,9 @@ All requests of a run are submitted at once; the engine's max_num_seqs bounds ho
 batch size). Output tokens per second = all generated tokens / wall time. TTFT = first token - arrival; TPOT =
 (last token - first token) / (output tokens - 1); e2e = last token - arrival; each reported as p50 and p99.
 
+Host share of a decode step = 1 - (its CUDA graph's GPU time) / (the step's wall time); HostPhases splits a
+run's wall time per step into the engine's parts.
+
 Roofline (CUDA): a decode step must read every weight once and each sequence's cached K/V. At batch B with
 average context C, bytes per step = weight bytes + B * C * KV bytes per token, so the bound is
 B / (bytes per step / bandwidth) tokens per second, with the bandwidth measured here by a device-to-device
@@ -103,6 +106,65 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
+
+
+class HostPhases:
+    """Wall time per step in the scheduler, input preparation, the forward's launch (run_inputs: the
+    host-to-device copies and the graph launch, or the eager forward), collect (the wait for the GPU's tokens,
+    or the sampler) and the engine's own bookkeeping (the rest); and launch_path: from a step's tokens
+    reaching the host to the next step queued on the device, the host time the GPU waits on."""
+
+    def __init__(self, eng):
+        self.eng, self.totals = eng, {}
+        self.targets = [(eng.scheduler, "schedule"), (eng.runner, "prepare"), (eng.runner, "run_inputs"),
+                        (eng.runner, "collect"), (eng, "_launch")]
+        self.collected_at = None
+
+    def __enter__(self):
+        self.saved = []
+        self.totals = {name: 0.0 for _, name in self.targets if name != "_launch"}
+        self.totals["launch_path"] = 0.0
+        for obj, name in self.targets:
+            fn = getattr(obj, name)
+            self.saved.append((obj, name, vars(obj).get(name)))  # an instance attribute or None
+
+            def timed(*a, _fn=fn, _name=name, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    now = time.perf_counter()
+                    if _name == "_launch":
+                        if self.collected_at is not None:
+                            self.totals["launch_path"] += now - self.collected_at
+                            self.collected_at = None
+                    else:
+                        self.totals[_name] += now - t
+                        if _name == "collect":
+                            self.collected_at = now
+
+            setattr(obj, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, own in self.saved:
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)  # the class's method shows through again
+        return False
+
+    def per_step(self, steps: int, wall_s: float) -> dict:
+        out = {k: round(v / max(steps, 1) * 1e6, 1) for k, v in self.totals.items()}
+        out["engine_rest"] = round(wall_s / max(steps, 1) * 1e6 - sum(v for k, v in out.items()
+                                                                      if k != "launch_path"), 1)
+        return out
+
+
+def graph_replay_ms(eng, b: int, iters: int = 20) -> float:
+    """GPU time of one decode step's graph at batch b (static buffers as the last step left them)."""
+    with torch.inference_mode():
+        return _time_ms(eng.runner.graphs[eng.runner._bucket(b)], eng.device, iters)
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 20) -> float:

@@ -133,15 +133,22 @@ def cmd_bench(a) -> int:
     prompts = bm.random_prompts(vocab, [i for i, _ in pairs])
     out_lens = [o for _, o in pairs]
     bm.run_requests(engine, prompts[:min(2, len(prompts))], [4] * min(2, len(prompts)))  # warm-up
+    with bm.HostPhases(engine) as phases:
+        run = bm.run_requests(engine, prompts, out_lens, time_limit_s=a.time_limit)
+    run["host_phases_us_per_step"] = phases.per_step(run["steps"], run["wall_s"])
+    batch = min(a.batch_size, a.num_prompts)
+    if engine.runner.graphs and engine.runner._bucket(batch) and run["decode_step_ms"]:
+        run["graph_replay_ms"] = bm.graph_replay_ms(engine, batch)
+        run["host_fraction_of_step"] = 1 - run["graph_replay_ms"] / run["decode_step_ms"]
     result = {"model": str(a.model), "device": str(engine.device), "batch_size": a.batch_size,
               "num_prompts": a.num_prompts, "mix": a.mix or "fixed", "input_len": a.input_len,
-              "output_len": a.output_len, "kiln": bm.run_requests(engine, prompts, out_lens)}
+              "output_len": a.output_len, "kiln": run}
     if engine.device.type == "cuda":
         avg_ctx = sum(i + o / 2 for i, o in pairs) / len(pairs)
         result["roofline"] = bm.roofline(engine, min(a.batch_size, a.num_prompts), avg_ctx,
                                          bm.copy_bandwidth(engine.device))
         result["roofline"]["fraction"] = result["kiln"]["output_tok_s"] / result["roofline"]["roofline_tok_s"]
-    if a.baseline == "hf":
+    if a.baseline in ("hf", "hf-compile"):
         try:
             import transformers
 
@@ -149,7 +156,8 @@ def cmd_bench(a) -> int:
                 a.model, dtype=engine.model.dtype).to(engine.device).eval()
             if a.mix == "sharegpt":
                 raise ConfigError("--baseline hf runs fixed lengths only (drop --mix).")
-            result["hf"] = bm.hf_generate_baseline(hf, prompts, a.output_len, a.batch_size)
+            result["hf"] = bm.hf_generate_baseline(hf, prompts, a.output_len, a.batch_size,
+                                                   static_compiled=a.baseline == "hf-compile")
             result["speedup_vs_hf"] = result["kiln"]["output_tok_s"] / result["hf"]["output_tok_s"]
         except Exception as e:  # the baseline failing must not hide Kiln's numbers
             result["hf"] = {"error": f"{type(e).__name__}: {e}"}
@@ -174,6 +182,11 @@ def render_bench(r: dict) -> str:
              f"  TPOT         p50 {f(k['tpot_ms_p50'], '.2f')} ms   p99 {f(k['tpot_ms_p99'], '.2f')} ms",
              f"  e2e          p50 {f(k['e2e_ms_p50'])} ms   p99 {f(k['e2e_ms_p99'])} ms",
              f"  decode step  {f(k['decode_step_ms'], '.2f')} ms (CUDA graphs at {k['cuda_graphs'] or 'none'})"]
+    if k.get("host_fraction_of_step") is not None:
+        lines.append(f"  host share   {100 * k['host_fraction_of_step']:.0f}% of the decode step (its CUDA graph "
+                     f"{k['graph_replay_ms']:.2f} ms on the GPU)")
+    if k.get("cut"):
+        lines.append(f"  cut          at --time-limit: {k['finished']} of {k['requests']} requests finished")
     if "roofline" in r:
         rf = r["roofline"]
         lines.append(f"  roofline     {rf['roofline_tok_s']:.1f} tok/s ({rf['weight_bytes'] / 1e9:.2f} GB weights + "
@@ -184,7 +197,7 @@ def render_bench(r: dict) -> str:
         if "error" in h:
             lines.append(f"  HF generate  failed: {h['error']}")
         else:
-            lines.append(f"  HF generate  {h['output_tok_s']:.1f} output tok/s (eager): Kiln "
+            lines.append(f"  HF generate  {h['output_tok_s']:.1f} output tok/s ({h['mode']}): Kiln "
                          f"{r['speedup_vs_hf']:.2f}x")
     return "\n".join(lines)
 
@@ -219,7 +232,10 @@ def add_command(sub) -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (max_num_seqs)")
     b.add_argument("--num-prompts", type=int, default=None, help="requests (default: the batch size)")
     b.add_argument("--mix", choices=["sharegpt"], help="ShareGPT-like (synthetic) input/output length mix")
-    b.add_argument("--baseline", choices=["hf"], help="also time transformers' generate (eager) in the run")
+    b.add_argument("--baseline", choices=["hf", "hf-compile"], help="also time transformers' generate in the run: "
+                   "eager, or with its static cache under torch.compile (compile untimed)")
+    b.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop the timed run after this long and "
+                   "measure what ran (the rest is aborted)")
     b.add_argument("--json", action="store_true", help="print the results as JSON")
     b.set_defaults(func=_bench_defaults)
 
