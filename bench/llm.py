@@ -21,6 +21,8 @@ got, "cut" in the table):
                context, the captured graph timed with the KV blocks filled directly (no prefill).
   int4         INT4 weights (groups of 128) at batch 1.
   prefix       64 requests sharing a cached 1,024-token prefix: TTFT with and without prefix caching.
+  host         the engine's host time per decode step at --host-batches with the forward replaced by a no-op
+               (a tiny model on the CPU; the scheduler, preparation, buffer writes, argmax and bookkeeping).
 Random weights make the text meaningless; the timing is what it is for any weights of this shape.
 
     python bench/llm.py --out DIR            (GPU; writes DIR/H200-llm.md and .json)
@@ -284,6 +286,41 @@ def kv_context(tensors, cfg, device, dtype_name, ctx, batch, fp8) -> dict:
     return out
 
 
+def host_overhead(batches, out_len: int = 64) -> dict:
+    """The engine's host time per decode step with the forward replaced by a no-op: a tiny model on the CPU whose
+    decode "graphs" return fixed logits from the static buffers, so a step is the scheduler, input
+    preparation, the host mirrors' writes, the argmax, the bookkeeping and the outputs, nothing else. Per
+    batch, with per-step outputs (cumulative, what a stream needs) and without (final_only, offline)."""
+    from kiln.llm.runner import graph_buckets
+
+    cfg = dict(TINY, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=256)
+    _, tensors = make_weights(cfg, "cpu", torch.float32)
+    out = {}
+    for b in batches:
+        eng = LLMEngine(cfg, tensors, _NoTokenizer(), dtype="fp32", device="cpu", max_num_seqs=b,
+                        max_num_batched_tokens=max(8192, 16 * b), max_model_len=16 + out_len + 16,
+                        num_kv_blocks=b * (-(-(32 + out_len) // 16) + 1))
+        r = eng.runner
+        r.make_static_buffers(b)
+        logits = torch.zeros(b, cfg["vocab_size"])
+        logits[:, 7] = 1.0
+        r.graphs = {n: (lambda n=n: logits[:n]) for n in graph_buckets(b)}
+        prompts = bm.random_prompts(cfg["vocab_size"], [16] * b, seed=b)
+        res = {}
+        for kind in ("cumulative", "final_only"):
+            bm.run_requests(eng, prompts, [4] * b, output_kind=kind)  # warm-up
+            with bm.HostPhases(eng) as phases:
+                run = bm.run_requests(eng, prompts, [out_len] * b, output_kind=kind)
+            res[kind] = {"decode_step_us": run["decode_step_ms"] * 1000,
+                         "phases_us": phases.per_step(run["steps"], run["wall_s"])}
+            log(f"host overhead, batch {b}, {kind} outputs: {res[kind]['decode_step_us']:.0f} us a decode step; "
+                f"phases {res[kind]['phases_us']}")
+        out[f"batch{b}"] = res
+        del eng, r
+    return out
+
+
 def prefix_caching(tensors, cfg, device, dtype_name, prefix_len=1024, suffix_len=32, n=64) -> dict:
     """64 requests sharing a prefix_len-token prefix (already cached by one earlier request), one output token
     each: TTFT with prefix caching on and off."""
@@ -446,6 +483,20 @@ def render(res: dict, args) -> str:
             if kv.get("fp8_speedup"):
                 lines.append(f"\nFP8 KV decode step {kv['fp8_speedup']:.2f}x faster than BF16 KV (target >= 1.4x).")
         lines.append("")
+    ho = res.get("host")
+    if isinstance(ho, dict):
+        lines += ["## Engine host time per decode step, forward replaced by a no-op (tiny model, this machine's CPU)",
+                  ""]
+        if "error" in ho:
+            lines.append(f"- failed: {ho['error']}")
+        else:
+            lines += ["| batch | outputs | host us a decode step | launch path us | phases us a step |",
+                      "|---|---|---|---|---|"]
+            for key, r in ho.items():
+                for kind, v in r.items():
+                    lines.append(f"| {key.removeprefix('batch')} | {kind} | {v['decode_step_us']:.0f} | "
+                                 f"{v['phases_us'].get('launch_path', 0):.0f} | {v['phases_us']} |")
+        lines.append("")
     notes = []
     for name in ("kiln", "kiln_fp8", "kiln_int4", "saturated", "long"):
         run = res.get(name)
@@ -478,7 +529,7 @@ def render(res: dict, args) -> str:
     return "\n".join(lines)
 
 
-LIMITS = {"correctness": 60, "kiln": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
+LIMITS = {"host": 60, "correctness": 60, "kiln": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
           "kvctx": 40, "int4": 60, "prefix": 60}
 
 
@@ -499,6 +550,7 @@ def main():
     ap.add_argument("--long-len", type=int, default=1000, help="long: ISL = OSL")
     ap.add_argument("--ctx", type=int, default=4096, help="kvctx: tokens of context per sequence")
     ap.add_argument("--ctx-batch", type=int, default=64, help="kvctx: batch")
+    ap.add_argument("--host-batches", type=int, nargs="+", default=[64, 512], help="host: batches")
     ap.add_argument("--time-limit", action="append", default=[], metavar="SECTION=SECONDS",
                     help=f"a section's time limit (repeatable; defaults {LIMITS})")
     ap.add_argument("--sections", default="correctness,kiln,hf,fp8,prefix",
@@ -542,8 +594,10 @@ def main():
     if "correctness" in want:
         section(res, "correctness", correctness, device, limit_s=limits["correctness"])
         save()
-    log("making weights")
-    hf, tensors = make_weights(cfg, device, dtype)
+    hf = tensors = None
+    if set(want) - {"correctness", "host"}:
+        log("making weights")
+        hf, tensors = make_weights(cfg, device, dtype)
     kv_blocks = None if device == "cuda" else 256
     cache: dict = {}
 
@@ -585,6 +639,8 @@ def main():
                 tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
                 max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name)),
                 limit_s=limit)
+        elif name == "host":
+            section(res, "host", host_overhead, args.host_batches, limit_s=limit)
         elif name == "prefix":
             section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name,
                     1024 if not args.tiny else 64, limit_s=limit)

@@ -48,16 +48,19 @@ def sharegpt_like_lengths(num: int, max_len: int, seed: int = 0) -> list[tuple[i
     return pairs
 
 
-def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_limit_s: float | None = None) -> dict:
+def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_limit_s: float | None = None,
+                 output_kind: str = "final_only") -> dict:
     """Runs all prompts to their output length (greedy, ignore_eos) and measures them. time_limit_s: stop
     stepping once this much wall time has passed, abort what is left and measure what ran ("cut": True): the
-    output tokens made in that time over that time, and the latencies of the requests that got that far."""
+    output tokens made in that time over that time, and the latencies of the requests that got that far.
+    output_kind: what the engine builds each step (SamplingParams.output_kind; the measurements read the
+    sequences themselves)."""
     from kiln.llm.sampling import SamplingParams
 
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    params = {n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, output_kind="final_only")
+    params = {n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, output_kind=output_kind)
               for n in set(output_lens)}
     seqs = []
     for i, (p, n) in enumerate(zip(prompts, output_lens)):
