@@ -68,6 +68,7 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_
         seqs.append(engine.requests[f"bench-{i}"].seqs[0])
     tokens_before = engine.generation_tokens_total
     steps, decode_steps, decode_time, cut = 0, 0, 0.0, False
+    by_batch: dict[int, list] = {}  # decode-only steps by batch size: [count, seconds]
     while engine.has_unfinished_requests():
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
             cut = True
@@ -82,6 +83,9 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_
                                                           for s in engine.scheduler.running):
             decode_steps += 1
             decode_time += dt
+            n_t = by_batch.setdefault(running_before, [0, 0.0])
+            n_t[0] += 1
+            n_t[1] += dt
     sync()
     wall = time.perf_counter() - t0
     out_tokens = engine.generation_tokens_total - tokens_before
@@ -103,6 +107,7 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_
         "e2e_ms_p50": _ms(percentile(e2e, 0.5)), "e2e_ms_p99": _ms(percentile(e2e, 0.99)),
         "decode_step_ms": decode_time / decode_steps * ms if decode_steps else None,
         "decode_steps": decode_steps,
+        "decode_step_ms_by_batch": {b: t / n * ms for b, (n, t) in sorted(by_batch.items())},
         "cuda_graphs": sorted(engine.runner.graphs), "cuda_graph_error": engine.runner.graph_error,
     }
 
