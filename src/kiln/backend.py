@@ -13,6 +13,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep
 
 from .errors import InputError
+from .frontend.optional_inputs import bind_optional_inputs, optional_inputs, value_name
 from .frontend.sequence_inputs import bind_sequence_inputs, element_names, sequence_inputs
 from .ir import dtypes
 from .ir.from_onnx import model_to_graph
@@ -44,16 +45,25 @@ class KilnRep(BackendRep):
         from .builder.config import BuildConfig
 
         feeds = self._feeds(inputs)
-        # A sequence input (a list of arrays) is bound as one tensor input per element (frontend/sequence_inputs.py).
-        lengths = {k: len(feeds[k]) for k in sequence_inputs(self.model) if k in feeds}
+        # An optional input is bound as what it holds, or as empty where it is None (frontend/optional_inputs.py);
+        # a sequence input (a list of arrays) as one tensor input per element (frontend/sequence_inputs.py).
+        model = self.model
+        present = {k: feeds[k] is not None for k in optional_inputs(model) if k in feeds}
+        if present:
+            model = bind_optional_inputs(model, present)
+            for k, given in present.items():
+                value = feeds.pop(k)
+                if given:
+                    feeds[value_name(k)] = value
+        lengths = {k: len(feeds[k]) for k in sequence_inputs(model) if k in feeds}
         for k in lengths:
             feeds.update(zip(element_names(k, lengths[k]), feeds.pop(k)))
-        key = tuple((k, np.shape(v)) for k, v in feeds.items())
+        key = (tuple(present.items()), tuple((k, np.shape(v)) for k, v in feeds.items()))
         engine = self._engines.get(key)
         if engine is None:
             shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
             config = BuildConfig(shapes=shapes, device=self.device, progress=False, validate=False)
-            engine = build(bind_sequence_inputs(self.model, lengths) if lengths else self.model, config)
+            engine = build(bind_sequence_inputs(model, lengths) if lengths else model, config)
             self._engines[key] = engine
             while len(self._engines) > self.max_engines:
                 self._engines.popitem(last=False)
@@ -63,7 +73,7 @@ class KilnRep(BackendRep):
 
 
 def _numpy(t):
-    """An output as numpy: a tensor as an array, a sequence as a list of arrays."""
+    """An output as numpy: a tensor as an array, a sequence as a list of arrays, an empty optional as None."""
     if isinstance(t, list):
         return [_numpy(x) for x in t]
     return dtypes.to_numpy(t) if hasattr(t, "detach") else t
@@ -106,7 +116,11 @@ class KilnBackend(Backend):
 
 
 def _bound_once(model):
-    """The model with each sequence input bound as one tensor: its ops and types, for the checks before a run."""
+    """The model with each optional input given and each sequence input bound as one tensor: its ops and types,
+    for the checks before a run."""
+    optionals = optional_inputs(model)
+    if optionals:
+        model = bind_optional_inputs(model, dict.fromkeys(optionals, True))
     seqs = sequence_inputs(model)
     return bind_sequence_inputs(model, dict.fromkeys(seqs, 1)) if seqs else model
 

@@ -1,6 +1,7 @@
-"""Value types Kiln refuses (as TensorRT does): optionals, sequences of anything but tensors, and strings fail
-at import with an UnsupportedError naming the graph value, the node that uses it and the type. Sequences of
-tensors are built (ops/sequence.py); as model inputs they must be bound as tensors first."""
+"""Value types Kiln refuses (as TensorRT does): maps, sequences of anything but tensors, and strings fail at
+import with an UnsupportedError naming the graph value, the node that uses it and the type. Sequences of
+tensors and optionals are built (ops/sequence.py, ops/optional.py); as model inputs they must be bound as
+tensors first."""
 
 import numpy as np
 import pytest
@@ -21,8 +22,8 @@ def _identity_model(value_type):
 @pytest.mark.parametrize("value_type, shown", [
     (helper.make_sequence_type_proto(helper.make_sequence_type_proto(
         helper.make_tensor_type_proto(TensorProto.FLOAT, None))), "sequence(sequence(tensor(float)))"),
-    (helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.INT64, [3])),
-     "optional(tensor(int64))"),
+    (helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [3])),
+     "map(int64, tensor(float))"),
 ])
 def test_non_tensor_values_are_refused_naming_the_node(value_type, shown):
     model = _identity_model(value_type)
@@ -46,6 +47,18 @@ def test_a_sequence_input_is_bound_as_tensors():
         np.testing.assert_array_equal(y, x)
     bound = kiln.frontend.bind_sequence_inputs(model, {"x": 2})
     assert [v.name for v in bound.graph.input] == ["x__0", "x__1"] and bound.graph.node[0].op_type == "SequenceConstruct"
+
+
+def test_an_optional_input_is_bound_as_given_or_empty():
+    """kiln.build refuses an optional input, naming it and the rewrite; kiln.backend binds it per run, as its
+    value or as empty (None in, None out)."""
+    model = _identity_model(helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.INT64, [3])))
+    with pytest.raises(UnsupportedError, match=r"\['x'\] are optional values.*bind_optional_inputs"):
+        kiln.build(model, kiln.BuildConfig(device="cpu", progress=False))
+    rep = kiln.backend.prepare(model, "CPU")
+    x = np.array([1, 2, 3], np.int64)
+    np.testing.assert_array_equal(rep.run([x])[0], x)
+    assert rep.run([None]) == (None,)
 
 
 def test_string_tensors_are_refused_naming_the_node():

@@ -199,11 +199,10 @@ class ExecutionContext:
         inputs, as_numpy = self._normalize(feeds)
         outs = self._replay(inputs) if self.uses_cuda_graphs else self._eager(inputs)
         if copy_outputs or as_numpy:
-            outs = [[x.clone() for x in t] if isinstance(t, list) else t.clone() for t in outs]
+            outs = [_copied(t) for t in outs]
         result = dict(zip(self._output_names, outs))
-        if as_numpy:  # a sequence output (ops/sequence.py) comes back as a list of arrays
-            return {k: [dtypes.to_numpy(x) for x in t] if isinstance(t, list) else dtypes.to_numpy(t)
-                    for k, t in result.items()}
+        if as_numpy:  # a sequence output (ops/sequence.py) comes back as a list of arrays, an empty optional as None
+            return {k: _as_numpy(t) for k, t in result.items()}
         return result
 
     __call__ = run
@@ -329,6 +328,9 @@ class ExecutionContext:
         outs = []
         for v in self.engine.outputs:
             t = env[v.name]
+            if t is None:  # an empty optional output (ops/optional.py)
+                outs.append(None)
+                continue
             if isinstance(t, list):  # a sequence output: a list of tensors on the device, in the model's type
                 keep = v.dtype in FLOAT_TYPES
                 outs.append([x.to(self.device, v.dtype if keep and x.dtype in FLOAT_TYPES else x.dtype) for x in t])
@@ -426,6 +428,15 @@ class ExecutionContext:
             self.stats.pool_bytes[str(list(inputs.values())[0].shape if inputs else ())] = pool_bytes
         self._keep_weight_uploads(uploads)
         return _Captured(graph, static, outs, pool_bytes, uploads)
+
+
+def _copied(t):
+    """An output's own copy: a tensor's clone, each tensor of a sequence cloned, an empty optional as it is."""
+    return [x.clone() for x in t] if isinstance(t, list) else None if t is None else t.clone()
+
+
+def _as_numpy(t):
+    return [dtypes.to_numpy(x) for x in t] if isinstance(t, list) else None if t is None else dtypes.to_numpy(t)
 
 
 @contextlib.contextmanager

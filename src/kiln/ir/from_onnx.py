@@ -60,15 +60,19 @@ def _type_name(t: onnx.TypeProto) -> str:
 
 
 def _value(vi: onnx.ValueInfoProto, g: onnx.GraphProto) -> Value:
-    tt = vi.type.tensor_type
-    kind = vi.type.WhichOneof("value")
-    sequence = kind == "sequence_type" and vi.type.sequence_type.elem_type.WhichOneof("value") == "tensor_type"
+    t = vi.type
+    optional = t.WhichOneof("value") == "optional_type"
+    if optional:  # an optional tensor or sequence (ops/optional.py): typed by what it holds
+        t = t.optional_type.elem_type
+    tt = t.tensor_type
+    kind = t.WhichOneof("value")
+    sequence = kind == "sequence_type" and t.sequence_type.elem_type.WhichOneof("value") == "tensor_type"
     if sequence:  # a sequence of tensors (ops/sequence.py): typed by its elements
-        tt, kind = vi.type.sequence_type.elem_type.tensor_type, "tensor_type"
-    if kind not in (None, "tensor_type"):  # optional, map, sparse tensor, a sequence of those
+        tt, kind = t.sequence_type.elem_type.tensor_type, "tensor_type"
+    if kind not in (None, "tensor_type"):  # map, sparse tensor, a sequence or optional of those
         raise UnsupportedError(
             f"graph value '{vi.name}'{_nodes_using(vi.name, g)} has type {_type_name(vi.type)}; "
-            "Kiln builds dense tensors and sequences of them only.")
+            "Kiln builds dense tensors, sequences of them and optionals of either only.")
     if kind is None:
         return Value(vi.name, None, None)
     try:
@@ -82,7 +86,7 @@ def _value(vi: onnx.ValueInfoProto, g: onnx.GraphProto) -> Value:
         shape = tuple(
             d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
         )
-    return Value(vi.name, dtype, shape, sequence=sequence)
+    return Value(vi.name, dtype, shape, sequence=sequence, optional=optional)
 
 
 def _attr(a: onnx.AttributeProto, node_label: str, opsets: dict[str, int]):
@@ -107,6 +111,8 @@ def _attr(a: onnx.AttributeProto, node_label: str, opsets: dict[str, int]):
         return [tensor_to_torch(t, f"attribute '{a.name}' of node '{node_label}'") for t in a.tensors]
     if a.type == A.GRAPHS:
         return [graph_from_onnx(g, opsets) for g in a.graphs]
+    if a.type == A.TYPE_PROTO:  # Optional's 'type': kept as ONNX's TypeProto, written back as it is
+        return a.tp
     raise UnsupportedError(
         f"attribute '{a.name}' of node '{node_label}' has type {A.AttributeType.Name(a.type)}, "
         "which Kiln does not support."
@@ -143,8 +149,13 @@ def model_to_graph(model: onnx.ModelProto) -> Graph:
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     opsets.setdefault("", 1)
     graph = graph_from_onnx(model.graph, opsets)
+    optional = [v.name for v in graph.inputs if v.optional]
+    if optional:  # an engine's bindings are tensors, as TensorRT's are; optionals live inside the graph
+        raise UnsupportedError(
+            f"model input(s) {optional} are optional values; an engine binds tensors only. Say which are given "
+            "(kiln.frontend.bind_optional_inputs rewrites the model so).")
     bound = [v.name for v in graph.inputs if v.sequence]
-    if bound:  # an engine's bindings are tensors, as TensorRT's are; sequences live inside the graph
+    if bound:  # sequences too live inside the graph
         raise UnsupportedError(
             f"model input(s) {bound} are sequences of tensors; an engine binds tensors only. Give each element "
             "its own tensor input (kiln.frontend.bind_sequence_inputs rewrites the model so).")

@@ -26,6 +26,8 @@ class Value:
     # An ONNX sequence(tensor(T)) value: dtype and shape are its elements' (shape None unless all share one).
     # At run time it is a Python list of tensors (src/kiln/ops/sequence.py).
     sequence: bool = False
+    # An ONNX optional(...) value of that tensor or sequence: None at run time when empty (ops/optional.py).
+    optional: bool = False
 
     @property
     def is_dynamic(self) -> bool:

@@ -21,7 +21,8 @@ def _dims(shape) -> str:
 
 def _value(v: Value) -> str:
     text = f"{str(v.dtype).removeprefix('torch.') if v.dtype is not None else '?'}{_dims(v.shape)}"
-    return f"{v.name}: sequence({text})" if v.sequence else f"{v.name}: {text}"
+    text = f"sequence({text})" if v.sequence else text
+    return f"{v.name}: optional({text})" if v.optional else f"{v.name}: {text}"
 
 
 def _attr(v) -> str:
@@ -29,6 +30,8 @@ def _attr(v) -> str:
         return f"tensor {str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
     if isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph)):
         return "<subgraph>"
+    if hasattr(v, "WhichOneof"):  # an ONNX TypeProto (Optional's type)
+        return f"<{v.WhichOneof('value')}>"
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."
 

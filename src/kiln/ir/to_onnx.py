@@ -39,9 +39,12 @@ def _attr(key: str, v):
 
 def _value(v: Value) -> onnx.ValueInfoProto:
     elem = dtypes.torch_to_onnx(v.dtype) if v.dtype is not None else onnx.TensorProto.UNDEFINED
-    if v.sequence:
-        return helper.make_tensor_sequence_value_info(v.name, elem, list(v.shape) if v.shape is not None else None)
-    return helper.make_tensor_value_info(v.name, elem, list(v.shape) if v.shape is not None else None)
+    shape = list(v.shape) if v.shape is not None else None
+    if not (v.sequence or v.optional):
+        return helper.make_tensor_value_info(v.name, elem, shape)
+    t = helper.make_tensor_type_proto(elem, shape)
+    t = helper.make_sequence_type_proto(t) if v.sequence else t
+    return helper.make_value_info(v.name, helper.make_optional_type_proto(t) if v.optional else t)
 
 
 def _make_node(n: Node) -> onnx.NodeProto:

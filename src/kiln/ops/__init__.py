@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     loss,
     nn,
     norm,
+    optional,
     quant,
     random,
     reduce,
