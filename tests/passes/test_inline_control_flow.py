@@ -101,3 +101,20 @@ def test_a_loop_that_stops_on_a_constant_condition_is_unrolled():
                {"go": np.array(True), "one": np.array(1, np.int64), "three": np.array(3, np.int64)})
     _, after = check_pass(_Pipeline, m, {"x": rand(2), "acc0": rand(2, seed=1)})
     assert ops(after) == ["Add", "Add", "Add"]
+
+
+def test_two_loops_of_one_name_unroll_apart():
+    """ONNX does not require unique node names: the copies of two Loops named alike must not share values."""
+    first = _counting_loop(3)
+    second = _counting_loop(2)
+    loop2 = second.graph.node[0]
+    loop2.input[1:] = ["", "acc"]  # the second loop starts from the first one's result
+    loop2.output[:] = ["acc2", "accs2"]
+    first.graph.node.append(loop2)
+    first.graph.initializer.append(numpy_helper.from_array(np.array(2, np.int64), "M2"))
+    loop2.input[0] = "M2"
+    first.graph.output.extend([vi("acc2", F, [2]), vi("accs2", F, None)])
+    _, after = check_pass(_Pipeline, first, {"x": rand(2), "acc0": rand(2, seed=1)})
+    assert "Loop" not in ops(after)
+    written = [o for n in after.nodes for o in n.outputs if o]
+    assert len(written) == len(set(written)) and not set(written) & set(after.initializers)  # each value once

@@ -30,11 +30,32 @@ def run(graph: Graph) -> None:
         if not any(n.op_type in ("If", "Loop") and not n.domain for n in graph.nodes):
             return
         fold_constants.run(graph)
-        inlined = _inline_ifs(graph)
-        unrolled = _unroll_loops(graph)
+        tags = _Tags(graph)
+        inlined = _inline_ifs(graph, tags)
+        unrolled = _unroll_loops(graph, tags)
         if not (inlined or unrolled):
             return
     fold_constants.run(graph)
+
+
+class _Tags:
+    """Prefixes for the names of the copies that no name of the graph starts with: ONNX does not require node
+    names to be unique, and two Loops of one name must not write the same values."""
+
+    def __init__(self, graph: Graph):
+        self.taken: set[str] = set()
+        names = set(graph.initializers) | {v.name for v in graph.inputs}
+        names |= {o for n in graph.walk() for o in n.outputs if o}
+        for name in names:
+            parts = name.split("/")
+            self.taken.update("/".join(parts[:k]) for k in range(1, len(parts)))
+
+    def __call__(self, base: str) -> str:
+        tag, k = base, 1
+        while tag in self.taken:
+            tag, k = f"{base}#{k}", k + 1
+        self.taken.add(tag)
+        return tag
 
 
 def _subgraphs(node: Node):
@@ -97,7 +118,7 @@ def _outputs_renamed(nodes: list[Node], results: list[str], outs: list[str], lik
     return nodes + extra
 
 
-def _inline_ifs(graph: Graph) -> bool:
+def _inline_ifs(graph: Graph, tags: _Tags) -> bool:
     consts = graph.initializers
     out, changed = [], False
     for node in graph.nodes:
@@ -107,7 +128,7 @@ def _inline_ifs(graph: Graph) -> bool:
             continue
         branch: Graph = node.attr("then_branch") if bool(consts[cond].reshape(-1)[0]) else node.attr("else_branch")
         local = _defined(branch)
-        prefix = f"{node.name}/"
+        prefix = f"{tags(node.name)}/"
 
         def rename(s, local=local, prefix=prefix):
             return prefix + s if s in local else s
@@ -121,10 +142,10 @@ def _inline_ifs(graph: Graph) -> bool:
     return changed
 
 
-def _unroll_loops(graph: Graph) -> bool:
+def _unroll_loops(graph: Graph, tags: _Tags) -> bool:
     out, changed = [], False
     for node in graph.nodes:
-        unrolled = _unrolled(node, graph) if node.op_type == "Loop" and not node.domain else None
+        unrolled = _unrolled(node, graph, tags) if node.op_type == "Loop" and not node.domain else None
         if unrolled is None:
             out.append(node)
             continue
@@ -136,7 +157,7 @@ def _unroll_loops(graph: Graph) -> bool:
     return changed
 
 
-def _unrolled(loop: Node, graph: Graph) -> tuple[list[Node], dict] | None:
+def _unrolled(loop: Node, graph: Graph, tags: _Tags) -> tuple[list[Node], dict] | None:
     """(the nodes replacing `loop`, the weights with the folded values added), or None where the build cannot
     count its iterations or the copies would be too many."""
     consts = dict(graph.initializers)  # a copy: an abandoned unroll leaves the graph's weights as they were
@@ -155,6 +176,7 @@ def _unrolled(loop: Node, graph: Graph) -> tuple[list[Node], dict] | None:
     cond_out, carried_out, scan_out = body.outputs[0].name, [v.name for v in body.outputs[1:1 + n]], \
         [v.name for v in body.outputs[1 + n:]]
     local = _defined(body)
+    tag = tags(loop.name)
     current = list(initial)
     scans: list[list[str]] = [[] for _ in scan_out]
     nodes: list[Node] = []
@@ -162,9 +184,9 @@ def _unrolled(loop: Node, graph: Graph) -> tuple[list[Node], dict] | None:
     while running and (limit is None or i < limit):
         if i >= MAX_TRIPS or len(nodes) > MAX_NODES:
             return None
-        prefix = f"{loop.name}/{i}/"
+        prefix = f"{tag}/{i}/"
         bound = {iter_in: prefix + iter_in, cond_in: prefix + cond_in, **dict(zip(carried_in, current))}
-        shared = {k: f"{loop.name}/{k}" for k in body.initializers}  # one copy of a body weight for all iterations
+        shared = {k: f"{tag}/{k}" for k in body.initializers}  # one copy of a body weight for all iterations
 
         def rename(s, prefix=prefix, bound=bound, shared=shared):
             return bound.get(s) or shared.get(s) or (prefix + s if s in local else s)
@@ -194,18 +216,18 @@ def _unrolled(loop: Node, graph: Graph) -> tuple[list[Node], dict] | None:
     nodes += [_identity(src, dst, loop) for src, dst in zip(current, outs[:n]) if dst and src in scanned]
     for acc, dst in zip(scans, outs[n:]):
         if dst:
-            nodes += _stacked(acc, dst, loop, consts)
+            nodes += _stacked(acc, dst, loop, tag, consts)
     return nodes, consts
 
 
-def _stacked(names: list[str], dst: str, loop: Node, consts: dict) -> list[Node]:
+def _stacked(names: list[str], dst: str, loop: Node, tag: str, consts: dict) -> list[Node]:
     """Scan outputs stacked on a new axis 0: Unsqueeze each, then one Concat."""
-    axes = f"{loop.name}/axis0"
+    axes = f"{tag}/axis0"
     consts[axes] = torch.tensor([0], dtype=torch.int64)
     nodes = []
     for k, name in enumerate(names):
         ins, attrs = ([name, axes], {}) if loop.opset >= 13 else ([name], {"axes": [0]})
-        nodes.append(Node("Unsqueeze", ins, [f"{dst}/{k}"], attrs, name=f"{loop.name}/{dst}/{k}", opset=loop.opset))
+        nodes.append(Node("Unsqueeze", ins, [f"{dst}/{k}"], attrs, name=f"{tag}/{dst}/{k}", opset=loop.opset))
     nodes.append(Node("Concat", [f"{dst}/{k}" for k in range(len(names))], [dst], {"axis": 0},
-                      name=f"{loop.name}/{dst}", opset=loop.opset))
+                      name=f"{tag}/{dst}", opset=loop.opset))
     return nodes
