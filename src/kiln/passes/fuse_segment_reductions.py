@@ -6,7 +6,9 @@ ReduceMax and ReduceMin.
 That is an embedding bag of fixed-size bags once torch.onnx's loop over the bags is unrolled
 (passes/inline_control_flow.py, passes/lower_sequences.py): one Slice and one reduction per bag, thousands of
 tiny kernels at a large batch, become one reshaped reduction. The new shape [n, L] + x's trailing dims is
-shape arithmetic (Shape, Concat) that runs on the host.
+shape arithmetic (Shape, Concat) that runs on the host. The slices' bounds are constants the exporter derived
+from x's shape; were x shorter than s_0 + n*L (a clamped slice), the Reshape would refuse the run with an
+error rather than return other numbers.
 """
 
 from __future__ import annotations
