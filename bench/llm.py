@@ -21,6 +21,8 @@ got, "cut" in the table):
                context, the captured graph timed with the KV blocks filled directly (no prefill).
   int4         INT4 weights (groups of 128) at batch 1.
   prefix       64 requests sharing a cached 1,024-token prefix: TTFT with and without prefix caching.
+  sampler      one Sampler call at batch 64 over the vocabulary on the device (greedy, temperature, top-k/p,
+               seeded, logprobs), the wait for the token ids included.
   host         the engine's host time per decode step at --host-batches with the forward replaced by a no-op
                (a tiny model on the CPU; the scheduler, preparation, buffer writes, argmax and bookkeeping).
 Random weights make the text meaningless; the timing is what it is for any weights of this shape.
@@ -308,7 +310,7 @@ def host_overhead(batches, out_len: int = 64) -> dict:
         r.make_static_buffers(b)
         logits = torch.zeros(b, cfg["vocab_size"])
         logits[:, 7] = 1.0
-        r.graphs = {n: (lambda n=n: logits[:n]) for n in graph_buckets(b)}
+        r.graphs = {n: (lambda n=n, fixed=logits: fixed[:n]) for n in graph_buckets(b)}
         prompts = bm.random_prompts(cfg["vocab_size"], [16] * b, seed=b)
         res = {}
         for kind in ("cumulative", "final_only"):
@@ -321,6 +323,30 @@ def host_overhead(batches, out_len: int = 64) -> dict:
                 f"phases {res[kind]['phases_us']}")
         out[f"batch{b}"] = res
         del eng, r
+    return out
+
+
+def sampler_cost(device: str, vocab: int, batch: int = 64, iters: int = 10) -> dict:
+    """Wall time of one Sampler call on random logits [batch, vocab] on the device (the wait for the token ids
+    included), per kind of request: greedy, temperature, top-k + top-p, seeded, logprobs."""
+    from kiln.llm.sampling import Sampler, SamplingParams
+    from kiln.llm.sequence import Sequence
+
+    cases = {"greedy": {"temperature": 0}, "temperature 0.8": {"temperature": 0.8},
+             "temperature 0.8, top-k 50, top-p 0.9": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+             "seeded, temperature 0.8": {"temperature": 0.8, "seed": 1},
+             "greedy, 5 logprobs": {"temperature": 0, "logprobs": 5}}
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(batch, vocab, device=device, generator=g)
+    sampler, out = Sampler(), {"batch": batch, "vocab": vocab}
+    for name, kw in cases.items():
+        seqs = [Sequence("r", i, [1, 2, 3], SamplingParams(**kw)) for i in range(batch)]
+        sampler(logits, seqs)
+        t = time.perf_counter()
+        for _ in range(iters):
+            sampler(logits, seqs)
+        out[name] = (time.perf_counter() - t) / iters * 1000
+        log(f"sampler, batch {batch}, vocab {vocab}, {name}: {out[name]:.2f} ms a call")
     return out
 
 
@@ -501,6 +527,11 @@ def render(res: dict, args) -> str:
                     lines.append(f"| {key.removeprefix('batch')} | {kind} | {v['decode_step_us']:.0f} | "
                                  f"{v['phases_us'].get('launch_path', 0):.0f} | {v['phases_us']} |")
         lines.append("")
+    sm = res.get("sampler")
+    if isinstance(sm, dict):
+        lines += [f"Sampler call, batch {sm.get('batch')}, vocabulary {sm.get('vocab')} (ms, the wait for the tokens "
+                  "included): " + ("; ".join(f"{k} {v:.2f}" for k, v in sm.items() if k not in ("batch", "vocab"))
+                                   if "error" not in sm else sm["error"]), ""]
     notes = []
     for name in ("kiln", "kiln_fp8", "kiln_int4", "saturated", "long"):
         run = res.get(name)
@@ -533,7 +564,7 @@ def render(res: dict, args) -> str:
     return "\n".join(lines)
 
 
-LIMITS = {"host": 60, "correctness": 60, "kiln": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
+LIMITS = {"host": 60, "sampler": 30, "correctness": 60, "kiln": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
           "kvctx": 40, "int4": 60, "prefix": 60}
 
 
@@ -599,7 +630,7 @@ def main():
         section(res, "correctness", correctness, device, limit_s=limits["correctness"])
         save()
     hf = tensors = None
-    if set(want) - {"correctness", "host"}:
+    if set(want) - {"correctness", "host", "sampler"}:
         log("making weights")
         hf, tensors = make_weights(cfg, device, dtype)
     kv_blocks = None if device == "cuda" else 256
@@ -643,6 +674,8 @@ def main():
                 tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
                 max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name)),
                 limit_s=limit)
+        elif name == "sampler":
+            section(res, "sampler", sampler_cost, device, cfg["vocab_size"], limit_s=limit)
         elif name == "host":
             section(res, "host", host_overhead, args.host_batches, limit_s=limit)
         elif name == "prefix":

@@ -2,8 +2,8 @@
 
 Order, as vLLM applies them: penalties (repetition over prompt + output; presence and frequency over the
 output), temperature, top-k, top-p, min-p, then a draw (greedy rows take the argmax). Rows with a seed draw
-from their own torch.Generator, so a seeded request's tokens do not depend on its batch. Logprobs are those of
-the model's distribution (log-softmax of the raw logits).
+from their own torch.Generator (on the logits' device), so a seeded request's tokens do not depend on its batch.
+Logprobs are those of the model's distribution (log-softmax of the raw logits).
 """
 
 from __future__ import annotations
@@ -147,10 +147,13 @@ class Sampler:
         return all(s.argmax_only for s in seqs)
 
     def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
-        """logits [S, vocab] FP32 of the sequences that sample; returns their next tokens and top logprobs."""
-        params = [s.params for s in seqs]
+        """logits [S, vocab] FP32 of the sequences that sample; returns their next tokens and top logprobs.
+        Everything runs on the logits' device with the rows' parameters as [S] tensors; the host waits for the
+        token ids (and the logprobs asked for) alone."""
         if self.plain_greedy(seqs):
             return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+        params = [s.params for s in seqs]
+        dev = logits.device
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = None
         if any(n is not None for n in want_logprobs):
@@ -166,35 +169,51 @@ class Sampler:
                 if stops:
                     logits = logits.clone() if not penal else logits
                     logits[r, stops] = float("-inf")
-        greedy = [p.greedy for p in params]
-        tokens = torch.empty(len(seqs), dtype=torch.long)
-        if any(greedy):
-            idx = [r for r, g in enumerate(greedy) if g]
-            tokens[idx] = logits[idx].argmax(dim=-1).cpu()
-        rows = [r for r, g in enumerate(greedy) if not g]
+        tokens = logits.argmax(dim=-1)  # greedy rows keep theirs
+        rows = [r for r, p in enumerate(params) if not p.greedy]
         if rows:
-            dev = logits.device
-            sub = logits[rows] / torch.tensor([params[r].temperature for r in rows], device=dev)[:, None]
-            top_k = torch.tensor([max(params[r].top_k, 0) for r in rows], device=dev)
-            top_p = torch.tensor([float(params[r].top_p) for r in rows], device=dev)
-            min_p = torch.tensor([float(params[r].min_p) for r in rows], device=dev)
-            if (top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any():
-                sub = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p)
-            probs = sub.softmax(dim=-1).float().cpu()
-            for j, r in enumerate(rows):
-                # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1).
-                e = torch.empty_like(probs[j]).exponential_(generator=seqs[r].generator)
-                tokens[r] = (probs[j] / e).argmax()
+            every = len(rows) == len(seqs)
+            idx = None if every else torch.tensor(rows, device=dev)
+            sub = logits if every else logits[idx]
+            sub = sub / torch.tensor([float(params[r].temperature) for r in rows], device=dev)[:, None]
+            top_k = [max(params[r].top_k, 0) for r in rows]
+            top_p = [float(params[r].top_p) for r in rows]
+            min_p = [float(params[r].min_p) for r in rows]
+            if any(top_k) or min(top_p) < 1 or max(min_p) > 0:
+                sub = apply_top_k_top_p_min_p(sub, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev),
+                                              torch.tensor(min_p, device=dev))
+            probs = sub.softmax(dim=-1)
+            # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1). Unseeded rows draw
+            # together from the global generator; a seeded row draws from its own, on this device.
+            noise = torch.empty_like(probs)
+            seeded = [j for j, r in enumerate(rows) if seqs[r].seed is not None]
+            if len(seeded) < len(rows):
+                noise.exponential_()
+            for j in seeded:
+                noise[j].exponential_(generator=_generator(seqs[rows[j]], dev))
+            drawn = (probs / noise).argmax(dim=-1)
+            tokens = drawn if every else tokens.index_copy(0, idx, drawn)
         out_tokens = tokens.tolist()
-        top = []
-        for r, n in enumerate(want_logprobs):
-            if n is None:
-                top.append(None)
-                continue
-            lp = raw_logprobs[r]
-            entry = {out_tokens[r]: lp[out_tokens[r]].item()}
-            if n:
-                vals, ids = lp.topk(n)
-                entry.update({i: v for i, v in zip(ids.tolist(), vals.tolist()) if i not in entry})
-            top.append(entry)
+        top: list[dict | None] = [None] * len(seqs)
+        ask = [r for r, n in enumerate(want_logprobs) if n is not None]
+        if ask:
+            lp = raw_logprobs if len(ask) == len(seqs) else raw_logprobs[torch.tensor(ask, device=dev)]
+            chosen = lp.gather(1, torch.tensor([out_tokens[r] for r in ask], device=dev)[:, None])[:, 0].tolist()
+            k = max(want_logprobs[r] for r in ask)
+            vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            vals, ids = vals.tolist(), ids.tolist()
+            for j, r in enumerate(ask):
+                entry = {out_tokens[r]: chosen[j]}
+                n = want_logprobs[r]
+                entry.update({i: v for i, v in zip(ids[j][:n], vals[j][:n]) if i not in entry})
+                top[r] = entry
         return out_tokens, top
+
+
+def _generator(seq, device: torch.device) -> torch.Generator:
+    """A seeded sequence's own generator on `device`, made at its first draw there."""
+    g = seq.generator
+    if g is None or g.device != device:
+        g = seq.generator = torch.Generator(device=device)
+        g.manual_seed(seq.seed)
+    return g

@@ -6,8 +6,6 @@ import enum
 import itertools
 import time
 
-import torch
-
 _ids = itertools.count()
 
 
@@ -49,10 +47,10 @@ class Sequence:
         self.argmax_only = (params.temperature == 0 and params.logprobs is None and params.repetition_penalty == 1.0
                             and not params.presence_penalty and not params.frequency_penalty
                             and not params.min_tokens)
+        # Per-request randomness, the same whatever else is batched: the sampler makes the generator, seeded
+        # with this, on the device it draws on.
+        self.seed = params.seed + index if params.seed is not None else None
         self.generator = None
-        if params.seed is not None:  # per-request randomness, the same whatever else is batched
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed + index)
 
     @property
     def num_tokens(self) -> int:
