@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 import kiln
 from kiln.engine.interpreter import call_node
 from kiln.errors import KilnError
+from kiln.frontend import check_model
 from kiln.ir.from_onnx import graph_from_onnx
 from kiln.ir.graph import Node
 
@@ -164,6 +165,17 @@ def test_a_sequence_of_known_elements_becomes_tensors():
     assert [n.op_type for n in engine.graph.nodes] == ["Concat"] and engine.capturable
     got = engine.create_execution_context().run({k: torch.from_numpy(v) for k, v in feeds.items()})["y"]
     _same(got, np.concatenate([A, C, B]))
+
+
+def test_kiln_check_accepts_a_sequence_output_and_names_the_binding_for_a_sequence_input():
+    split = _model([helper.make_node("SplitToSequence", ["x"], ["s"], axis=0)], {"x": A}, {"s": "sequence"})
+    assert check_model(split).buildable
+    t = helper.make_sequence_type_proto(helper.make_tensor_type_proto(F, [2]))
+    graph = helper.make_graph([helper.make_node("ConcatFromSequence", ["x"], ["y"], axis=0)], "g",
+                              [helper.make_value_info("x", t)], [helper.make_tensor_value_info("y", F, [4])])
+    report = check_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    assert not report.buildable
+    assert any("'x' is a sequence value" in p and "bind_sequence_inputs" in p for p in report.other_problems)
 
 
 def _bag_loop_model(bags: int, offsets_input=False, opset=18):

@@ -245,12 +245,29 @@ def _type_name(elem_type: int) -> str:
         return onnx.TensorProto.DataType.Name(elem_type).lower()
 
 
-def _tensor_info(vi: onnx.ValueInfoProto) -> tuple[TensorInfo, str | None]:
-    """The value's info, and the reason Kiln cannot bind it (None when it can)."""
-    if not vi.type.HasField("tensor_type"):
-        kind = vi.type.WhichOneof("value") or "untyped"
-        return TensorInfo(vi.name, None, None), f"is a {kind.replace('_type', '')} value; Kiln binds tensors only"
-    tt = vi.type.tensor_type
+_BIND = {"sequence_type": "kiln.frontend.bind_sequence_inputs gives each element its own input",
+         "optional_type": "kiln.frontend.bind_optional_inputs binds it as given or empty"}
+
+
+def _held_tensor(t: onnx.TypeProto) -> onnx.TypeProto | None:
+    """The tensor type of a tensor, a sequence of tensors, or an optional of either; None for other types."""
+    if t.WhichOneof("value") == "optional_type":
+        t = t.optional_type.elem_type
+    if t.WhichOneof("value") == "sequence_type":
+        t = t.sequence_type.elem_type
+    return t if t.WhichOneof("value") == "tensor_type" else None
+
+
+def _tensor_info(vi: onnx.ValueInfoProto, is_input: bool = True) -> tuple[TensorInfo, str | None]:
+    """The value's info, and the reason Kiln cannot bind it (None when it can). Sequence and optional outputs
+    are returned as lists and None; as inputs they must be bound as tensors first."""
+    kind = vi.type.WhichOneof("value") or "untyped"
+    held = _held_tensor(vi.type)
+    if kind != "tensor_type" and (held is None or is_input):
+        how = f" ({_BIND[kind]})" if held is not None else ""
+        return TensorInfo(vi.name, None, None), (f"is a {kind.replace('_type', '')} value; an engine binds tensors "
+                                                 f"only{how}")
+    tt = held.tensor_type
     dtype = _type_name(tt.elem_type) if tt.elem_type else None
     shape = None
     if tt.HasField("shape"):
@@ -281,7 +298,7 @@ def _structure(report: CheckReport, model: onnx.ModelProto, inferred: onnx.Model
             )
     outputs = inferred.graph.output if inferred is not None else g.output
     for vi in outputs:
-        info, bad = _tensor_info(vi)
+        info, bad = _tensor_info(vi, is_input=False)
         report.outputs.append(info)
         if bad:
             report.other_problems.append(f"graph output '{vi.name}' {bad}.")
