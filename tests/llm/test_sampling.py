@@ -82,3 +82,31 @@ def test_validation_names_the_field(field, value):
 
     with pytest.raises(InputError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_batched_penalties_equal_the_per_row_rule():
+    """Rows with different penalties at once (one scatter for all): each row as the rule says, token ids outside
+    the vocabulary ignored, rows without penalties untouched."""
+    from kiln.llm import sampling
+
+    torch.manual_seed(0)
+    vocab = 40
+    logits = torch.randn(5, vocab)
+    specs = [{"repetition_penalty": 1.7}, {"frequency_penalty": 0.8, "presence_penalty": 0.3}, {},
+             {"repetition_penalty": 0.6, "frequency_penalty": -0.5}, {"presence_penalty": 1.2}]
+    seqs = []
+    for i, kw in enumerate(specs):
+        s = seq([1, 2, 3, 2, 50], temperature=0, **kw)
+        s.token_ids += [3, 3, 7, i]
+        seqs.append(s)
+    want = logits.clone()
+    for r, s in enumerate(seqs):
+        p = s.params
+        seen = torch.tensor(sorted({t for t in s.token_ids if t < vocab}))
+        v = want[r, seen]
+        want[r, seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        counts = torch.bincount(torch.tensor(s.output_token_ids), minlength=vocab).float()
+        want[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    got = logits.clone()
+    sampling._penalize(got, [0, 1, 3, 4], seqs, [s.params for s in seqs])
+    assert torch.allclose(got, want) and torch.equal(got[2], logits[2])

@@ -106,20 +106,36 @@ class SamplingParams:
         return cls(**d)
 
 
+def _token_counts(lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[len(lists), vocab] FP32: how often each row's list holds each token id (ids outside the vocabulary
+    dropped), made by one scatter."""
+    rows = torch.tensor([j for j, ids in enumerate(lists) for _ in ids], dtype=torch.long)
+    ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.long)
+    keep = ids < vocab
+    counts = torch.zeros(len(lists), vocab, device=device)
+    rows, ids = rows[keep].to(device), ids[keep].to(device)
+    counts.index_put_((rows, ids), torch.ones(ids.shape[0], device=device), accumulate=True)
+    return counts
+
+
 def _penalize(logits: torch.Tensor, rows: list[int], seqs, params) -> None:
-    vocab = logits.shape[1]
-    for r in rows:
-        p, seq = params[r], seqs[r]
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        out = out[out < vocab]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)
-            seen = seen[seen < vocab].unique()
-            vals = logits[r, seen]
-            logits[r, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and out.numel():
-            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
-            logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    """Repetition (over prompt + output), presence and frequency penalties (over the output) of `rows`, in place,
+    every row at once."""
+    dev, vocab = logits.device, logits.shape[1]
+    idx = torch.tensor(rows, device=dev)
+    sub = logits[idx]
+    rep = [float(params[r].repetition_penalty) for r in rows]
+    if any(v != 1.0 for v in rep):
+        seen = _token_counts([seqs[r].token_ids for r in rows], vocab, dev) > 0
+        rp = torch.tensor(rep, device=dev)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    freq = [float(params[r].frequency_penalty) for r in rows]
+    pres = [float(params[r].presence_penalty) for r in rows]
+    if any(freq) or any(pres):
+        counts = _token_counts([seqs[r].output_token_ids for r in rows], vocab, dev)
+        sub = sub - torch.tensor(freq, device=dev)[:, None] * counts \
+            - torch.tensor(pres, device=dev)[:, None] * (counts > 0).to(sub.dtype)
+    logits[idx] = sub
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
