@@ -53,5 +53,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    # A tensor divisor: torch divides by a Python number as a product with its reciprocal on the GPU, a last
+    # bit away from the kernel's correctly rounded division
+    scales = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(1e-12)
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
