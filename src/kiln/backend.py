@@ -14,7 +14,11 @@ from onnx.backend.base import Backend, BackendRep
 
 from .errors import InputError
 from .frontend.optional_inputs import bind_optional_inputs, optional_inputs, value_name
-from .frontend.sequence_inputs import bind_sequence_inputs, element_names, sequence_inputs
+from .frontend.sequence_inputs import (
+    bind_sequence_inputs,
+    element_names,
+    sequence_inputs,
+)
 from .ir import dtypes
 from .ir.from_onnx import model_to_graph
 from .ops import unsupported_reason
@@ -56,8 +60,8 @@ class KilnRep(BackendRep):
                 if given:
                     feeds[value_name(k)] = value
         lengths = {k: len(feeds[k]) for k in sequence_inputs(model) if k in feeds}
-        for k in lengths:
-            feeds.update(zip(element_names(k, lengths[k]), feeds.pop(k)))
+        for k, n in lengths.items():
+            feeds.update(zip(element_names(k, n), feeds.pop(k)))
         key = (tuple(present.items()), tuple((k, np.shape(v)) for k, v in feeds.items()))
         engine = self._engines.get(key)
         if engine is None:
