@@ -69,3 +69,62 @@ def test_output_kinds(tiny_llama):
             seen[o.request_id].append(len(o.outputs[0].token_ids))
     assert seen == {"final": [5], "each": [1, 2, 3, 4, 5]}
     no_leak(llm)
+
+
+def _static_graphs(llm, n=4):
+    r = llm.llm_engine.runner
+    r.make_static_buffers(n)
+    r.graphs = {b: r.static_decode_step(b) for b in (1, 2, 4)}  # "replay" = run it from the static buffers
+
+
+def test_async_decode_equals_sequential_steps(tiny_llama):
+    """Decode steps fed the previous step's argmax on the device (queued before its tokens reach the host): the
+    same tokens, text and stops as steps run one after the other, with sequences ending by length, by a stop
+    token, by a stop string and by EOS while the next step is already queued, and a request joining midway."""
+    kw = {"max_model_len": 128, "block_size": 4, "max_num_seqs": 4}
+    ref, llm = LLM(tiny_llama, **kw), LLM(tiny_llama, **kw)
+    for x in (ref, llm):
+        _static_graphs(x)
+    ref.llm_engine.overlap_steps = False
+    llm.llm_engine.async_decode = True
+    fed = []
+    real = llm.llm_engine.runner.launch_fed
+    llm.llm_engine.runner.launch_fed = lambda *a: fed.append(len(a[0].seqs)) or real(*a)
+    greedy = [o.outputs[0] for o in ref.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
+                                                                          ignore_eos=True))]
+    llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))  # the same cache state
+    fed.clear()
+    eos = greedy[3].token_ids[5]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[greedy[1].token_ids[6]], ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, stop=[greedy[2].text[6:9]], ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0)]
+    for x in (ref, llm):
+        x.tokenizer.eos_token_ids = {eos}
+    want = ref.generate(PROMPTS, params)
+    got = llm.generate(PROMPTS, params)
+    for a, b in zip(got, want):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason) == \
+               (cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason)
+    assert [o.outputs[0].finish_reason for o in got] == ["length", "stop", "stop", "stop"]
+    assert fed and 4 in fed  # decode steps of the whole batch went fed
+    no_leak(llm)
+    # A request joining while the others decode, and an abort with two steps queued.
+    eng = llm.llm_engine
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    eng.add_request("b", PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    eng.add_request("c", PROMPTS[2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.abort_request("a")
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    alone = {p: ref.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+             for p, n in ((PROMPTS[1], 10), (PROMPTS[2], 6))}
+    assert sorted(outs) == ["b", "c"]
+    assert outs["b"].outputs[0].token_ids == alone[PROMPTS[1]] and outs["c"].outputs[0].token_ids == alone[PROMPTS[2]]
+    no_leak(llm)

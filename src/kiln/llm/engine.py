@@ -25,7 +25,7 @@ from kiln.llm.model import DecoderModel
 from kiln.llm.parallel import Shard, check_tensor_parallel, shard_quantized
 from kiln.llm.runner import ModelRunner, kv_cache_torch_dtype
 from kiln.llm.sampling import SamplingParams
-from kiln.llm.scheduler import Scheduler
+from kiln.llm.scheduler import ScheduledStep, Scheduler
 from kiln.llm.sequence import Sequence, SequenceStatus
 from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
 from kiln.llm.tp_workers import Workers, init_group, rank_devices
@@ -230,6 +230,9 @@ class LLMEngine:
         # Queue step N+1 on the device before step N's text and outputs are made (see step()); False runs the
         # steps one after the other.
         self.overlap_steps = True
+        # Decode steps of plain-greedy batches also queued before the previous step's tokens reach the host, fed
+        # its argmax on the device (see _launch_fed): the GPU does not wait for the host between decode steps.
+        self.async_decode = False
         self._inflight = None  # (ScheduledStep, runner.LaunchedStep) queued and not yet collected
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -358,6 +361,7 @@ class LLMEngine:
             if self._inflight is None:
                 return []
         (step, launched), self._inflight = self._inflight, None
+        fed = self._launch_fed(step, launched) if self.async_decode else None
         try:
             seqs, tokens, logprobs = self.runner.collect(launched)
         except Exception:
@@ -380,7 +384,9 @@ class LLMEngine:
             req = requests[seq.request_id]
             if not req.final_only or seq.status is finished:
                 touched[seq.request_id] = req
-        if self.overlap_steps:
+        if fed is not None:
+            self._inflight = fed
+        elif self.overlap_steps:
             self._inflight = self._launch(self.scheduler.schedule())
         for seq, tok, flush in text_later:
             if tok is not None:
@@ -403,6 +409,36 @@ class LLMEngine:
             return None
         try:
             return step, self.runner.launch(step)
+        except Exception:
+            self._step_failed()
+            raise
+
+    def _launch_fed(self, step, launched):
+        """async_decode: (the next decode step, its LaunchedStep) queued before `launched`'s tokens reach the
+        host, its input ids `launched`'s argmax taken on the device; None where that does not apply (a step
+        that is not all plain-greedy decode rows of the whole running batch, requests waiting to be admitted,
+        tensor parallelism, no graph bucket, too few KV blocks). A sequence that ends at `launched` by its
+        length is left out; one that ends by a stop token or string runs one row too many, dropped at collect."""
+        sched, runner = self.scheduler, self.runner
+        seqs = step.seqs
+        if (launched.device_tokens is None or sched.waiting or not step.is_decode_only
+                or len(seqs) != len(sched.running) or seqs != sched.running):
+            return None
+        rows, keep = [], []
+        for i, seq in enumerate(seqs):
+            n = len(seq.token_ids) + 1  # with the token in flight
+            if n - seq.prompt_len < seq.params.max_tokens and n < self.max_model_len:
+                rows.append(i)
+                keep.append(seq)
+        if not keep or not runner.can_feed(len(keep)):
+            return None
+        bm = self.block_manager
+        for seq in keep:  # the next token's slot: one past the one in flight
+            if not bm.reserve(seq, seq.num_computed_tokens + 2):
+                return None
+        nxt = ScheduledStep(keep, [1] * len(keep))
+        try:
+            return nxt, runner.launch_fed(nxt, launched, rows)
         except Exception:
             self._step_failed()
             raise

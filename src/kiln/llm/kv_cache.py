@@ -100,6 +100,16 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def reserve(self, seq, num_tokens: int) -> bool:
+        """Blocks for the first num_tokens tokens of seq, whatever it has computed (a step queued before the
+        previous one's token is known); False, changing nothing, when the pool has too few."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+        return True
+
     def append_slots(self, seq, num_new_tokens: int) -> None:
         """Give seq enough blocks for its next num_new_tokens tokens (caller checked can_append)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):

@@ -78,6 +78,7 @@ class LaunchedStep:
     logits: torch.Tensor | None  # their logits, when the sampler runs at collect
     token_ids: torch.Tensor | None  # greedy batches: the argmax, on the host once `ready` has passed
     ready: object = None  # a CUDA event recorded after the copy of token_ids (None: already there)
+    device_tokens: torch.Tensor | None = None  # greedy batches: the argmax on the device (feeds launch_fed)
 
 
 class ModelRunner:
@@ -109,8 +110,11 @@ class ModelRunner:
         self.sampler = Sampler()
         # Greedy steps' token ids arrive here by an asynchronous copy (on CUDA; the CPU's argmax is already there).
         cuda = self.device.type == "cuda"
-        self._tokens_host = torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True) if cuda else None
-        self._tokens_ready = torch.cuda.Event() if cuda else None
+        # Two of each: with launch_fed a step is queued before the previous one's ids are read.
+        self._tokens_host = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
+            if cuda else None
+        self._tokens_ready = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._tokens_turn = 0
         self.on_step = None  # rank 0 under tensor parallelism: sends each step's inputs to the other ranks
         self.graphs: dict = {}  # bucket batch size -> callable running a decode step from the static buffers
         self.graph_error: str | None = None
@@ -195,13 +199,40 @@ class ModelRunner:
             return LaunchedStep([], None, None)
         if not self.sampler.plain_greedy(samplers):
             return LaunchedStep(samplers, logits, None)
+        return self._argmax(samplers, logits)
+
+    def _argmax(self, samplers, logits: torch.Tensor) -> LaunchedStep:
         tokens = logits.argmax(dim=-1)
         if self._tokens_host is None:
-            return LaunchedStep(samplers, None, tokens)
-        host = self._tokens_host[:len(samplers)]
+            return LaunchedStep(samplers, None, tokens, None, tokens)
+        turn = self._tokens_turn = 1 - self._tokens_turn
+        host, ready = self._tokens_host[turn][:len(samplers)], self._tokens_ready[turn]
         host.copy_(tokens, non_blocking=True)
-        self._tokens_ready.record()
-        return LaunchedStep(samplers, None, host, self._tokens_ready)
+        ready.record()
+        return LaunchedStep(samplers, None, host, ready, tokens)
+
+    def can_feed(self, batch: int) -> bool:
+        """launch_fed applies: decode graphs (or their static step functions) cover the batch, on one rank."""
+        return self.on_step is None and not self.model.shard.active and self._bucket(batch) is not None
+
+    @torch.inference_mode()
+    def launch_fed(self, step: ScheduledStep, prev: LaunchedStep, rows: list[int]) -> LaunchedStep:
+        """Queues a decode step whose input tokens are those `prev` is still computing, taken on the device
+        (prev's argmax rows `rows`, in the order of step.seqs), before the host has read them: each sequence's
+        position, slot and length are one past what the host knows. Every row is plain greedy."""
+        bs, n = self.block_size, len(step.seqs)
+        positions, slots, seq_lens = [], [], []
+        for seq in step.seqs:
+            c = seq.num_computed_tokens + 1  # prev's token goes in at c - 1
+            positions.append(c)
+            slots.append(seq.block_table[c // bs] * bs + c % bs)
+            seq_lens.append(c + 1)
+        ids = prev.device_tokens
+        if len(rows) != ids.shape[0]:  # rows are increasing: all of them or a subset
+            ids = ids.index_select(0, torch.tensor(rows, device=ids.device))
+        logits = self._replay(self._bucket(n), [0] * n, positions, slots, seq_lens,
+                              [s.block_table for s in step.seqs], ids)
+        return self._argmax(step.seqs, logits[:n])
 
     @torch.inference_mode()
     def collect(self, launched: LaunchedStep) -> tuple[list, list[int], list]:
@@ -318,7 +349,9 @@ class ModelRunner:
             self.graphs.clear()
             self.graph_error = "another tensor-parallel rank could not capture its decode graphs"
 
-    def _replay(self, b, ids, positions, slots, seq_lens, tables):
+    def _replay(self, b, ids, positions, slots, seq_lens, tables, device_ids=None):
+        """One decode step from the static buffers at bucket b; device_ids: input ids already on the device,
+        written over the copied ones."""
         n = len(ids)
         if self._copies_done is not None:
             self._copies_done.synchronize()  # the previous step's copies have left the host mirrors
@@ -345,6 +378,8 @@ class ModelRunner:
         self.g_i32.copy_(self.h_i32, non_blocking=True)
         if self._copies_done is not None:
             self._copies_done.record()
+        if device_ids is not None:
+            self.g_ids[:n].copy_(device_ids)
         return self.graphs[b]()
 
 
