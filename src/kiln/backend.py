@@ -62,7 +62,9 @@ class KilnRep(BackendRep):
         lengths = {k: len(feeds[k]) for k in sequence_inputs(model) if k in feeds}
         for k, n in lengths.items():
             feeds.update(zip(element_names(k, n), feeds.pop(k)))
-        key = (tuple(present.items()), tuple((k, np.shape(v)) for k, v in feeds.items()))
+        key = tuple((k, np.shape(v)) for k, v in feeds.items())
+        if present:  # which optionals were given changes the graph, not only the shapes
+            key = (tuple(present.items()), *key)
         engine = self._engines.get(key)
         if engine is None:
             shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
