@@ -481,6 +481,10 @@ def main(argv=None) -> int:
     served_steps = step_profile.load(a.step_profile_file) if a.step_profile_file.exists() else []
     served_steps = [r for r in served_steps if window[0] <= r[step_profile.START] <= window[1]]
     result["served_steps"] = steps_report(served_steps)
+    # Said now, so that a run cut short during the offline half still reports the served one.
+    print(f"served: {served['output_tok_s']:.1f} output tok/s, {served['requests']} requests in "
+          f"{served['wall_s']:.2f} s, {served['errors']} errors; engine process steps: "
+          f"{step_profile.summary(served_steps)}", flush=True)
     offline_steps = []
     if not a.skip_offline:
         if placement:  # the offline engine steps where the served one did
