@@ -2,6 +2,7 @@
 
     python bench/build_time.py --save /tmp/bt resnet18 bert          # export once: ONNX + inputs per model
     python bench/build_time.py --load /tmp/bt --model resnet18 --precision int8 --threads 16
+    python bench/build_time.py --save /tmp/tv --torchvision resnet18 --model resnet18 --obey --threads 16 --deadline 27
 
 Prints the build's seconds, its phases (engine.build_config["build_phases"]), what the tactic selection did
 (["tactic_selection"]: layers measured, candidates, seconds in first calls and timing, compiles made ahead) and,
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+START = time.perf_counter()  # --deadline counts from here
 
 
 def _save(folder: Path, names: list[str], size: str, batch: int) -> None:
@@ -40,6 +43,43 @@ def _save(folder: Path, names: list[str], size: str, batch: int) -> None:
         calib = zoo.calibration_feeds(prep)
         np.savez(folder / f"{name}-calib.npz", **{k: np.concatenate([c[k].numpy() for c in calib]) for k in calib[0]})
         print(f"saved {name} (batch {batch}, {size}) in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _save_torchvision(folder: Path, names: list[str], batch: int) -> None:
+    """torchvision models at 224x224 with their initial weights, through torch.onnx's TorchScript exporter (seconds,
+    where the zoo's dynamo export takes tens of them): for a build-time run on a short budget."""
+    import numpy as np
+    import torch
+    import torchvision
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        start = time.perf_counter()
+        module = getattr(torchvision.models, name)().eval()
+        x = torch.randn(batch, 3, 224, 224)
+        torch.onnx.export(module, (x,), str(folder / f"{name}.onnx"), dynamo=False, opset_version=17,
+                          input_names=["x"])
+        np.savez(folder / f"{name}-feeds.npz", x=x.numpy())
+        np.savez(folder / f"{name}-calib.npz", x=np.random.default_rng(0).standard_normal((8 * batch, 3, 224, 224),
+                                                                                         dtype=np.float32))
+        print(f"saved {name} (batch {batch}, torchvision, TorchScript export) in {time.perf_counter() - start:.1f} s",
+              flush=True)
+
+
+def _stop_at(seconds: float, compiles: dict, start: float) -> None:
+    """After `seconds` (or on SIGINT, as a caller's timeout -s INT sends it): print the compiles so far and exit
+    at once (compiling threads are not waited for)."""
+    import signal
+
+    def stop(signum, frame):
+        print(f"STOPPED after {time.perf_counter() - start:.1f} s ({signal.Signals(signum).name}); so far:", flush=True)
+        _print_compiles(compiles)
+        os._exit(3)
+
+    signal.signal(signal.SIGINT, stop)
+    if seconds:
+        signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.1))
 
 
 def _print_selection(label: str, build: dict) -> None:
@@ -82,6 +122,8 @@ def _count_compiles() -> dict:
     import triton.compiler
 
     real, seen, lock = triton.compiler.compile, {}, threading.Lock()
+    span = [float("inf"), 0.0]  # first compile's start, last one's end
+    seen["span"] = span
 
     def counted(src, *a, **kw):
         start = time.perf_counter()
@@ -95,6 +137,8 @@ def _count_compiles() -> dict:
                 ident = (getattr(src, "name", "?"), str(id(src)), "")
             with lock:
                 seen.setdefault(ident, []).append(took)
+                span[0] = min(span[0], start)
+                span[1] = max(span[1], start + took)
 
     triton.compiler.compile = counted
     try:
@@ -107,6 +151,8 @@ def _count_compiles() -> dict:
 
 
 def _print_compiles(seen: dict) -> None:
+    seen = dict(seen)
+    span = seen.pop("span", None)
     if not seen:
         print("compiles: none counted (this Triton binds its compile elsewhere)", flush=True)
         return
@@ -114,7 +160,8 @@ def _print_compiles(seen: dict) -> None:
     secs = sum(sum(v) for v in seen.values())
     dup = {k: v for k, v in seen.items() if len(v) > 1}
     print(f"compiles: {total} ({len(seen)} distinct kernels, {sum(len(v) - 1 for v in dup.values())} repeats), "
-          f"{secs:.1f} s summed over threads", flush=True)
+          f"{secs:.1f} s summed over threads, {span[1] - span[0]:.1f} s from the first one's start to the last one's "
+          f"end", flush=True)
     by_name: dict[str, list] = {}
     for (name, _, _), v in seen.items():
         by_name.setdefault(name, []).extend(v)
@@ -143,6 +190,7 @@ def _build(args) -> None:
     if args.no_prune:
         tactic_selection.PRUNE_BELOW_LEVEL = 0
     compiles = _count_compiles()
+    _stop_at(max(0.1, args.deadline - (time.perf_counter() - START)) if args.deadline else 0.0, compiles, START)
     folder = Path(args.load)
     model = onnx.load(str(folder / f"{args.model}.onnx"))
     feeds = dict(np.load(folder / f"{args.model}-feeds.npz"))
@@ -187,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", help="with --save: the zoo models to export")
     p.add_argument("--save", help="export the named zoo models to this folder")
     p.add_argument("--size", default="real")
+    p.add_argument("--torchvision", action="store_true",
+                   help="with --save: torchvision models of these names, exported by torch.onnx's TorchScript exporter")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--load", help="the folder --save wrote")
     p.add_argument("--model")
@@ -197,11 +247,19 @@ def main(argv=None) -> int:
     p.add_argument("--timing-cache", help="a timing cache file (read if it exists, written after)")
     p.add_argument("--triton-cache", help="a Triton cache folder to reuse (default: a fresh one, a cold build)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds from the start after which to print the compiles so far and stop (SIGINT does "
+                        "the same)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     if args.save:
-        _save(Path(args.save), args.names, args.size, args.batch)
-        return 0
+        if args.torchvision:
+            _save_torchvision(Path(args.save), args.names, args.batch)
+        else:
+            _save(Path(args.save), args.names, args.size, args.batch)
+        if not args.model:
+            return 0
+        args.load = args.save  # saved, then built in the same process
     if not (args.load and args.model):
         p.error("give --save FOLDER NAMES..., or --load FOLDER --model NAME")
     _build(args)
