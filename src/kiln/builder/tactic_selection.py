@@ -71,15 +71,19 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
 
 
 # Triton and Gluon candidates compile on their first call; a cold 8-bit build spends most of its time there
-# (docs/performance.md). With KILN_PARALLEL_COMPILE=N (N >= 2) the selector compiles them ahead in N threads
-# (builder/compile_ahead.py); 0 or 1 compiles each on its first call in the timing loop.
-COMPILE_THREADS = 0
+# (docs/performance.md). With N >= 2 compile threads the selector compiles them ahead (builder/compile_ahead.py);
+# 0 or 1 compiles each on its first call in the timing loop. KILN_PARALLEL_COMPILE=N chooses; without it,
+# COMPILE_THREADS (None: one thread per CPU core, at most MAX_COMPILE_THREADS).
+COMPILE_THREADS: int | None = 0
+MAX_COMPILE_THREADS = 16
 _JIT_TACTICS = ("triton_", "gluon_")
 
 
 def compile_threads() -> int:
     value = os.environ.get("KILN_PARALLEL_COMPILE", "")
-    return int(value) if value.strip().isdigit() else COMPILE_THREADS
+    if value.strip().isdigit():
+        return int(value)
+    return COMPILE_THREADS if COMPILE_THREADS is not None else min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
 
 
 # Candidates that a better family of kernels supersedes below optimization level PRUNE_BELOW_LEVEL: (the
