@@ -135,3 +135,15 @@ def test_a_layer_the_timing_cache_has_is_not_compiled_ahead(monkeypatch, tmp_pat
         builder._select_tactics(engine, engine.profiles, config, lambda msg: None)
     assert [names for kind, names in events if kind == "submit"] == [["triton_a"], []]
     assert engine.build_config["tactic_selection"]["layers_from_cache"] == 1
+
+
+def test_compile_threads_come_from_the_environment_else_the_default(monkeypatch):
+    import os
+
+    monkeypatch.setenv("KILN_PARALLEL_COMPILE", "3")
+    assert tactic_selection.compile_threads() == 3
+    monkeypatch.delenv("KILN_PARALLEL_COMPILE")
+    monkeypatch.setattr(tactic_selection, "COMPILE_THREADS", None)
+    assert tactic_selection.compile_threads() == min(tactic_selection.MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    monkeypatch.setattr(tactic_selection, "COMPILE_THREADS", 0)
+    assert tactic_selection.compile_threads() == 0
