@@ -23,10 +23,10 @@ adds every split's partials in split order and writes the output, then resets th
 row's result does not depend on timing (the sum's order is fixed) nor on M (the tile and split never depend on
 M). The counters are one buffer per device, which is safe because kernels of one stream run one after another.
 
-On Hopper the kernels are launched as programmatic dependents (kernels/pdl.py): a program may start while the
-kernel before is finishing, prefetches the first `prefetch` K tiles of its weight into L2 (the weight does not
-depend on the kernel before) and waits only before reading x. With `prefetch` > 0 the K loop also prefetches
-that many tiles ahead into L2, which keeps more of HBM's latency covered than the registers' pipelined loads.
+On Hopper the kernels are launched as programmatic dependents (kernels/pdl.py): a program may be scheduled while
+the kernel before is finishing and waits (griddepcontrol.wait) before its first load. (Prefetching the weight
+into L2 ahead of the loads, before that wait and in the K loop, was tried: on the H200 it was slower at every
+tile, up to 2x.)
 
 `choose_config` picks a tile per weight shape and type once: on CUDA outside graph capture it times the
 candidates on the device; otherwise it uses the heuristic. `reference` is the same product in torch.
@@ -55,27 +55,6 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Bulk-prefetch nbytes (a multiple of 16; 0 skips) at each 16-byte aligned address into L2 (sm_90)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tile(w_ptr, n0, stride_wn, k, k_hi, ELEM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PF_CHUNKS: tl.constexpr):
-    """L2 prefetch of the weight tile [n0:n0 + BLOCK_N, k:k + BLOCK_K] as BLOCK_N x PF_CHUNKS pieces (one a
-    thread); nothing past k_hi."""
-    rows = n0 + tl.arange(0, BLOCK_N)
-    piece: tl.constexpr = BLOCK_K * ELEM // PF_CHUNKS
-    c = tl.arange(0, PF_CHUNKS)
-    offs = rows[:, None].to(tl.int64) * stride_wn * ELEM + k * ELEM + c[None, :] * piece
-    size = tl.where(k + (c[None, :] + 1) * (BLOCK_K // PF_CHUNKS) <= k_hi, piece, 0) + 0 * rows[:, None]
-    _prefetch_l2(w_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + offs, size)
-
-
-@triton.jit
 def _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits):
     """Write acc [BLOCK_N, BLOCK_M] (FP32, rows rn of the output's columns, rm its rows). With splits > 1: the
     partials go to part [splits, M, N]; the split that counts itself last sums all of them in split order."""
@@ -98,8 +77,8 @@ def _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm,
                  stride_wn, stride_ym, X_SCALE: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                 ELEM: tl.constexpr, PF_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,10 +86,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH > 0:  # the weight does not depend on the kernel before: fetch its first tiles while it ends
-        for t in tl.static_range(PREFETCH):
-            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k_lo + t * BLOCK_K, k_hi, ELEM, BLOCK_N, BLOCK_K,
-                           PF_CHUNKS)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -119,9 +94,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     row_ok = rm[None, :] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH > 0:
-            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k + PREFETCH * BLOCK_K, k_hi, ELEM, BLOCK_N,
-                           BLOCK_K, PF_CHUNKS)
         if EVEN:  # N and every split's K range are whole tiles
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs, mask=row_ok, other=0.0)
@@ -143,8 +115,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
-                     HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     ELEM: tl.constexpr, PF_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     """One row of x (M = 1) without the tensor cores: each thread multiplies its weights by x in FP32 and keeps
     the products' sums per position of the tile, added across the tile once at the end. Nothing is staged in
     shared memory and no dot needs 16 rows, so a program is small and an SM holds many."""
@@ -154,10 +126,6 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_pe
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH > 0:
-        for t in tl.static_range(PREFETCH):
-            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k_lo + t * BLOCK_K, k_hi, ELEM, BLOCK_N, BLOCK_K,
-                           PF_CHUNKS)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -165,9 +133,6 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_pe
     x_ptrs = x_ptr + k_lo + rk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH > 0:
-            _prefetch_tile(w_ptr, pid_n * BLOCK_N, stride_wn, k + PREFETCH * BLOCK_K, k_hi, ELEM, BLOCK_N,
-                           BLOCK_K, PF_CHUNKS)
         if EVEN:
             w = tl.load(w_ptrs)
             xv = tl.load(x_ptrs)
@@ -186,29 +151,37 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_pe
 
 
 @triton.jit
-def _nibbles_as_floats(p, MAGIC: tl.constexpr, CDT: tl.constexpr, PRMT: tl.constexpr):
-    """The low and high nibbles q of uint8 codes p as the 16-bit floats with bits MAGIC | q. PRMT: four bytes at
-    a time in 32-bit registers (two byte permutes, two shifts, four three-input logic ops for eight codes)
-    where the elementwise form takes three 16-bit integer operations a code."""
-    if PRMT and MAGIC == 0x4300:  # BF16: 128 + q
+def _codes_minus_zero(p, zb, MAGIC: tl.constexpr, CDT: tl.constexpr, PRMT: tl.constexpr):
+    """The low and high nibbles q of uint8 codes p [BLOCK_N, HALF] less their row's zero point, q - z, as 16-bit
+    floats (exact: small integers). zb [BLOCK_N, 1] is B + z in CDT. A nibble becomes B + q by its bits, MAGIC | q
+    (B = 1024 in FP16, 128 in BF16), and (B + q) - (B + z) = q - z. PRMT: four bytes at a time in 32-bit registers
+    (two byte permutes, two shifts, four three-input logic ops and four paired subtractions for eight codes)."""
+    if PRMT and MAGIC == 0x4300:  # BF16
         lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, u0, u1;\n"
+            "{ .reg .b32 t0, t1, u0, u1, v0, v1;\n"
             "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;\n"
-            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 v0, t0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 v1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "sub.rn.bf16x2 $0, v0, $5; sub.rn.bf16x2 $1, v1, $6;\n"
             "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;\n"
-            "lop3.b32 $2, u0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $3, u1, 0x000F000F, 0x43004300, 0xEA; }",
-            "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    elif PRMT:  # FP16: 1024 + q
+            "lop3.b32 v0, u0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 v1, u1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "sub.rn.bf16x2 $2, v0, $5; sub.rn.bf16x2 $3, v1, $6; }",
+            "=r,=r,=r,=r,r,r,r", [p, zb], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif PRMT:  # FP16
         lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, u0, u1;\n"
+            "{ .reg .b32 t0, t1, u0, u1, v0, v1;\n"
             "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;\n"
-            "lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;\n"
+            "lop3.b32 v0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 v1, t1, 0x000F000F, 0x64006400, 0xEA;\n"
+            "sub.rn.f16x2 $0, v0, $5; sub.rn.f16x2 $1, v1, $6;\n"
             "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;\n"
-            "lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA; }",
-            "=r,=r,=r,=r,r", [p], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            "lop3.b32 v0, u0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 v1, u1, 0x000F000F, 0x64006400, 0xEA;\n"
+            "sub.rn.f16x2 $2, v0, $5; sub.rn.f16x2 $3, v1, $6; }",
+            "=r,=r,=r,=r,r,r,r", [p, zb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    elif MAGIC != 0:
+        lo = ((p & 15).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True) - zb
+        hi = ((p >> 4).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True) - zb
     else:
-        lo = ((p & 15).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
-        hi = ((p >> 4).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True)
+        lo = (p & 15).to(CDT) - zb
+        hi = (p >> 4).to(CDT) - zb
     return lo, hi
 
 
@@ -218,12 +191,10 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
                       HAS_XS: tl.constexpr, MAGIC: tl.constexpr, PRMT: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
-    GROUP / 2 bytes a row: low nibble = even channel). The zero point and scale are factored out of the group's
-    sum, sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k), so the codes go to the tensor cores as
-    they are and only the [BLOCK_N, BLOCK_M] partial sums see the scale: the even and odd channels meet the
-    matching columns of x (times its input scale) in two dots. MAGIC (16-bit dots): a code q becomes the 16-bit
-    float whose bits are MAGIC | q, i.e. B + q (B = 1024 in FP16, 128 in BF16: exact), two integer operations
-    instead of an integer-to-float conversion; B joins the zero point, (B + q) - (B + z) = q - z."""
+    GROUP / 2 bytes a row: low nibble = even channel). The codes less their zero point, q - z, are exact small
+    integers in the dot's type (_codes_minus_zero), so the even and odd channels meet the matching columns of x
+    (times its input scale) in two dots, and the group's scale multiplies only the [BLOCK_N, BLOCK_M] partial
+    sums: sum_k (q_k - z) * s * x_k = s * sum_k (q_k - z) x_k."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = GROUP // 2
@@ -249,7 +220,7 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
         p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :], mask=n_ok[:, None],
                     other=0)
         s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
-        z = tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32) + base
+        zb = (tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32) + base).to(CDT)
         ke = k + 2 * rj
         x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=row_ok & (ke < k_hi)[:, None],
                          other=0.0)
@@ -258,17 +229,10 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
         if HAS_XS:
             x_even = x_even.to(tl.float32) * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
             x_odd = x_odd.to(tl.float32) * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
-        x_even = x_even.to(CDT)
-        x_odd = x_odd.to(CDT)
-        if MAGIC != 0:
-            lo, hi = _nibbles_as_floats(p, MAGIC, CDT, PRMT)
-        else:
-            lo = (p & 15).to(CDT)
-            hi = (p >> 4).to(CDT)
-        part = tl.dot(lo, x_even, input_precision=PREC)
-        part = tl.dot(hi, x_odd, part, input_precision=PREC)
-        x_sum = tl.sum(x_even.to(tl.float32), axis=0) + tl.sum(x_odd.to(tl.float32), axis=0)
-        acc += s[:, None] * (part - z[:, None] * x_sum[None, :])
+        lo, hi = _codes_minus_zero(p, zb[:, None], MAGIC, CDT, PRMT)
+        part = tl.dot(lo, x_even.to(CDT), input_precision=PREC)
+        part = tl.dot(hi, x_odd.to(CDT), part, input_precision=PREC)
+        acc += s[:, None] * part
     _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits)
 
 
@@ -279,19 +243,17 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    prefetch: int = 0  # K tiles prefetched into L2 ahead of the loads (Hopper; 0: none)
     row: bool = False  # the single-row kernel without the tensor cores (M = 1 only)
     prmt: bool = False  # INT4: nibbles to floats four bytes at a time (inline PTX; CUDA only)
     block_m: int = 16  # the dot's activation columns for up to this many rows (8: mma's narrowest, half of x's work)
 
     @property
     def name(self) -> str:
-        pf = f"_pf{self.prefetch}" if self.prefetch else ""
         kind = "gemv1" if self.row else "gemv"
         prmt = "_prmt" if self.prmt else ""
         bm = f"_m{self.block_m}" if self.block_m != 16 else ""
         return (f"{kind}_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}"
-                f"{pf}{prmt}{bm}")
+                f"{prmt}{bm}")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -321,38 +283,51 @@ def compute_dtype(x_dtype: torch.dtype, codes_dtype: torch.dtype) -> torch.dtype
 
 
 def heuristic_config(n: int, k: int, num_sms: int = 132, codes_dtype: torch.dtype = FP8) -> GemvConfig:
-    bk = 256 if codes_dtype.itemsize == 1 else 128
-    return GemvConfig(64, bk, split_for(n, k, 64, bk, num_sms), 4, 4)
+    """The tile where none was timed (no CUDA, or inside a graph capture): the H200's most frequent winner."""
+    if codes_dtype.itemsize == 1:
+        return GemvConfig(64, 256, split_for(n, k, 64, 256, num_sms), 4, 4, block_m=8)
+    return GemvConfig(64, 128, split_for(n, k, 64, 128, num_sms), 4, 4)
 
 
-def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8) -> list[GemvConfig]:
-    """The tiles choose_config times: each shape's bytes per K step (a row's tile of 256 bytes or 512) in tiles
-    of 32 to 128 rows, with 4 or 8 warps, splits for one or two programs an SM, with and without L2 prefetch,
-    with 16 activation columns or 8."""
+# Tiles measured on the H200 (bench/decode_gemv.py's sweep, bench/results/H200-decode-gemv.md): the fastest few
+# of each kind on Llama-3-8B's projections at M = 1. choose_config times these; `full` adds the rest of the sweep.
+# (block_n, block_k for 8-bit codes (16-bit: half), num_warps, num_stages, block_m)
+DOT_TILES_8BIT = ((64, 256, 4, 4, 8), (32, 256, 4, 4, 16), (128, 256, 8, 3, 8))
+DOT_TILES_16BIT = ((64, 256, 4, 4, 16), (128, 256, 8, 3, 16), (64, 256, 4, 4, 8))
+DOT_TILES_MORE = ((64, 256, 4, 4, 16), (128, 256, 8, 3, 16), (64, 512, 8, 3, 16), (32, 256, 4, 4, 8),
+                  (128, 256, 8, 3, 8), (64, 256, 4, 4, 8), (32, 256, 4, 4, 16))
+ROW_TILES = ((16, 512, 8), (16, 256, 4), (32, 256, 8), (8, 512, 4))  # (block_n, block_k for 8-bit, warps)
+ROW_TILES_MORE = ((16, 512, 4),)
+INT4_TILES = ((256, 8, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4))  # (block_n, warps, stages); PTX unpacking, m8
+
+
+def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8,
+                      full: bool = False) -> list[GemvConfig]:
+    """The tensor-core tiles choose_config times, each with the splits for one and for two programs an SM."""
     wide = codes_dtype.itemsize == 1
+    tiles = DOT_TILES_8BIT if wide else DOT_TILES_16BIT
+    if full:
+        tiles = tiles + tuple(t for t in DOT_TILES_MORE if t not in tiles)
     out = []
-    for bn, bk, warps, stages, pf, bm in ((32, 256, 4, 4, 0, 16), (64, 256, 4, 4, 0, 16), (64, 256, 4, 4, 2, 16),
-                                          (128, 256, 8, 3, 0, 16), (64, 512, 8, 3, 0, 16), (32, 512, 4, 3, 2, 16),
-                                          (64, 256, 4, 4, 0, 8), (64, 256, 4, 4, 2, 8), (128, 256, 8, 3, 0, 8)):
-        if not wide:
-            bk //= 2
+    for bn, bk, warps, stages, bm in tiles:
+        bk = bk if wide else bk // 2
         for waves in (1.0, 2.0):
-            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, pf, block_m=bm)
+            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, block_m=bm)
             if c not in out:
                 out.append(c)
     return out
 
 
-def row_candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8) -> list[GemvConfig]:
+def row_candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8,
+                          full: bool = False) -> list[GemvConfig]:
     """The single-row kernel's tiles (M = 1): a few rows a program, 256 or 512 bytes of each row a K step,
-    splits for two or four programs an SM (they are small), with and without L2 prefetch."""
+    splits for two or four programs an SM (they are small)."""
     wide = codes_dtype.itemsize == 1
     out = []
-    for bn, bk, warps, pf in ((8, 512, 4, 0), (16, 256, 4, 0), (16, 512, 8, 0), (16, 512, 8, 2), (32, 256, 8, 0)):
-        if not wide:
-            bk //= 2
+    for bn, bk, warps in ROW_TILES + (ROW_TILES_MORE if full else ()):
+        bk = bk if wide else bk // 2
         for waves in (2.0, 4.0):
-            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, 1, pf, row=True)
+            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, 1, row=True)
             if c not in out:
                 out.append(c)
     return out
@@ -380,14 +355,6 @@ def _counters(device: torch.device) -> torch.Tensor:
     if c is None:
         c = _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return c
-
-
-def _prefetch_chunks(cfg: GemvConfig, elem: int) -> int:
-    """Pieces a row's tile is prefetched in: one piece a thread, at least 16 bytes each."""
-    lanes = max(1, cfg.num_warps * 32 // cfg.block_n)
-    while lanes > 1 and (cfg.block_k * elem // lanes < 16 or cfg.block_k % lanes):
-        lanes //= 2
-    return lanes
 
 
 def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, config: GemvConfig | None = None,
@@ -419,15 +386,10 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
     even = N % cfg.block_n == 0 and K % k_per_split == 0 and k_per_split % cfg.block_k == 0
     cdt = compute_dtype(x.dtype, codes.dtype)
     x_scale = X_SCALE_BF16 if x.dtype == torch.bfloat16 and cdt == torch.float16 else 1.0
-    elem = codes.element_size()
     hopper = _is_hopper(x.device)
-    # L2 prefetch: whole 16-byte pieces of whole tiles only (an unaligned or ragged one is not asked for)
-    prefetch = cfg.prefetch if (hopper and even and (codes.stride(0) * elem) % 16 == 0
-                                and codes.data_ptr() % 16 == 0) else 0
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y
     counts = _counters(x.device) if splits > 1 else y
-    common = dict(HAS_SCALE=scale is not None, EVEN=even, PDL=hopper and pdl, PREFETCH=prefetch, ELEM=elem,
-                  PF_CHUNKS=_prefetch_chunks(cfg, elem), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    common = dict(HAS_SCALE=scale is not None, EVEN=even, PDL=hopper and pdl, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     s_arg = scale if scale is not None else y
     if cfg.row:
@@ -444,16 +406,14 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
 
 
 def int4_heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    return GemvConfig(64, 128, split_for(n, k, 64, 128, num_sms), 4, 4)
+    return GemvConfig(128, 128, split_for(n, k, 128, 128, num_sms), 8, 3, prmt=True, block_m=8)
 
 
 def int4_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
     out = []
-    for bn, warps, stages, prmt, bm in ((64, 4, 4, False, 16), (64, 4, 4, True, 16), (64, 4, 4, True, 8),
-                                        (128, 4, 4, True, 8), (128, 8, 3, True, 8), (256, 8, 3, True, 8),
-                                        (32, 4, 4, True, 8)):
+    for bn, warps, stages in INT4_TILES:
         for waves in (1.0, 2.0):
-            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages, prmt=prmt, block_m=bm)
+            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages, prmt=True, block_m=8)
             if c not in out:
                 out.append(c)
     return out
@@ -521,9 +481,11 @@ def tile_timings(n: int, k: int, dtype: torch.dtype, device, codes) -> dict:
 TIMING_BYTES = 128 << 20  # weights cycled through when timing a tile: more than L2 holds, as a step's layers are
 
 
-def time_us(fn, weights: list, reps: int = 3) -> float:
+def time_us(fn, weights: list, calls: int = 12) -> float:
     """GPU microseconds a call of fn(w), cycling through `weights` (together larger than L2, as a step's layers
-    are), replayed in a CUDA graph (a step's launches are; eager launches would time the host)."""
+    are) at least `calls` times, replayed in a CUDA graph (a step's launches are; eager launches would time the
+    host). A single large weight called a few times only times its first call's ramp too coarsely."""
+    reps = -(-calls // len(weights))
     for w in weights:
         fn(w)  # compiles, and allocates outside the capture
     torch.cuda.synchronize()
