@@ -9,6 +9,7 @@ got, "cut" in the table):
                against transformers' generate on the same weights (FP32).
   kiln         the 8B shape, BF16 weights and KV, 128 in / 256 out at batch 1 and 64: output tok/s, TTFT, TPOT,
                e2e p50/p99, decode step time, the roofline, host share of the step and its phases.
+  kilnasync    as kiln, each batch run again with LLMEngine.async_decode on (decode steps fed on the device).
   hf           transformers' generate, eager, same prompts (exactly --hf-output-len new tokens each).
   hfcompile    transformers' generate with its static cache, the forward under torch.compile (compile timed
                apart).
@@ -187,9 +188,15 @@ def engine_facts(eng, setup_s: float, weights: str) -> dict:
 def measure(eng, prompts, out_lens, batch: int, bw_GBs, time_limit_s=None) -> dict:
     """One timed run (all prompts at once) with host phases, the roofline at `batch` and the decode graph's
     GPU time (host share of the step = 1 - graph time / decode step wall time)."""
+    timed = eng.device.type == "cuda" and bool(eng.runner.graphs)
+    if timed:  # every decode graph the run replays, timed on the GPU
+        eng.runner.graph_times = []
     with bm.HostPhases(eng) as phases:
         r = bm.run_requests(eng, prompts, out_lens, time_limit_s=time_limit_s)
     r["host_phases_us_per_step"] = phases.per_step(r["steps"], r["wall_s"])
+    if timed:
+        r["graph_ms_in_run_by_bucket"] = bm.graph_times_ms(eng)
+        eng.runner.graph_times = None
     r["batch"], r["input_len"], r["output_len"] = batch, len(prompts[0]), max(out_lens)
     if bw_GBs:
         rf = bm.roofline(eng, batch, len(prompts[0]) + max(out_lens) / 2, bw_GBs * 1e9)
@@ -202,6 +209,13 @@ def measure(eng, prompts, out_lens, batch: int, bw_GBs, time_limit_s=None) -> di
         if step_ms:
             r["host_fraction_of_step"] = 1 - r["graph_replay_ms"] / step_ms
             r["decode_step_ms_full_batch"] = step_ms
+            in_run = r.get("graph_ms_in_run_by_bucket", {}).get(eng.runner._bucket(batch))
+            if in_run:  # the same, from the graphs' GPU time during the run itself
+                r["host_fraction_of_step_in_run"] = 1 - in_run / step_ms
+    if r.get("graph_ms_in_run_by_bucket"):
+        log(f"decode graphs' GPU time during the run, ms by bucket: "
+            f"{ {b: round(v, 2) for b, v in r['graph_ms_in_run_by_bucket'].items()} }; decode step wall ms by "
+            f"batch: { {b: round(v, 2) for b, v in r['decode_step_ms_by_batch'].items() if b % 32 == 0 or b < 8} }")
     log(f"{eng.model_name}, batch {batch}, {r['input_len']}/{r['output_len']}: {r['output_tok_s']:.1f} tok/s "
         f"({r['output_tokens']} tokens in {r['wall_s']:.1f} s{', cut' if r['cut'] else ''}), decode step "
         f"{r.get('decode_step_ms') or 0:.2f} ms, graph {r.get('graph_replay_ms') or 0:.2f} ms, host share "
@@ -218,7 +232,9 @@ def release() -> None:
 
 
 def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="auto", quant=None,
-              kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None) -> dict:
+              kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None,
+              async_too: bool = False) -> dict:
+    """Kiln at each batch (one engine); async_too: each batch also with async_decode on (key batchN_async)."""
     t = time.perf_counter()
     eng = make_engine(tensors, cfg, device, dtype_name, in_len + out_len + 16, kv, kv_scales, max_seq,
                       num_kv_blocks, util, quantized_weights, quant)
@@ -232,6 +248,10 @@ def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="au
         # prompts than the timed ones, which must not find their prefixes cached.
         bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + b), [2] * b)
         out[f"batch{b}"] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
+        if async_too:  # the same prompts again: their prefixes are cached now, decode is what differs
+            eng.async_decode = True
+            out[f"batch{b}_async"] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
+            eng.async_decode = False
     del eng
     release()
     return out
@@ -250,9 +270,11 @@ def saturated(tensors, cfg, device, dtype_name, in_len, out_len, seqs, n_prompts
     out["fp8_weights_and_scales_s"] = t - t0
     log(f"engine ready: {out}")
     vocab = cfg["vocab_size"]
-    # Warm-up: one full batch's prefill and a few decode steps, other prompts than the timed ones.
+    # Warm-up: prefill of up to 64k tokens (a full batch of short prompts) and a few decode steps, other prompts
+    # than the timed ones.
     left = limit_s - (time.perf_counter() - t0)
-    bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * seqs, seed=3000), [3] * seqs,
+    n_warm = min(seqs, max(64, 65536 // in_len))
+    bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * n_warm, seed=3000), [3] * n_warm,
                     time_limit_s=max(1.0, left * 0.25))
     out["warmup_s"] = time.perf_counter() - t0 - out["engine_setup_s"] - out["fp8_weights_and_scales_s"]
     left = limit_s - (time.perf_counter() - t0) - 6  # the graph timing and freeing after the run
@@ -472,8 +494,9 @@ def render(res: dict, args) -> str:
             lines.append(f"| {label} | - | - | - | failed: {run['error']} |||||||")
             continue
         for key in sorted(k for k in run if k.startswith("batch")):
-            h = hf.get(key, {})
-            lines.append(_run_row(label, run[key], h.get("output_tok_s")))
+            h = hf.get(key.removesuffix("_async"), {})
+            lines.append(_run_row(label + (", async decode" if key.endswith("_async") else ""), run[key],
+                                  h.get("output_tok_s")))
     for name, label in (("saturated", "Kiln FP8 weights + FP8 KV, saturated"),
                         ("long", "Kiln FP8 weights + FP8 KV, saturated, long")):
         run = res.get(name)
@@ -564,7 +587,7 @@ def render(res: dict, args) -> str:
     return "\n".join(lines)
 
 
-LIMITS = {"host": 60, "sampler": 30, "correctness": 60, "kiln": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
+LIMITS = {"host": 60, "sampler": 30, "correctness": 60, "kiln": 120, "kilnasync": 120, "hf": 60, "hfcompile": 90, "fp8": 120, "saturated": 60, "long": 60,
           "kvctx": 40, "int4": 60, "prefix": 60}
 
 
@@ -582,7 +605,8 @@ def main():
     ap.add_argument("--sat-prompts", type=int, default=1024, help="saturated: requests")
     ap.add_argument("--long-seqs", type=int, default=256, help="long (1000/1000): max_num_seqs")
     ap.add_argument("--long-prompts", type=int, default=256, help="long: requests")
-    ap.add_argument("--long-len", type=int, default=1000, help="long: ISL = OSL")
+    ap.add_argument("--long-len", type=int, default=1000, help="long: ISL (and OSL unless --long-out)")
+    ap.add_argument("--long-out", type=int, default=None, help="long: OSL (default: --long-len)")
     ap.add_argument("--ctx", type=int, default=4096, help="kvctx: tokens of context per sequence")
     ap.add_argument("--ctx-batch", type=int, default=64, help="kvctx: batch")
     ap.add_argument("--host-batches", type=int, nargs="+", default=[64, 512], help="host: batches")
@@ -648,9 +672,10 @@ def main():
     max_b = max(args.batches)
     for name in want:
         limit = limits[name]
-        if name == "kiln":
+        if name in ("kiln", "kilnasync"):
             section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
-                    args.output_len, "auto", None, None, max_b, kv_blocks, limit_s=limit)
+                    args.output_len, "auto", None, None, max_b, kv_blocks, 0.85, None, name == "kilnasync",
+                    limit_s=limit)
         elif name == "hf":
             section(res, "hf", hf_runs, hf, cfg["vocab_size"], hf_batches, args.input_len, hf_out, limit_s=limit)
         elif name == "hfcompile":
@@ -664,7 +689,8 @@ def main():
             section(res, "saturated", saturated, tensors, cfg, device, dtype_name, args.sat_len, args.sat_len,
                     args.sat_seqs, args.sat_prompts, limit, fp8, limit_s=limit + 10)
         elif name == "long":
-            section(res, "long", saturated, tensors, cfg, device, dtype_name, args.long_len, args.long_len,
+            section(res, "long", saturated, tensors, cfg, device, dtype_name, args.long_len,
+                    args.long_out or args.long_len,
                     args.long_seqs, args.long_prompts, limit, fp8, limit_s=limit + 10)
         elif name == "kvctx":
             section(res, "kvctx", kv_context, tensors, cfg, device, dtype_name, args.ctx, args.ctx_batch, fp8,

@@ -169,6 +169,17 @@ class HostPhases:
         return out
 
 
+def graph_times_ms(eng) -> dict[int, float]:
+    """Mean GPU time of the decode graphs a run replayed (runner.graph_times set to a list before it), per
+    bucket; clears the list."""
+    torch.cuda.synchronize()
+    by: dict[int, list] = {}
+    for b, start, end in eng.runner.graph_times:
+        by.setdefault(b, []).append(start.elapsed_time(end))
+    eng.runner.graph_times.clear()
+    return {b: sum(v) / len(v) for b, v in sorted(by.items())}
+
+
 def graph_replay_ms(eng, b: int, iters: int = 20) -> float:
     """GPU time of one decode step's graph at batch b (static buffers as the last step left them)."""
     with torch.inference_mode():

@@ -117,6 +117,8 @@ class ModelRunner:
         self._tokens_turn = 0
         self.on_step = None  # rank 0 under tensor parallelism: sends each step's inputs to the other ranks
         self.graphs: dict = {}  # bucket batch size -> callable running a decode step from the static buffers
+        # A list to time every graph replay on the GPU into ((bucket, start, end) CUDA events); None: untimed.
+        self.graph_times: list | None = None
         self.graph_error: str | None = None
         if use_cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(max_num_seqs)
@@ -380,7 +382,14 @@ class ModelRunner:
             self._copies_done.record()
         if device_ids is not None:
             self.g_ids[:n].copy_(device_ids)
-        return self.graphs[b]()
+        if self.graph_times is None:
+            return self.graphs[b]()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.graphs[b]()
+        end.record()
+        self.graph_times.append((b, start, end))
+        return out
 
 
 def padded_tables(tables: list[list[int]]) -> torch.Tensor:
