@@ -89,3 +89,38 @@ def test_decode_weight_runs_the_gemv_up_to_its_rows():
         want = bg.bf16_gemv(x[:m], w) if m <= 4 else F.linear(x[:m], w)
         assert torch.equal(got, want), m
     assert bg.gemv_rows(4096, 4096, torch.bfloat16, DEV, w) in bg.ROWS + (0,)
+
+
+def _decoder_like(device, dtype):
+    """What use_decode_gemv reads of a kiln.llm.model.DecoderModel: device, dtype, layers' matrices, lm_head."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(9)
+    w = lambda n, k: (torch.randn(n, k, generator=g) * 0.02).to(device, dtype)
+    return SimpleNamespace(device=torch.device(device), dtype=dtype, lm_head=w(8192, 1024),
+                           layers=[{"qkv": w(3072, 1024), "o": w(1024, 1024), "input_norm": w(1, 1024)[0]}])
+
+
+def test_use_decode_gemv_leaves_a_cpu_model_alone():
+    from kiln.llm.quantize import use_decode_gemv
+
+    model = _decoder_like("cpu", torch.float32)
+    before = dict(model.layers[0])
+    assert use_decode_gemv(model) == {} and all(model.layers[0][k] is v for k, v in before.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_use_decode_gemv_wraps_where_the_gemv_won():
+    from kiln.llm.quantize import DECODE_GEMV_MIN_BYTES, DecodeWeight, use_decode_gemv
+
+    model = _decoder_like(DEV, torch.bfloat16)
+    plain = {"qkv": model.layers[0]["qkv"], "o": model.layers[0]["o"], "lm_head": model.lm_head}
+    chosen = use_decode_gemv(model)
+    for key, w in plain.items():
+        now = model.lm_head if key == "lm_head" else model.layers[0][key]
+        big = w.numel() * w.element_size() >= DECODE_GEMV_MIN_BYTES
+        assert isinstance(now, DecodeWeight) == (big and chosen.get(key, 0) > 0), key
+        x = torch.randn(1, w.shape[1], device=DEV, dtype=torch.bfloat16)
+        assert rel_err(F.linear(x, now), F.linear(x, w)) < 1e-2
+    assert model.layers[0]["input_norm"].dim() == 1  # vectors are not matrices
