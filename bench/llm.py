@@ -98,14 +98,16 @@ def section(results: dict, name: str, fn, *args, limit_s: float | None = None):
 
 
 class _NoTokenizer:
-    """The random model has no tokenizer: prompts are token ids and the text is not looked at."""
+    """The random model has no tokenizer: prompts are token ids and the text is not looked at. A token decodes
+    to one space, so the engine's incremental detokenizer moves on as it does with a real tokenizer (with no
+    text at all it would re-slice every id since the start at each token)."""
 
-    eos_token_ids: set = set()
+    eos_token_ids: frozenset = frozenset()
     bos_token_id = None
     vocab_size = 0
 
     def decode(self, ids, skip_special_tokens=True):
-        return ""
+        return " " * len(ids)
 
     def is_special(self, token_id):
         return False
