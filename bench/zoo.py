@@ -342,7 +342,7 @@ def _compiled_peer(prep: Prepared, precision: str, device: torch.device):
 def run_case(entry, prep: Prepared, precision: str, batch: int, device: str, timing: bool,
              torch_compile: bool, calls: int = 20, validate: bool = True, profile_top: int = 0) -> Row:
     """One row. validate=False skips the build's own validation runs (the comparison below runs the engine
-    anyway; CI saves two runs a model) and with them the FP16/BF16 precision guard."""
+    anyway; CI saves two runs a model); the precision guard runs either way."""
     row = Row(entry.name, precision, batch, source=entry.source)
     compiled = None
     want_compile = timing and torch_compile and prep.torch_module is not None and torch.cuda.is_available() \
