@@ -89,11 +89,8 @@ def compile_threads() -> int:
 # Candidates that a better family of kernels supersedes below optimization level PRUNE_BELOW_LEVEL: (the
 # superseded names' prefixes, the superseding family's prefixes). Where a candidate of the second applies to a
 # layer and times correctly, the first are neither compiled nor timed; where none does (none applies, or each
-# raised or was wrong), they are timed as before. On the H200 the pointer-based Triton 8-bit kernels lost to the
-# TMA and warp-specialized (Gluon) ones on every ResNet-50 and BERT-base layer where both applied, and the TMA 3x3
-# convolutions to the warp-specialized ones (batch 32, bench/results/H200-quant-1828-resnet50.json and
-# H200-quant-2022-bert.json: none chosen; pointer 1x1 tiles summed 0.72-0.86 ms over ResNet-50's 33 1x1 layers,
-# the TMA tiles 0.52-0.57 on the same layers), and each is one more compile per layer in a cold build.
+# raised or was wrong), they are timed as before. Each superseded candidate is one more compile per layer in a
+# cold build, and in whole engines it was never chosen (docs/design/tactic-levels.md).
 SUPERSEDED = (
     (("triton_qconv_", "triton_qconv1x1_", "triton_qgemm_"), ("triton_tma_q", "gluon_")),
     (("triton_tma_qconv_",), ("gluon_ws_qconv_", "gluon_halo_")),

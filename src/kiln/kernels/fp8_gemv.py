@@ -24,9 +24,8 @@ row's result does not depend on timing (the sum's order is fixed) nor on M (the 
 M). The counters are one buffer per device, which is safe because kernels of one stream run one after another.
 
 On Hopper the kernels are launched as programmatic dependents (kernels/pdl.py): a program may be scheduled while
-the kernel before is finishing and waits (griddepcontrol.wait) before its first load. (Prefetching the weight
-into L2 ahead of the loads, before that wait and in the K loop, was tried: on the H200 it was slower at every
-tile, up to 2x.)
+the kernel before is finishing and waits (griddepcontrol.wait) before its first load. The weight is not
+prefetched into L2 ahead of the loads: that was slower (docs/design/decode-gemv.md).
 
 `choose_config` picks a tile per weight shape and type once: on CUDA outside graph capture it times the
 candidates on the device; otherwise it uses the heuristic. `reference` is the same product in torch.
@@ -283,14 +282,15 @@ def compute_dtype(x_dtype: torch.dtype, codes_dtype: torch.dtype) -> torch.dtype
 
 
 def heuristic_config(n: int, k: int, num_sms: int = 132, codes_dtype: torch.dtype = FP8) -> GemvConfig:
-    """The tile where none was timed (no CUDA, or inside a graph capture): the H200's most frequent winner."""
+    """The tile where none was timed (no CUDA, or inside a graph capture): the sweep's most frequent winner
+    (docs/design/decode-gemv.md)."""
     if codes_dtype.itemsize == 1:
         return GemvConfig(64, 256, split_for(n, k, 64, 256, num_sms), 4, 4, block_m=8)
     return GemvConfig(64, 128, split_for(n, k, 64, 128, num_sms), 4, 4)
 
 
-# Tiles measured on the H200 (bench/decode_gemv.py's sweep, bench/results/H200-decode-gemv.md): the fastest few
-# of each kind on Llama-3-8B's projections at M = 1. choose_config times these; `full` adds the rest of the sweep.
+# The tiles choose_config times: the fastest few of each kind in bench/decode_gemv.py's sweep on Llama-3-8B's
+# projections at M = 1 (docs/design/decode-gemv.md); `full` adds the rest of the sweep.
 # (block_n, block_k for 8-bit codes (16-bit: half), num_warps, num_stages, block_m)
 DOT_TILES_8BIT = ((64, 256, 4, 4, 8), (32, 256, 4, 4, 16), (128, 256, 8, 3, 8))
 DOT_TILES_16BIT = ((64, 256, 4, 4, 16), (128, 256, 8, 3, 16), (64, 256, 4, 4, 8))
