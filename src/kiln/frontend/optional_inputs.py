@@ -11,7 +11,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ..errors import InputError
+from .input_binding import bind_inputs
 
 
 def optional_inputs(model: onnx.ModelProto) -> list[str]:
@@ -26,28 +26,12 @@ def value_name(name: str) -> str:
 
 def bind_optional_inputs(model: onnx.ModelProto, present: dict[str, bool]) -> onnx.ModelProto:
     """A copy of `model` whose optional inputs named in `present` are bound: given (True) or empty (False)."""
-    optionals = set(optional_inputs(model))
-    unknown = sorted(set(present) - optionals)
-    if unknown:
-        raise InputError(f"bind_optional_inputs: {unknown} are not optional inputs of the model; "
-                         f"its optional inputs are {sorted(optionals)}.")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
-    inputs, front = [], []
-    for vi in graph.input:
-        if vi.name not in present:
-            inputs.append(vi)
-            continue
+
+    def bind(vi):
         held = vi.type.optional_type.elem_type
         if present[vi.name]:
-            inputs.append(helper.make_value_info(value_name(vi.name), held))
-            front.append(helper.make_node("Optional", [value_name(vi.name)], [vi.name], name=f"{vi.name}/bound"))
-        else:
-            front.append(helper.make_node("Optional", [], [vi.name], name=f"{vi.name}/bound", type=held))
-    del graph.input[:]
-    graph.input.extend(inputs)
-    nodes = list(graph.node)
-    del graph.node[:]
-    graph.node.extend(front + nodes)
-    return out
+            return ([helper.make_value_info(value_name(vi.name), held)],
+                    [helper.make_node("Optional", [value_name(vi.name)], [vi.name], name=f"{vi.name}/bound")])
+        return [], [helper.make_node("Optional", [], [vi.name], name=f"{vi.name}/bound", type=held)]
+
+    return bind_inputs(model, "optional", optional_inputs(model), present, bind)

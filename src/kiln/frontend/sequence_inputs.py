@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ..errors import InputError
+from .input_binding import bind_inputs
 
 
 def sequence_inputs(model: onnx.ModelProto) -> list[str]:
@@ -26,32 +26,16 @@ def element_names(name: str, length: int) -> list[str]:
 
 def bind_sequence_inputs(model: onnx.ModelProto, lengths: dict[str, int]) -> onnx.ModelProto:
     """A copy of `model` whose sequence inputs named in `lengths` are tensor inputs, `lengths[name]` of them."""
-    seqs = set(sequence_inputs(model))
-    unknown = sorted(set(lengths) - seqs)
-    if unknown:
-        raise InputError(f"bind_sequence_inputs: {unknown} are not sequence inputs of the model; "
-                         f"its sequence inputs are {sorted(seqs)}.")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
-    inputs, front = [], []
-    for vi in graph.input:
-        if vi.name not in lengths:
-            inputs.append(vi)
-            continue
+
+    def bind(vi):
         elem = vi.type.sequence_type.elem_type.tensor_type
         shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in elem.shape.dim] \
             if elem.HasField("shape") else None
         names = element_names(vi.name, lengths[vi.name])
-        inputs += [helper.make_tensor_value_info(n, elem.elem_type, shape) for n in names]
+        infos = [helper.make_tensor_value_info(n, elem.elem_type, shape) for n in names]
         if names:
-            front.append(helper.make_node("SequenceConstruct", names, [vi.name], name=f"{vi.name}/bound"))
-        else:
-            front.append(helper.make_node("SequenceEmpty", [], [vi.name], name=f"{vi.name}/bound",
-                                          dtype=elem.elem_type or onnx.TensorProto.FLOAT))
-    del graph.input[:]
-    graph.input.extend(inputs)
-    nodes = list(graph.node)
-    del graph.node[:]
-    graph.node.extend(front + nodes)
-    return out
+            return infos, [helper.make_node("SequenceConstruct", names, [vi.name], name=f"{vi.name}/bound")]
+        return infos, [helper.make_node("SequenceEmpty", [], [vi.name], name=f"{vi.name}/bound",
+                                        dtype=elem.elem_type or onnx.TensorProto.FLOAT)]
+
+    return bind_inputs(model, "sequence", sequence_inputs(model), lengths, bind)
