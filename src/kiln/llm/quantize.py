@@ -48,7 +48,19 @@ GEMV_MAX_M = 16  # rows up to which the weight-only GEMV beats a GEMM on these w
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "fc", "proj")
 
 
-class QuantizedWeight(torch.Tensor):
+class _OwnLinear(torch.Tensor):
+    """A weight whose `F.linear` runs its own matmul_into(x, bias); every other op sees a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is F.linear:
+                return args[1].matmul_into(args[0], args[2] if len(args) > 2 else kwargs.get("bias"))
+            return func(*args, **kwargs)
+
+
+class QuantizedWeight(_OwnLinear):
     """A quantized [out_features, in_features] weight that `F.linear` multiplies in its own format.
 
     codes: fp8 / int8 [out, in], or uint8 [out, ceil(in / 128) * 64] for int4 (low nibble = even column).
@@ -63,17 +75,6 @@ class QuantizedWeight(torch.Tensor):
         t.codes, t.method, t.scale, t.zero, t.input_scale = codes, method, scale, zero, input_scale
         t.in_features, t.out_features = in_features, codes.shape[0]
         return t
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            with torch._C.DisableTorchFunctionSubclass():
-                return w.matmul_into(x, bias)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
 
     def __repr__(self):
         return (f"QuantizedWeight({self.method}, [{self.out_features}, {self.in_features}], "
@@ -138,7 +139,7 @@ class QuantizedWeight(torch.Tensor):
         return y.reshape(*lead, self.out_features)
 
 
-class DecodeWeight(torch.Tensor):
+class DecodeWeight(_OwnLinear):
     """A float [out, in] weight whose `F.linear` runs kiln.kernels.bf16_gemv for at most `gemv_rows` rows on
     CUDA (the rows up to which that kernel beat cuBLAS for this shape here), torch's matmul otherwise."""
 
@@ -148,23 +149,18 @@ class DecodeWeight(torch.Tensor):
         t.gemv_rows = gemv_rows
         return t
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.shape[0] <= w.gemv_rows and x.is_cuda and x.dtype == w.dtype:
-                from kiln.kernels.bf16_gemv import bf16_gemv
+    def matmul_into(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, self, bias): the GEMV for few enough rows on CUDA, torch's matmul otherwise."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= self.gemv_rows and x.is_cuda and x.dtype == self.dtype:
+            from kiln.kernels.bf16_gemv import bf16_gemv
 
-                with torch._C.DisableTorchFunctionSubclass():
-                    y = bf16_gemv(x2, w)
-                    if bias is not None:
-                        y = y + bias.to(y.dtype)
-                    return y.reshape(*x.shape[:-1], w.shape[0])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            y = bf16_gemv(x2, self)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            return y.reshape(*x.shape[:-1], self.shape[0])
+        with torch._C.DisableTorchFunctionSubclass():  # called directly too: F.linear must not come back here
+            return F.linear(x, self, bias)
 
     def __repr__(self):
         return f"DecodeWeight([{self.shape[0]}, {self.shape[1]}], {self.dtype}, GEMV up to {self.gemv_rows} rows)"
