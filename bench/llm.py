@@ -457,6 +457,11 @@ def _f(v, fmt=".1f"):
     return "-" if v is None else format(v, fmt)
 
 
+def _failed_row(label: str, error: str) -> str:
+    """A row of the throughput table for a run that failed: its label and the error across the columns."""
+    return f"| {label} | - | - | - | failed: {error} |||||||"
+
+
 def _run_row(label: str, r: dict, hf_tok_s=None) -> str:
     vs = f"{r['output_tok_s'] / hf_tok_s:.1f}x" if hf_tok_s else "-"
     host = r.get("host_fraction_of_step")
@@ -493,7 +498,7 @@ def render(res: dict, args) -> str:
         if not isinstance(run, dict):
             continue
         if "error" in run:
-            lines.append(f"| {label} | - | - | - | failed: {run['error']} |||||||")
+            lines.append(_failed_row(label, run["error"]))
             continue
         for key in sorted(k for k in run if k.startswith("batch")):
             h = hf.get(key.removesuffix("_async"), {})
@@ -504,7 +509,7 @@ def render(res: dict, args) -> str:
         run = res.get(name)
         if isinstance(run, dict):
             if "error" in run and "run" not in run:
-                lines.append(f"| {label} ({name}) | - | - | - | failed: {run['error']} |||||||")
+                lines.append(_failed_row(f"{label} ({name})", run["error"]))
             elif "run" in run:
                 lines.append(_run_row(label, run["run"]))
     for name in ("hf", "hf_compiled"):
@@ -512,7 +517,7 @@ def render(res: dict, args) -> str:
         if not isinstance(h, dict):
             continue
         if "error" in h:
-            lines.append(f"| HF transformers generate ({name}) | - | - | - | failed: {h['error']} |||||||")
+            lines.append(_failed_row(f"HF transformers generate ({name})", h["error"]))
             continue
         for key in sorted(k for k in h if k.startswith("batch")):
             r = h[key]
