@@ -120,7 +120,8 @@ def test_use_decode_gemv_wraps_where_the_gemv_won():
     for key, w in plain.items():
         now = model.lm_head if key == "lm_head" else model.layers[0][key]
         big = w.numel() * w.element_size() >= DECODE_GEMV_MIN_BYTES
-        assert isinstance(now, DecodeWeight) == (big and chosen.get(key, 0) > 0), key
+        chosen_key = key if key == "lm_head" else f"layers.0.{key}"  # use_decode_gemv's keys (linear_weights')
+        assert isinstance(now, DecodeWeight) == (big and chosen.get(chosen_key, 0) > 0), key
         x = torch.randn(1, w.shape[1], device=DEV, dtype=torch.bfloat16)
         assert rel_err(F.linear(x, now), F.linear(x, w)) < 1e-2
     assert model.layers[0]["input_norm"].dim() == 1  # vectors are not matrices
