@@ -145,5 +145,6 @@ def test_compile_threads_come_from_the_environment_else_the_default(monkeypatch)
     monkeypatch.delenv("KILN_PARALLEL_COMPILE")
     monkeypatch.setattr(tactic_selection, "COMPILE_THREADS", None)
     assert tactic_selection.compile_threads() == min(tactic_selection.MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    assert tactic_selection.compile_threads("cpu") == 0  # nothing to compile ahead for a CPU target
     monkeypatch.setattr(tactic_selection, "COMPILE_THREADS", 0)
     assert tactic_selection.compile_threads() == 0

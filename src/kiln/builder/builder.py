@@ -236,7 +236,7 @@ def _select_tactics(engine: Engine, profiles: list[Profile], config: BuildConfig
                    exclude=config.exclude_tactics, time_quantized_cold=config.time_quantized_cold)
     runs = [(i, engine.create_execution_context(profile=i, cuda_graphs=False),
              engine.random_inputs(profile=i, pick=1, device=engine.target.device)) for i in range(len(profiles))]
-    threads = compile_threads()
+    threads = compile_threads(engine.target.kind)
     compile_s = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -43,8 +43,8 @@ class CompileAhead:
         self._pending: dict[str, list[Future]] = {}  # layer key -> its candidates' first calls
         self._held: dict[str, int] = {}  # layer key -> bytes of activation inputs kept alive for them
         self._count = threading.Lock()
-        free, _ = torch.cuda.mem_get_info(device)
-        self._budget = int(HELD_SHARE * free)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
+        self._budget = HELD_SHARE * free
         self.queued = 0  # candidate first calls queued
         self.calls = 0  # ...and made
         self.failed = 0  # ...of which raised (the timing loop records why)

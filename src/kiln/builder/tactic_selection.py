@@ -71,18 +71,20 @@ def _close(out, ref, precision: str) -> tuple[bool, str]:
 
 
 # Triton and Gluon candidates compile on their first call; a cold 8-bit build spends most of its time there
-# (docs/performance.md). With N >= 2 compile threads the selector compiles them ahead (builder/compile_ahead.py);
-# 0 or 1 compiles each on its first call in the timing loop. KILN_PARALLEL_COMPILE=N chooses; without it,
-# COMPILE_THREADS (None: one thread per CPU core, at most MAX_COMPILE_THREADS).
-COMPILE_THREADS: int | None = 0
+# (docs/design/compile-ahead.md). With N >= 2 compile threads the selector compiles them ahead
+# (builder/compile_ahead.py); 0 or 1 compiles each on its first call in the timing loop. KILN_PARALLEL_COMPILE=N
+# chooses; without it, COMPILE_THREADS (None: one thread per CPU core, at most MAX_COMPILE_THREADS).
+COMPILE_THREADS: int | None = None
 MAX_COMPILE_THREADS = 16
 _JIT_TACTICS = ("triton_", "gluon_")
 
 
-def compile_threads() -> int:
+def compile_threads(target_kind: str = "cuda") -> int:
     value = os.environ.get("KILN_PARALLEL_COMPILE", "")
     if value.strip().isdigit():
         return int(value)
+    if target_kind != "cuda":
+        return 0  # JIT candidates compile for a GPU only
     return COMPILE_THREADS if COMPILE_THREADS is not None else min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
 
 
