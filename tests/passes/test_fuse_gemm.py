@@ -32,7 +32,28 @@ def test_gemm_transb_relu_stores_weight_kn():
     assert tuple(after.initializers[after.nodes[0].inputs[1]].shape) == (8, 4)
 
 
-def test_plain_matmul_is_left_alone():
+def test_plain_matmul_inside_the_graph_is_left_alone():
+    m = model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Neg", ["h"], ["y"])],
+              [("x", [2, 8])], [("y", [2, 4])], {"w": rand(8, 4)})
+    _, after = check_pass(fuse_gemm, m, {"x": rand(2, 8)})
+    assert ops(after) == ["MatMul", "Neg"]
+
+
+def test_a_plain_matmul_writing_a_model_output_becomes_a_fused_gemm():
+    """An LM head: as a FusedGemm it can write the model's FP32 logits itself (builder/precision.py)."""
     m = model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 4])], {"w": rand(8, 4)})
     _, after = check_pass(fuse_gemm, m, {"x": rand(2, 8)})
-    assert ops(after) == ["MatMul"]
+    assert ops(after) == ["kiln::FusedGemm"] and after.nodes[0].inputs[1] == "w"
+
+
+def test_a_tied_head_read_through_a_transpose_gets_its_own_kn_weight():
+    """GPT-2's LM head reads the embedding table [N, K] through a Transpose too big for fold_constants."""
+    m = model([helper.make_node("Gather", ["table", "ids"], ["e"], axis=0),
+               helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+               helper.make_node("MatMul", ["x", "table_t"], ["logits"])],
+              [("x", [2, 3, 8])], [("logits", [2, 3, 40]), ("e", [4, 8])], {"table": rand(40, 8), "ids": [1, 2, 3, 0]})
+    _, after = check_pass(fuse_gemm, m, {"x": rand(2, 3, 8, seed=1)})
+    assert ops(after) == ["Gather", "Transpose", "kiln::FusedGemm"]  # dead_code drops the unread Transpose
+    w = after.initializers[after.nodes[2].inputs[1]]
+    assert tuple(w.shape) == (8, 40) and w.is_contiguous()
+    assert after.nodes[0].inputs[0] == "table"  # the embedding reads the table as it was

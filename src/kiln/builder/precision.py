@@ -27,8 +27,11 @@ _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 INT8_LAYERS = ("QGemm", "QConv")  # int8 math with float epilogues, whatever the build's float precision
 WEIGHT_ONLY = ("Int4Gemm",)  # int4 weights, activations in the build's float precision
 # Every tactic of these honours attribute output_type="float32" (its first output in FP32): a CNN's head, a
-# transformer's last norm.
-WRITES_FP32_OUTPUT = ("PooledGemm", "SkipLayerNorm", "GemmSkipLayerNorm")
+# transformer's last norm, an LM head.
+WRITES_FP32_OUTPUT = ("PooledGemm", "SkipLayerNorm", "GemmSkipLayerNorm", "FusedGemm")
+# Ops that pass a layer's output on as a view (pad_gemm_columns' Slice back to the true width): a layer before
+# one writes the model's FP32 output through it, and the view, given FP32, keeps it FP32.
+_VIEWS = ("Slice", "Reshape")
 PINNED = "pinned by --layerPrecisions"
 _PIN_NAMES = {"fp32": "float32", "float32": "float32", "tf32": "tf32", "fp16": "float16", "float16": "float16",
               "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -221,9 +224,16 @@ def _fp32_outputs(graph: Graph) -> None:
     fp32 = {v.name for v in graph.outputs if v.dtype == torch.float32}
     read = graph.consumers()
     for node in graph.nodes:
-        if (node.domain == "kiln" and node.op_type in WRITES_FP32_OUTPUT and node.precision in _LOW
-                and node.outputs[0] in fp32 and node.outputs[0] not in read):
-            node.attrs["output_type"] = "float32"
+        if not (node.domain == "kiln" and node.op_type in WRITES_FP32_OUTPUT and node.precision in _LOW):
+            continue
+        out = node.outputs[0]
+        view = read.get(out, [None])[0] if len(read.get(out, [])) == 1 and out not in fp32 else None
+        if (view is not None and view.op_type in _VIEWS and not view.domain and view.inputs[0] == out
+                and view.outputs[0] in fp32 and view.outputs[0] not in read and view.placement == "device"):
+            view.precision = "float32"  # passes the FP32 result on as it is (interpreter.compute_type)
+        elif not (out in fp32 and out not in read):
+            continue
+        node.attrs["output_type"] = "float32"
 
 
 def _cast_weights(graph: Graph) -> None:

@@ -52,13 +52,20 @@ def fused_conv(node, x, w, b=None, z=None):
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
 
 
-@register("FusedGemm", domain=KILN)
 def fused_gemm(node, x, w, b=None):
     """act(x @ w + b) with w stored [K, N]; x may have leading batch dims."""
     y = torch.matmul(x, w)
     if b is not None:
         y = y + b
     return activation(node.attr("activation", ""), y, node.attr("activation_params", []))
+
+
+@register("FusedGemm", domain=KILN)
+def fused_gemm_layer(node, x, w, b=None):
+    """fused_gemm as a layer. output_type "float32": the result in FP32 whatever the layer's precision (a model's
+    FP32 output, an LM head's logits)."""
+    y = fused_gemm(node, x, w, b)
+    return y.float() if writes_fp32(node) else y
 
 
 @register("PooledGemm", domain=KILN)

@@ -144,14 +144,25 @@ def _addmm(x, w, b, use_gelu=None):
     return _rowwise(gemm, x)
 
 
+def _fp32_gemm(node) -> bool:
+    """A FusedGemm told to write FP32 (builder/precision.py). GemmSkipLayerNorm reuses these tactics for its
+    GEMM, whose output_type is the norm's: its GEMM writes the compute type."""
+    return node.op_type == "FusedGemm" and writes_fp32(node)
+
+
+def _typed(node, y):
+    """A FusedGemm tactic's result in the layer's output type, where the kernel wrote the compute type."""
+    return y.float() if _fp32_gemm(node) else y
+
+
 @tactic("FusedGemm", "cublaslt_bias", lambda n, a: _gemm_ok(n, a, ("",)))
 def cublaslt_bias(node, x, w, b=None):
-    return _addmm(x, w, b)
+    return _typed(node, _addmm(x, w, b))
 
 
 @tactic("FusedGemm", "cublaslt_bias_relu", lambda n, a: _gemm_ok(n, a, ("Relu",)))
 def cublaslt_bias_relu(node, x, w, b=None):
-    return _addmm(x, w, b, use_gelu=False)
+    return _typed(node, _addmm(x, w, b, use_gelu=False))
 
 
 @tactic("FusedGemm", "cublaslt_bias_gelu", lambda n, a: _gemm_ok(n, a, ("GeluTanh",))
@@ -159,7 +170,7 @@ def cublaslt_bias_relu(node, x, w, b=None):
 def cublaslt_bias_gelu(node, x, w, b=None):
     """cuBLASLt's GELU epilogue is the tanh form; for erf-GELU it is offered only at FP16/BF16,
     where the builder's check against the reference decides whether it is close enough."""
-    return _addmm(x, w, b, use_gelu=True)
+    return _typed(node, _addmm(x, w, b, use_gelu=True))
 
 
 def _cublaslt_float(algo: int):
@@ -186,7 +197,7 @@ def _cublaslt_float(algo: int):
             y = cublaslt.gemm(x.reshape(-1, x.shape[-1]), w, b, node.attr("activation", ""), algo)
             return y.reshape(*x.shape[:-1], w.shape[1])
 
-        return _rowwise(gemm, x)
+        return _typed(node, _rowwise(gemm, x))
 
     return applies, run
 
@@ -201,14 +212,25 @@ for _algo in range(cublaslt.ALGOS):
                                                                              "Sigmoid", "Tanh", "Clip", "LeakyRelu",
                                                                              "HardSwish")))
 def cublas_then_activation(node, x, w, b=None):
-    return activation(node.attr("activation", ""), _addmm(x, w, b), node.attr("activation_params", []))
+    return _typed(node, activation(node.attr("activation", ""), _addmm(x, w, b), node.attr("activation_params", [])))
 
 
 @tactic("FusedGemm", "cublas_matmul", lambda n, a: a[0].is_cuda and a[0].dim() >= 2 and (len(a) < 3 or a[2] is None)
         and n.attr("activation", "") == "" and a[0].dtype == a[1].dtype)
 def cublas_matmul(node, x, w, b=None):
-    """A GEMM with neither bias nor activation (projections exported without bias)."""
-    return _rowwise(lambda x: torch.matmul(x, w), x)
+    """A GEMM with neither bias nor activation (projections exported without bias). Told to write FP32
+    (an LM head's logits), cuBLAS writes them from its FP32 sums, FP16/BF16 operands in (torch.mm's out_dtype):
+    no second pass over the logits to widen them."""
+    if _fp32_gemm(node) and x.dtype in _LOW:
+        return _rowwise(lambda x: _mm_fp32(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1]), x)
+    return _typed(node, _rowwise(lambda x: torch.matmul(x, w), x))
+
+
+def _mm_fp32(x, w):
+    try:
+        return torch.mm(x, w, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # a torch without mm's out_dtype (or a device without it)
+        return torch.mm(x, w).float()
 
 
 # --- PooledGemm (a CNN's head) -----------------------------------------------------

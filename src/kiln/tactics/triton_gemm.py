@@ -84,9 +84,10 @@ def _precision_ok(node, args, quant: bool, n_dim: int) -> bool:
 def _gemm_applies(config, quant: bool = False):
     def applies(node, args) -> bool:
         from ..kernels import gemm
+        from ..ops.fused import writes_fp32
 
         x, w, b = layer_gemm.operands(node, args)[:3]
-        if not _precision_ok(node, args, quant, 1):
+        if not _precision_ok(node, args, quant, 1) or writes_fp32(node):  # the kernel writes the compute type
             return False
         if not gemm.supports(x, w, b, node.attr("activation", ""), node.attr("qtype", "int8") if quant else ""):
             return False

@@ -40,9 +40,10 @@ def _operands_ok(node, args, x, w) -> bool:
 def _applies(config):
     def applies(node, args) -> bool:
         from ..kernels import conv, tma_gemm
+        from ..ops.fused import writes_fp32
 
         x, w, b, z, _, q_scale, _ = layer_gemm.operands(node, args)
-        if not _operands_ok(node, args, x, w):
+        if not _operands_ok(node, args, x, w) or writes_fp32(node):  # the kernel writes the compute type
             return False
         qtype = layer_gemm.qtype(node)
         if node.op_type in ("FusedConv", "QConv") and not conv.is_pointwise(node, x, w, z):
