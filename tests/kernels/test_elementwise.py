@@ -46,11 +46,15 @@ def test_inputs_with_the_outputs_trailing_shape_repeat(small):
         torch.testing.assert_close(got, reference(node, *inputs), rtol=1e-5, atol=1e-5)
 
 
-def test_other_broadcasts_are_left_to_the_reference():
-    a = torch.randn(3, 5, 7)
-    assert not elementwise.supports([a, torch.randn(3, 1, 7)])  # repeats inside, not along leading dims
-    assert not elementwise.supports([a, torch.randn(5, 1)])
-    assert not elementwise.supports([a, torch.randn(7).half()])  # mixed types
+def test_broadcasts_inside_run_and_mixed_types_are_left_to_the_reference():
+    a = torch.randn(3, 5, 7).to(DEV)
+    program = ["Mul t0 i0 i1"]
+    node = Node("Elementwise", ["a", "b"], ["y"], {"program": program}, domain="kiln")
+    for b in (torch.randn(3, 1, 7), torch.randn(5, 1)):  # repeats inside, not along leading dims
+        b = b.to(DEV)
+        assert elementwise.supports([a, b])
+        torch.testing.assert_close(elementwise.run(program, [a, b], block=16), reference(node, a, b))
+    assert not elementwise.supports([a, torch.randn(7).half().to(DEV)])  # mixed types
 
 
 def test_source_is_straight_line_code():

@@ -1,14 +1,22 @@
-"""Code generation for kiln::Elementwise programs: one Triton kernel per program.
+"""Code generation for kiln::Elementwise programs: one Triton kernel per program and input layout.
 
 The program (see kiln.ops.fused) becomes straight-line Triton code computing in
-FP32 over a flat index range. A program comes from an engine file, which is data
-and never code: `parse` accepts only the closed set of op names, temporaries and
-inputs by index, and numeric literals (parsed with float() and printed back), and
-the source is generated from that parsed form alone. Triton compiles from a
-function's source file, so the source is written to a folder this process
-creates privately (mkdtemp: mode 0700, an unpredictable name), named by the
-SHA-256 of its content, and checked to still hold that content before import:
-no file another user or process planted is ever imported.
+FP32. A program comes from an engine file, which is data and never code: `parse`
+accepts only the closed set of op names, temporaries and inputs by index, and
+numeric literals (parsed with float() and printed back; an op's ONNX attributes
+travel as such literals, and Pow's exponent must be one), and the source is
+generated from that parsed form and a Layout of small integers alone. Triton
+compiles from a function's source file, so the source is written to a folder this
+process creates privately (mkdtemp: mode 0700, an unpredictable name), named by the
+SHA-256 of its content, and checked to still hold that content before import: no
+file another user or process planted is ever imported.
+
+Inputs may be strided views and may broadcast anywhere (a squeeze-excite scale [N, C, 1, 1] against a
+channels-last [N, C, H, W]). The output takes the memory format of its largest input; every input's strides,
+broadcast to the output's shape, are read in the output's physical order and the dims all tensors can merge
+are merged (`plan`). A flat layout runs a 1-D kernel over the output's memory; any other runs over
+[rows, inner] tiles, the innermost merged dim across a tile, so the index arithmetic (integer division by
+the dims' sizes) is paid once per row, not once per element.
 """
 
 from __future__ import annotations
@@ -23,23 +31,40 @@ import shutil
 import stat
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import EngineFileError
 
+# Each op's Triton expression over its arguments {0}, {1}, ...; Pow is written by _pow (its exponent is a literal).
+_GELU_TANH = "(0.5 * {0} * (2.0 * tl.sigmoid(1.5957691216057308 * ({0} + 0.044715 * {0} * {0} * {0}))))"
 _EXPR = {
     "Relu": "tl.maximum({0}, 0.0)", "Sigmoid": "tl.sigmoid({0})", "Tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
     "Exp": "tl.exp({0})", "Log": "tl.log({0})", "Sqrt": "tl.sqrt({0})", "Neg": "(-{0})", "Abs": "tl.abs({0})",
     "Erf": "tl.math.erf({0})", "Reciprocal": "(1.0 / {0})",
+    "HardSwish": "({0} * tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0)",
+    "Softplus": "(tl.maximum({0}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({0}))))",
+    "Gelu": "(0.5 * {0} * (1.0 + tl.math.erf({0} * 0.7071067811865476)))", "GeluTanh": _GELU_TANH,
+    "Sign": "tl.where({0} > 0.0, 1.0, tl.where({0} < 0.0, -1.0, {0}))",
+    "Floor": "tl.floor({0})", "Ceil": "tl.ceil({0})",
     "Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})",
-    "Max": "tl.maximum({0}, {1})", "Min": "tl.minimum({0}, {1})",
+    "Max": "tl.maximum({0}, {1})", "Min": "tl.minimum({0}, {1})", "Pow": None,
+    "Where": "tl.where({0} != 0.0, {1}, {2})",
+    # ONNX attributes as literal arguments after the tensor: HardSigmoid alpha beta, LeakyRelu alpha, Elu alpha;
+    # Clip's bounds are its inputs 1 and 2 (opset 11 and later)
+    "HardSigmoid": "tl.minimum(tl.maximum({0} * {1} + {2}, 0.0), 1.0)",
+    "LeakyRelu": "tl.where({0} > 0.0, {0}, {0} * {1})", "Elu": "tl.where({0} > 0.0, {0}, {1} * (tl.exp({0}) - 1.0))",
+    "Clip": "tl.minimum(tl.maximum({0}, {1}), {2})",
 }
-_ARITY = {op: 2 if "{1}" in e else 1 for op, e in _EXPR.items()}
+_ARITY = {op: max(int(k) for k in re.findall(r"\{(\d)\}", e)) + 1 for op, e in _EXPR.items() if e} | {"Pow": 2}
+# Arguments that must be literals: attributes, and Pow's exponent (its code depends on the value)
+_LITERAL_ARGS = {"HardSigmoid": (1, 2), "LeakyRelu": (1,), "Elu": (1,), "Pow": (1,)}
 _TEMP, _INPUT = re.compile(r"t(0|[1-9][0-9]{0,3})"), re.compile(r"i(0|[1-9][0-9]{0,3})")
 _CONST = re.compile(r"c([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?|[-+]?inf|nan)")
 MAX_LINES = 1024
+MAX_RANK = 6  # merged dims a generated kernel indexes; a layout of more runs the reference
 _loaded: dict[str, object] = {}
 _lock = threading.Lock()
 _folder: Path | None = None
@@ -48,7 +73,7 @@ _folder: Path | None = None
 def parse(program, n_inputs: int, where: str = "an Elementwise layer") -> list[tuple[str, int, list]]:
     """The program as (op, temporary index, args), each arg ("t", k), ("i", k) or ("c", float); anything else
     (an unknown op, a token that is not a temporary, an input index or a number, a temporary used before it is
-    computed) is refused with an EngineFileError naming `where`."""
+    computed, a tensor where an op takes a literal) is refused with an EngineFileError naming `where`."""
     def bad(why: str) -> EngineFileError:
         return EngineFileError(f"{where}: its program {why}; an engine's programs are lists of 'OP tK ARGS' lines "
                                f"over {sorted(_EXPR)}. The engine file is damaged or was not written by Kiln: "
@@ -69,7 +94,7 @@ def parse(program, n_inputs: int, where: str = "an Elementwise layer") -> list[t
         if dst is None or int(dst.group(1)) != n:
             raise bad(f"line {n} writes {tokens[0][:40]!r}, not t{n}")
         args = []
-        for tok in tokens[1:]:
+        for pos, tok in enumerate(tokens[1:]):
             if (m := _TEMP.fullmatch(tok)) and int(m.group(1)) < n:
                 args.append(("t", int(m.group(1))))
             elif (m := _INPUT.fullmatch(tok)) and int(m.group(1)) < n_inputs:
@@ -79,6 +104,8 @@ def parse(program, n_inputs: int, where: str = "an Elementwise layer") -> list[t
             else:
                 raise bad(f"line {n} ({op}) reads {tok[:40]!r}, which is neither an earlier temporary, one of its "
                           f"{n_inputs} inputs (i0..i{n_inputs - 1}) nor a number")
+            if pos in _LITERAL_ARGS.get(op, ()) and args[-1][0] != "c":
+                raise bad(f"line {n} ({op}) reads {tok[:40]!r} as its argument {pos}, which must be a number")
         out.append((op, n, args))
     return out
 
@@ -91,29 +118,117 @@ def _literal(value: float) -> str:
     return repr(value)  # repr of a float is a plain decimal literal: digits, '.', 'e', a sign
 
 
-def source(program: list[str], n_inputs: int, repeats: tuple[bool, ...] = ()) -> str:
-    """repeats[k]: input k repeats along the output (it has the output's trailing shape, like a
-    position embedding or a bias), so element i of the output reads its element i mod size."""
+def _pow(x: str, e: float) -> str:
+    """x ** e for a literal e: integers by multiplication (a negative base stays exact), halves by square roots,
+    any other exponent through exp2/log2 (NaN for a negative base, as torch.pow gives)."""
+    if math.isfinite(e) and e == int(e) and abs(e) <= 16:
+        k, terms, square = abs(int(e)), [], x
+        while k:
+            if k & 1:
+                terms.append(square)
+            k >>= 1
+            square = f"({square} * {square})" if k else square
+        value = " * ".join(terms) if terms else "1.0"
+        return f"(tl.zeros_like({x}) + 1.0)" if not terms else f"(1.0 / ({value}))" if e < 0 else f"({value})"
+    if e in (0.5, -0.5):
+        return f"tl.sqrt({x})" if e > 0 else f"(1.0 / tl.sqrt({x}))"
+    return f"tl.exp2({_literal(e)} * tl.log2({x}))"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a kernel indexes its inputs. sizes: the output's merged dims, outermost first, in its memory order
+    (one dim: the 1-D kernel); patterns[k][d]: input k's stride along dim d as "0" (broadcast), "1", or "s"
+    (any other, passed at launch), or all of it "=" (input k lies in memory as the output does); wide: 64-bit
+    offsets (some tensor spans 2**31 elements or more)."""
+
+    rank: int
+    patterns: tuple[str, ...]
+    wide: bool = False
+
+
+FLAT = None  # source()'s layout for inputs laid out as the output: the 1-D kernel
+
+
+def _flat(n_inputs: int) -> Layout:
+    return Layout(1, ("=",) * n_inputs)
+
+
+def _check_layout(layout: Layout, n_inputs: int) -> None:
+    ok = (isinstance(layout, Layout) and isinstance(layout.rank, int) and 1 <= layout.rank <= MAX_RANK
+          and len(layout.patterns) == n_inputs
+          and all(p == "=" or (len(p) == layout.rank and set(p) <= {"0", "1", "s"}) for p in layout.patterns))
+    if not ok:
+        raise ValueError(f"{layout!r} is not a layout of {n_inputs} inputs of at most {MAX_RANK} dims")
+
+
+def source(program: list[str], n_inputs: int, layout: Layout | None = FLAT) -> str:
     steps = parse(program, n_inputs)
-    repeats = tuple(bool(r) for r in repeats) or (False,) * n_inputs
-    if len(repeats) != n_inputs:
-        raise ValueError(f"repeats has {len(repeats)} entries for {n_inputs} inputs")
+    layout = layout or _flat(n_inputs)
+    _check_layout(layout, n_inputs)
+    rank, pats = layout.rank, layout.patterns
     ins = ", ".join(f"i{k}" for k in range(n_inputs))
-    sizes = "".join(f", n{k}" for k in range(n_inputs) if repeats[k])
-    body = [f"    x{k} = tl.load(i{k} + {f'offs % n{k}' if repeats[k] else 'offs'}, mask=m).to(tl.float32)"
-            for k in range(n_inputs)]
+    # launch arguments: the inner dims' sizes, then each "s" stride
+    sizes = [f"n{d}" for d in range(1, rank)]
+    strides = [f"s{k}_{d}" for k, p in enumerate(pats) if p != "=" for d in range(rank) if p[d] == "s"]
+    params = "".join(f", {a}" for a in sizes + strides)
+    wide = ".to(tl.int64)" if layout.wide else ""
+    if rank == 1:
+        head = [f"    offs = tl.program_id(0){wide} * BLOCK + tl.arange(0, BLOCK)", "    m = offs < n"]
+        dims, out_at = {0: "offs"}, "offs"
+    else:
+        # a tile of ROWS rows (the outer dims) by COLS elements of the innermost dim
+        head = ["    col_tiles = tl.cdiv(n" + str(rank - 1) + ", COLS)",
+                f"    pid = tl.program_id(0){wide}",
+                "    rows = (pid // col_tiles) * ROWS + tl.arange(0, ROWS)",
+                "    cols = (pid % col_tiles) * COLS + tl.arange(0, COLS)",
+                f"    m = (rows < n // n{rank - 1})[:, None] & (cols < n{rank - 1})[None, :]"]
+        used = {d for p in pats if p != "=" for d in range(rank - 1) if p[d] != "0"}
+        dims = {rank - 1: "cols[None, :]"}
+        if used:
+            head.append("    r = rows")
+            for d in range(rank - 2, min(used) - 1, -1):
+                if d == 0:
+                    head.append("    d0 = r")
+                else:
+                    head.append(f"    d{d} = r % n{d}")
+                    if d > min(used):
+                        head.append(f"    r = r // n{d}")
+                dims[d] = f"d{d}[:, None]"
+        out_at = f"rows[:, None] * n{rank - 1} + cols[None, :]"
+        head.append(f"    o = {out_at}")
+        out_at = "o"
+
+    def offset(k: int) -> str:
+        if pats[k] == "=":
+            return out_at
+        terms = [dims[d] if c == "1" else f"{dims[d]} * s{k}_{d}" for d, c in enumerate(pats[k]) if c != "0"]
+        return " + ".join(terms) if terms else "0"
+
+    body = []
+    for k in range(n_inputs):
+        if offset(k) == "0":  # broadcast along every dim: one value
+            body.append(f"    x{k} = tl.load(i{k}).to(tl.float32)")
+        else:
+            body.append(f"    x{k} = tl.load(i{k} + {offset(k)}, mask=m).to(tl.float32)")
     names = {"t": "t{}", "i": "x{}"}
+    varies = {("i", k) for k in range(n_inputs) if offset(k) != "0"}  # values that differ across the tile
     for op, dst, args in steps:
+        if any(a in varies for a in args):
+            varies.add(("t", dst))
         vals = [_literal(v) if kind == "c" else names[kind].format(v) for kind, v in args]
-        body.append(f"    t{dst} = {_EXPR[op].format(*vals)}")
+        body.append(f"    t{dst} = {_pow(vals[0], args[1][1]) if op == 'Pow' else _EXPR[op].format(*vals)}")
+    last = f"t{steps[-1][1]}"
+    if ("t", steps[-1][1]) not in varies:  # every input read is one value: fill the tile with the result
+        last = f"(tl.full({'[BLOCK]' if rank == 1 else '[ROWS, COLS]'}, 0.0, tl.float32) + {last})"
+    blocks = "BLOCK: tl.constexpr" if rank == 1 else "ROWS: tl.constexpr, COLS: tl.constexpr"
     return "\n".join([
         "import triton", "import triton.language as tl", "", "",
         "@triton.jit",
-        f"def kernel({ins}, out, n{sizes}, BLOCK: tl.constexpr):",
-        "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
-        "    m = offs < n",
+        f"def kernel({ins}, out, n{params}, {blocks}):",
+        *head,
         *body,
-        f"    tl.store(out + offs, t{steps[-1][1]}.to(out.dtype.element_ty), mask=m)", "",
+        f"    tl.store(out + {out_at}, {last}.to(out.dtype.element_ty), mask=m)", "",
     ])
 
 
@@ -143,8 +258,8 @@ def _write_private(folder: Path, name: str, text: str) -> Path:
     return path
 
 
-def kernel_for(program: list[str], n_inputs: int, repeats: tuple[bool, ...] = ()):
-    src = source(program, n_inputs, repeats)
+def kernel_for(program: list[str], n_inputs: int, layout: Layout | None = FLAT):
+    src = source(program, n_inputs, layout)
     key = hashlib.sha256(src.encode()).hexdigest()
     with _lock:
         if key not in _loaded:
@@ -163,28 +278,106 @@ def _out_shape(inputs: list[torch.Tensor]):
         return None
 
 
-def _repeats(x: torch.Tensor, shape) -> bool:
-    """x has `shape`'s trailing dims (after leading 1s): it repeats along the output's leading dims."""
-    dims = list(x.shape)
-    while dims and dims[0] == 1:
-        dims.pop(0)
-    return x.shape != shape and tuple(dims) == tuple(shape[len(shape) - len(dims):])
+def _dense(x: torch.Tensor) -> bool:
+    """x's elements fill its memory exactly once, in some order of its dims (contiguous, channels-last, a
+    transpose of either)."""
+    dims = sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1)
+    expect = 1
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def empty_output(inputs: list[torch.Tensor], shape) -> torch.Tensor:
+    """The output in the memory format of its largest input (one of the output's shape, a dense one first), as
+    torch.empty_like lays it out, else contiguous: a channels-last activation times a per-channel scale, or a
+    channel slice of one plus another, stays channels-last."""
+    dtype = next(x.dtype for x in inputs if x.dtype.is_floating_point)
+    full = [x for x in inputs if tuple(x.shape) == tuple(shape)]
+    like = next((x for x in full if _dense(x)), full[0] if full else None)
+    out = None if like is None else torch.empty_like(like, dtype=dtype)
+    return out if out is not None and _dense(out) else torch.empty(shape, dtype=dtype, device=inputs[0].device)
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    sizes: tuple[int, ...]  # the merged dims, outermost first
+    strides: tuple[tuple[int, ...], ...]  # each input's strides along them
+
+
+def plan(inputs: list[torch.Tensor], out: torch.Tensor) -> Plan | None:
+    """The merged layout the kernel indexes, or None where it does not apply (more than MAX_RANK dims left
+    after merging, an output that is not dense)."""
+    if not _dense(out):
+        return None
+    shape = tuple(out.shape)
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -out.stride(d))  # memory order
+    strides = [x.expand(shape).stride() for x in inputs]
+    sizes = [shape[d] for d in order]
+    per_input = [[st[d] for d in order] for st in strides]
+    # merge dim j into the dim before it where every input steps over both as over one
+    k = 0
+    while k + 1 < len(sizes):
+        if all(s[k] == s[k + 1] * sizes[k + 1] for s in per_input):
+            sizes[k] *= sizes[k + 1]
+            for s in per_input:
+                s[k] = s[k + 1]
+                del s[k + 1]
+            del sizes[k + 1]
+        else:
+            k += 1
+    if not sizes:
+        sizes, per_input = [1], [[0] for _ in inputs]
+    if len(sizes) > MAX_RANK:
+        return None
+    rank = len(sizes)
+    dense = [math.prod(sizes[d + 1:]) for d in range(rank)]
+    patterns = tuple("=" if s == dense else "".join(
+        "0" if v == 0 else "1" if v == 1 else "s" for v in s) for s in per_input)
+    span = max([out.numel()] + [sum((n - 1) * abs(v) for n, v in zip(sizes, s)) + 1 for s in per_input])
+    return Plan(Layout(rank, patterns, wide=span >= 2**31), tuple(sizes), tuple(tuple(s) for s in per_input))
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def supports(inputs: list[torch.Tensor]) -> bool:
-    first, shape = inputs[0], _out_shape(inputs)
-    return shape is not None and all(
-        x.dtype == first.dtype and x.is_contiguous() and x.numel() > 0 and (x.shape == shape or _repeats(x, shape))
-        for x in inputs) and first.dtype in (torch.float32, torch.float16, torch.bfloat16)
-
-
-def run(program: list[str], inputs: list[torch.Tensor], block: int = 1024, out: torch.Tensor | None = None):
+    """One float type (FP32, FP16 or BF16) over the float inputs, bool for the others (a Where's condition),
+    shapes that broadcast, no empty input, and a layout of at most MAX_RANK merged dims."""
+    floats = [x for x in inputs if x.dtype.is_floating_point]
+    if not floats or floats[0].dtype not in _FLOATS or any(x.dtype != floats[0].dtype for x in floats) \
+            or any(not x.dtype.is_floating_point and x.dtype != torch.bool for x in inputs) \
+            or any(x.numel() == 0 for x in inputs):
+        return False
     shape = _out_shape(inputs)
-    out = torch.empty(shape, dtype=inputs[0].dtype, device=inputs[0].device) if out is None else out
+    return shape is not None and plan(inputs, empty_output(inputs, shape)) is not None
+
+
+BLOCK = 2048  # elements a program writes
+
+
+def run(program: list[str], inputs: list[torch.Tensor], block: int = BLOCK, out: torch.Tensor | None = None):
+    shape = _out_shape(inputs)
+    out = empty_output(inputs, shape) if out is None else out
+    p = plan(inputs, out)
+    if p is None:
+        raise ValueError(f"no generated kernel for inputs {[tuple(x.shape) for x in inputs]} into a "
+                         f"{tuple(out.shape)} output of strides {out.stride()}")
     n = out.numel()
-    repeats = tuple(x.shape != shape for x in inputs)
-    sizes = [x.numel() for x, r in zip(inputs, repeats) if r]
-    kernel_for(program, len(inputs), repeats)[(triton_cdiv(n, block),)](*inputs, out, n, *sizes, BLOCK=block)
+    kernel = kernel_for(program, len(inputs), p.layout)
+    strides = [s[d] for s, pat in zip(p.strides, p.layout.patterns) if pat != "=" for d in range(p.layout.rank)
+               if pat[d] == "s"]
+    if p.layout.rank == 1:
+        kernel[(triton_cdiv(n, block),)](*inputs, out, n, *strides, BLOCK=block)
+        return out
+    inner = p.sizes[-1]
+    cols = min(1 << (inner - 1).bit_length(), block)
+    rows = max(1, block // cols)
+    grid = (triton_cdiv(n // inner, rows) * triton_cdiv(inner, cols),)
+    kernel[grid](*inputs, out, n, *p.sizes[1:], *strides, ROWS=rows, COLS=cols)
     return out
 
 

@@ -134,9 +134,15 @@ def gemm_skip_layer_norm(node, x, w, bias, skip, gamma, beta=None):
 # --- generated elementwise chains ------------------------------------------------
 # An Elementwise node carries a small program: one instruction per fused ONNX node,
 # "OP DST A B..." where operands are inputs (i0, i1...), temporaries (t0...) or
-# inline constants (c<float>). The last temporary is the output.
-UNARY = {"Relu", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Neg", "Abs", "Erf", "Reciprocal"}
-BINARY = {"Add", "Sub", "Mul", "Div", "Max", "Min"}
+# inline constants (c<float>). The last temporary is the output. An op's ONNX
+# attributes follow its tensor operands as constants (ATTRIBUTE_ARGS); Clip's bounds
+# are its operands 1 and 2 and Pow's exponent is a constant; GeluTanh is Gelu with
+# approximate="tanh". Where's condition is a bool input (true where nonzero).
+UNARY = {"Relu", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Neg", "Abs", "Erf", "Reciprocal",
+         "HardSwish", "Softplus", "Sign", "Floor", "Ceil", "HardSigmoid", "LeakyRelu", "Elu", "Gelu"}
+BINARY = {"Add", "Sub", "Mul", "Div", "Max", "Min", "Pow"}
+ATTRIBUTE_ARGS = {"HardSigmoid": ("alpha", "beta"), "LeakyRelu": ("alpha",), "Elu": ("alpha",)}
+_PROGRAM_OPS = {"GeluTanh": ("Gelu", {"approximate": "tanh"})}  # program op -> ONNX op and its attributes
 
 
 def parse_program(program: list[str]) -> list[tuple[str, str, list[str]]]:
@@ -149,14 +155,22 @@ def elementwise(node, *inputs):
     from ..ir.graph import Node
 
     env = {f"i{k}": x for k, x in enumerate(inputs)}
-    dtype = next((x.dtype for x in inputs if x.dtype.is_floating_point), inputs[0].dtype)
+    # the constants' type: the float inputs', else the first input's that is not a Where's condition
+    dtype = next((x.dtype for x in inputs if x.dtype.is_floating_point),
+                 next((x.dtype for x in inputs if x.dtype != torch.bool), inputs[0].dtype))
     out = None
     for op, dst, args in parse_program(node.attr("program")):
+        names = ATTRIBUTE_ARGS.get(op, ())
+        args, literals = args[:len(args) - len(names)], args[len(args) - len(names):]
+        onnx_op, attrs = _PROGRAM_OPS.get(op, (op, {}))
+        attrs = {**attrs, **{k: float(a[1:]) for k, a in zip(names, literals)}}
         # torch.full, not torch.tensor: a fill kernel, where a copy from host memory would break CUDA-graph capture
         vals = [torch.full((), float(a[1:]), dtype=dtype, device=inputs[0].device) if a.startswith("c") else env[a]
                 for a in args]
-        step = Node(op, list(args), [dst], opset=node.opset, device=node.device)
-        out = env[dst] = lookup(op).impl(step, *vals)
+        if op == "Where" and vals[0].dtype != torch.bool:
+            vals[0] = vals[0] != 0
+        step = Node(onnx_op, list(args), [dst], attrs, opset=max(node.opset, 13), device=node.device)
+        out = env[dst] = lookup(onnx_op).impl(step, *vals)
     return out
 
 
