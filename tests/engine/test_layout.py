@@ -58,3 +58,40 @@ def test_an_rgb_stem_reading_the_image_gets_a_zero_fourth_channel_and_the_same_r
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(again.create_execution_context().run({"image": x})["probs"],
                                build().create_execution_context().run({"image": x})["probs"])
+
+
+def _depthwise_then_pointwise():
+    """A depthwise 3x3 convolution + ReLU, then a 1x1 convolution: weights [8, 1, 3, 3] and [16, 8, 1, 1], whose
+    size-1 axes make them count as contiguous in both layouts."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in [("wd", (8, 1, 3, 3)), ("wp", (16, 8, 1, 1))]]
+    nodes = [helper.make_node("Conv", ["x", "wd"], ["d"], group=8, pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["d"], ["r"]), helper.make_node("Conv", ["r", "wp"], ["y"])]
+    g = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 6, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16, 6, 6])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_channels_last_weights_get_channels_last_strides_on_their_size_1_axes_too(tmp_path):
+    from torch._prims_common import suggest_memory_format
+
+    prof = kiln.Profile({"x": ((2, 8, 6, 6),) * 3})
+
+    def build():
+        return kiln.build(_depthwise_then_pointwise(), kiln.BuildConfig(device="cpu", progress=False, profiles=[prof]))
+
+    engine = build()
+    engine.channels_last = layout.channels_last_weights(engine.graph, "cuda", "float16")  # as a GPU build does
+    assert len(engine.channels_last) == 2
+    engine.save(tmp_path / "m.kiln")
+    again = kiln.load(tmp_path / "m.kiln")
+    placed = again.weights_on_target()
+    strides = sorted(placed[k].stride() for k in again.channels_last)
+    assert strides == [(8, 1, 8, 8), (9, 1, 3, 1)]  # [16, 8, 1, 1] and [8, 1, 3, 3], channels fastest
+    assert all(suggest_memory_format(placed[k]) == torch.channels_last for k in again.channels_last)
+    x = torch.randn(2, 8, 6, 6)
+    torch.testing.assert_close(again.create_execution_context().run({"x": x})["y"],
+                               build().create_execution_context().run({"x": x})["y"])

@@ -115,3 +115,28 @@ def test_every_tactic_matches_the_layer_reference():
             torch.testing.assert_close(t.fn(node, x, w, b, z), want, atol=TACTIC_TOL, rtol=TACTIC_TOL, msg=t.name)
             tried += 1
     assert tried >= 2
+
+
+@pytest.mark.parametrize("config", conv.NARROW_CONFIGS, ids=lambda c: c.name)
+def test_narrow_tiles_run_a_zero_padded_rgb_stem(config):
+    """The few-channel tiles on MobileNetV3's stem: 3x3 stride 2 over an image given a zero fourth channel
+    (builder/layout.py), 16 filters, HardSwish; K = 36 walked flat in BLOCK_K slices."""
+    node = _node(3, strides=(2, 2), pads=(1, 1, 1, 1), act="HardSwish")
+    x = _rand(2, 4, 9, 10, seed=8).to(memory_format=torch.channels_last)
+    w = _rand(16, 4, 3, 3, seed=9).to(memory_format=torch.channels_last)
+    b = _rand(16, seed=10)
+    assert conv.supports(node, x, w, b, None) and conv.block_k_for(config, 4)[1]  # flat
+    torch.testing.assert_close(conv.conv2d(node, x, w, b, config=config), conv.reference(node, x, w, b),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", conv.FEW_ROWS_POINTWISE_CONFIGS, ids=lambda c: c.name)
+def test_few_rows_tiles_run_a_squeeze_excite_fc(config):
+    """A squeeze-excite block's second FC: a 1x1 convolution of the pooled [N, 6, 1, 1] map to 20 channels, Sigmoid
+    in the epilogue, as a GEMM over the batch's rows."""
+    node = _node(1, act="Sigmoid")
+    x, w, b = _rand(3, 6, 1, 1, seed=11), _rand(20, 6, 1, 1, seed=12), _rand(20, seed=13)
+    assert conv.is_pointwise(node, x, w, None)
+    y = conv.pointwise_as_gemm(node, x, w, b, config=config)
+    assert y.shape == (3, 20, 1, 1)
+    torch.testing.assert_close(y, conv.reference(node, x, w, b), atol=1e-4, rtol=1e-4)

@@ -69,3 +69,23 @@ def test_max_pool_reads_8_bit_values_and_writes_their_max(qtype):
     got = pool.max_pool2d(node, x, scale, qtype)
     assert got.dtype == want.dtype == dt and (want.float() < 0).any()  # negative maxima: no zero padding
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 40, 7, 9), (3, 16, 1, 1), (1, 70, 20, 13)])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_spatial_mean_matches_torch(shape, channels_last):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    config = pool.MeanConfig(16, 32, 4)  # several pixel steps and channel blocks
+    got = pool.spatial_mean(x, config=config)
+    assert got.shape == (shape[0], shape[1], 1, 1)
+    torch.testing.assert_close(got, x.mean(dim=(2, 3), keepdim=True), atol=1e-5, rtol=1e-5)
+    assert pool.spatial_mean(x, keepdim=False, config=config).shape == shape[:2]
+
+
+def test_spatial_mean_of_fp16_sums_in_fp32():
+    """A 56x56 map of values near 100: FP16 partial sums would round away the small ones."""
+    x = (100 + torch.rand(2, 24, 56, 56, generator=torch.Generator().manual_seed(4))).half().to(DEV)
+    got = pool.spatial_mean(x.contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(got.float(), x.float().mean(dim=(2, 3), keepdim=True), atol=0.05, rtol=0)

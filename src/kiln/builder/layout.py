@@ -5,7 +5,11 @@ makes cuDNN pick NHWC kernels and their outputs stay NHWC down the network, so
 no transposes are added. An RGB stem convolution reading a model input also gets
 a fourth, zero input channel: cuDNN's 4-channel kernels are a third faster, and
 the input's cast into channels-last writes the zero channel in the same copy
-(kernels/pad_channels.py). Hopper's 8-bit Tensor Core instruction (wgmma) and
+(kernels/pad_channels.py). The weights get channels-last strides on every axis, size-1 ones included
+(engine.weights_on_target): `.to(memory_format=torch.channels_last)` leaves a depthwise [C, 1, KH, KW] or a 1x1
+[K, C, 1, 1] weight as it was, since it counts as contiguous in both layouts, and torch then takes it for NCHW
+(its memory-format suggestion for cuDNN): a 1x1 convolution of a pooled [N, C, 1, 1] map (a squeeze-excite
+block's), which reads as NCHW too, would be run as an NCHW convolution. Hopper's 8-bit Tensor Core instruction (wgmma) and
 cuBLASLt's FP8 GEMM take both operands K-major, so INT8/FP8 GEMM weights [K, N]
 are stored column-major. The logical shapes (and the ONNX graph) do not change.
 """

@@ -104,8 +104,9 @@ class Engine:
                     return t
                 if k in padded:
                     t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 4 - t.shape[1]))
-                if k in nhwc:
-                    return t.to(dev, memory_format=torch.channels_last)
+                if k in nhwc:  # exact channels-last strides, size-1 axes too (builder/layout.py says why)
+                    _, c, h, w = t.shape
+                    return torch.empty_strided(t.shape, (c * h * w, 1, w * c, c), dtype=t.dtype, device=dev).copy_(t)
                 return t.to(dev).t().contiguous().t() if k in kmajor else t.to(dev)
 
             self._device_weights = {k: placed(k, t) for k, t in self.graph.initializers.items()}

@@ -149,6 +149,24 @@ CONFIGS: list[tuple[TileConfig, int]] = [
     (TileConfig(256, 64, 32, 8, 3), 5),
 ]
 
+# Tiles for few input channels (K walked flat) and few output channels: an RGB stem of 16-32 filters
+# (tactics/triton_conv.py offers them at the default level for such layers only). K is 27-49 taps x channels.
+NARROW_CONFIGS: list[TileConfig] = [
+    TileConfig(128, 16, 16, 4, 2),
+    TileConfig(256, 16, 32, 8, 2),
+    TileConfig(128, 32, 32, 4, 2),
+    TileConfig(64, 64, 32, 4, 2),
+]
+
+# Tiles for 1x1 convolutions of few pixel rows, run as GEMMs (pointwise_as_gemm): a squeeze-excite block's two
+# fully connected layers over a pooled [N, C, 1, 1] map (M = the batch, K and N 4-1152 channels, often not a
+# multiple of 8), with their SiLU / Sigmoid in the epilogue (tactics/triton_conv.py offers them for M <= 256).
+FEW_ROWS_POINTWISE_CONFIGS: list[TileConfig] = [
+    TileConfig(16, 64, 64, 4, 2),
+    TileConfig(32, 32, 64, 4, 2),
+    TileConfig(32, 64, 128, 4, 2),
+]
+
 
 # Quantized (QConv) configurations, offered at their own level (triton_gemm registers them unshifted:
 # without them an INT8/FP8 convolution only has the float fallback). Level 3 has tiles for the

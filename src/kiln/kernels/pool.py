@@ -1,4 +1,4 @@
-"""2-D max pooling written channels-last, one read of the input.
+"""2-D max pooling and global average pooling over channels-last tensors, one read of the input.
 
 torch's channels-last max-pool kernel runs ResNet-50's stem pool (3x3, stride 2, on
 [32, 64, 112, 112] FP16) at about 0.6 TB/s, 10% of the engine's time at batch 32. Here each
@@ -10,10 +10,14 @@ int8 / FP8 values, the input of the quantized convolutions after it (ResNet's st
 need no quantize pass. The result is theirs: the max of rounded values is the rounded max. For the same reason it
 also reads 8-bit values at that scale (ResNet's 8-bit stem writes them) and writes their max as it is.
 
-Reference: kiln.ops.nn.max_pool.
+spatial_mean (below) is the global average pool of a squeeze-excite block, channels-last too.
+
+Reference: kiln.ops.nn.max_pool; kiln.ops.nn.global_average_pool for spatial_mean.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -89,3 +93,62 @@ def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype
                            BLOCK_P=block_p, BLOCK_C=block_c, PDL=bool(pdl), **pdl)
     return y.permute(0, 3, 1, 2)
 
+
+
+# --- global average pooling ---------------------------------------------------------------------------------------
+# A squeeze-excite block averages a whole feature map per channel (ReduceMean over H, W, or GlobalAveragePool).
+# torch's reduction over the two inner axes of a channels-last tensor strides across the channels; here each
+# program sums a block of channels of one image, reading a [pixels, channels] tile at a time (contiguous along
+# the channels when x is channels-last), in FP32, and writes their mean once.
+@dataclass(frozen=True)
+class MeanConfig:
+    """block_c channels of one image per program, block_hw pixels a step."""
+
+    block_hw: int
+    block_c: int
+    num_warps: int
+
+    @property
+    def name(self) -> str:
+        return f"hw{self.block_hw}_c{self.block_c}_w{self.num_warps}"
+
+
+# Narrow channel blocks give a 32-image batch of 16-96 channel early maps enough programs; wide ones suit the
+# small late maps of many channels.
+MEAN_CONFIGS = [MeanConfig(64, 64, 4), MeanConfig(128, 32, 4), MeanConfig(256, 16, 8)]
+
+
+@triton.jit
+def _spatial_mean_kernel(x_ptr, y_ptr, C, W, HW, sxn, sxc, sxh, sxw, inv_hw,
+                         BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    start_after_previous(PDL)
+    n = tl.program_id(0)
+    rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = rc < C
+    base = x_ptr + n * sxn + rc * sxc
+    acc = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
+    for start in range(0, HW, BLOCK_HW):
+        hw = start + tl.arange(0, BLOCK_HW)
+        v = tl.load(base[None, :] + ((hw // W) * sxh + (hw % W) * sxw)[:, None],
+                    mask=(hw < HW)[:, None] & c_ok[None, :], other=0.0)
+        acc += v.to(tl.float32)
+    mean = tl.sum(acc, axis=0) * inv_hw
+    tl.store(y_ptr + n * C + rc, mean.to(y_ptr.dtype.element_ty), mask=c_ok)
+
+
+def spatial_mean_supports(x: torch.Tensor) -> bool:
+    """A non-empty 4-D float tensor of fewer than 2**31 elements."""
+    return (x.dim() == 4 and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel() > 0
+            and x.numel() < 2**31)
+
+
+def spatial_mean(x: torch.Tensor, keepdim: bool = True, config: MeanConfig = MEAN_CONFIGS[0]) -> torch.Tensor:
+    """x [N, C, H, W] averaged over H and W: [N, C, 1, 1] (keepdim) or [N, C], x's dtype."""
+    N, C, H, W = x.shape
+    y = torch.empty((N, C), dtype=x.dtype, device=x.device)
+    block_c = min(config.block_c, max(16, triton.next_power_of_2(C)))
+    pdl = launch_options(x.device)
+    _spatial_mean_kernel[(N, triton.cdiv(C, block_c))](
+        x, y, C, W, H * W, *x.stride(), 1.0 / (H * W), BLOCK_HW=config.block_hw, BLOCK_C=block_c, PDL=bool(pdl),
+        num_warps=config.num_warps, **pdl)
+    return y.view(N, C, 1, 1) if keepdim else y

@@ -69,6 +69,14 @@ def load_all() -> None:
     """Register every tactic module, once (implementation() calls this for every eager layer)."""
     global _loaded
     if not _loaded:
-        from . import gluon_ws, library, triton_gemm, triton_tactics, triton_tma  # noqa: F401  (registering)
+        from . import (  # noqa: F401  (registering)
+            cudnn_benchmark,
+            gluon_ws,
+            library,
+            triton_conv,
+            triton_gemm,
+            triton_tactics,
+            triton_tma,
+        )
 
         _loaded = True
