@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     random,
     reduce,
     rnn,
+    rotary,
     sequence,
     shape,
 )

@@ -23,6 +23,7 @@ from . import (
     fuse_pooled_gemm,
     fuse_qdq,
     fuse_rmsnorm,
+    fuse_rotary,
     fuse_segment_reductions,
     fuse_skip_layernorm,
     gather_as_slice,
@@ -59,6 +60,7 @@ PIPELINE = [
     fuse_pooled_gemm,  # global average pool + flatten + classifier GEMM -> one layer (a CNN's head)
     merge_parallel_gemms,  # Q, K, V projections reading one input -> one GEMM + Split
     pad_gemm_columns,  # a wide GEMM of unaligned width (an LM head) on zero-padded weights, then a Slice (a view)
+    fuse_rotary,  # q * cos + rotate_half(q) * sin (HF Llama/Qwen2/Mistral RoPE) -> one layer
     fuse_attention,  # softmax(QK^T * s + mask) V -> one attention layer
     attention_mask_rows,  # a mask And-ed with all-True only to widen it over the queries keeps its row shape
     merge_heads_as_view,  # sequence-first head merge after attention, batch-major: no copy

@@ -230,3 +230,20 @@ def triton_dequantize_linear(node, q, scale, zero_point=None):
     from ..kernels import rescale
 
     return rescale.dequantize_linear(q, scale, zero_point)
+
+
+def _rotary_ok(node, args) -> bool:
+    """kiln::Rotary over the last axis, its upper slice reaching the end (the kernel's rotate_half)."""
+    from ..kernels import rotary
+
+    x, cos, sin = args[:3]
+    last = x.dim() - 1
+    return (x.is_cuda and node.attr("axis", -1) % x.dim() == last and node.attr("concat_axis", -1) % x.dim() == last
+            and node.attr("end") >= x.shape[-1] and rotary.supports(x, cos, sin, node.attr("split")))
+
+
+@tactic("Rotary", "triton_rotary", _rotary_ok, level=3)
+def triton_rotary(node, x, cos, sin):
+    from ..kernels import rotary
+
+    return rotary.rotary(x, cos, sin, node.attr("split"))

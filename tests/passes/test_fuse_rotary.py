@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+
+from kiln.passes import fuse_rotary
+
+from .util import check_pass, helper, model, ops, rand
+
+BIG = np.iinfo(np.int64).max  # the exporter's "to the end" of x[..., d // 2:]
+
+
+def _rope(x="q", commuted=False, end=BIG, axis=3, neg_second=False):
+    """q * cos + rotate_half(q) * sin as HF Llama exports it (torch.onnx, static positions), q [1, 2, 4, 8]."""
+    ints = {"zero": [0], "half": [4], "end": [end], "axis": [axis], "one": [1]}
+    hi = helper.make_node("Slice", [x, "half", "end", "axis", "one"], ["x2"])
+    lo = helper.make_node("Slice", [x, "zero", "half", "axis", "one"], ["x1"])
+    neg = helper.make_node("Neg", ["x2"], ["n"])
+    cat = helper.make_node("Concat", ["x1", "n"] if neg_second else ["n", "x1"], ["rot"], axis=-1)
+    mul_cos = helper.make_node("Mul", ["cos", x] if commuted else [x, "cos"], ["qc"])
+    mul_sin = helper.make_node("Mul", ["sin", "rot"] if commuted else ["rot", "sin"], ["rs"])
+    add = helper.make_node("Add", ["rs", "qc"] if commuted else ["qc", "rs"], ["y"])
+    inits = {k: np.array(v, dtype=np.int64) for k, v in ints.items()}
+    inits.update(cos=rand(1, 1, 4, 8, seed=2), sin=rand(1, 1, 4, 8, seed=3))
+    return model([mul_cos, lo, hi, neg, cat, mul_sin, add], [(x, [1, 2, 4, 8])], [("y", [1, 2, 4, 8])], inits)
+
+
+@pytest.mark.parametrize("commuted", [False, True])
+def test_rotate_half_rope_becomes_one_layer(commuted):
+    _, after = check_pass(fuse_rotary, _rope(commuted=commuted), {"q": rand(1, 2, 4, 8, seed=1)})
+    assert ops(after) == ["kiln::Rotary"]
+    node = after.nodes[0]
+    assert node.inputs == ["q", "cos", "sin"] and node.outputs == ["y"]
+    assert (node.attrs["split"], node.attrs["axis"], node.attrs["concat_axis"]) == (4, 3, -1)
+    assert len(node.sources) == 7
+
+
+def test_a_slice_ending_before_the_axis_end_keeps_its_bound():
+    """x[..., 4:6] rotated: not rotate_half, but the layer computes what the nodes did (the kernel declines)."""
+    m = _rope(end=6)
+    m.graph.output[0].type.tensor_type.shape.dim[3].dim_value = 6
+    m.graph.initializer[-2].CopyFrom(helper.make_tensor("cos", 1, [1, 1, 4, 6], rand(1, 1, 4, 6, seed=2).ravel()))
+    m.graph.initializer[-1].CopyFrom(helper.make_tensor("sin", 1, [1, 1, 4, 6], rand(1, 1, 4, 6, seed=3).ravel()))
+    _, after = check_pass(fuse_rotary, m, {"q": rand(1, 2, 4, 6, seed=1)})
+    assert ops(after) == ["kiln::Rotary"] and after.nodes[0].attrs["end"] == 6
+
+
+def test_the_negation_on_the_other_half_is_not_rope():
+    _, after = check_pass(fuse_rotary, _rope(neg_second=True), {"q": rand(1, 2, 4, 8, seed=1)})
+    assert "kiln::Rotary" not in ops(after)
+
+
+def test_an_intermediate_read_elsewhere_blocks_the_fusion():
+    m = _rope()
+    m.graph.output.append(helper.make_tensor_value_info("rot", 1, [1, 2, 4, 8]))
+    _, after = check_pass(fuse_rotary, m, {"q": rand(1, 2, 4, 8, seed=1)})
+    assert "kiln::Rotary" not in ops(after)
