@@ -329,7 +329,8 @@ class LLMEngine:
         eos = frozenset(self.tokenizer.eos_token_ids)
         parent = None
         for i in range(params.n):
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize \
+                else None
             seq = Sequence(request_id, i, ids, params, parent=parent, eos_token_ids=eos, detokenizer=detok,
                            arrival_time=arrival_time)
             parent = parent or seq
@@ -460,7 +461,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float, text_later: list) -> None:
         """Appends a sampled token and applies the stop rules. The text is made at once only where a stop string
         needs it; otherwise (seq, token or None, flush) goes to text_later, for the detokenizer after the next
-        step is launched."""
+        step is launched (nothing for a sequence without one: SamplingParams.detokenize False)."""
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
@@ -476,7 +477,8 @@ class LLMEngine:
         shown = None if special_stop and p.skip_special_tokens and self.tokenizer.is_special(token) else token
         if special_stop:
             self._finish(seq, "stop", token, now)
-            text_later.append((seq, shown, True))
+            if seq.detokenizer is not None:
+                text_later.append((seq, shown, True))
             return
         if p.stop and n_out >= p.min_tokens:
             detok = seq.detokenizer
@@ -497,8 +499,9 @@ class LLMEngine:
             return
         if n_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None, now)
-            text_later.append((seq, token, True))
-        else:
+            if seq.detokenizer is not None:
+                text_later.append((seq, token, True))
+        elif seq.detokenizer is not None:
             text_later.append((seq, token, False))
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:

@@ -42,6 +42,9 @@ class SamplingParams:
     # "delta": the same steps, each output holding only what that step added (what a server streams);
     # "final_only": one, when it finishes (what offline generate needs: no per-step output is built).
     output_kind: str = "cumulative"
+    # False: no text is made (outputs carry token ids and "" for text), for a caller that detokenizes itself, as
+    # a server's HTTP process does; stop strings are matched on the text, so they need True.
+    detokenize: bool = True
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -91,6 +94,8 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {list(OUTPUT_KINDS)}")
+        if not self.detokenize and self.stop:
+            bad("detokenize", "stop strings are matched on the text, so they need detokenize = True")
 
     @property
     def greedy(self) -> bool:

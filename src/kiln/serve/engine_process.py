@@ -11,8 +11,10 @@ admits them and writes the streams. They talk over two pipes in length-prefixed 
                        ("step", accepted rids, [(rid, message)] refused, [Delta], stats, failure or None)
 
 One "step" frame carries everything a step produced for every stream (kiln/serve/async_engine.py's Delta
-tuples) and is read by the event loop in one callback. The child exits when told to stop or when the server's
-end of the pipe closes (the server died).
+tuples) and is read by the event loop in one callback. The child makes no text for requests without stop
+strings (SamplingParams.detokenize False): their token ids cross the pipe and this process detokenizes each
+step's in one batched decode (kiln/serve/detokenize.py), so the step loop that bounds the throughput does
+no string work. The child exits when told to stop or when the server's end of the pipe closes (the server died).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import traceback
 from .. import errors
 from . import cpu_placement, step_profile
 from .async_engine import ACCEPTED, STREAMED, DeltaMaker, EngineFailure, EngineInfo
+from .detokenize import StreamDetokenizer
 
 _HEADER = struct.Struct("<I")
 _PIPE_BYTES = 1 << 20  # so a step's frame or a burst of adds rarely waits for the reader
@@ -147,6 +150,7 @@ class EngineProcess:
                                info["max_model_len"], info["max_num_seqs"], info["device"], info["num_kv_blocks"],
                                info["block_size"])
         self._early = pending  # frames that came with the info one (none: the child waits for requests)
+        self._text = StreamDetokenizer(self.info.tokenizer)  # the text of requests the child does not detokenize
         self._stats = info["stats"]
         self._sinks: dict = {}
         self._out = bytearray()  # frames for the child that its pipe did not take yet
@@ -176,10 +180,14 @@ class EngineProcess:
             return
         self._sinks[request_id] = sink
         fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"}
+        if params.detokenize and not params.stop:  # the text is made here; stop strings need it in the child
+            fields["detokenize"] = False
+            self._text.open(request_id, prompt, params.skip_special_tokens)
         self._send(("add", request_id, list(prompt), fields))
 
     def abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
+            self._text.close(request_id)
             self._send(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -252,8 +260,9 @@ class EngineProcess:
             self._death = f"the engine process exited (status {code}); restart the server"
             print(f"kiln llm serve: {self._death}.", file=sys.stderr, flush=True)
             failure = EngineFailure(self._death)
-            for sink in self._sinks.values():
+            for rid, sink in self._sinks.items():
                 sink.put(failure)
+                self._text.close(rid)
             self._sinks.clear()
             return
         for frame in self._reader.feed(data):
@@ -267,10 +276,11 @@ class EngineProcess:
             if sink is not None:
                 sink.put(ACCEPTED)
         for rid, message in refused:
+            self._text.close(rid)
             sink = sinks.pop(rid, None)
             if sink is not None:
                 sink.put(errors.InputError(message))
-        for delta in deltas:
+        for delta in self._text.fill(deltas):
             sink = sinks.get(delta[0])
             if sink is not None:
                 sink.put(delta)
@@ -278,8 +288,9 @@ class EngineProcess:
                     del sinks[delta[0]]
         if failure is not None:
             failure = EngineFailure(failure)
-            for sink in sinks.values():
+            for rid, sink in sinks.items():
                 sink.put(failure)
+                self._text.close(rid)
             sinks.clear()
         self._stats = stats
 
