@@ -148,6 +148,25 @@ def test_heads_interleaved_like_q_after_a_qkv_projection():
     assert merged.data_ptr() == got.data_ptr()  # a view: the output was written interleaved
 
 
+
+@pytest.mark.parametrize("mask_images", [1, 2])
+def test_window_attention_five_dim_operands_and_mask(mask_images):
+    """Swin's shifted windows: q, k, v [B, W, H, N, D] as views of one QKV projection (heads interleaved), N = 49
+    (not a power of two), the mask [1 or B, W, H, N, N] a relative position bias plus a per-window mask. The
+    kernel reads the mask's window as b % W of its merged batch index."""
+    b, w, n, d = 2, 3, 49, 32
+    qkv = _rand(b * w, n, 3, H, d, seed=9)
+    q, k, v = (t.reshape(b, w, n, H, d).transpose(2, 3) for t in qkv.unbind(2))
+    bias = _rand(1, 1, H, n, n, seed=4)
+    shift = torch.where(_rand(1, w, 1, n, n, seed=5) > 0.5, -100.0, 0.0)
+    mask = (bias + shift).expand(mask_images, w, H, n, n).contiguous()
+    if mask_images == 2:
+        mask[1] += _rand(w, H, n, n, seed=6)  # each image its own mask: both of the mask's leading strides
+    got = _check(q, k.transpose(-1, -2), v, mask, scale=d ** -0.5, k_transposed=True)
+    merged = got.transpose(2, 3).reshape(b * w, n, H * d)  # the head merge after attention: a view
+    assert merged.data_ptr() == got.data_ptr()
+    assert not attention.supports(q, k.expand(b, w, H, n, d)[:, :1].expand(b, w, H, n, d), v)  # no [B * W] view
+
 @pytest.mark.parametrize("fp8_qk", [True, False])
 def test_fp8_inputs_sharing_one_scale_are_read_as_codes(fp8_qk):
     """q, k, v as an FP8 engine's merged QKV projection writes them: E4M3 codes of one scale, heads interleaved.

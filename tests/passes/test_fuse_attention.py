@@ -95,3 +95,32 @@ def test_nan_guard_is_dropped_when_the_mask_is_finite_by_construction():
     assert next(n for n in after.nodes if n.op_type == "Attention").attrs["nan_guard"] == 0
     _, after = check_pass(fuse_attention, _masked_attention(-np.inf), feeds)  # -inf: the fully masked row is NaN
     assert next(n for n in after.nodes if n.op_type == "Attention").attrs["nan_guard"] == 1
+
+
+def test_swin_window_attention_with_bias_and_shift_mask_is_one_layer_on_five_dim_views():
+    """Swin's shifted block adds its relative position bias to the scores [B * nW, H, N, N], then its shift mask
+    through the view [B, nW, H, N, N]: one attention layer on [B, nW, H, N, D] views, the two as one constant."""
+    import copy
+
+    import torch
+
+    from kiln import passes
+    from kiln.ir.from_onnx import model_to_graph
+
+    from .swin_block import HEADS, N, SIDE, WINDOW, exported
+    from .util import run
+
+    module, x, onnx_model = exported()
+    before = model_to_graph(onnx_model)
+    after = copy.deepcopy(before)
+    for p in passes.up_to(fuse_attention):
+        p.run(after)
+    layers = [n for n in after.nodes if n.op_type == "Attention"]
+    assert len(layers) == 2 and "Softmax" not in ops(after) and not after.findings
+    shifted = module.blocks[1]
+    mask = after.initializers[layers[1].inputs[3]]
+    windows = (SIDE // WINDOW) ** 2
+    assert mask.shape == (1, windows, HEADS, N, N)
+    torch.testing.assert_close(mask, shifted.bias.detach().unsqueeze(0) + shifted.mask.unsqueeze(1).unsqueeze(0))
+    got, = run(after, {"x": x})
+    torch.testing.assert_close(got, run(before, {"x": x})[0], atol=1e-5, rtol=1e-5)

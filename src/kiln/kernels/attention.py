@@ -8,6 +8,10 @@ Layouts through strides: q [B, H, Sq, D]; k [B, H, Sk, D] or already transposed
 [B, H, D, Sk] (kiln::Attention's k_transposed); v [B, H, Sk, Dv]; leading dims
 broadcast (an MQA/GQA-style k with H=1 gets stride 0). The additive mask may have
 any shape broadcastable to [B, H, Sq, Sk]: broadcast dims are read with stride 0.
+Five-dimensional operands [B, W, H, S, D] (Swin's windows: W windows an image, whose
+mask [1, W, H, Sq, Sk] is the relative position bias plus the shifted windows' mask)
+run as [B * W, H, S, D]: q, k, v and the output merge B and W as views, and the mask
+keeps its own two strides, window (b % W) and image (b // W).
 A row whose every key is masked (-inf) has l == 0: the result is 0 with nan_guard
 (the exporter's Where(IsNaN) guard) and NaN (0/0) without, like the reference.
 Head dims up to 128 (32, 64, 80, 96, 128 in the models that matter; D is padded to
@@ -46,7 +50,7 @@ _INT32_MAX = 2**31 - 1
 @triton.jit
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, SK, D, DV, qk_scale,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                      smb, smh, smm, smn, sob, soh, som, sod,
+                      smb, smw, MW, smh, smm, smn, sob, soh, som, sod,
                       HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_D: tl.constexpr, NAN_GUARD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
                       QKV_SCALED: tl.constexpr, CDT: tl.constexpr, QK_DT: tl.constexpr,
@@ -78,10 +82,11 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ys_ptr, qs_ptr, H, SQ, 
     k_base = k_ptr + b * skb + h * skh + rd[:, None] * skd  # k^T tile [BLOCK_D, BLOCK_N]
     v_base = v_ptr + b * svb + h * svh + rdv[None, :] * svd  # v tile [BLOCK_N, BLOCK_DV]
     if HAS_MASK:
+        mask_b = (b // MW) * smb + (b % MW) * smw  # MW windows an image (5-D operands), else MW = 1
         if MASK_ROW:  # one mask row for every query (BERT's padding mask): load it once per key block
-            mask_base = m_ptr + b * smb + h * smh
+            mask_base = m_ptr + mask_b + h * smh
         else:
-            mask_base = m_ptr + b * smb + h * smh + rm[:, None] * smm
+            mask_base = m_ptr + mask_b + h * smh + rm[:, None] * smm
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -157,7 +162,7 @@ CONFIGS: list[tuple[FlashConfig, int]] = [
 
 def _shapes(q, k, v, k_transposed: bool):
     """(lead dims, Sq, Sk, D, Dv) or None when the operands do not line up."""
-    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4, 5)):
         return None
     kd, ks = (k.shape[-2], k.shape[-1]) if k_transposed else (k.shape[-1], k.shape[-2])
     if kd != q.shape[-1] or ks != v.shape[-2]:
@@ -169,6 +174,16 @@ def _shapes(q, k, v, k_transposed: bool):
     if tuple(lead) != tuple(q.shape[:-2]):
         return None
     return tuple(lead), q.shape[-2], ks, q.shape[-1], v.shape[-1]
+
+
+def _merged(t: torch.Tensor) -> torch.Tensor | None:
+    """A 5-D [B, W, H, S, D] operand as the view [B * W, H, S, D], or None where its strides do not allow one
+    (broadcast over windows but not images, say); a 3-D or 4-D one as [B, H, S, D]."""
+    if t.dim() < 5:
+        return t if t.dim() == 4 else t.unsqueeze(0)
+    if t.shape[0] != 1 and t.shape[1] != 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        return None
+    return t.flatten(0, 1) if t.shape[1] != 1 or t.shape[0] == 1 else t.reshape(t.shape[0], *t.shape[2:])
 
 
 def supports(q, k, v, mask=None, k_transposed: bool = False, fp8: bool = False) -> bool:
@@ -187,6 +202,8 @@ def supports(q, k, v, mask=None, k_transposed: bool = False, fp8: bool = False) 
     bh = math.prod(lead)
     if bh > 65535 or max(q.numel(), k.numel(), v.numel(), bh * sq * dv) > _INT32_MAX:
         return False
+    if q.dim() == 5 and any(_merged(t.expand(*lead, *t.shape[-2:])) is None for t in (q, k, v)):
+        return False
     if mask is not None:
         if mask.device != q.device or not mask.dtype.is_floating_point:
             return False
@@ -200,18 +217,14 @@ def supports(q, k, v, mask=None, k_transposed: bool = False, fp8: bool = False) 
     return True
 
 
-def _as4d(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 4 else t.unsqueeze(0)
-
-
 def _like_q(q: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An output (of q's dtype unless given) whose heads are interleaved within each position when q's are
-    ([B, S, H, D] in memory, as after a fused QKV projection): the head merge after attention (transpose,
+    ([.., S, H, D] in memory, as after a fused QKV projection): the head merge after attention (transpose,
     reshape) is then a view, not a copy per layer. Otherwise contiguous."""
     dtype = dtype or q.dtype
-    if q.dim() == 4 and q.stride(1) < q.stride(2):
-        b, h, s, dv = shape
-        return torch.empty((b, s, h, dv), dtype=dtype, device=q.device).transpose(1, 2)
+    if q.dim() >= 4 and q.stride(-3) < q.stride(-2):
+        *lead, h, s, dv = shape
+        return torch.empty((*lead, s, h, dv), dtype=dtype, device=q.device).transpose(-2, -3)
     return torch.empty(shape, dtype=dtype, device=q.device)
 
 
@@ -227,16 +240,20 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cdt = float_type if qkv_scale is not None else q.dtype
     o = out if out is not None else _like_q(q, (*lead, sq, dv), QTYPES[qtype] if y_scale is not None else cdt)
-    q4, k4, v4, o4 = _as4d(q), _as4d(k), _as4d(v), _as4d(o)
+    q4, o4 = _merged(q), _merged(o)
+    k4, v4 = (_merged(t.expand(*lead, *t.shape[-2:])) for t in (k, v))
     B, H = q4.shape[0], q4.shape[1]
-    k4 = k4.expand(B, H, *k4.shape[2:])
-    v4 = v4.expand(B, H, *v4.shape[2:])
     skb, skh = k4.stride(0), k4.stride(1)
     skn, skd = (k4.stride(3), k4.stride(2)) if k_transposed else (k4.stride(2), k4.stride(3))
+    windows, smw = 1, 0  # 5-D: the mask's window index is b % W of the merged batch index b
     if mask is not None:
         m4 = mask.expand(*lead, sq, sk)
-        m4 = _as4d(m4)
-        ms = m4.stride()
+        if m4.dim() == 5:
+            windows, smw = m4.shape[1], m4.stride(1)
+            ms = (m4.stride(0), *m4.stride()[2:])
+        else:
+            m4 = m4 if m4.dim() == 4 else m4.unsqueeze(0)
+            ms = m4.stride()
     else:
         m4, ms = q4, (0, 0, 0, 0)
     from .gemm import dot_precision
@@ -246,7 +263,7 @@ def flash_attention(q, k, v, mask=None, scale: float | None = None, k_transposed
     _flash_fwd_kernel[grid](
         q4, k4, v4, m4, o4, y_scale if y_scale is not None else q4, qkv_scale if qkv_scale is not None else q4,
         H, sq, sk, d, dv, scale * _LOG2E,
-        *q4.stride(), skb, skh, skn, skd, *v4.stride(), *ms, *o4.stride(),
+        *q4.stride(), skb, skh, skn, skd, *v4.stride(), ms[0], smw, windows, *ms[1:], *o4.stride(),
         HAS_MASK=mask is not None, MASK_ROW=mask is not None and ms[2] == 0, EVEN_N=sk % config.block_n == 0,
         EVEN_M=sq % config.block_m == 0,
         EVEN_D=d == max(16, triton.next_power_of_2(d)) and dv == max(16, triton.next_power_of_2(dv)),

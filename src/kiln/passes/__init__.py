@@ -28,6 +28,7 @@ from . import (
     fuse_skip_layernorm,
     gather_as_slice,
     gather_nd_host_index,
+    gather_window_rows,
     inline_control_flow,
     insert_qdq,
     lower_sequences,
@@ -48,6 +49,7 @@ PIPELINE = [
     dead_code,  # nodes nothing reads, weights nothing uses
     gather_as_slice,  # Gather of one constant index -> Slice (+ Squeeze): a view, not a copy
     gather_nd_host_index,  # GatherND on shape-arithmetic indices: offsets once per shape on the host
+    gather_window_rows,  # rolls and window partitions of whole rows (Swin) -> one row gather, index on the host
     split_heads_as_view,  # sequence-first head split (merge batch*heads, split again) -> a view
     fold_batchnorm,  # BatchNorm scaled into the Conv/Gemm weights before it
     stem_patches,  # INT8/FP8 builds: a stride-2 RGB stem -> patches + a stride-1 convolution over 64 channels

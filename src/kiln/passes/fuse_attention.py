@@ -9,6 +9,11 @@ The exporter writes K^T of a 4-D K as Reshape([-1, S, D]) -> Transpose -> Reshap
 [B, H, D, S]): a copy of K per layer, since K is itself a strided view of the QKV
 GEMM. When the two shapes provably come from K's own Shape, the layer reads K
 directly (k_transposed=0) and the chain is left to dead-code removal.
+
+Window attention (Swin): the scores [B * W, H, N, N] of W windows an image take the relative position bias, then
+go through a 5-D view [B, W, H, N, N] to take the shifted windows' mask [1, W, 1, N, N], and back. The layer then
+runs on 5-D views of q, k and v ([B, W, H, N, D], split from the leading axis: no copy) with the bias and mask as
+one constant [1, W, H, N, N], and its result is viewed back as [B * W, H, N, Dv].
 """
 
 from __future__ import annotations
@@ -105,6 +110,67 @@ def _untransposed_k(view: View, kt: str):
     return k, [r1, t, r2]
 
 
+def _windows(view: View, value: str):
+    """value = Reshape(Add(Reshape(x, [B, W, H, Sq, Sk]), m), [B * W, H, Sq, Sk]) with m a constant that does not
+    widen the scores (Swin's shifted-window mask): (x, m, W, [nodes]), else None. B may be -1 in either shape."""
+    back = view.producer.get(value)
+    if back is None or back.op_type != "Reshape" or back.domain or view.readers(value) != 1:
+        return None
+    add = view.producer.get(back.inputs[0])
+    if add is None or add.op_type != "Add" or add.domain or view.readers(add.outputs[0]) != 1:
+        return None
+    for i in (0, 1):
+        split = view.producer.get(add.inputs[i])
+        if split is not None and split.op_type == "Reshape" and not split.domain \
+                and view.readers(add.inputs[i]) == 1:
+            break
+    else:
+        return None
+    five, four, m = view.ints(split.inputs[1]), view.ints(back.inputs[1]), view.const(add.inputs[1 - i])
+    if five is None or four is None or len(five) != 5 or len(four) != 4 or m is None or m.dim() > 5:
+        return None
+    w = five[1]
+    if min(five[1:] + four[1:]) <= 0 or five[2:] != four[1:] or not m.is_floating_point():
+        return None
+    if -1 not in (five[0], four[0]) and four[0] != five[0] * w:
+        return None
+    if any(s not in (1, t) for s, t in zip(m.shape[::-1], five[:0:-1])) or (m.dim() == 5 and m.shape[0] != 1):
+        return None  # the mask would widen the scores
+    return split.inputs[0], add.inputs[1 - i], w, [back, add, split]
+
+
+def _window_mask(graph: Graph, view: View, bias: str | None, window_mask: str, w: int, name: str) -> str | None:
+    """The constant bias added to the scores [B * W, H, Sq, Sk] (Swin's relative position bias) and the windows' mask
+    as one 5-D constant; None when the bias is not a constant."""
+    m = view.const(window_mask)
+    if bias is None:
+        return window_mask
+    b = view.const(bias)
+    if b is None or not b.is_floating_point() or b.dim() > 4:
+        return None
+    if b.dim() == 4 and b.shape[0] != 1:  # one bias per window and image: [B * W, ...] -> [B, W, ...]
+        b = b.reshape(-1, w, *b.shape[1:])
+    out = f"{name}.window_mask"
+    graph.initializers[out] = (b + m).to(torch.promote_types(b.dtype, m.dtype))
+    return out
+
+
+def _ints(graph: Graph, name: str, values: list[int]) -> str:
+    graph.initializers[name] = torch.tensor(values, dtype=torch.int64)
+    return name
+
+
+def _reshape_nodes(graph: Graph, value: str, head: list[int], keep_from: int, out: str, opset: int) -> list[Node]:
+    """Reshape(value, head + Shape(value)[keep_from:]): the leading axis split into windows or merged back."""
+    shape, tail, target = f"{out}.shape", f"{out}.tail", f"{out}.target"
+    return [Node("Shape", [value], [shape], name=shape, opset=opset),
+            Node("Slice", [shape, _ints(graph, f"{out}.from", [keep_from]), _ints(graph, f"{out}.end", [_BIG])],
+                 [tail], name=tail, opset=opset),
+            Node("Concat", [_ints(graph, f"{out}.head", head), tail], [target], {"axis": 0}, name=target,
+                 opset=opset),
+            Node("Reshape", [value, target], [out], name=out, opset=opset)]
+
+
 def run(graph: Graph) -> None:
     view = View(graph)
     for sm in [n for n in graph.nodes if n.op_type == "Softmax" and not n.domain]:
@@ -112,12 +178,21 @@ def run(graph: Graph) -> None:
             continue
         group = [sm]
         scores, mask = sm.inputs[0], None
+        windows = _windows(view, scores)
+        if windows is not None:
+            scores, window_mask, w, nodes = windows
+            group += nodes
         add = view.producer.get(scores)
         if add is not None and add.op_type == "Add" and not add.domain and view.readers(scores) == 1:
             left = view.producer.get(add.inputs[0])
             idx = 0 if left is not None and left.op_type in ("MatMul", "Mul", "Div") else 1
             scores, mask = add.inputs[idx], add.inputs[1 - idx]
             group.append(add)
+        if windows is not None:
+            mask = _window_mask(graph, view, mask, window_mask, w, sm.name)
+            if mask is None:
+                miss(graph, "attention", group, "the windows' scores take a bias that is not a constant")
+                continue
         scores, post, scale_node = _unscale(view, scores)
         if scale_node:
             group.append(scale_node)
@@ -144,9 +219,18 @@ def run(graph: Graph) -> None:
             k, chain = untransposed
             k_transposed = 0
             group += chain
+        v, out, before, after = pv.inputs[1], pv.outputs[0], [], []
+        if windows is not None:  # the layer on 5-D views: [B * W, ...] -> [B, W, ...] and back
+            q, k, v = ((t, f"{sm.name}.windows_{role}") for role, t in (("q", q), ("k", k), ("v", v)))
+            before = [n for t, o in (q, k, v) for n in _reshape_nodes(graph, t, [-1, w], 1, o, sm.opset)]
+            q, k, v = (o for _, o in (q, k, v))
+            out = f"{sm.name}.windows_out"
+            after = _reshape_nodes(graph, out, [-1], 2, pv.outputs[0], sm.opset)
         attrs = {"scale": s1 * s2 * post, "k_transposed": k_transposed,
                  "nan_guard": 1 if guard and not _finite_mask(view, mask) else 0}
-        fused = Node("Attention", [q, k, pv.inputs[1]] + ([mask] if mask else []), [pv.outputs[0]], attrs,
+        fused = Node("Attention", [q, k, v] + ([mask] if mask else []), [out], attrs,
                      name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
+        at = graph.nodes.index(fused)
+        graph.nodes[at:at + 1] = before + [fused] + after
         view.refresh()
