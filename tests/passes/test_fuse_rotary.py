@@ -53,3 +53,13 @@ def test_an_intermediate_read_elsewhere_blocks_the_fusion():
     m.graph.output.append(helper.make_tensor_value_info("rot", 1, [1, 2, 4, 8]))
     _, after = check_pass(fuse_rotary, m, {"q": rand(1, 2, 4, 8, seed=1)})
     assert "kiln::Rotary" not in ops(after)
+
+
+def test_computed_angles_fuse_too():
+    """cos/sin from position ids (a dynamic export): model inputs here, [batch, 1, seq, dim]."""
+    m = _rope()
+    del m.graph.initializer[-2:]
+    m.graph.input.extend([helper.make_tensor_value_info(n, 1, [1, 1, 4, 8]) for n in ("cos", "sin")])
+    feeds = {"q": rand(1, 2, 4, 8, seed=1), "cos": rand(1, 1, 4, 8, seed=2), "sin": rand(1, 1, 4, 8, seed=3)}
+    _, after = check_pass(fuse_rotary, m, feeds)
+    assert ops(after) == ["kiln::Rotary"] and after.nodes[0].inputs == ["q", "cos", "sin"]
