@@ -10,6 +10,10 @@ from the default level 3 and timed against cuDNN's kernels:
   FusedConv, Conv     triton_conv1x1_rows_<BM>x<BN>x<BK>_w<warps>_s<stages>  1x1 convolutions of at most 256 pixel rows
                       as kernels/gemm.py GEMMs with the activation in the epilogue: a squeeze-excite block's fully
                       connected layers on its pooled map, whose channel counts (4, 6, 10, ...) TMA cannot take
+  FusedConv           triton_tma_conv_act_<BH>x<BW>x<BN>x<BK>_w<warps>_s<stages>  triton_tma.py's TMA convolution
+                      (Hopper) from the default level for layers with an activation other than ReLU: cuDNN
+                      leaves SiLU / HardSwish to a pass of its own, which the 16-bit TMA tiles (level 4 otherwise:
+                      docs/design/tma-conv.md) apply in their epilogue
   ReduceMean, GlobalAveragePool  triton_spatial_mean_<cfg>  kernels/pool.py spatial_mean: the mean over H and W of
                       a 4-D tensor (a squeeze-excite block's pool)
 """
@@ -100,6 +104,17 @@ def _few_rows_run(config):
     return run
 
 
+def _tma_act_applies(config):
+    from .triton_tma import _conv_applies
+
+    tma_applies = _conv_applies(config)
+
+    def applies(node, args) -> bool:
+        return node.attr("activation", "") not in ("", "Relu") and tma_applies(node, args)
+
+    return applies
+
+
 def _spatial_mean_applies(node, args) -> bool:
     from ..kernels import pool
     from ..ops.reduce import _dims
@@ -137,6 +152,16 @@ def _register() -> None:
         for op, domain in (("FusedConv", "kiln"), ("Conv", "")):
             tactic(op, f"triton_conv1x1_rows_{cfg.name}", _few_rows_applies(cfg), domain=domain,
                    level=3)(_few_rows_run(cfg))
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (Triton >= 3.4)
+    except ImportError:  # no host-side TMA descriptors: triton_tma.py offers none either
+        pass
+    else:
+        from ..kernels import tma_conv
+        from .triton_tma import _conv_run
+
+        for cfg, _ in tma_conv.CONFIGS:
+            tactic("FusedConv", f"triton_tma_conv_act_{cfg.name}", _tma_act_applies(cfg), level=3)(_conv_run(cfg))
     for cfg in pool.MEAN_CONFIGS:
         for op in ("ReduceMean", "GlobalAveragePool"):
             tactic(op, f"triton_spatial_mean_{cfg.name}", _spatial_mean_applies, domain="", level=3)(
