@@ -49,3 +49,17 @@ def test_conv_without_bias_gets_a_zero_bias():
     assert ops(after) == ["kiln::FusedConv"] and fused.inputs[2] == "conv.zero_bias"
     bias = after.initializers["conv.zero_bias"]
     assert bias.shape == (2,) and not bias.any()
+
+
+def test_a_depthwise_conv_takes_its_hardswish_and_silu():
+    """MobileNetV3's and EfficientNet's depthwise layers: the activation joins the grouped convolution, whose
+    tactics (tactics/triton_conv.py) apply it in their epilogue."""
+    for act_nodes, name in [
+        ([helper.make_node("HardSwish", ["c"], ["y"])], "HardSwish"),
+        ([helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["y"])], "Silu"),
+    ]:
+        m = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], group=4, pads=[1, 1, 1, 1])] + act_nodes, [X],
+                  [("y", [1, 4, 6, 6])], {"w": rand(4, 1, 3, 3), "b": rand(4, seed=1)})
+        _, after = check_pass(fuse_conv, m, {"x": rand(1, 4, 6, 6, seed=2)}, atol=1e-4)
+        fused = after.nodes[0]
+        assert ops(after) == ["kiln::FusedConv"] and fused.attrs["activation"] == name and fused.attrs["group"] == 4
