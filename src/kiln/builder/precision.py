@@ -219,19 +219,26 @@ def _judge(outs, exact, precision: str) -> str | None:
 
 
 def _fp32_outputs(graph: Graph) -> None:
-    """Low-precision layers of WRITES_FP32_OUTPUT producing an FP32 model output that no layer reads write it
-    in FP32 themselves."""
+    """Low-precision layers of WRITES_FP32_OUTPUT producing an FP32 model output that no layer reads (or passing
+    it on through a view, _VIEWS) write it in FP32 themselves."""
     fp32 = {v.name for v in graph.outputs if v.dtype == torch.float32}
     read = graph.consumers()
+
+    def output_view(value: str):
+        """The view that alone reads `value` and is itself an FP32 model output no layer reads, else None."""
+        readers = read.get(value, [])
+        v = readers[0] if len(readers) == 1 and value not in fp32 else None
+        ok = (v is not None and v.op_type in _VIEWS and not v.domain and v.inputs[0] == value
+              and v.placement == "device" and v.outputs[0] in fp32 and v.outputs[0] not in read)
+        return v if ok else None
+
     for node in graph.nodes:
         if not (node.domain == "kiln" and node.op_type in WRITES_FP32_OUTPUT and node.precision in _LOW):
             continue
-        out = node.outputs[0]
-        view = read.get(out, [None])[0] if len(read.get(out, [])) == 1 and out not in fp32 else None
-        if (view is not None and view.op_type in _VIEWS and not view.domain and view.inputs[0] == out
-                and view.outputs[0] in fp32 and view.outputs[0] not in read and view.placement == "device"):
+        out, view = node.outputs[0], output_view(node.outputs[0])
+        if view is not None:
             view.precision = "float32"  # passes the FP32 result on as it is (interpreter.compute_type)
-        elif not (out in fp32 and out not in read):
+        elif out not in fp32 or out in read:
             continue
         node.attrs["output_type"] = "float32"
 
