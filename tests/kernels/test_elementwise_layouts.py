@@ -179,3 +179,24 @@ def test_a_malformed_layout_is_refused():
         elementwise.source(["Neg t0 i0"], 1, elementwise.Layout(2, ("0x",)))
     with pytest.raises(ValueError, match="is not a layout"):
         elementwise.source(["Neg t0 i0"], 1, elementwise.Layout(elementwise.MAX_RANK + 1, ("=",)))
+
+
+# --- compiled for real: the layouts of the zoo's CNNs at FP16 ----------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["se_scale", "hard_sigmoid_scale", "split_residual", "rope_like", "flat"])
+def test_zoo_layouts_on_the_gpu(case):
+    h = torch.float16
+    if case in ("se_scale", "hard_sigmoid_scale"):  # EfficientNet's / MobileNetV3's squeeze-excite
+        x, s = _randn(4, 96, 28, 28, dtype=h).contiguous(memory_format=CL), _randn(4, 96, 1, 1, seed=1, dtype=h)
+        program = ["Mul t0 i0 i1"] if case == "se_scale" else ["HardSigmoid t0 i1 c0.1666666716337204 c0.5",
+                                                              "Mul t1 i0 t0"]
+        inputs = [x, s]
+    elif case == "split_residual":  # a C2f block: half of a channels-last Split plus a convolution's output
+        half = _randn(4, 64, 20, 20, dtype=h).contiguous(memory_format=CL).split(32, dim=1)[1]
+        inputs, program = [half, _randn(4, 32, 20, 20, seed=2, dtype=h).contiguous(memory_format=CL)], ["Add t0 i0 i1"]
+    elif case == "rope_like":  # q of a head split (a transposed view) times a [S, D] table
+        q = _randn(2, 48, 4, 64, dtype=h).transpose(1, 2)
+        inputs, program = [q, _randn(48, 64, seed=3, dtype=h)], ["Mul t0 i0 i1", "Add t1 t0 i0"]
+    else:
+        inputs, program = [_randn(3, 1000, 77, dtype=h), _randn(3, 1000, 77, seed=4, dtype=h)], ["Add t0 i0 i1"]
+    _check(program, inputs, block=elementwise.BLOCK, rtol=2e-3, atol=2e-3)
