@@ -65,58 +65,87 @@ def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 
 
-def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep: bool) -> None:
+KINDS = ("cublas", "bf16", "fp8", "int4")
+
+
+def bench_shape(name: str, n: int, k: int, dev, l2: int, rows: list[int], sweep: bool, kinds=KINDS) -> None:
     copies = max(2, -(-(2 * l2) // (n * k)))  # FP8 copies over 2x L2 (BF16 ones twice that)
     g = torch.Generator(device=dev).manual_seed(0)
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
     scale = (w16[0].float().abs().amax(dim=1) / 448).clamp_min(1e-12)
-    w8 = [(w.float() / scale[:, None]).clamp(-448, 448).to(FP8) for w in w16]
-    w4 = [quantize_int4(w) for w in w16]  # (packed, scale, zero), groups of 128
+    w8 = [(w.float() / scale[:, None]).clamp(-448, 448).to(FP8) for w in w16] if "fp8" in kinds else []
+    w4 = [quantize_int4(w) for w in w16] if "int4" in kinds else []  # (packed, scale, zero), groups of 128
+    if "bf16" not in kinds and "cublas" not in kinds:
+        w16 = w16[:1]
     bytes16, bytes8 = 2 * n * k, n * k
     bytes4 = n * k // 2 + 5 * n * (-(-k // 128))
     t0 = time.perf_counter()
-    c16 = {one: fg.choose_config(n, k, torch.bfloat16, dev, torch.bfloat16, w16[0], one) for one in (True, False)}
-    c8 = {one: fg.choose_config(n, k, torch.bfloat16, dev, FP8, w8[0], one) for one in (True, False)}
-    c4 = fg.choose_int4_config(n, k, 128, torch.bfloat16, dev)
-    rule = bg.gemv_rows(n, k, torch.bfloat16, dev, w16[0])
-    print(f"{name} [{n} x {k}]: tiles (M=1 / M>1) bf16 {c16[True].name} / {c16[False].name}, fp8 {c8[True].name} "
-          f"/ {c8[False].name}, int4 {c4.name}; bf16 GEMV rule: up to {rule} rows "
-          f"({time.perf_counter() - t0:.1f} s to choose)", flush=True)
+    tiles = []
+    if "bf16" in kinds:
+        c16 = {one: fg.choose_config(n, k, torch.bfloat16, dev, torch.bfloat16, w16[0], one) for one in (True, False)}
+        rule = bg.gemv_rows(n, k, torch.bfloat16, dev, w16[0])
+        tiles.append(f"bf16 {c16[True].name} / {c16[False].name} (GEMV rule: up to {rule} rows)")
+    if "fp8" in kinds:
+        c8 = {one: fg.choose_config(n, k, torch.bfloat16, dev, FP8, w8[0], one) for one in (True, False)}
+        tiles.append(f"fp8 {c8[True].name} / {c8[False].name}")
+    if "int4" in kinds:
+        c4 = fg.choose_int4_config(n, k, 128, torch.bfloat16, dev, full=sweep)
+        tiles.append(f"int4 {c4.name}")
+    print(f"{name} [{n} x {k}]: tiles (M=1 / M>1) {', '.join(tiles)} ({time.perf_counter() - t0:.1f} s to choose)",
+          flush=True)
     x = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16, generator=g)
-    want4 = x.float() @ dequantize_int4(*w4[0], k).t()
     x1 = x[:1].contiguous()
-    errs = {"bf16 gemv": max_rel(bg.bf16_gemv(x, w16[0]), bg.reference(x, w16[0])),
-            "bf16 gemv M=1": max_rel(bg.bf16_gemv(x1, w16[0]), bg.reference(x1, w16[0])),
-            "fp8 gemv": max_rel(fg.fp8_gemv(x, w8[0], scale), fg.reference(x, w8[0], scale)),
-            "fp8 gemv M=1": max_rel(fg.fp8_gemv(x1, w8[0], scale), fg.reference(x1, w8[0], scale)),
-            "int4 gemv": max_rel(fg.int4_gemv(x, *w4[0], None, 128, c4), want4)}
+    errs, verdict = {}, True
+    if "bf16" in kinds:
+        errs["bf16 gemv"] = max_rel(bg.bf16_gemv(x, w16[0]), bg.reference(x, w16[0]))
+        errs["bf16 gemv M=1"] = max_rel(bg.bf16_gemv(x1, w16[0]), bg.reference(x1, w16[0]))
+    if "fp8" in kinds:
+        errs["fp8 gemv"] = max_rel(fg.fp8_gemv(x, w8[0], scale), fg.reference(x, w8[0], scale))
+        errs["fp8 gemv M=1"] = max_rel(fg.fp8_gemv(x1, w8[0], scale), fg.reference(x1, w8[0], scale))
+    extra = ""
+    if "int4" in kinds:
+        want4 = x.float() @ dequantize_int4(*w4[0], k).t()
+        errs["int4 gemv"] = max_rel(fg.int4_gemv(x, *w4[0], None, 128, c4), want4)
+        errs["int4 gemv M=1"] = max_rel(fg.int4_gemv(x1, *w4[0], None, 128, c4), want4[:1])
+        # INT4's nibble unpacking in inline PTX must give the elementwise form's floats: the same output bit for bit
+        prmt_same = torch.equal(fg.int4_gemv(x, *w4[0], None, 128, fg.GemvConfig(64, 128, 1, 4, 4, prmt=True)),
+                                fg.int4_gemv(x, *w4[0], None, 128, fg.GemvConfig(64, 128, 1, 4, 4)))
+        verdict = prmt_same
+        extra = f"; int4 PTX unpacking equal to elementwise: {prmt_same}"
     cublas_err = max_rel(torch.matmul(x, w16[0].t()), bg.reference(x, w16[0]))
-    # INT4's nibble unpacking in inline PTX must give the elementwise form's floats: the same output bit for bit
-    prmt_same = torch.equal(fg.int4_gemv(x, *w4[0], None, 128, fg.GemvConfig(64, 128, 1, 4, 4, prmt=True)),
-                            fg.int4_gemv(x, *w4[0], None, 128, fg.GemvConfig(64, 128, 1, 4, 4)))
-    verdict = "ok" if all(v < TOL for v in errs.values()) and prmt_same else "MISMATCH"
+    verdict = "ok" if all(v < TOL for v in errs.values()) and verdict else "MISMATCH"
     print(f"  vs torch reference (max rel err, M={max(rows)}): " + ", ".join(f"{key} {v:.1e}" for key, v in errs.items())
-          + f" (cuBLAS bf16 itself {cublas_err:.1e}); int4 PTX unpacking equal to elementwise: {prmt_same}: "
-          f"{verdict}", flush=True)
+          + f" (cuBLAS bf16 itself {cublas_err:.1e}){extra}: {verdict}", flush=True)
     for m in rows:
         xm = x[:m].contiguous()
-        t = {"cublas": graph_us(lambda i, xm=xm: torch.matmul(xm, w16[i].t()), copies),
-             "bf16": graph_us(lambda i, xm=xm: bg.bf16_gemv(xm, w16[i]), copies),
-             "fp8": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale), copies),
-             "fp8 no pdl": graph_us(lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, pdl=False), copies),
-             "int4": graph_us(lambda i, xm=xm: fg.int4_gemv(xm, *w4[i], None, 128, c4), copies)}
+        fns = {"cublas": lambda i, xm=xm: torch.matmul(xm, w16[i].t()),
+               "bf16": lambda i, xm=xm: bg.bf16_gemv(xm, w16[i]),
+               "fp8": lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale),
+               "fp8 no pdl": lambda i, xm=xm: fg.fp8_gemv(xm, w8[i], scale, pdl=False),
+               "int4": lambda i, xm=xm: fg.int4_gemv(xm, *w4[i], None, 128, c4)}
+        t = {key: graph_us(fn, copies) for key, fn in fns.items() if key.split()[0] in kinds}
         nbytes = {"cublas": bytes16, "bf16": bytes16, "fp8": bytes8, "fp8 no pdl": bytes8, "int4": bytes4}
-        cells = " | ".join(f"{t[key]:7.1f} us {nbytes[key] / t[key] / 1e3:5.0f} GB/s" for key in t)
-        print(f"  {name:8s} M={m} | {cells} | vs cuBLAS: bf16 {t['cublas'] / t['bf16']:.2f}x, "
-              f"fp8 {t['cublas'] / t['fp8']:.2f}x, int4 {t['cublas'] / t['int4']:.2f}x", flush=True)
+        cells = " | ".join(f"{key} {t[key]:7.1f} us {nbytes[key] / t[key] / 1e3:5.0f} GB/s" for key in t)
+        ratios = ", ".join(f"{key} {t['cublas'] / t[key]:.2f}x" for key in ("bf16", "fp8", "int4") if key in t)
+        print(f"  {name:8s} M={m} | {cells}" + (f" | vs cuBLAS: {ratios}" if "cublas" in t else ""), flush=True)
+        if name == "down":  # the MLP's activation inside the GEMV's input load (x = [gate | up], twice as wide)
+            gu = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16, generator=g)
+            act = {"bf16": lambda i: fg.fp8_gemv(gu, w16[i], None, act="silu"),
+                   "fp8": lambda i: fg.fp8_gemv(gu, w8[i], scale, act="silu"),
+                   "int4": lambda i: fg.int4_gemv(gu, *w4[i], None, 128, c4, act="silu")}
+            ta = {key: graph_us(fn, copies) for key, fn in act.items() if key in kinds}
+            print(f"  {name:8s} M={m} with SiLU(gate) * up in the input load: "
+                  + ", ".join(f"{key} {us:.1f} us (+{us - t[key]:.1f})" for key, us in ta.items()), flush=True)
     if sweep:  # what choose_config timed (M = 1, CUDA graphs over the same weight copies' size)
         for label, codes, nb in (("fp8", FP8, bytes8), ("bf16", torch.bfloat16, bytes16), ("int4", "int4", bytes4)):
+            if label not in kinds:
+                continue
             timed = sorted((us, c.name) for c, us in fg.tile_timings(n, k, torch.bfloat16, dev, codes).items())
             print(f"  sweep {label} {name} M=1: " + "; ".join(
                 f"{nm} {us:.1f}us/{nb / us / 1e3:.0f}GB/s" for us, nm in timed), flush=True)
 
 
-def bench_layer(dev, rows: list[int]) -> None:
+def bench_layer(dev, rows: list[int], kinds=KINDS, full: bool = False) -> None:
     """One decoder layer's four products (qkv, o, gate_up, down: 436 MB of BF16, more than L2) one after another
     in a CUDA graph, each kernel kind against cuBLAS's BF16 chain: 32 of these plus the LM head is the weight
     part of a decode step."""
@@ -126,19 +155,20 @@ def bench_layer(dev, rows: list[int]) -> None:
     sc = {nm: (w.float().abs().amax(dim=1) / 448).clamp_min(1e-12) for nm, w in w16.items()}
     w8 = {nm: (w.float() / sc[nm][:, None]).clamp(-448, 448).to(FP8) for nm, w in w16.items()}
     w4 = {nm: quantize_int4(w) for nm, w in w16.items()}
+    # INT4's tiles picked here from the list the shapes' sweep prints (full), not the short one
+    c4 = {nm: fg.choose_int4_config(*SHAPES[nm], 128, torch.bfloat16, dev, full=full) for nm in names} \
+        if "int4" in kinds else {}
     total16 = sum(2 * w.numel() for w in w16.values())
     for m in rows:
         xs = {nm: torch.randn(m, SHAPES[nm][1], device=dev, dtype=torch.bfloat16, generator=g) for nm in names}
         chains = {"cublas": lambda i, xs=xs: [torch.matmul(xs[nm], w16[nm].t()) for nm in names],
                   "bf16": lambda i, xs=xs: [bg.bf16_gemv(xs[nm], w16[nm]) for nm in names],
                   "fp8": lambda i, xs=xs: [fg.fp8_gemv(xs[nm], w8[nm], sc[nm]) for nm in names],
-                  "int4": lambda i, xs=xs: [fg.int4_gemv(xs[nm], *w4[nm], None, 128) for nm in names]}
-        t = {key: graph_us(fn, 1, calls=4) for key, fn in chains.items()}  # microseconds a layer
-        print(f"  layer chain M={m}: " + ", ".join(f"{key} {us:.1f} us" for key, us in t.items())
-              + f"; x32 layers: cublas {32 * t['cublas'] / 1e3:.2f} ms ({total16 / t['cublas'] / 1e3:.0f} GB/s), "
-              f"bf16 {32 * t['bf16'] / 1e3:.2f} ms ({total16 / t['bf16'] / 1e3:.0f} GB/s), fp8 {32 * t['fp8'] / 1e3:.2f} ms, "
-              f"int4 "
-              f"{32 * t['int4'] / 1e3:.2f} ms", flush=True)
+                  "int4": lambda i, xs=xs: [fg.int4_gemv(xs[nm], *w4[nm], None, 128, c4[nm]) for nm in names]}
+        t = {key: graph_us(fn, 1, calls=4) for key, fn in chains.items() if key in kinds}  # microseconds a layer
+        print(f"  layer chain M={m}: " + ", ".join(f"{key} {us:.1f} us" for key, us in t.items()) + "; x32 layers: "
+              + ", ".join(f"{key} {32 * us / 1e3:.2f} ms" + (f" ({total16 / us / 1e3:.0f} GB/s)" if key in ("cublas", "bf16")
+                                                           else "") for key, us in t.items()), flush=True)
 
 
 def _warm(job) -> str:
@@ -166,16 +196,20 @@ def _warm(job) -> str:
         return f"{kind} {cfg.name}: {type(e).__name__}"
 
 
-def precompile(workers: int) -> None:
-    """Every candidate tile compiled in `workers` processes side by side before anything is timed."""
+def precompile(workers: int, kinds=KINDS, full: bool = False) -> None:
+    """Every candidate tile of `kinds` compiled in `workers` processes side by side before anything is timed
+    (full: INT4's longer list, which --sweep times)."""
     import multiprocessing as mp
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = []
     for kind, codes in (("fp8", FP8), ("bf16", torch.bfloat16)):
+        if kind not in kinds:
+            continue
         for c in fg.candidate_configs(4096, 4096, sms, codes) + fg.row_candidate_configs(4096, 4096, sms, codes):
             jobs.append((kind, c))
-    jobs += [("int4", c) for c in fg.int4_candidate_configs(4096, 4096, sms)]
+    if "int4" in kinds:
+        jobs += [("int4", c) for c in fg.int4_candidate_configs(4096, 4096, sms, full)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
         failed = [r for r in pool.map(_warm, jobs, chunksize=1) if r]
@@ -191,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layer", action="store_true", help="also time one decoder layer's four products in a row")
     ap.add_argument("--precompile", type=int, default=12, help="processes compiling the candidates first (0: none)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the shapes left past this time")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of " + ", ".join(KINDS))
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     dev = torch.device("cuda")
@@ -198,21 +233,22 @@ def main(argv=None) -> int:
     l2 = getattr(props, "L2_cache_size", 60 << 20)
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}")
-    print("columns: cuBLAS bf16 (torch.matmul) | Kiln bf16 GEMV | fp8 GEMV | fp8 GEMV without PDL | int4 GEMV; "
-          "GB/s of weight bytes")
+    print("kernels: cublas = torch.matmul in BF16, bf16 = Kiln's BF16 GEMV, fp8 (and without PDL), int4; GB/s of "
+          "weight bytes", flush=True)
     if a.precompile:
         try:
-            precompile(a.precompile)
+            precompile(a.precompile, tuple(a.kinds.split(",")), a.sweep)
         except Exception as e:  # noqa: BLE001 - the timings then compile as they go
             print(f"precompile failed ({type(e).__name__}: {e}); compiling as the timings go", flush=True)
     if a.layer:  # first: it also picks every projection's tiles, which the shapes below then reuse
-        bench_layer(dev, [int(m) for m in a.rows.split(",")])
+        bench_layer(dev, [int(m) for m in a.rows.split(",")], tuple(a.kinds.split(",")), a.sweep)
         torch.cuda.empty_cache()
     for name in a.shapes.split(","):
         if time.perf_counter() - t0 > a.budget_s:
             print(f"{name}: skipped (budget)")
             continue
-        bench_shape(name, *SHAPES[name], dev, l2, [int(m) for m in a.rows.split(",")], a.sweep)
+        bench_shape(name, *SHAPES[name], dev, l2, [int(m) for m in a.rows.split(",")], a.sweep,
+                    tuple(a.kinds.split(",")))
         torch.cuda.empty_cache()
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0

@@ -127,18 +127,19 @@ def source(kernel, types, cx):
              if n not in cx and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "k_per_split"))}
     return ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
 
-def gemv(codes, cfg, block_m, even=True, x="*bf16"):
+def gemv(codes, cfg, block_m, even=True, x="*bf16", act=""):
     elem = 2 if codes in ("*bf16", "*fp16") else 1
     types = dict(x_ptr=x, w_ptr=codes, s_ptr="*fp32", y_ptr=x, part_ptr="*fp32", count_ptr="*i32")
     cdt = {"*bf16": tl.bfloat16, "*fp16": tl.float16}[codes] if elem == 2 else tl.float16
     cx = dict(X_SCALE=fg.X_SCALE_BF16 if (elem == 1 and x == "*bf16") else 1.0, CDT=cdt, PREC="tf32",
-              HAS_SCALE=elem == 1, EVEN=even, PDL=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+              HAS_SCALE=elem == 1, EVEN=even, PDL=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+              ACT=act)
     return source(fg._gemv_kernel, types, cx), cfg
 
-def row(codes, cfg):
+def row(codes, cfg, act=""):
     elem = 2 if codes in ("*bf16", "*fp16") else 1
     types = dict(x_ptr="*bf16", w_ptr=codes, s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
-    cx = dict(HAS_SCALE=elem == 1, EVEN=True, PDL=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    cx = dict(HAS_SCALE=elem == 1, EVEN=True, PDL=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ACT=act)
     return source(fg._gemv_row_kernel, types, cx), cfg
 
 for codes, cd in (("*fp8e4nv", fg.FP8), ("*bf16", fg.torch.bfloat16)):
@@ -153,7 +154,13 @@ cases = [("heuristic m16", *gemv("*fp8e4nv", fg.heuristic_config(4096, 4096), 16
          ("split", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 4, 4, 4), 16)),
          ("bf16 weights", *gemv("*bf16", fg.GemvConfig(64, 128, 2, 4, 4), 16)),
          ("int8 ragged", *gemv("*i8", fg.GemvConfig(64, 128), 16, False)),
-         ("8 columns", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 2, 4, 4, block_m=8), 8))]
+         ("8 columns", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 2, 4, 4, block_m=8), 8)),
+         ("silu in the input load", *gemv("*fp8e4nv", fg.GemvConfig(64, 256, 2, 4, 4, block_m=8), 8, act="silu")),
+         ("bf16 gelu in the input load", *gemv("*bf16", fg.GemvConfig(64, 128, 4, 4, 4), 16, act="gelu_tanh"))]
+src, cfg = row("*fp8e4nv", fg.row_candidate_configs(4096, 4096, 132)[0], act="silu")
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
+print(f"single-row silu: ex2 {'ex2.approx' in ptx}")
 for name, src, cfg in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
@@ -161,14 +168,14 @@ for name, src, cfg in cases:
     if name.startswith("split"):
         print("fp8 cvt to fp16:", ptx.count("cvt.rn.f16x2.e4m3x2"),
               "griddep:", ptx.count("griddepcontrol"), "atom:", ptx.count("atom."))
-for x, magic in (("*bf16", 0x4300), ("*fp16", 0x6400)):
+for x, magic, gps, act in (("*bf16", 0x4300, 1, ""), ("*fp16", 0x6400, 1, ""), ("*bf16", 0x4300, 2, "silu")):
     types = dict(x_ptr=x, p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", xs_ptr="*fp32", y_ptr=x, part_ptr="*fp32",
                  count_ptr="*i32")
     cx = dict(CDT=tl.bfloat16 if x == "*bf16" else tl.float16, PREC="tf32", HAS_XS=True, MAGIC=magic, PRMT=True,
-              PDL=True, BLOCK_M=16, BLOCK_N=64, GROUP=128)
+              PDL=True, BLOCK_M=16, BLOCK_N=64, GROUP=128, GPS=gps, ACT=act)
     ptx = triton.compile(source(fg._int4_gemv_kernel, types, cx), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    print(f"int4 {x[1:]} mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
+    print(f"int4 {x[1:]}{' groups ' + str(gps) + ' ' + act if act else ''} mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))
 from kiln.kernels import fp8_rows  # the activation quantizer that feeds _scaled_mm above GEMV_MAX_M rows
 s = source(fp8_rows._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(BLOCK=4096))
 ptx = triton.compile(s, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
@@ -191,7 +198,8 @@ def test_kernels_compile_for_hopper_on_the_tensor_cores():
     lines = run.stdout.splitlines()
     assert "single-row fp8e4nv: fma True, pdl wait True" in lines and "single-row bf16: fma True, pdl wait True" in lines
     counts = dict(line.rsplit(" mma: ", 1) for line in lines if " mma: " in line)
-    assert len(counts) == 9, run.stdout
+    assert len(counts) == 12, run.stdout
+    assert "single-row silu: ex2 True" in lines
     assert all(int(v) > 0 for k, v in counts.items() if k != "quantize rows"), run.stdout
     assert counts["quantize rows"] == "0", run.stdout  # converted by the hardware's saturating FP8 cvt
     # E4M3 codes go to FP16 by the hardware's pair conversion; the PDL wait and trigger, and the split-K arrival

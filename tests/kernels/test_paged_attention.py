@@ -363,17 +363,17 @@ def attention(kv, split, block_m, g, window=False, cap=False):
                  softmax_scale="fp32", soft_cap="fp32")
     cx = dict(HEAD_DIM=128, G=g, G_PAD=g_pad, BLOCK_Q=block_m // g_pad, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=128,
               BLOCK_SIZE=16, KV_SCALED=kv != "*bf16", HAS_WINDOW=window, HAS_CAP=cap, SPLIT=split,
-              CDT=tl.bfloat16 if kv == "*bf16" else tl.float16, CLAMP_Q=kv != "*bf16", PREC="tf32")
+              CDT=tl.bfloat16 if kv == "*bf16" else tl.float16, CLAMP_Q=kv != "*bf16", PREC="tf32", PDL=True)
     return source(pa._paged_attention_kernel, types, cx)
 
 def cache(quant, ptr, offset=False):
     types = dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=ptr, vc_ptr=ptr, slot_ptr="*i64", ks_ptr="*fp32",
                  vs_ptr="*fp32", ko_ptr="*fp32")
-    cx = dict(KVH=8, HEAD_DIM=128, BLOCK_SIZE=16, QUANT=quant, HAS_OFFSET=offset, BLOCK_H=8, BLOCK_D=128)
+    cx = dict(KVH=8, HEAD_DIM=128, BLOCK_SIZE=16, QUANT=quant, HAS_OFFSET=offset, BLOCK_H=8, BLOCK_D=128, PDL=True)
     return source(pa._reshape_and_cache_kernel, types, cx)
 
 merge = source(pa._merge_splits_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16", qsl_ptr="*i32"),
-               dict(HEAD_DIM=128, S_PAD=4, BLOCK_D=128))
+               dict(HEAD_DIM=128, S_PAD=4, BLOCK_D=128, PDL=True))
 cases = [("decode bf16", attention("*bf16", False, 16, 4), 3),
          ("decode fp8 split", attention("*fp8e4nv", True, 16, 4), 3),
          ("decode int8 window cap", attention("*i8", False, 16, 4, True, True), 3),

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .gated_act import act_mul
 from .pdl import launch_options
 
 FP8 = torch.float8_e4m3fn
@@ -77,7 +78,7 @@ def _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm,
                  stride_wn, stride_ym, X_SCALE: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr,
                  HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,10 +97,15 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         if EVEN:  # N and every split's K range are whole tiles
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            if ACT != "":  # x is [gate | up]: act(gate) * up, rounded as act_and_mul's output is
+                xt = act_mul(xt, tl.load(x_ptrs + K, mask=row_ok, other=0.0), ACT).to(x_ptr.dtype.element_ty)
         else:
             k_ok = (k + rk) < k_hi
             w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=row_ok & k_ok[:, None], other=0.0)
+            if ACT != "":
+                xt = act_mul(xt, tl.load(x_ptrs + K, mask=row_ok & k_ok[:, None], other=0.0),
+                             ACT).to(x_ptr.dtype.element_ty)
         if X_SCALE != 1.0:
             xt = xt.to(tl.float32) * X_SCALE
         acc = tl.dot(w.to(CDT), xt.to(CDT), acc, input_precision=PREC)
@@ -115,7 +121,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                      HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ACT: tl.constexpr):
     """One row of x (M = 1) without the tensor cores: each thread multiplies its weights by x in FP32 and keeps
     the products' sums per position of the tile, added across the tile once at the end. Nothing is staged in
     shared memory and no dot needs 16 rows, so a program is small and an SM holds many."""
@@ -135,10 +141,14 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, k_pe
         if EVEN:
             w = tl.load(w_ptrs)
             xv = tl.load(x_ptrs)
+            if ACT != "":  # x is [gate | up] (see _gemv_kernel)
+                xv = act_mul(xv, tl.load(x_ptrs + K), ACT).to(x_ptr.dtype.element_ty)
         else:
             k_ok = (k + rk) < k_hi
             w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            if ACT != "":
+                xv = act_mul(xv, tl.load(x_ptrs + K, mask=k_ok, other=0.0), ACT).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -188,12 +198,15 @@ def _codes_minus_zero(p, zb, MAGIC: tl.constexpr, CDT: tl.constexpr, PRMT: tl.co
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                       splits, stride_xm, stride_pn, stride_sn, stride_ym, CDT: tl.constexpr, PREC: tl.constexpr,
                       HAS_XS: tl.constexpr, MAGIC: tl.constexpr, PRMT: tl.constexpr, PDL: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GPS: tl.constexpr,
+                      ACT: tl.constexpr):
     """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
     GROUP / 2 bytes a row: low nibble = even channel). The codes less their zero point, q - z, are exact small
     integers in the dot's type (_codes_minus_zero), so the even and odd channels meet the matching columns of x
     (times its input scale) in two dots, and the group's scale multiplies only the [BLOCK_N, BLOCK_M] partial
-    sums: sum_k (q_k - z) * s * x_k = s * sum_k (q_k - z) x_k."""
+    sums: sum_k (q_k - z) * s * x_k = s * sum_k (q_k - z) x_k. GPS groups a loop step (unrolled: their loads
+    independent of each other's arithmetic, more bytes in flight a program); ACT: x is [gate | up] and the
+    GEMV multiplies act(gate) * up (see _gemv_kernel)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = GROUP // 2
@@ -214,24 +227,32 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
     else:
         base = 0.0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(k_lo, k_hi, GROUP):
-        g = k // GROUP
-        p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :], mask=n_ok[:, None],
-                    other=0)
-        s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
-        zb = (tl.load(z_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32) + base).to(CDT)
-        ke = k + 2 * rj
-        x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=row_ok & (ke < k_hi)[:, None],
-                         other=0.0)
-        x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None],
-                        mask=row_ok & ((ke + 1) < k_hi)[:, None], other=0.0)
-        if HAS_XS:
-            x_even = x_even.to(tl.float32) * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
-            x_odd = x_odd.to(tl.float32) * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
-        lo, hi = _codes_minus_zero(p, zb[:, None], MAGIC, CDT, PRMT)
-        part = tl.dot(lo, x_even.to(CDT), input_precision=PREC)
-        part = tl.dot(hi, x_odd.to(CDT), part, input_precision=PREC)
-        acc += s[:, None] * part
+    for k0 in range(k_lo, k_hi, GROUP * GPS):
+        for gi in tl.static_range(GPS):
+            k = k0 + gi * GROUP
+            live = k < k_hi  # the split's last step may hold fewer than GPS groups
+            g = k // GROUP
+            p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :],
+                        mask=n_ok[:, None] & live, other=0)
+            s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok & live, other=0.0)
+            zb = (tl.load(z_ptr + rn * stride_sn + g, mask=n_ok & live, other=0).to(tl.float32) + base).to(CDT)
+            ke = k + 2 * rj
+            e_ok = row_ok & (ke < k_hi)[:, None]
+            o_ok = row_ok & ((ke + 1) < k_hi)[:, None]
+            x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=e_ok, other=0.0)
+            x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=o_ok, other=0.0)
+            if ACT != "":
+                x_even = act_mul(x_even, tl.load(x_ptr + rm[None, :] * stride_xm + (K + ke)[:, None], mask=e_ok,
+                                                 other=0.0), ACT).to(x_ptr.dtype.element_ty)
+                x_odd = act_mul(x_odd, tl.load(x_ptr + rm[None, :] * stride_xm + (K + ke + 1)[:, None],
+                                               mask=o_ok, other=0.0), ACT).to(x_ptr.dtype.element_ty)
+            if HAS_XS:
+                x_even = x_even.to(tl.float32) * tl.load(xs_ptr + ke, mask=ke < k_hi, other=0.0)[:, None]
+                x_odd = x_odd.to(tl.float32) * tl.load(xs_ptr + ke + 1, mask=(ke + 1) < k_hi, other=0.0)[:, None]
+            lo, hi = _codes_minus_zero(p, zb[:, None], MAGIC, CDT, PRMT)
+            part = tl.dot(lo, x_even.to(CDT), input_precision=PREC)
+            part = tl.dot(hi, x_odd.to(CDT), part, input_precision=PREC)
+            acc += s[:, None] * part
     _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N, stride_ym, splits)
 
 
@@ -299,6 +320,9 @@ DOT_TILES_MORE = ((64, 256, 4, 4, 16), (128, 256, 8, 3, 16), (64, 512, 8, 3, 16)
 ROW_TILES = ((16, 512, 8), (16, 256, 4), (32, 256, 8), (8, 512, 4))  # (block_n, block_k for 8-bit, warps)
 ROW_TILES_MORE = ((16, 512, 4),)
 INT4_TILES = ((256, 8, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4))  # (block_n, warps, stages); PTX unpacking, m8
+# `full` adds: (block_n, block_k (groups a step times 128), warps, stages, prmt)
+INT4_TILES_MORE = ((128, 256, 8, 3, True), (256, 256, 8, 3, True), (64, 256, 4, 4, True), (128, 512, 8, 2, True),
+                   (64, 512, 4, 3, True), (128, 128, 8, 3, False), (256, 128, 8, 3, False))
 
 
 def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8,
@@ -333,12 +357,13 @@ def row_candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype
     return out
 
 
-def check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> None:
+def check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, act: str = "") -> None:
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be a 2-D float16, bfloat16 or float32 tensor, got {x.dtype} {list(x.shape)}")
-    if codes.dtype not in CODES or codes.dim() != 2 or codes.shape[1] != x.shape[1]:
-        raise ValueError(f"codes must be float8_e4m3fn, int8, bfloat16 or float16 [N, K={x.shape[1]}], got "
-                         f"{codes.dtype} {list(codes.shape)}")
+    k = x.shape[1] // 2 if act else x.shape[1]  # with act, x is [gate | up]
+    if codes.dtype not in CODES or codes.dim() != 2 or codes.shape[1] != k or (act and x.shape[1] != 2 * k):
+        raise ValueError(f"codes must be float8_e4m3fn, int8, bfloat16 or float16 [N, K={k}], got "
+                         f"{codes.dtype} {list(codes.shape)}" + (f" (x [gate | up] {list(x.shape)})" if act else ""))
     if scale is not None and scale.numel() != codes.shape[0]:
         raise ValueError(f"scale must have N = {codes.shape[0]} elements, got {scale.numel()}")
     if x.shape[0] > MAX_M:
@@ -358,11 +383,12 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, config: GemvConfig | None = None,
-             out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+             out: torch.Tensor | None = None, pdl: bool = True, act: str = "") -> torch.Tensor:
     """x [M <= 64, K] @ (codes [N, K] FP8 or INT8 * scale [N]).T -> [M, N] in x's dtype (into `out` when given).
-    16-bit codes take scale None (a plain GEMV)."""
-    check(x, codes, scale)
-    M, K = x.shape
+    16-bit codes take scale None (a plain GEMV). act ("silu", "gelu_tanh"): x is [M, 2K], gate then up, and the
+    product is of act(gate) * up, rounded to x's dtype as it is loaded (kernels/gated_act.py)."""
+    check(x, codes, scale, act)
+    M, K = x.shape[0], codes.shape[1]
     N = codes.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -390,7 +416,7 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y
     counts = _counters(x.device) if splits > 1 else y
     common = dict(HAS_SCALE=scale is not None, EVEN=even, PDL=hopper and pdl, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
+                  ACT=act, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     s_arg = scale if scale is not None else y
     if cfg.row:
         if M != 1:
@@ -409,11 +435,15 @@ def int4_heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
     return GemvConfig(128, 128, split_for(n, k, 128, 128, num_sms), 8, 3, prmt=True, block_m=8)
 
 
-def int4_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
+def int4_candidate_configs(n: int, k: int, num_sms: int, full: bool = False) -> list[GemvConfig]:
+    """int4_gemv's tiles choose_int4_config times (block_k: the groups of 128 one loop step takes, times 128)."""
+    tiles = [(bn, 128, warps, stages, True) for bn, warps, stages in INT4_TILES]
+    if full:
+        tiles += list(INT4_TILES_MORE)
     out = []
-    for bn, warps, stages in INT4_TILES:
+    for bn, bk, warps, stages, prmt in tiles:
         for waves in (1.0, 2.0):
-            c = GemvConfig(bn, 128, split_for(n, k, bn, 128, num_sms, waves), warps, stages, prmt=True, block_m=8)
+            c = GemvConfig(bn, bk, split_for(n, k, bn, bk, num_sms, waves), warps, stages, prmt=prmt, block_m=8)
             if c not in out:
                 out.append(c)
     return out
@@ -421,14 +451,17 @@ def int4_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               input_scale: torch.Tensor | None = None, group: int = 128, config: GemvConfig | None = None,
-              pdl: bool = True) -> torch.Tensor:
+              pdl: bool = True, act: str = "") -> torch.Tensor:
     """(x [M <= 64, K] * input_scale) @ W.T for kiln.llm.quantize's INT4 layout: packed uint8 [N, G * group / 2]
     (low nibble = even input channel), scale FP32 [N, G], zero uint8 [N, G], W = (code - zero) * scale per group
-    of `group` input channels. Returns [M, N] in x's dtype."""
+    of `group` input channels. Returns [M, N] in x's dtype. act ("silu", "gelu_tanh"): x is [M, 2K], gate then
+    up, and the product is of act(gate) * up (kernels/gated_act.py)."""
     if x.dim() != 2 or x.dtype not in DTYPES or x.shape[0] > MAX_M:
         raise ValueError(f"x must be a 2-D float16, bfloat16 or float32 tensor of at most {MAX_M} rows, got "
                          f"{x.dtype} {list(x.shape)}")
     M, K = x.shape
+    if act:
+        K //= 2
     N, G = scale.shape
     if packed.dtype != torch.uint8 or tuple(packed.shape) != (N, G * group // 2) or G != -(-K // group):
         raise ValueError(f"packed must be uint8 [N, G * {group} / 2] with G = ceil(K / {group}) = "
@@ -441,7 +474,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     if M == 0 or N == 0:
         return y
     cfg = config or choose_int4_config(N, K, group, x.dtype, x.device, input_scale is not None)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), group) * group
+    gps = max(1, cfg.block_k // group)  # groups a loop step
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), group * gps) * group * gps
     splits = triton.cdiv(K, k_per_split)
     tiles = triton.cdiv(N, cfg.block_n)
     if splits > 1 and tiles > MAX_TILES:
@@ -456,7 +490,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
         x, packed, scale, zero, xs, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         HAS_XS=input_scale is not None, MAGIC=magic, PRMT=cfg.prmt and magic != 0 and x.is_cuda, PDL=hopper and pdl,
-        BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group,
+        BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group, GPS=gps, ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
 
@@ -576,9 +610,9 @@ def choose_config(n: int, k: int, dtype: torch.dtype, device: torch.device, code
 
 
 def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device,
-                       input_scale: bool = False) -> GemvConfig:
-    """choose_config's rule for int4_gemv's tile (groups of `group`; the K tile is one group), timed with an
-    input scale where the weight has one (AWQ's)."""
+                       input_scale: bool = False, full: bool = False) -> GemvConfig:
+    """choose_config's rule for int4_gemv's tile (groups of `group`; a K step is one group or a few), timed
+    with an input scale where the weight has one (AWQ's). full: time int4_candidate_configs' longer list."""
     device = torch.device(device)
     key = ("int4", n, k, group, dtype, str(device), input_scale)
     cfg = _CHOSEN.get(key)
@@ -595,7 +629,7 @@ def choose_int4_config(n: int, k: int, group: int, dtype: torch.dtype, device: t
     x = torch.zeros((1, k), dtype=dtype, device=device)
     xs = torch.ones(k, dtype=torch.float32, device=device) if input_scale else None
     _counters(device)
-    cfg = _fastest(int4_candidate_configs(n, k, sms), _TIMED.setdefault((n, k, dtype, "int4", str(device)), {}),
+    cfg = _fastest(int4_candidate_configs(n, k, sms, full), _TIMED.setdefault((n, k, dtype, "int4", str(device)), {}),
                    lambda c: time_us(lambda p: int4_gemv(x, p, scale, zero, xs, group, c), packed),
                    int4_heuristic_config(n, k, sms), lambda c: int4_gemv(x, packed[0], scale, zero, xs, group, c))
     _CHOSEN[key] = cfg

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..errors import ShapeError
+from .pdl import launch_options, start_after_previous
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -171,7 +172,8 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs
                               skt, skh, svt, svh, skcb, skco, skch, svcb, svco, svch,
                               KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                               QUANT: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    start_after_previous(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -233,12 +235,13 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     quant = _quant_name(k_cache.dtype)
     slots = slot_mapping.to(torch.int64).contiguous()
+    pdl = launch_options(k.device)
     _reshape_and_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slots, _scales(k_scale, slots), _scales(v_scale, slots),
         _scales(k_offset, slots), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], KVH=kvh, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], QUANT=quant,
         HAS_OFFSET=k_offset is not None, BLOCK_H=triton.next_power_of_2(kvh),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=4 if kvh * d >= 1024 else 1)
+        BLOCK_D=triton.next_power_of_2(d), PDL=bool(pdl), num_warps=4 if kvh * d >= 1024 else 1, **pdl)
 
 
 @triton.jit
@@ -285,7 +288,10 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                             HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr, CLAMP_Q: tl.constexpr,
-                            PREC: tl.constexpr):
+                            PREC: tl.constexpr, PDL: tl.constexpr):
+    # first, before any program may return: this kernel then cannot end before the one it follows, which the
+    # next kernel's wait (on this one) relies on when it reads what that one wrote
+    start_after_previous(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -376,7 +382,9 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr,
 
 @triton.jit
 def _merge_splits_kernel(po_ptr, pml_ptr, o_ptr, qsl_ptr, num_seqs, num_splits, spt, sph, sps, smt, smh, sot,
-                         soh, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+                         soh, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
+    start_after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if t >= tl.load(qsl_ptr + num_seqs):  # padding rows: no partials were written for them
@@ -483,6 +491,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     grid = (num_tokens // block_q + num_seqs, kvh, splits)
+    pdl = launch_options(q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, o, qsl, lens, tables, _scales(k_scale, q) if scaled else q,
         _scales(v_scale, q) if scaled else q, partial, max_sum, num_seqs,
@@ -495,10 +504,12 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         BLOCK_SIZE=k_cache.shape[1], KV_SCALED=scaled,
         HAS_WINDOW=bool(sliding_window), HAS_CAP=bool(logits_soft_cap), SPLIT=splits > 1, CDT=_TL[cdt],
         CLAMP_Q=q.dtype == torch.bfloat16 and cdt == torch.float16,
-        PREC="ieee" if cdt == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PREC="ieee" if cdt == torch.float32 else "tf32", PDL=bool(pdl), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             partial, max_sum, o, qsl, num_seqs, splits, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0),
             o.stride(1),
-            HEAD_DIM=d, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+            HEAD_DIM=d, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=bool(pdl),
+            num_warps=1 if block_d <= 64 else 2, **pdl)
     return o

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.llm.attention import AttentionMetadata, LayerCache, paged_attention
+from kiln.llm.attention import AttentionMetadata, LayerCache, attend, paged_attention
 from kiln.llm.config import ModelConfig
 from kiln.llm.parallel import (
     Shard,
@@ -150,6 +150,9 @@ class DecoderModel:
             self.num_kv_heads, self.kv_head_ids = k1 - k0, list(range(k0, k1))
         # Triton fusions (fused_ops.py) on CUDA; the torch forms elsewhere (or under TRITON_INTERPRET in tests).
         self.fused = self.device.type == "cuda" if fused is None else fused
+        # Two of those fusions, apart so that a benchmark can time the step without them: RoPE with the KV-cache
+        # write (kernels/rope_cache.py), and the MLP's activation inside the down projection's GEMV.
+        self.fuse_rope_cache = self.fuse_act_down = self.fused
         tensors = normalize_names(tensors)
 
         def w(name):
@@ -246,17 +249,21 @@ class DecoderModel:
             q = qkv[:, :qd].view(-1, nh, cfg.head_dim)
             k = qkv[:, qd:qd + kvd].view(-1, nkv, cfg.head_dim)
             v = qkv[:, qd + kvd:].view(-1, nkv, cfg.head_dim)
-            if cfg.qk_norm:
-                q, k = rms_norm(q, L["q_norm"], eps, off), rms_norm(k, L["k_norm"], eps, off)
-            q, k = self._rope(n, q, k, qkv, positions)
-            o = paged_attention(q, k, v, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n],
-                                cfg.attn_logit_softcap)
+            if self.fuse_rope_cache and not cfg.qk_norm:  # RoPE and the cache write in one kernel
+                self._rope_and_cache(n, qkv, positions, caches[n], md)
+                o = attend(q, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n], cfg.attn_logit_softcap)
+            else:
+                if cfg.qk_norm:
+                    q, k = rms_norm(q, L["q_norm"], eps, off), rms_norm(k, L["k_norm"], eps, off)
+                q, k = self._rope(n, q, k, qkv, positions)
+                o = paged_attention(q, k, v, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n],
+                                    cfg.attn_logit_softcap)
             o = all_reduce(F.linear(o.reshape(-1, qd), L["o"]), self.shard)  # row-parallel: sum the ranks' parts
             if cfg.sandwich_norms:
                 x, h = self._add_norm(rms_norm(o, L["post_attn_norm"], eps, off), h, L["pre_ffn_norm"])
             else:
                 x, h = self._add_norm(o, h, L["post_attn_norm"])
-            x = all_reduce(F.linear(self._act_and_mul(F.linear(x, L["gate_up"])), L["down"]), self.shard)
+            x = all_reduce(self._mlp_down(F.linear(x, L["gate_up"]), L["down"]), self.shard)
             delta = rms_norm(x, L["post_ffn_norm"], eps, off) if cfg.sandwich_norms else x
         return self._add_norm(delta, h, self.norm)[0]
 
@@ -287,6 +294,25 @@ class DecoderModel:
             qk = qkv[:, :heads * self.cfg.head_dim].view(-1, heads, self.cfg.head_dim)
             fused_ops.rope_(qk, positions, rope.cos, rope.sin, rope.dim)
         return q, k
+
+    def _rope_and_cache(self, n, qkv, positions, cache: LayerCache, md: AttentionMetadata):
+        from kiln.kernels.rope_cache import rope_and_cache
+
+        rope = self.ropes[n]
+        rope_and_cache(qkv, positions, rope.cos, rope.sin, rope.dim, self.num_heads, self.num_kv_heads,
+                       self.cfg.head_dim, cache.k, cache.v, md.slot_mapping, cache.k_scale, cache.v_scale,
+                       cache.k_offset)
+
+    def _mlp_down(self, gate_up, down):
+        """down(act(gate) * up): in the down projection's GEMV where it applies the activation as it loads its
+        input (fused_ops.act_and_down), else act_and_mul and then the projection."""
+        if self.fuse_act_down:
+            from kiln.llm import fused_ops
+
+            y = fused_ops.act_and_down(gate_up, down, self.cfg.hidden_act)
+            if y is not None:
+                return y
+        return F.linear(self._act_and_mul(gate_up), down)
 
     def _act_and_mul(self, gate_up):
         act = self.cfg.hidden_act

@@ -1,0 +1,80 @@
+"""The decoder with its CUDA fusions forced on (Triton under TRITON_INTERPRET=1 without a GPU) against its torch
+path: RoPE + the KV-cache write in one kernel (kernels/rope_cache.py), the MLP's activation inside the down
+projection's GEMV (fused_ops.act_and_down), add + RMSNorm. Greedy tokens of a prefill and decode steps over the
+paged cache are the same; logits agree to FP32 rounding."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kiln.kernels import fp8_gemv as fg  # noqa: E402
+from kiln.llm import fused_ops  # noqa: E402
+from kiln.llm.attention import AttentionMetadata, LayerCache  # noqa: E402
+from kiln.llm.config import ModelConfig  # noqa: E402
+from kiln.llm.loader import load_hf_dir  # noqa: E402
+from kiln.llm.model import DecoderModel  # noqa: E402
+from kiln.llm.quantize import QuantizedWeight, quantize_model  # noqa: E402
+
+BS = 4
+TABLE = [5, 2, 7, 0, 3, 6]  # the sequence's blocks, out of order
+
+
+def _generate(model, prompt, steps, dtype):
+    """Greedy tokens after `prompt` (one prefill, then one decode step a token) and every step's logits."""
+    cfg = model.cfg
+    shape = (8, BS, cfg.num_kv_heads, cfg.head_dim)
+    caches = [LayerCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+              for _ in range(cfg.num_layers)]
+    ids, pos0, tokens, logits = list(prompt), 0, [], []
+    for _ in range(steps):
+        n = len(ids)
+        pos = list(range(pos0, pos0 + n))
+        md = AttentionMetadata(torch.tensor([TABLE[p // BS] * BS + p % BS for p in pos]),
+                               torch.tensor([0, n], dtype=torch.int32), torch.tensor([pos0 + n], dtype=torch.int32),
+                               torch.tensor([TABLE], dtype=torch.int32), n, pos0 + n)
+        hidden = model.forward(torch.tensor(ids), torch.tensor(pos), md, caches)
+        out = model.compute_logits(hidden[-1:])
+        logits.append(out[0])
+        tokens.append(int(out[0].argmax()))
+        ids, pos0 = [tokens[-1]], pos0 + n
+    return tokens, torch.stack(logits)
+
+
+def test_fused_decoder_gives_the_same_tokens(tiny_llama):
+    hf, tensors, tok = load_hf_dir(tiny_llama)
+    cfg = ModelConfig.from_hf(hf)
+    prompt = tok.encode("The potter lit the fire")
+    want, want_logits = _generate(DecoderModel(cfg, tensors, torch.float32, "cpu", fused=False), prompt, 6,
+                                  torch.float32)
+    fused = DecoderModel(cfg, tensors, torch.float32, "cpu", fused=True)
+    assert fused.fuse_rope_cache and fused.fuse_act_down
+    got, got_logits = _generate(fused, prompt, 6, torch.float32)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
+
+
+def test_activation_in_the_down_gemv(tiny_llama):
+    """FP16 with FP8 weights: the fused model's down projection runs the GEMV with the activation in its input
+    load, which equals act_and_mul then the GEMV bit for bit; the tokens equal those of the torch path."""
+    hf, tensors, tok = load_hf_dir(tiny_llama)
+    cfg = ModelConfig.from_hf(hf)
+    models = [DecoderModel(cfg, tensors, torch.float16, "cpu", fused=f) for f in (False, True)]
+    for m in models:
+        quantize_model(m, "fp8")
+    down = models[1].layers[0]["down"]
+    assert isinstance(down, QuantizedWeight)
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(1, 2 * cfg.intermediate_size, generator=g).half()
+    got = fused_ops.act_and_down(gate_up, down, cfg.hidden_act)
+    assert got is not None
+    assert torch.equal(got, fg.fp8_gemv(fused_ops.act_and_mul(gate_up), down.codes, down.scale))
+    assert fused_ops.act_and_down(gate_up.float(), down, cfg.hidden_act) is None  # FP32: no fused form
+    prompt = tok.encode("Hello world")
+    want, _ = _generate(models[0], prompt, 4, torch.float16)
+    got, _ = _generate(models[1], prompt, 4, torch.float16)
+    assert got == want
