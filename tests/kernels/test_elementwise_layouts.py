@@ -200,3 +200,12 @@ def test_zoo_layouts_on_the_gpu(case):
     else:
         inputs, program = [_randn(3, 1000, 77, dtype=h), _randn(3, 1000, 77, seed=4, dtype=h)], ["Add t0 i0 i1"]
     _check(program, inputs, block=elementwise.BLOCK, rtol=2e-3, atol=2e-3)
+
+
+def test_tiles_fit_the_inner_dim():
+    assert elementwise.tile_cols(1152, 2048) == 128  # 9 full tiles, not one of 2048 with 896 lanes idle
+    assert elementwise.tile_cols(16, 2048) == 16 and elementwise.tile_cols(7, 2048) == 8
+    assert elementwise.tile_cols(10**6, 2048) == 2048
+    x, s = _randn(3, 1152, 1, 2).contiguous(memory_format=CL), _randn(3, 1152, 1, 1, seed=1)
+    out = _check(["Mul t0 i0 i1"], [x, s], block=2048)  # channels innermost: tiles of 128 of them
+    assert elementwise.plan([x, s], out).sizes == (3, 2, 1152)

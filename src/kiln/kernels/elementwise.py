@@ -374,11 +374,22 @@ def run(program: list[str], inputs: list[torch.Tensor], block: int = BLOCK, out:
         kernel[(triton_cdiv(n, block),)](*inputs, out, n, *strides, BLOCK=block)
         return out
     inner = p.sizes[-1]
-    cols = min(1 << (inner - 1).bit_length(), block)
+    cols = tile_cols(inner, block)
     rows = max(1, block // cols)
     grid = (triton_cdiv(n // inner, rows) * triton_cdiv(inner, cols),)
     kernel[grid](*inputs, out, n, *p.sizes[1:], *strides, ROWS=rows, COLS=cols)
     return out
+
+
+def tile_cols(inner: int, block: int) -> int:
+    """A tile's width across the innermost dim: the power of two that pays least for its masked lanes
+    (ceil(inner / cols) * cols) plus a row's index arithmetic (counted as ROW_COST lanes), so 1152 channels
+    take tiles of 128 (9 full ones), not one of 2048 with 896 lanes idle."""
+    widths = [1 << k for k in range(min(block, 1 << (inner - 1).bit_length()).bit_length())]
+    return min(reversed(widths), key=lambda c: triton_cdiv(inner, c) * (c + ROW_COST))
+
+
+ROW_COST = 16
 
 
 def triton_cdiv(a: int, b: int) -> int:
