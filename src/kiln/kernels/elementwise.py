@@ -353,7 +353,11 @@ def supports(inputs: list[torch.Tensor]) -> bool:
             or any(x.numel() == 0 for x in inputs):
         return False
     shape = _out_shape(inputs)
-    return shape is not None and plan(inputs, empty_output(inputs, shape)) is not None
+    if shape is None:
+        return False
+    # planned on meta tensors of the same strides: nothing is allocated on the device to answer
+    metas = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in inputs]
+    return plan(metas, empty_output(metas, shape)) is not None
 
 
 BLOCK = 2048  # elements a program writes
