@@ -163,6 +163,8 @@ def _check_layout(layout: Layout, n_inputs: int) -> None:
 
 
 def source(program: list[str], n_inputs: int, layout: Layout | None = FLAT) -> str:
+    """The kernel's Python source: kernel(i0.., out, n, sizes of the inner merged dims, the "s" strides, tile
+    sizes), generated from the parsed program and the checked layout alone."""
     steps = parse(program, n_inputs)
     layout = layout or _flat(n_inputs)
     _check_layout(layout, n_inputs)
