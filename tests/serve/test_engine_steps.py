@@ -1,9 +1,10 @@
 """What the served engine does each step, on the tiny model on the CPU: its streamed outputs (output_kind
-"delta") add up to the offline outputs; the step profile records every step's batch and phases; the engine's
-CPU placement."""
+"delta") add up to the offline outputs, and the engine process's step frames decode to the same deltas; the step
+profile records every step's batch and phases; the engine's CPU placement."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,6 +14,7 @@ from kiln.errors import ConfigError
 from kiln.llm.engine import LLMEngine, SamplingParams
 from kiln.serve import cpu_placement, step_profile
 from kiln.serve.async_engine import DeltaMaker
+from kiln.serve.step_frames import StepDecoder, StepEncoder, is_plain
 
 KW = {"device": "cpu", "max_num_seqs": 4, "num_kv_blocks": 64, "max_model_len": 128, "max_num_batched_tokens": 24}
 
@@ -27,8 +29,6 @@ def engine(tiny_llm):
 
 def _run(engine, requests, kind):
     """{request id: [RequestOutput of each step]} of requests (id, prompt, SamplingParams) run together."""
-    import dataclasses
-
     got = {}
     for rid, prompt, p in requests:
         engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=kind))
@@ -62,6 +62,45 @@ def test_delta_outputs_add_up_to_the_final_ones(engine):
             if c.logprobs is not None:
                 assert [lp for p in pieces for lp in p[5]] == c.logprobs
     assert final["c"].outputs[0].finish_reason in ("stop", "length")
+    assert engine.stats()["kv_blocks_free"] == KW["num_kv_blocks"]
+
+
+def test_step_frames_decode_to_the_deltas_of_delta_outputs(engine):
+    # The engine process's frames (plain streams read off their sequences as flat token lists, the rest as
+    # deltas) decode, step by step, to what a DeltaMaker makes of "delta" outputs of the same requests.
+    import marshal
+
+    requests = [("a", "Hello world, this is a longer prompt " * 2, SamplingParams(temperature=0, max_tokens=9)),
+                ("b", "The kiln", SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=7, logprobs=2)),
+                ("c", [5, 6, 7], SamplingParams(temperature=0, max_tokens=12, stop=["e"])),
+                ("d", "Once", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+                ("e", [9, 8], SamplingParams(temperature=0, max_tokens=1))]
+    requests = [(rid, prompt, dataclasses.replace(p, detokenize=bool(p.stop))) for rid, prompt, p in requests]
+
+    def steps(add, encode):
+        for rid, prompt, p in requests:
+            add(rid, prompt, p)
+        out = []
+        while engine.has_unfinished_requests():
+            out.append({d[0]: d for d in encode(engine.step())})
+        return out
+
+    make = DeltaMaker()
+    want = steps(lambda rid, prompt, p: engine.add_request(rid, prompt, dataclasses.replace(p, output_kind="delta")),
+                 lambda outs: [make(o) for o in outs])
+    enc, dec = StepEncoder(engine), StepDecoder()
+
+    def add(rid, prompt, p):
+        fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "extra"}
+        engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=enc.output_kind(fields)))
+        enc.add(rid, fields)
+        dec.expect(rid, engine.requests[rid].prompt_token_ids)
+
+    got = steps(add, lambda outs: dec.decode(*marshal.loads(marshal.dumps(enc.encode(outs)))))
+    assert got == want
+    assert sorted(rid for rid, _, p in requests if is_plain({f.name: getattr(p, f.name)
+                                                             for f in dataclasses.fields(p)})) == ["a", "d", "e"]
+    assert not any(rid in enc for rid, _, _ in requests)  # every finished stream left the encoder
     assert engine.stats()["kv_blocks_free"] == KW["num_kv_blocks"]
 
 

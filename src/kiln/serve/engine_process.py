@@ -8,10 +8,10 @@ admits them and writes the streams. They talk over two pipes in length-prefixed 
 
     server -> engine   ("add", rid, prompt_ids, sampling fields) | ("abort", rid) | ("stop",)
     engine -> server   ("info", {...}) once loaded, or ("error", KilnError class name, message)
-                       ("step", accepted rids, [(rid, message)] refused, [Delta], stats, failure or None)
+                       ("step", accepted rids, [(rid, message)] refused, tokens, deltas, stats, failure or None)
 
-One "step" frame carries everything a step produced for every stream (kiln/serve/async_engine.py's Delta
-tuples) and is read by the event loop in one callback. The child makes no text for requests without stop
+One "step" frame carries everything a step produced for every stream (tokens and deltas: kiln/serve/
+step_frames.py, decoded here into async_engine.py's Deltas) and is read by the event loop in one callback. The child makes no text for requests without stop
 strings (SamplingParams.detokenize False): their token ids cross the pipe and this process detokenizes each
 step's in one batched decode (kiln/serve/detokenize.py), so the step loop that bounds the throughput does
 no string work. The child exits when told to stop or when the server's end of the pipe closes (the server died).
@@ -36,8 +36,9 @@ import traceback
 
 from .. import errors
 from . import cpu_placement, step_profile
-from .async_engine import ACCEPTED, STREAMED, DeltaMaker, EngineFailure, EngineInfo
+from .async_engine import ACCEPTED, EngineFailure, EngineInfo
 from .detokenize import StreamDetokenizer
+from .step_frames import StepDecoder, StepEncoder
 
 _HEADER = struct.Struct("<I")
 _PIPE_BYTES = 1 << 20  # so a step's frame or a burst of adds rarely waits for the reader
@@ -151,6 +152,7 @@ class EngineProcess:
                                info["block_size"])
         self._early = pending  # frames that came with the info one (none: the child waits for requests)
         self._text = StreamDetokenizer(self.info.tokenizer)  # the text of requests the child does not detokenize
+        self._frames = StepDecoder()
         self._stats = info["stats"]
         self._sinks: dict = {}
         self._out = bytearray()  # frames for the child that its pipe did not take yet
@@ -183,11 +185,14 @@ class EngineProcess:
         if params.detokenize and not params.stop:  # the text is made here; stop strings need it in the child
             fields["detokenize"] = False
             self._text.open(request_id, prompt, params.skip_special_tokens)
-        self._send(("add", request_id, list(prompt), fields))
+        prompt = list(prompt)
+        self._frames.expect(request_id, prompt)
+        self._send(("add", request_id, prompt, fields))
 
     def abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
             self._text.close(request_id)
+            self._frames.forget(request_id)
             self._send(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -263,13 +268,14 @@ class EngineProcess:
             for rid, sink in self._sinks.items():
                 sink.put(failure)
                 self._text.close(rid)
+                self._frames.forget(rid)
             self._sinks.clear()
             return
         for frame in self._reader.feed(data):
             self._handle(marshal.loads(frame))
 
     def _handle(self, msg) -> None:
-        _, accepted, refused, deltas, stats, failure = msg
+        _, accepted, refused, tokens, deltas, stats, failure = msg
         sinks = self._sinks
         for rid in accepted:
             sink = sinks.get(rid)
@@ -277,10 +283,11 @@ class EngineProcess:
                 sink.put(ACCEPTED)
         for rid, message in refused:
             self._text.close(rid)
+            self._frames.forget(rid)
             sink = sinks.pop(rid, None)
             if sink is not None:
                 sink.put(errors.InputError(message))
-        for delta in self._text.fill(deltas):
+        for delta in self._text.fill(self._frames.decode(tokens, deltas)):
             sink = sinks.get(delta[0])
             if sink is not None:
                 sink.put(delta)
@@ -291,6 +298,7 @@ class EngineProcess:
             for rid, sink in sinks.items():
                 sink.put(failure)
                 self._text.close(rid)
+                self._frames.forget(rid)
             sinks.clear()
         self._stats = stats
 
@@ -337,8 +345,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
     from ..llm.sampling import SamplingParams
 
     reader = FrameReader()
-    make = DeltaMaker()
-    live: set[str] = set()
+    streams = StepEncoder(engine)
     stop = False
 
     def apply(msg, accepted, refused) -> bool:
@@ -346,16 +353,16 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
         if kind == "add":
             _, rid, prompt, fields = msg
             try:
-                engine.add_request(rid, prompt, SamplingParams(**{**fields, "output_kind": STREAMED}))
+                engine.add_request(rid, prompt, SamplingParams(**{**fields,
+                                                                  "output_kind": streams.output_kind(fields)}))
             except errors.KilnError as e:
                 refused.append((rid, str(e)))
                 return True
-            live.add(rid)
+            streams.add(rid, fields)
             accepted.append(rid)
         elif kind == "abort":
-            if msg[1] in live:
-                live.discard(msg[1])
-                make.forget(msg[1])
+            if msg[1] in streams:
+                streams.forget(msg[1])
                 engine.abort_request(msg[1])
         elif kind == "stop":
             return False
@@ -382,7 +389,7 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
                     stop = True
         t2 = clock()
         spent["commands"] += t2 - t1
-        deltas, failure = [], None
+        tokens, deltas, failure = ((), ()), [], None
         if not stop and engine.has_unfinished_requests():
             steps += 1
             try:
@@ -390,21 +397,16 @@ def _engine_loop(engine, fd_in: int, outbox: _Outbox) -> None:
             except Exception as e:  # the engine already freed everything
                 traceback.print_exc()
                 failure = f"{type(e).__name__}: {e}"
-                live.clear()
+                streams.clear()
                 outputs = []
             t3 = clock()
             spent["step"] += t3 - t2
-            for out in outputs:
-                if out.request_id not in live:
-                    continue
-                deltas.append(make(out))
-                if out.finished:
-                    live.discard(out.request_id)
+            tokens, deltas = streams.encode(outputs)
             t2 = clock()
             spent["deltas"] += t2 - t3
         elif not ready and not stop:
             continue  # idle: nothing new to say
-        outbox.put(marshal.dumps(("step", accepted, refused, deltas, engine.stats(), failure)))
+        outbox.put(marshal.dumps(("step", accepted, refused, tokens, deltas, engine.stats(), failure)))
         spent["send"] += clock() - t2
     # Where the engine process's time went: a server that keeps the engine busy shows little idle time.
     total = sum(spent.values()) or 1.0

@@ -1,0 +1,107 @@
+"""What one engine step produced for every served stream, as the engine process sends it: few objects per step.
+
+The engine process encodes each step (`StepEncoder`), the server decodes it (`StepDecoder`) into
+kiln/serve/async_engine.py's Deltas, the same a DeltaMaker makes of the engine's "delta" RequestOutputs. A
+step's part of the frame is two pieces:
+
+    tokens   (request ids, token ids): plain streams that got one token and did not finish, as two flat lists
+             (nearly every stream of nearly every step)
+    deltas   [Delta] with no prompt: everything else (a stream's last delta, a request of n > 1 or with
+             logprobs or stop strings)
+
+A plain stream (one sequence, no logprobs, no stop strings, no text made in the engine) runs with output_kind
+"final_only", so the engine builds no output for it until it finishes; each step its new token is read off its
+Sequence. The others run with output_kind "delta". The server attaches each request's prompt token ids (it
+sent them) to the request's first delta.
+"""
+
+from __future__ import annotations
+
+from .async_engine import STREAMED
+
+
+def is_plain(fields: dict) -> bool:
+    """A request (its SamplingParams fields) whose stream is read off its sequence."""
+    return fields["n"] == 1 and fields["logprobs"] is None and not fields["stop"] and not fields["detokenize"]
+
+
+class StepEncoder:
+    """In the engine process: its served requests and what each has been sent."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._plain: dict[str, list] = {}  # request id -> [its Sequence, tokens sent (prompt included)]
+        self._delta: set[str] = set()  # requests of output_kind "delta"
+
+    @staticmethod
+    def output_kind(fields: dict) -> str:
+        return "final_only" if is_plain(fields) else STREAMED
+
+    def add(self, request_id: str, fields: dict) -> None:
+        """After engine.add_request(request_id, ..., output_kind=output_kind(fields))."""
+        if is_plain(fields):
+            seq = self.engine.requests[request_id].seqs[0]
+            self._plain[request_id] = [seq, len(seq.token_ids)]
+        else:
+            self._delta.add(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._plain or request_id in self._delta
+
+    def forget(self, request_id: str) -> None:
+        self._plain.pop(request_id, None)
+        self._delta.discard(request_id)
+
+    def clear(self) -> None:
+        self._plain.clear()
+        self._delta.clear()
+
+    def encode(self, outputs: list) -> tuple[tuple[list, list], list]:
+        """((request ids, token ids), deltas) of one step, from its outputs (engine.step())."""
+        plain, delta = self._plain, self._delta
+        deltas = []
+        for out in outputs:
+            rid = out.request_id
+            st = plain.pop(rid, None)
+            if st is not None:  # a plain stream's only output: it finished
+                seq, sent = st
+                deltas.append((rid, None, True, [(0, "", seq.token_ids[sent:], seq.finish_reason, seq.stop_reason,
+                                                  None)]))
+            elif rid in delta:
+                if out.finished:
+                    delta.discard(rid)
+                deltas.append((rid, None, out.finished, [(c.index, c.text, c.token_ids, c.finish_reason,
+                                                          c.stop_reason, c.logprobs) for c in out.outputs]))
+        rids, ids = [], []
+        for rid, st in plain.items():
+            seq, sent = st
+            toks = seq.token_ids
+            n = len(toks)
+            if n == sent + 1:
+                rids.append(rid)
+                ids.append(toks[sent])
+                st[1] = n
+            elif n > sent:
+                deltas.append((rid, None, False, [(0, "", toks[sent:], None, None, None)]))
+                st[1] = n
+        return (rids, ids), deltas
+
+
+class StepDecoder:
+    """In the server process: a step's (tokens, deltas) into Deltas, each request's prompt on its first."""
+
+    def __init__(self):
+        self._prompts: dict[str, list[int]] = {}  # request id -> prompt token ids, until its first delta
+
+    def expect(self, request_id: str, prompt_ids: list[int]) -> None:
+        self._prompts[request_id] = prompt_ids
+
+    def forget(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
+
+    def decode(self, tokens: tuple[list, list], deltas: list) -> list:
+        prompts = self._prompts
+        out = [(rid, prompts.pop(rid, None), False, [(0, "", [tok], None, None, None)]) for rid, tok in zip(*tokens)]
+        for d in deltas:
+            out.append((d[0], prompts.pop(d[0], None), d[2], d[3]))
+        return out
