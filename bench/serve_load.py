@@ -2,6 +2,7 @@
 
     python bench/serve_load.py MODEL [--clients 256] [--requests 2000] [--time-limit 900] [--device cuda]
     python bench/serve_load.py --tiny --device cpu --clients 32 --requests 200 --max-output 32
+    python bench/serve_load.py --tiny --device cpu --clients 256 --threads 1 --host-steps
 
 Starts the server as its own process on 127.0.0.1 (`kiln llm serve --port 0`, max_num_seqs = clients), then
 N clients, each sending its next request as soon as the last one ended, take M requests off one list: prompts
@@ -15,6 +16,9 @@ LLMEngine with max_num_seqs = clients (kiln.llm.benchmark.run_requests) for the 
 decode step is so short that the server's per-token host work shows. --random-model llama-1b serves a
 random-weight BF16 model of Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 KV heads, FFN 8192,
 vocabulary 128256; about 2.5 GB written to a temporary folder), whose step time is a real model's.
+
+--host-steps measures no server: the engine's host CPU per full decode step (forward and token wait left out)
+along offline generate's path, the server's engine process's and the thread backend's.
 
 The clients run in --client-procs processes (each its own event loop and share of the clients, results
 merged), and the report gives their CPU use beside the server's (its HTTP process and its engine process), so
@@ -298,6 +302,65 @@ def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
     return result
 
 
+def host_steps(model: Path, a) -> None:
+    """--host-steps: the engine's host CPU per full decode step (this thread's CPU time, the forward and the wait
+    for its tokens left out), `clients` sequences of 16-token prompts and 48-token outputs, along each path:
+    offline generate's (output_kind final_only, text made), the server's engine process's (kiln/serve/
+    step_frames.py: no text, plain streams read off their sequences, the frame marshalled) and the thread
+    backend's (output_kind delta, text made, a DeltaMaker's Deltas marshalled)."""
+    import dataclasses
+    import marshal
+    import random
+    import statistics
+
+    from kiln.llm.engine import LLMEngine
+    from kiln.llm.sampling import SamplingParams
+    from kiln.serve.async_engine import DeltaMaker
+    from kiln.serve.step_frames import StepEncoder
+
+    clock, inner = time.thread_time, [0.0]  # CPU time inside the wrapped calls of the step under way
+
+    def timed(fn):
+        def call(*args):
+            t = clock()
+            try:
+                return fn(*args)
+            finally:
+                inner[0] += clock() - t
+        return call
+
+    for path in ("offline", "engine process", "thread backend"):
+        kw = engine_kwargs(a)
+        kw.setdefault("num_kv_blocks", a.clients * 6 + 16)  # room for each sequence's 64 tokens in 16-token blocks
+        engine = LLMEngine.from_model(str(model), **kw)
+        runner = engine.runner
+        runner.run_inputs, runner.collect = timed(runner.run_inputs), timed(runner.collect)
+        streams, make, rng = StepEncoder(engine), DeltaMaker(), random.Random(0)
+        for i in range(a.clients):
+            p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, detokenize=path != "engine process")
+            fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "extra"}
+            kind = {"offline": "final_only", "thread backend": "delta"}.get(path) or streams.output_kind(fields)
+            engine.add_request(f"r{i}", [rng.randrange(16, 300) for _ in range(16)],
+                               dataclasses.replace(p, output_kind=kind))
+            if path == "engine process":
+                streams.add(f"r{i}", fields)
+        host = []
+        while engine.has_unfinished_requests():
+            running = engine.scheduler.running
+            full = len(running) == a.clients and all(s.num_computed_tokens >= s.prompt_len for s in running)
+            inner[0], t = 0.0, clock()
+            outs = engine.step()
+            if path == "engine process":
+                marshal.dumps(("step", [], [], *streams.encode(outs), engine.stats(), None))
+            elif path == "thread backend":
+                marshal.dumps([make(o) for o in outs])
+            if full:
+                host.append(clock() - t - inner[0])
+        print(f"{path:15s} host CPU per decode step of {a.clients} sequences: median "
+              f"{statistics.median(host) * 1e3:.3f} ms, mean {statistics.mean(host) * 1e3:.3f} ms ({len(host)} steps)",
+              flush=True)
+
+
 def steps_report(records: list) -> dict:
     """Steps, mean ms per step and per phase, and mean batch, for decode-only steps and steps with prompt tokens."""
     out = {"steps": len(records), "step_s": sum(r[step_profile.TOTAL] for r in records)}
@@ -417,6 +480,9 @@ def main(argv=None) -> int:
                         "(the same closed-loop clients): is a slower served step the engine process's or the HTTP "
                         "side's?")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--host-steps", action="store_true",
+                   help="only the engine's host CPU per full decode step along offline generate's path, the "
+                        "server engine process's and the thread backend's (no server, no clients)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server below
@@ -453,6 +519,10 @@ def main(argv=None) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the server process inherits it
         torch.set_num_threads(a.threads)
+    if a.host_steps:
+        host_steps(model, a)
+        tmp.cleanup()
+        return 0
     placement = cpu_placement.placement(a.engine_cpu)  # the server makes the same choice
     if a.direct:
         served, window = direct(model, a, prompts, out_lens, warmup)
