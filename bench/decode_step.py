@@ -8,8 +8,10 @@ token over a paged cache (BF16 KV, or FP8 KV with scales and a key offset as ben
 step (forward, LM head, argmax) is captured in a CUDA graph with max_seq_len = --max-len, as the engine's graphs
 are (its max_model_len), and replayed.
 
-Variants: "unfused" (RoPE and the cache write apart, SiLU * up apart from the down projection) and "fused"
-(kernels/rope_cache.py; the activation inside the down GEMV); the logits of both must be equal bit for bit.
+Variants: "unfused" (RoPE, the cache write and attention apart, SiLU * up apart from the down projection),
+"rope_cache" (kernels/rope_cache.py, then attention; the activation inside the down GEMV) and "fused" (RoPE, the
+cache write and attention in kernels/decode_attention.py; the activation inside the down GEMV); the logits of all
+must be equal bit for bit.
 `--profile` lists one fused replay's kernels (torch.profiler) summed by name: what the step's time is made of.
 
     python bench/decode_step.py [--weights bf16,fp8,int4] [--ctx 256] [--profile]
@@ -195,8 +197,9 @@ def main(argv=None) -> int:
             model = make_model(cfg, weights, dev)
             step = make_step(model, weights, a.ctx, a.max_len, dev)
             results = {}
-            for variant in ("unfused", "fused"):
-                model.fuse_rope_cache = model.fuse_act_down = variant == "fused"
+            for variant in ("unfused", "rope_cache", "fused"):
+                model.fuse_rope_cache = model.fuse_act_down = variant != "unfused"
+                model.fuse_decode_attention = variant == "fused"
                 graph, out = graph_of(step)
                 ms = replay_ms(graph)
                 results[variant] = (ms, out[0].clone(), int(out[1]))
@@ -205,10 +208,13 @@ def main(argv=None) -> int:
                 if variant == "fused" and a.profile:
                     profile(graph, f"{weights} {variant}")
                 del graph
-            same = torch.equal(results["unfused"][1], results["fused"][1])
-            log(f"{weights}: fused {results['fused'][0] * 1000:.0f} us against unfused {results['unfused'][0] * 1000:.0f} "
-                f"us ({(results['unfused'][0] - results['fused'][0]) * 1000:.0f} us saved); logits equal bit for bit: "
-                f"{same}" + ("" if same else f" (max diff {(results['unfused'][1] - results['fused'][1]).abs().max():.3g})"))
+            base = results["unfused"]
+            for variant in ("rope_cache", "fused"):
+                r = results[variant]
+                same = torch.equal(base[1], r[1])
+                log(f"{weights}: {variant} {r[0] * 1000:.0f} us against unfused {base[0] * 1000:.0f} us "
+                    f"({(base[0] - r[0]) * 1000:.0f} us saved); logits equal to unfused bit for bit: {same}"
+                    + ("" if same else f" (max diff {(base[1] - r[1]).abs().max():.3g})"))
         except Exception as e:  # noqa: BLE001 - the next weights still run
             import traceback
 

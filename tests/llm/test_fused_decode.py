@@ -1,6 +1,7 @@
 """The decoder with its CUDA fusions forced on (Triton under TRITON_INTERPRET=1 without a GPU) against its torch
-path: RoPE + the KV-cache write in one kernel (kernels/rope_cache.py), the MLP's activation inside the down
-projection's GEMV (fused_ops.act_and_down), add + RMSNorm. Greedy tokens of a prefill and decode steps over the
+path: RoPE + the KV-cache write in one kernel (kernels/rope_cache.py, the prefill), with the attention too in
+decode steps (kernels/decode_attention.py), the MLP's activation inside the down projection's GEMV
+(fused_ops.act_and_down), add + RMSNorm. Greedy tokens of a prefill and decode steps over the
 paged cache are the same; logits agree to FP32 rounding."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_fused_decoder_gives_the_same_tokens(tiny_llama):
     want, want_logits = _generate(DecoderModel(cfg, tensors, torch.float32, "cpu", fused=False), prompt, 6,
                                   torch.float32)
     fused = DecoderModel(cfg, tensors, torch.float32, "cpu", fused=True)
-    assert fused.fuse_rope_cache and fused.fuse_act_down
+    assert fused.fuse_rope_cache and fused.fuse_decode_attention and fused.fuse_act_down
     got, got_logits = _generate(fused, prompt, 6, torch.float32)
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)

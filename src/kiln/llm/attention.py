@@ -70,7 +70,7 @@ def paged_attention(q, k, v, cache: LayerCache, md: AttentionMetadata, softmax_s
     """Writes this step's k, v [num_tokens, num_kv_heads, head_dim] into the cache, then attends the packed
     queries q [num_tokens, num_heads, head_dim] over each sequence's cached context."""
     write, _ = _kernels(q.device)
-    _check_offset(cache, logits_soft_cap)
+    check_key_offset(cache, logits_soft_cap)
     write(k, v, cache.k, cache.v, md.slot_mapping, cache.k_scale, cache.v_scale, cache.k_offset)
     return attend(q, cache, md, softmax_scale, sliding_window, logits_soft_cap)
 
@@ -80,13 +80,13 @@ def attend(q, cache: LayerCache, md: AttentionMetadata, softmax_scale: float, sl
     """The packed queries q over each sequence's cached context, this step's keys and values already written
     (paged_attention without the write: kiln.kernels.rope_cache writes them with RoPE)."""
     _, attend_kernel = _kernels(q.device)
-    _check_offset(cache, logits_soft_cap)
+    check_key_offset(cache, logits_soft_cap)
     return attend_kernel(q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len,
                          md.max_seq_len, softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
-def _check_offset(cache: LayerCache, logits_soft_cap: float | None) -> None:
+def check_key_offset(cache: LayerCache, logits_soft_cap: float | None) -> None:
     if cache.k_offset is not None and logits_soft_cap:
         raise ConfigError("a key offset in the KV cache cannot be used with logit soft-capping (the scores' "
                           "common shift then changes the result); calibrate this model's cache without it.")

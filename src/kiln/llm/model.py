@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.llm.attention import AttentionMetadata, LayerCache, attend, paged_attention
+from kiln.llm.attention import AttentionMetadata, LayerCache, attend, check_key_offset, paged_attention
 from kiln.llm.config import ModelConfig
 from kiln.llm.parallel import (
     Shard,
@@ -150,9 +150,10 @@ class DecoderModel:
             self.num_kv_heads, self.kv_head_ids = k1 - k0, list(range(k0, k1))
         # Triton fusions (fused_ops.py) on CUDA; the torch forms elsewhere (or under TRITON_INTERPRET in tests).
         self.fused = self.device.type == "cuda" if fused is None else fused
-        # Two of those fusions, apart so that a benchmark can time the step without them: RoPE with the KV-cache
-        # write (kernels/rope_cache.py), and the MLP's activation inside the down projection's GEMV.
-        self.fuse_rope_cache = self.fuse_act_down = self.fused
+        # Three of those fusions, apart so that a benchmark can time the step without them: RoPE with the
+        # KV-cache write (kernels/rope_cache.py); in decode steps (one query a sequence) both with the attention
+        # too (kernels/decode_attention.py); the MLP's activation inside the down projection's GEMV.
+        self.fuse_rope_cache = self.fuse_decode_attention = self.fuse_act_down = self.fused
         tensors = normalize_names(tensors)
 
         def w(name):
@@ -249,7 +250,10 @@ class DecoderModel:
             q = qkv[:, :qd].view(-1, nh, cfg.head_dim)
             k = qkv[:, qd:qd + kvd].view(-1, nkv, cfg.head_dim)
             v = qkv[:, qd + kvd:].view(-1, nkv, cfg.head_dim)
-            if self.fuse_rope_cache and not cfg.qk_norm:  # RoPE and the cache write in one kernel
+            if self.fuse_decode_attention and not cfg.qk_norm and md.max_query_len == 1 \
+                    and qkv.shape[0] == md.seq_lens.shape[0]:  # decode: RoPE, the cache write and attention
+                o = self._decode_attention(n, qkv, positions, caches[n], md)
+            elif self.fuse_rope_cache and not cfg.qk_norm:  # RoPE and the cache write in one kernel
                 self._rope_and_cache(n, qkv, positions, caches[n], md)
                 o = attend(q, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n], cfg.attn_logit_softcap)
             else:
@@ -302,6 +306,16 @@ class DecoderModel:
         rope_and_cache(qkv, positions, rope.cos, rope.sin, rope.dim, self.num_heads, self.num_kv_heads,
                        self.cfg.head_dim, cache.k, cache.v, md.slot_mapping, cache.k_scale, cache.v_scale,
                        cache.k_offset)
+
+    def _decode_attention(self, n, qkv, positions, cache: LayerCache, md: AttentionMetadata):
+        from kiln.kernels.decode_attention import decode_attention
+
+        cfg, rope = self.cfg, self.ropes[n]
+        check_key_offset(cache, cfg.attn_logit_softcap)
+        return decode_attention(qkv, positions, rope.cos, rope.sin, rope.dim, self.num_heads, self.num_kv_heads,
+                                cfg.head_dim, cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens,
+                                md.block_tables, md.max_seq_len, cfg.softmax_scale, cache.k_scale, cache.v_scale,
+                                cache.k_offset, cfg.layer_windows[n], cfg.attn_logit_softcap)
 
     def _mlp_down(self, gate_up, down):
         """down(act(gate) * up): in the down projection's GEMV where it applies the activation as it loads its
