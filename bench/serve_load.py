@@ -485,6 +485,7 @@ def main(argv=None) -> int:
                         "server engine process's and the thread backend's (no server, no clients)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args(argv)
+    began = time.perf_counter()  # the served and offline lines say when they ended: where a bounded run's time goes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server below
     if sum(map(bool, (a.model, a.tiny, a.random_model))) != 1:
         p.error("give one of MODEL, --tiny or --random-model")
@@ -554,7 +555,7 @@ def main(argv=None) -> int:
     # Said now, so that a run cut short during the offline half still reports the served one.
     print(f"served: {served['output_tok_s']:.1f} output tok/s, {served['requests']} requests in "
           f"{served['wall_s']:.2f} s, {served['errors']} errors; engine process steps: "
-          f"{step_profile.summary(served_steps)}", flush=True)
+          f"{step_profile.summary(served_steps)} [{time.perf_counter() - began:.0f} s into the run]", flush=True)
     offline_steps = []
     if not a.skip_offline:
         if placement:  # the offline engine steps where the served one did
@@ -568,6 +569,8 @@ def main(argv=None) -> int:
                   + (f"; capture failed: {error}" if error else ""), file=sys.stderr)
         offline_steps = result["offline"].pop("step_records")
         result["offline_steps"] = steps_report(offline_steps)
+        print(f"offline: {result['offline']['output_tok_s']:.1f} output tok/s "
+              f"[{time.perf_counter() - began:.0f} s into the run]", flush=True)
     print(render(result))
     print(f"\nEngine steps, the server's engine process (measured window): {step_profile.summary(served_steps)}")
     if not a.skip_offline:
