@@ -100,3 +100,75 @@ def test_matches_the_two_kernels_and_torch(nh, nkv, d, rotary, cache_dtype, offs
         ref_k, ref_v = got_k, got_v
     want = pa.paged_attention_reference(q, ref_k, ref_v, *args, **kw)
     torch.testing.assert_close(got[:-1].float(), want[:-1].float(), atol=2e-3, rtol=2e-3)
+
+
+# The compiler's view without a GPU: sm_90 code of the decode step's fused kernels from Triton's bundled ptxas, in a
+# fresh process (kernels defined under TRITON_INTERPRET cannot be compiled)
+_SM90_COMPILE = r"""
+import inspect, re
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels import decode_attention as da, rope_cache as rc
+from kiln.llm import fused_ops as fo
+
+def source(kernel, types, cx):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in cx else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in cx and (n.endswith("_ptr") or n.startswith("stride") or n[0] == "s" and len(n) == 3)}
+    return ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
+
+ROPE = dict(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32",
+            ko_ptr="*fp32")
+
+def rope_cache(kv, quant, offset, rest=0):
+    half = (128 - rest) // 2
+    cx = dict(NQ=32, KVH=8, HEAD_DIM=128, HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
+              REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_Q=32, BLOCK_H=8, BLOCK_D=128, BLOCK_SIZE=16,
+              QUANT=quant, HAS_OFFSET=offset, PDL=True)
+    return source(rc._rope_cache_kernel, dict(ROPE, qkv_ptr="*bf16", kc_ptr=kv, vc_ptr=kv), cx)
+
+def decode(kv, quant, split, offset=False, window=False, cap=False):
+    types = dict(ROPE, qkv_ptr="*bf16", kc_ptr=kv, vc_ptr=kv, o_ptr="*bf16", seq_lens_ptr="*i32", bt_ptr="*i32",
+                 po_ptr="*fp32", pml_ptr="*fp32", softmax_scale="fp32", soft_cap="fp32")
+    cx = dict(NQ=32, KVH=8, HEAD_DIM=128, HALF=64, ROT=128, G=4, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
+              BLOCK_SIZE=16, QUANT=quant, HAS_OFFSET=offset, HAS_WINDOW=window, HAS_CAP=cap, SPLIT=split,
+              CDT=tl.bfloat16 if quant == "" else tl.float16, CLAMP_Q=quant != "", PREC="tf32", PDL=True)
+    return source(da._decode_attention_kernel, types, cx)
+
+cases = [("rope+cache bf16", rope_cache("*bf16", "", False), 1),
+         ("rope+cache fp8 centred", rope_cache("*fp8e4nv", "fp8", True), 1),
+         ("rope+cache int8 partial rotary", rope_cache("*i8", "int8", False, 64), 1),
+         ("act_and_mul", source(fo._act_and_mul_kernel, dict(x_ptr="*bf16", y_ptr="*bf16"),
+                                dict(ACT="silu", BLOCK=1024, PDL=True)), 1),
+         ("decode bf16", decode("*bf16", "", False), 3), ("decode fp8 split centred", decode("*fp8e4nv", "fp8", True, True), 3),
+         ("decode int8 window cap", decode("*i8", "int8", False, False, True, True), 3)]
+for name, src, stages in cases:
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages)).asm["ptx"]
+    mma = len(re.findall(r"\bmma\.", ptx))
+    cp = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", ptx))
+    print(f"{name}: pdl {ptx.count('griddepcontrol')}, mma {mma}, 16-byte cp.async {cp}")
+"""
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU the GPU runs compile the kernels")
+def test_decode_kernels_compile_for_hopper():
+    """What only the compiler refuses; the PDL wait and trigger in every kernel, and the decode kernel's key loop
+    on the tensor cores with its gathered K/V tiles loaded ahead through 16-byte cp.async."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = dict(line.split(": ", 1) for line in run.stdout.splitlines())
+    assert len(rows) == 7, run.stdout
+    for name, info in rows.items():
+        pdl, mma, cp = (int(part.split()[-1]) for part in info.split(", "))
+        assert pdl == 2, run.stdout  # griddepcontrol.wait and .launch_dependents
+        if name.startswith("decode"):
+            assert mma > 0 and cp > 0, run.stdout

@@ -154,6 +154,7 @@ class DecoderModel:
         # KV-cache write (kernels/rope_cache.py); in decode steps (one query a sequence) both with the attention
         # too (kernels/decode_attention.py); the MLP's activation inside the down projection's GEMV.
         self.fuse_rope_cache = self.fuse_decode_attention = self.fuse_act_down = self.fused
+        self.decode_attention_splits = None  # context slices of the fused decode attention (None: the kernel's rule)
         tensors = normalize_names(tensors)
 
         def w(name):
@@ -315,7 +316,8 @@ class DecoderModel:
         return decode_attention(qkv, positions, rope.cos, rope.sin, rope.dim, self.num_heads, self.num_kv_heads,
                                 cfg.head_dim, cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens,
                                 md.block_tables, md.max_seq_len, cfg.softmax_scale, cache.k_scale, cache.v_scale,
-                                cache.k_offset, cfg.layer_windows[n], cfg.attn_logit_softcap)
+                                cache.k_offset, cfg.layer_windows[n], cfg.attn_logit_softcap,
+                                num_splits=self.decode_attention_splits)
 
     def _mlp_down(self, gate_up, down):
         """down(act(gate) * up): in the down projection's GEMV where it applies the activation as it loads its
