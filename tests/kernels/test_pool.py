@@ -77,15 +77,16 @@ def test_spatial_mean_matches_torch(shape, channels_last):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(DEV)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    config = pool.MeanConfig(16, 32, 4)  # several pixel steps and channel blocks
-    got = pool.spatial_mean(x, config=config)
-    assert got.shape == (shape[0], shape[1], 1, 1)
-    torch.testing.assert_close(got, x.mean(dim=(2, 3), keepdim=True), atol=1e-5, rtol=1e-5)
-    assert pool.spatial_mean(x, keepdim=False, config=config).shape == shape[:2]
+    for config in (pool.MeanConfig(16, 32, 4), pool.MeanConfig(16, 32, 4, split=True)):  # several steps, blocks
+        got = pool.spatial_mean(x, config=config)
+        assert got.shape == (shape[0], shape[1], 1, 1)
+        torch.testing.assert_close(got, x.mean(dim=(2, 3), keepdim=True), atol=1e-5, rtol=1e-5)
+        assert pool.spatial_mean(x, keepdim=False, config=config).shape == shape[:2]
 
 
 def test_spatial_mean_of_fp16_sums_in_fp32():
     """A 56x56 map of values near 100: FP16 partial sums would round away the small ones."""
     x = (100 + torch.rand(2, 24, 56, 56, generator=torch.Generator().manual_seed(4))).half().to(DEV)
-    got = pool.spatial_mean(x.contiguous(memory_format=torch.channels_last))
-    torch.testing.assert_close(got.float(), x.float().mean(dim=(2, 3), keepdim=True), atol=0.05, rtol=0)
+    for config in (pool.MEAN_CONFIGS[0], pool.MeanConfig(64, 64, 4, split=True)):
+        got = pool.spatial_mean(x.contiguous(memory_format=torch.channels_last), config=config)
+        torch.testing.assert_close(got.float(), x.float().mean(dim=(2, 3), keepdim=True), atol=0.05, rtol=0)

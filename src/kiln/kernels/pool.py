@@ -99,41 +99,63 @@ def max_pool2d(node, x: torch.Tensor, y_scale: torch.Tensor | None = None, qtype
 # A squeeze-excite block averages a whole feature map per channel (ReduceMean over H, W, or GlobalAveragePool).
 # torch's reduction over the two inner axes of a channels-last tensor strides across the channels; here each
 # program sums a block of channels of one image, reading a [pixels, channels] tile at a time (contiguous along
-# the channels when x is channels-last), in FP32, and writes their mean once.
+# the channels when x is channels-last), in FP32, and writes their mean once. A large map of few channels (an
+# early 112x112 map of 32) gives a batch too few such programs to keep the GPU's memory busy: a split config
+# then shares each image's pixels out over several programs, which write FP32 partial sums that a second, small
+# kernel adds up.
 @dataclass(frozen=True)
 class MeanConfig:
-    """block_c channels of one image per program, block_hw pixels a step."""
+    """block_c channels of one image per program, block_hw pixels a step; split: the pixels shared out over
+    enough programs to give each SM two."""
 
     block_hw: int
     block_c: int
     num_warps: int
+    split: bool = False
 
     @property
     def name(self) -> str:
-        return f"hw{self.block_hw}_c{self.block_c}_w{self.num_warps}"
+        return f"hw{self.block_hw}_c{self.block_c}_w{self.num_warps}" + ("_split" if self.split else "")
 
 
 # Narrow channel blocks give a 32-image batch of 16-96 channel early maps enough programs; wide ones suit the
 # small late maps of many channels.
-MEAN_CONFIGS = [MeanConfig(64, 64, 4), MeanConfig(128, 32, 4), MeanConfig(256, 16, 8)]
+MEAN_CONFIGS = [MeanConfig(64, 64, 4), MeanConfig(128, 32, 4), MeanConfig(256, 16, 8), MeanConfig(64, 64, 4, True)]
 
 
 @triton.jit
-def _spatial_mean_kernel(x_ptr, y_ptr, C, W, HW, sxn, sxc, sxh, sxw, inv_hw,
-                         BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+def _spatial_mean_kernel(x_ptr, y_ptr, C, N, W, HW, chunk, sxn, sxc, sxh, sxw, inv_hw,
+                         PARTIAL: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     start_after_previous(PDL)
     n = tl.program_id(0)
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = tl.program_id(2)
     c_ok = rc < C
     base = x_ptr + n * sxn + rc * sxc
+    first = part * chunk
+    end = tl.minimum(first + chunk, HW)
     acc = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
-    for start in range(0, HW, BLOCK_HW):
+    for start in range(first, end, BLOCK_HW):
         hw = start + tl.arange(0, BLOCK_HW)
         v = tl.load(base[None, :] + ((hw // W) * sxh + (hw % W) * sxw)[:, None],
-                    mask=(hw < HW)[:, None] & c_ok[None, :], other=0.0)
+                    mask=(hw < end)[:, None] & c_ok[None, :], other=0.0)
         acc += v.to(tl.float32)
-    mean = tl.sum(acc, axis=0) * inv_hw
-    tl.store(y_ptr + n * C + rc, mean.to(y_ptr.dtype.element_ty), mask=c_ok)
+    total = tl.sum(acc, axis=0)
+    if PARTIAL:  # FP32 sums of this share of the pixels: [part, n, c]
+        tl.store(y_ptr + (part * N + n) * C + rc, total, mask=c_ok)
+    else:
+        tl.store(y_ptr + n * C + rc, (total * inv_hw).to(y_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def _sum_parts_kernel(p_ptr, y_ptr, NC, PARTS, inv_hw, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    start_after_previous(PDL)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < NC
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for part in range(PARTS):
+        acc += tl.load(p_ptr + part * NC + r, mask=ok, other=0.0)
+    tl.store(y_ptr + r, (acc * inv_hw).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def spatial_mean_supports(x: torch.Tensor) -> bool:
@@ -142,13 +164,29 @@ def spatial_mean_supports(x: torch.Tensor) -> bool:
             and x.numel() < 2**31)
 
 
+def _parts(config: MeanConfig, programs: int, hw: int, device: torch.device) -> int:
+    """How many programs share one image's pixels: enough for two programs an SM, each at least a step's pixels."""
+    if not config.split:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(hw, config.block_hw), triton.cdiv(2 * sms, programs)))
+
+
 def spatial_mean(x: torch.Tensor, keepdim: bool = True, config: MeanConfig = MEAN_CONFIGS[0]) -> torch.Tensor:
     """x [N, C, H, W] averaged over H and W: [N, C, 1, 1] (keepdim) or [N, C], x's dtype."""
     N, C, H, W = x.shape
     y = torch.empty((N, C), dtype=x.dtype, device=x.device)
     block_c = min(config.block_c, max(16, triton.next_power_of_2(C)))
+    grid = (N, triton.cdiv(C, block_c))
+    parts = _parts(config, grid[0] * grid[1], H * W, x.device)
+    chunk = triton.cdiv(triton.cdiv(H * W, parts), config.block_hw) * config.block_hw  # whole steps a program
+    parts = triton.cdiv(H * W, chunk)
+    out = torch.empty((parts, N, C), dtype=torch.float32, device=x.device) if parts > 1 else y
     pdl = launch_options(x.device)
-    _spatial_mean_kernel[(N, triton.cdiv(C, block_c))](
-        x, y, C, W, H * W, *x.stride(), 1.0 / (H * W), BLOCK_HW=config.block_hw, BLOCK_C=block_c, PDL=bool(pdl),
-        num_warps=config.num_warps, **pdl)
+    _spatial_mean_kernel[(*grid, parts)](
+        x, out, C, N, W, H * W, chunk, *x.stride(), 1.0 / (H * W), PARTIAL=parts > 1, BLOCK_HW=config.block_hw,
+        BLOCK_C=block_c, PDL=bool(pdl), num_warps=config.num_warps, **pdl)
+    if parts > 1:
+        _sum_parts_kernel[(triton.cdiv(N * C, 1024),)](out, y, N * C, parts, 1.0 / (H * W), BLOCK=1024,
+                                                      PDL=bool(pdl), num_warps=4, **pdl)
     return y.view(N, C, 1, 1) if keepdim else y
