@@ -164,8 +164,12 @@ def _codes_minus_zero(p, zb, MAGIC: tl.constexpr, CDT: tl.constexpr, PRMT: tl.co
     """The low and high nibbles q of uint8 codes p [BLOCK_N, HALF] less their row's zero point, q - z, as 16-bit
     floats (exact: small integers). zb [BLOCK_N, 1] is B + z in CDT. A nibble becomes B + q by its bits, MAGIC | q
     (B = 1024 in FP16, 128 in BF16), and (B + q) - (B + z) = q - z. PRMT: four bytes at a time in 32-bit registers
-    (two byte permutes, two shifts, four three-input logic ops and four paired subtractions for eight codes)."""
-    if PRMT and MAGIC == 0x4300:  # BF16
+    (two byte permutes, a shift for the high nibbles, two three-input logic ops and two paired subtractions for
+    four codes), low and high nibbles in two separate pieces of PTX: with one output each, the compiler can
+    compute both in the tensor cores' operand layout straight from the loaded bytes (with two outputs, it moved
+    the high half there through shared memory). PRMT == 2: the earlier form, both halves from one piece of PTX
+    (kept to be timed against)."""
+    if PRMT == 2 and MAGIC == 0x4300:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 t0, t1, u0, u1, v0, v1;\n"
             "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;\n"
@@ -175,16 +179,34 @@ def _codes_minus_zero(p, zb, MAGIC: tl.constexpr, CDT: tl.constexpr, PRMT: tl.co
             "lop3.b32 v0, u0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 v1, u1, 0x000F000F, 0x43004300, 0xEA;\n"
             "sub.rn.bf16x2 $2, v0, $5; sub.rn.bf16x2 $3, v1, $6; }",
             "=r,=r,=r,=r,r,r,r", [p, zb], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    elif PRMT:  # FP16
-        lo, hi = tl.inline_asm_elementwise(
+    elif PRMT and MAGIC == 0x4300:  # BF16
+        lo = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, v0, v1;\n"
+            "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342;\n"
+            "lop3.b32 v0, t0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 v1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "sub.rn.bf16x2 $0, v0, $3; sub.rn.bf16x2 $1, v1, $4; }",
+            "=r,=r,r,r,r", [p, zb], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(
             "{ .reg .b32 t0, t1, u0, u1, v0, v1;\n"
-            "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;\n"
+            "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342;\n"
+            "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;\n"
+            "lop3.b32 v0, u0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 v1, u1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "sub.rn.bf16x2 $0, v0, $3; sub.rn.bf16x2 $1, v1, $4; }",
+            "=r,=r,r,r,r", [p, zb], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif PRMT:  # FP16
+        lo = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, v0, v1;\n"
+            "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342;\n"
             "lop3.b32 v0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 v1, t1, 0x000F000F, 0x64006400, 0xEA;\n"
-            "sub.rn.f16x2 $0, v0, $5; sub.rn.f16x2 $1, v1, $6;\n"
+            "sub.rn.f16x2 $0, v0, $3; sub.rn.f16x2 $1, v1, $4; }",
+            "=r,=r,r,r,r", [p, zb], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, u0, u1, v0, v1;\n"
+            "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342;\n"
             "shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;\n"
             "lop3.b32 v0, u0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 v1, u1, 0x000F000F, 0x64006400, 0xEA;\n"
-            "sub.rn.f16x2 $2, v0, $5; sub.rn.f16x2 $3, v1, $6; }",
-            "=r,=r,=r,=r,r,r,r", [p, zb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            "sub.rn.f16x2 $0, v0, $3; sub.rn.f16x2 $1, v1, $4; }",
+            "=r,=r,r,r,r", [p, zb], dtype=tl.float16, is_pure=True, pack=4)
     elif MAGIC != 0:
         lo = ((p & 15).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True) - zb
         hi = ((p >> 4).to(tl.uint16) | MAGIC).to(tl.uint16).to(CDT, bitcast=True) - zb
@@ -227,14 +249,19 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
     else:
         base = 0.0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # each group's scales are loaded a group ahead (used after the dots: their load need not hold a step up);
+    # the zero points are loaded in the step, where the compiler loads them straight into the layout the
+    # unpacking runs in (a value carried over from the step before would be in another)
+    s_next = tl.load(s_ptr + rn * stride_sn + k_lo // GROUP, mask=n_ok & (k_lo < k_hi), other=0.0)
     for k0 in range(k_lo, k_hi, GROUP * GPS):
         for gi in tl.static_range(GPS):
             k = k0 + gi * GROUP
             live = k < k_hi  # the split's last step may hold fewer than GPS groups
             g = k // GROUP
+            s = tl.where(live, s_next, 0.0)
+            s_next = tl.load(s_ptr + rn * stride_sn + g + 1, mask=(k + GROUP < k_hi) & n_ok, other=0.0)
             p = tl.load(p_ptr + rn[:, None].to(tl.int64) * stride_pn + (k // 2 + rj)[None, :],
                         mask=n_ok[:, None] & live, other=0)
-            s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok & live, other=0.0)
             zb = (tl.load(z_ptr + rn * stride_sn + g, mask=n_ok & live, other=0).to(tl.float32) + base).to(CDT)
             ke = k + 2 * rj
             e_ok = row_ok & (ke < k_hi)[:, None]
@@ -264,13 +291,13 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     row: bool = False  # the single-row kernel without the tensor cores (M = 1 only)
-    prmt: bool = False  # INT4: nibbles to floats four bytes at a time (inline PTX; CUDA only)
+    prmt: int = 0  # INT4: nibbles to floats four bytes at a time (inline PTX; CUDA only); 2: one PTX for both halves
     block_m: int = 16  # the dot's activation columns for up to this many rows (8: mma's narrowest, half of x's work)
 
     @property
     def name(self) -> str:
         kind = "gemv1" if self.row else "gemv"
-        prmt = "_prmt" if self.prmt else ""
+        prmt = {0: "", 1: "_prmt", 2: "_prmtj"}[int(self.prmt)]
         bm = f"_m{self.block_m}" if self.block_m != 16 else ""
         return (f"{kind}_{self.block_n}x{self.block_k}_split{self.split_k}_w{self.num_warps}_s{self.num_stages}"
                 f"{prmt}{bm}")
@@ -321,8 +348,9 @@ ROW_TILES = ((16, 512, 8), (16, 256, 4), (32, 256, 8), (8, 512, 4))  # (block_n,
 ROW_TILES_MORE = ((16, 512, 4),)
 INT4_TILES = ((256, 8, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4))  # (block_n, warps, stages); PTX unpacking, m8
 # `full` adds: (block_n, block_k (groups a step times 128), warps, stages, prmt)
-INT4_TILES_MORE = ((128, 256, 8, 3, True), (256, 256, 8, 3, True), (64, 256, 4, 4, True), (128, 512, 8, 2, True),
-                   (64, 512, 4, 3, True), (128, 128, 8, 3, False), (256, 128, 8, 3, False))
+INT4_TILES_MORE = ((128, 256, 8, 3, 1), (256, 256, 8, 3, 1), (64, 256, 4, 4, 1), (128, 512, 8, 2, 1),
+                   (64, 512, 4, 3, 1), (128, 128, 8, 3, 0), (256, 128, 8, 3, 0), (256, 128, 8, 3, 2), (128, 128, 8, 3, 2),
+                   (64, 128, 4, 4, 2))
 
 
 def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8,
@@ -489,7 +517,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     _int4_gemv_kernel[(tiles, splits)](
         x, packed, scale, zero, xs, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), CDT=cdt, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        HAS_XS=input_scale is not None, MAGIC=magic, PRMT=cfg.prmt and magic != 0 and x.is_cuda, PDL=hopper and pdl,
+        HAS_XS=input_scale is not None, MAGIC=magic, PRMT=int(cfg.prmt) if magic != 0 and x.is_cuda else 0,
+        PDL=hopper and pdl,
         BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group, GPS=gps, ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
