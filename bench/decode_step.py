@@ -127,7 +127,7 @@ def replay_ms(graph, iters: int = 30) -> float:
     return best
 
 
-def profile(graph, label: str, top: int = 16) -> None:
+def profile(graph, label: str, top: int = 20) -> None:
     """Kernels of one replay summed by name (GPU microseconds a step, launches a step)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                 results[variant] = (ms, out[0].clone(), int(out[1]))
                 log(f"{weights} {variant}: graph {ms * 1000:.0f} us a step ({1000 / ms:.1f} tok/s at batch 1), "
                     f"token {int(out[1])}")
-                if variant == "fused" and a.profile:
+                if a.profile and (variant == "fused" or variant == "unfused" and weights == "bf16"):
                     profile(graph, f"{weights} {variant}")
                 del graph
             base = results["unfused"]
