@@ -12,7 +12,8 @@ Variants: "unfused" (RoPE, the cache write and attention apart, SiLU * up apart 
 "rope_cache" (kernels/rope_cache.py, then attention; the activation inside the down GEMV) and "fused" (RoPE, the
 cache write and attention in kernels/decode_attention.py; the activation inside the down GEMV); the logits of all
 must be equal bit for bit (but "fused_3_slices", the fused step with its attention over 3 context slices and the
-merge, which sums in another order).
+merge kernel, which sums in another order, and "fused_3_slices_merged", the slices merged in the attention kernel
+by the last to finish).
 `--profile` lists one fused replay's kernels (torch.profiler) summed by name: what the step's time is made of.
 
     python bench/decode_step.py [--weights bf16,fp8,int4] [--ctx 256] [--profile]
@@ -198,10 +199,11 @@ def main(argv=None) -> int:
             model = make_model(cfg, weights, dev)
             step = make_step(model, weights, a.ctx, a.max_len, dev)
             results = {}
-            for variant in ("unfused", "rope_cache", "fused", "fused_3_slices"):
+            for variant in ("unfused", "rope_cache", "fused", "fused_3_slices", "fused_3_slices_merged"):
                 model.fuse_rope_cache = model.fuse_act_down = variant != "unfused"
                 model.fuse_decode_attention = variant.startswith("fused")
-                model.decode_attention_splits = 3 if variant == "fused_3_slices" else None
+                model.decode_attention_splits = 3 if "3_slices" in variant else None
+                model.decode_attention_merge = variant.endswith("merged")
                 graph, out = graph_of(step)
                 ms = replay_ms(graph)
                 results[variant] = (ms, out[0].clone(), int(out[1]))
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
                     profile(graph, f"{weights} {variant}")
                 del graph
             base = results["unfused"]
-            for variant in ("rope_cache", "fused", "fused_3_slices"):
+            for variant in ("rope_cache", "fused", "fused_3_slices", "fused_3_slices_merged"):
                 r = results[variant]
                 same = torch.equal(base[1], r[1])
                 log(f"{weights}: {variant} {r[0] * 1000:.0f} us against unfused {base[0] * 1000:.0f} us "

@@ -26,6 +26,18 @@ from . import paged_attention as pa
 from .pdl import launch_options, start_after_previous
 from .rope_cache import _cache_codes
 
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The in-kernel merge's arrival counters of a device, one per (sequence, KV head); zeros between launches
+    (the last slice resets its own), so they are allocated once, before any graph capture uses them."""
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return c
+
 
 @triton.jit
 def _rotated(row, cos_ptr, sin_ptr, pos, stride_pos, d, ok, HALF: tl.constexpr, ROT: tl.constexpr, dt):
@@ -45,14 +57,14 @@ def _rotated(row, cos_ptr, sin_ptr, pos, stride_pos, d, ok, HALF: tl.constexpr, 
 
 @triton.jit
 def _decode_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ko_ptr,
-                             o_ptr, seq_lens_ptr, bt_ptr, po_ptr, pml_ptr, softmax_scale, soft_cap, window,
+                             o_ptr, seq_lens_ptr, bt_ptr, po_ptr, pml_ptr, count_ptr, softmax_scale, soft_cap, window,
                              stride_t, stride_pos, skb, sko, skh, svb, svo, svh, sbt, sot, soh, spt, sph, sps, smt,
                              smh, NQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                              ROT: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
                              HAS_OFFSET: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
                              SPLIT: tl.constexpr, CDT: tl.constexpr, CLAMP_Q: tl.constexpr, PREC: tl.constexpr,
-                             PDL: tl.constexpr):
+                             MERGE: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr):
     start_after_previous(PDL)  # first, before any program may return (see paged_attention's kernel)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -140,6 +152,25 @@ def _decode_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_pt
         ml = t * smt + head * smh + split * 2
         tl.store(pml_ptr + ml, m_i, mask=row_ok)
         tl.store(pml_ptr + ml + 1, l_i, mask=row_ok)
+        if MERGE:  # the slice that counts itself last merges them all (paged_attention's merge, head by head)
+            tl.debug_barrier()  # every thread's partials are written before the count says so
+            slices = tl.num_programs(2)
+            arrived = tl.atomic_add(count_ptr + s * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+            if arrived == slices - 1:
+                rs = tl.arange(0, S_PAD)
+                s_ok = rs < slices
+                for gi in tl.static_range(G):
+                    h = kvh * G + gi
+                    mlh = t * smt + h * smh + rs * 2
+                    m = tl.load(pml_ptr + mlh, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                    lsum = tl.load(pml_ptr + mlh + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+                    m_all = tl.max(m, 0)
+                    w = tl.where(lsum > 0.0, lsum * tl.math.exp2(m - m_all), 0.0)
+                    parts = tl.load(po_ptr + t * spt + h * sph + rs[:, None] * sps + rd[None, :],
+                                    mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                    merged = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+                    tl.store(o_ptr + t * sot + h * soh + rd, merged.to(o_ptr.dtype.element_ty), mask=d_ok)
+                tl.atomic_xchg(count_ptr + s * KVH + kvh, 0)  # ready for the next launch (and graph replay)
     else:
         tl.store(o_ptr + t * sot + head[:, None] * soh + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
 
@@ -149,11 +180,12 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, softmax_scale: float, k_scale=None, v_scale=None,
                      k_offset=None, sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                     *, num_splits: int | None = None) -> torch.Tensor:
+                     *, num_splits: int | None = None, merge_in_kernel: bool = False) -> torch.Tensor:
     """RoPE on the step's q and k, the k/v cache write and attention, one query a sequence (see above): returns
     the attention output [num_seqs, num_heads, head_dim] in qkv's type. query_start_loc is 0, 1, ..., num_seqs
     (read only by the slices' merge). num_splits: context slices (None: paged_attention.choose_num_splits for a
-    decode step of max_seq_len)."""
+    decode step of max_seq_len). merge_in_kernel: the last slice of each sequence and KV head to finish merges the
+    slices (no second launch; counters as kernels/fp8_gemv.py's split-K has) instead of the merge kernel."""
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ShapeError(f"decode attention: qkv {list(qkv.shape)} must be [tokens, (num_heads + 2 * num_kv_heads) "
@@ -185,9 +217,14 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
     pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
     pdl = launch_options(qkv.device)
+    merge = merge_in_kernel and splits > 1
+    counts = _counters(qkv.device) if merge else lens
+    if merge and T * num_kv_heads > counts.numel():
+        raise ShapeError(f"decode attention: {T} sequences x {num_kv_heads} KV heads exceed the merge counters "
+                         f"({counts.numel()}).")
     _decode_attention_kernel[(T, num_kv_heads, splits)](
         qkv, cos, sin, pos, slots, k_cache, v_cache, pa._scales(k_scale, cos), pa._scales(v_scale, cos),
-        pa._scales(k_offset, cos), o, lens, tables, partial, max_sum, float(softmax_scale),
+        pa._scales(k_offset, cos), o, lens, tables, partial, max_sum, counts, float(softmax_scale),
         float(logits_soft_cap or 0.0), int(sliding_window or 0), qkv.stride(0), cos.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0), o.stride(0), o.stride(1),
         *(partial.stride()[:3] if splits > 1 else (0, 0, 0)), *(max_sum.stride()[:2] if splits > 1 else (0, 0)),
@@ -195,9 +232,9 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], QUANT=quant,
         HAS_OFFSET=k_offset is not None, HAS_WINDOW=bool(sliding_window), HAS_CAP=bool(logits_soft_cap),
         SPLIT=splits > 1, CDT=pa._TL[cdt], CLAMP_Q=qkv.dtype == torch.bfloat16 and cdt == torch.float16,
-        PREC="ieee" if cdt == torch.float32 else "tf32", PDL=bool(pdl), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl)
-    if splits > 1:
+        PREC="ieee" if cdt == torch.float32 else "tf32", MERGE=merge, S_PAD=triton.next_power_of_2(splits),
+        PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    if splits > 1 and not merge:
         qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
         pa._merge_splits_kernel[(T, num_heads)](
             partial, max_sum, o, qsl, T, splits, *partial.stride()[:3], *max_sum.stride()[:2], o.stride(0),

@@ -155,6 +155,7 @@ class DecoderModel:
         # too (kernels/decode_attention.py); the MLP's activation inside the down projection's GEMV.
         self.fuse_rope_cache = self.fuse_decode_attention = self.fuse_act_down = self.fused
         self.decode_attention_splits = None  # context slices of the fused decode attention (None: the kernel's rule)
+        self.decode_attention_merge = False  # its slices merged by the last to finish (True) or by a second kernel
         tensors = normalize_names(tensors)
 
         def w(name):
@@ -317,7 +318,7 @@ class DecoderModel:
                                 cfg.head_dim, cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens,
                                 md.block_tables, md.max_seq_len, cfg.softmax_scale, cache.k_scale, cache.v_scale,
                                 cache.k_offset, cfg.layer_windows[n], cfg.attn_logit_softcap,
-                                num_splits=self.decode_attention_splits)
+                                num_splits=self.decode_attention_splits, merge_in_kernel=self.decode_attention_merge)
 
     def _mlp_down(self, gate_up, down):
         """down(act(gate) * up): in the down projection's GEMV where it applies the activation as it loads its
