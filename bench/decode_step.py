@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from kiln.llm import quantize  # noqa: E402
-from kiln.llm.attention import AttentionMetadata, LayerCache  # noqa: E402
-from kiln.llm.config import ModelConfig  # noqa: E402
-from kiln.llm.model import DecoderModel, expected_shapes  # noqa: E402
+from kiln.llm import quantize
+from kiln.llm.attention import AttentionMetadata, LayerCache
+from kiln.llm.config import ModelConfig
+from kiln.llm.model import DecoderModel, expected_shapes
 
 LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                  intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

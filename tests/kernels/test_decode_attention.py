@@ -16,10 +16,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kiln.kernels import paged_attention as pa  # noqa: E402
-from kiln.kernels.decode_attention import decode_attention  # noqa: E402
-from kiln.kernels.rope_cache import rope_and_cache  # noqa: E402
-from kiln.llm.model import Rope  # noqa: E402
+from kiln.kernels import paged_attention as pa
+from kiln.kernels.decode_attention import decode_attention
+from kiln.kernels.rope_cache import rope_and_cache
+from kiln.llm.model import Rope
 
 FP8 = torch.float8_e4m3fn
 BS = 4
@@ -53,7 +53,7 @@ def _case(nh, nkv, d, cache_dtype, offset, seed=0):
         ko = torch.randn(nkv, d, generator=g) * 0.3
     qkv = (torch.randn(n, (nh + 2 * nkv) * d, generator=g) * 2).to(torch.float16)
     positions = torch.tensor([s - 1 for s in seq_lens])
-    t = lambda x: None if x is None else x.to(DEV)  # noqa: E731
+    t = lambda x: None if x is None else x.to(DEV)
     return dict(qkv=t(qkv), positions=t(positions), k_cache=t(k_cache), v_cache=t(v_cache), ks=t(ks), vs=t(vs),
                 ko=t(ko), slots=t(torch.tensor(slots)), qsl=t(torch.arange(n + 1, dtype=torch.int32)),
                 seq_lens=t(torch.tensor(seq_lens, dtype=torch.int32)), tables=t(tables), max_seq_len=32)

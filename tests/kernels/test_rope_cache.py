@@ -14,10 +14,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kiln.kernels import paged_attention as pa  # noqa: E402
-from kiln.llm import fused_ops  # noqa: E402
-from kiln.kernels.rope_cache import rope_and_cache  # noqa: E402
-from kiln.llm.model import Rope  # noqa: E402
+from kiln.kernels import paged_attention as pa
+from kiln.kernels.rope_cache import rope_and_cache
+from kiln.llm import fused_ops
+from kiln.llm.model import Rope
 
 FP8 = torch.float8_e4m3fn
 

@@ -13,13 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kiln.kernels import fp8_gemv as fg  # noqa: E402
-from kiln.llm import fused_ops  # noqa: E402
-from kiln.llm.attention import AttentionMetadata, LayerCache  # noqa: E402
-from kiln.llm.config import ModelConfig  # noqa: E402
-from kiln.llm.loader import load_hf_dir  # noqa: E402
-from kiln.llm.model import DecoderModel  # noqa: E402
-from kiln.llm.quantize import QuantizedWeight, quantize_model  # noqa: E402
+from kiln.kernels import fp8_gemv as fg
+from kiln.llm import fused_ops
+from kiln.llm.attention import AttentionMetadata, LayerCache
+from kiln.llm.config import ModelConfig
+from kiln.llm.loader import load_hf_dir
+from kiln.llm.model import DecoderModel
+from kiln.llm.quantize import QuantizedWeight, quantize_model
 
 BS = 4
 TABLE = [5, 2, 7, 0, 3, 6]  # the sequence's blocks, out of order

@@ -13,7 +13,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.llm.attention import AttentionMetadata, LayerCache, attend, check_key_offset, paged_attention
+from kiln.llm.attention import (
+    AttentionMetadata,
+    LayerCache,
+    attend,
+    check_key_offset,
+    paged_attention,
+)
 from kiln.llm.config import ModelConfig
 from kiln.llm.parallel import (
     Shard,
