@@ -46,3 +46,17 @@ def test_declines_what_it_does_not_compute():
     assert not kernel.supports(x, _rand(3, 2, 8), _rand(8), 4)  # cos would widen the output
     assert not kernel.supports(x, _rand(8).half(), _rand(8).half(), 4)  # mixed types
     assert not kernel.supports(x, _rand(8), _rand(8), 8)  # nothing to rotate
+
+
+@pytest.mark.gpu
+def test_llama_q_and_k_at_batch_32_on_cuda():
+    """llama_lm's real shapes: q [32, 16, 128, 64] and k [32, 4, 128, 64] as views of their projections, the
+    angles [1, 1, 128, 64] (static positions), FP16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cos, sin = _rand(1, 1, 128, 64, seed=1, dtype=torch.float16), _rand(1, 1, 128, 64, seed=2, dtype=torch.float16)
+    for heads in (16, 4):
+        x = _rand(32, 128, heads * 64, seed=heads, dtype=torch.float16).view(32, 128, heads, 64).transpose(1, 2)
+        y = kernel.rotary(x, cos, sin, 32)
+        want = reference(_node(32), x.float(), cos.float(), sin.float())
+        torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=1e-2)

@@ -1,6 +1,7 @@
 import math
 
 import numpy as np
+import pytest
 
 from kiln.passes import fuse_gemm
 
@@ -57,3 +58,27 @@ def test_a_tied_head_read_through_a_transpose_gets_its_own_kn_weight():
     w = after.initializers[after.nodes[2].inputs[1]]
     assert tuple(w.shape) == (8, 40) and w.is_contiguous()
     assert after.nodes[0].inputs[0] == "table"  # the embedding reads the table as it was
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_fp16_lm_head_writes_fp32_logits_from_cublas():
+    """llama_lm's head widths (1024 -> 32000, aligned) at 256 tokens: the GEMM writes the FP32 logits itself
+    (torch.mm's out_dtype, which this torch must have), no cast kernel after it."""
+    import torch
+
+    import kiln
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    half = torch.ones(16, 16, device="cuda", dtype=torch.half)
+    assert torch.mm(half, half, out_dtype=torch.float32).dtype == torch.float32  # else cublas_matmul widens
+    w = rand(1024, 32000, seed=3) * 0.03
+    m = model([helper.make_node("MatMul", ["x", "w"], ["logits"])], [("x", [1, 256, 1024])],
+              [("logits", [1, 256, 32000])], {"w": w})
+    engine = kiln.build(m, kiln.BuildConfig(device="cuda", fp16=True, progress=False))
+    (head,) = engine.graph.nodes
+    assert head.op_type == "FusedGemm" and head.tactic == "cublas_matmul" and head.attr("output_type") == "float32"
+    x = torch.as_tensor(rand(1, 256, 1024, seed=4))
+    got = engine.create_execution_context().run({"x": x.cuda()}, copy_outputs=False)["logits"]
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), x @ torch.as_tensor(w), atol=0.05, rtol=2e-2)

@@ -63,3 +63,26 @@ def test_computed_angles_fuse_too():
     feeds = {"q": rand(1, 2, 4, 8, seed=1), "cos": rand(1, 1, 4, 8, seed=2), "sin": rand(1, 1, 4, 8, seed=3)}
     _, after = check_pass(fuse_rotary, m, feeds)
     assert ops(after) == ["kiln::Rotary"] and after.nodes[0].inputs == ["q", "cos", "sin"]
+
+
+@pytest.mark.gpu
+def test_an_fp16_engine_runs_rope_on_the_triton_kernel():
+    """Tactic selection on the GPU keeps the kernel (one pass) over the reference (the six ONNX ops)."""
+    import torch
+
+    import kiln
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = _rope()
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 64
+    m.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 64
+    engine = kiln.build(m, kiln.BuildConfig(device="cuda", fp16=True, progress=False))
+    (node,) = [n for n in engine.graph.nodes if n.op_type == "Rotary"]
+    assert node.tactic == "triton_rotary"
+    q = torch.as_tensor(rand(64, 2, 4, 8, seed=1))
+    want = engine.graph.initializers  # cos/sin as the engine stores them (FP16)
+    cos, sin = (want[k].float() for k in ("cos", "sin"))
+    ref = q * cos + torch.cat([-q[..., 4:], q[..., :4]], dim=-1) * sin
+    got = engine.create_execution_context().run({"q": q.cuda()})["y"]
+    torch.testing.assert_close(got.cpu().float(), ref, atol=1e-2, rtol=1e-2)
