@@ -2,9 +2,9 @@
 
     x * cos + Concat(Neg(Slice(x, h, end)), Slice(x, 0, h)) * sin        (q * cos + rotate_half(q) * sin)
 
-Six kernels and three intermediates per q or k (two slices, Neg, Concat's copy, the Muls and Add) become
-one pass over x. cos and sin may be constants (static positions) or computed (position ids); the Muls and
-the Add match in either operand order.
+Per q or k, the Neg, the Concat's copy and the Muls and Add (one generated kernel after fuse_elementwise)
+become one pass over x: three kernels and two intermediates fewer. cos and sin may be constants (static
+positions) or computed (position ids); the Muls and the Add match in either operand order.
 """
 
 from __future__ import annotations
