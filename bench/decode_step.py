@@ -8,12 +8,13 @@ token over a paged cache (BF16 KV, or FP8 KV with scales and a key offset as ben
 step (forward, LM head, argmax) is captured in a CUDA graph with max_seq_len = --max-len, as the engine's graphs
 are (its max_model_len), and replayed.
 
-Variants: "unfused" (RoPE, the cache write and attention apart, SiLU * up apart from the down projection),
-"rope_cache" (kernels/rope_cache.py, then attention; the activation inside the down GEMV) and "fused" (RoPE, the
-cache write and attention in kernels/decode_attention.py; the activation inside the down GEMV); the logits of all
-must be equal bit for bit (but "fused_3_slices", the fused step with its attention over 3 context slices and the
-merge kernel, which sums in another order, and "fused_3_slices_merged", the slices merged in the attention kernel
-by the last to finish).
+Variants: "unfused" (RoPE, the cache write and attention apart, the attention in one pass), "rope_cache"
+(kernels/rope_cache.py, then attention), "fused" (RoPE, the cache write and attention in
+kernels/decode_attention.py, with the engine's context slices for --max-len), "fused_1_slice" and
+"fused_3_slices" (one pass; 3 slices and the merge kernel), "fused_3_merged" (3 slices merged in the attention
+kernel by the last to finish), "fused_act_down" (fused, and SiLU(gate) * up inside the down projection's GEMV).
+Their logits are compared with the unfused step's: equal bit for bit where the context is sliced alike (the
+unfused attention takes the engine's slices too).
 `--profile` lists one fused replay's kernels (torch.profiler) summed by name: what the step's time is made of.
 
     python bench/decode_step.py [--weights bf16,fp8,int4] [--ctx 256] [--profile]
@@ -38,7 +39,7 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
                  intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
-VARIANTS = ("unfused", "rope_cache", "fused", "fused_3_slices", "fused_3_slices_merged")  # the first --weights: all
+VARIANTS = ("unfused", "rope_cache", "fused", "fused_1_slice", "fused_3_slices", "fused_3_merged", "fused_act_down")
 T0 = time.perf_counter()
 
 
@@ -130,7 +131,8 @@ def replay_ms(graph, iters: int = 30) -> float:
 
 
 def profile(graph, label: str, top: int = 20) -> None:
-    """Kernels of one replay summed by name (GPU microseconds a step, launches a step)."""
+    """Kernels of one replay summed by name (GPU microseconds a step, launches a step). A kernel launched as a
+    programmatic dependent starts before the one it follows has ended and waits: its time includes that wait."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
@@ -200,18 +202,19 @@ def main(argv=None) -> int:
             model = make_model(cfg, weights, dev)
             step = make_step(model, weights, a.ctx, a.max_len, dev)
             results = {}
-            variants = VARIANTS if weights == a.weights.split(",")[0] else ("unfused", "fused", "fused_3_slices_merged")
+            variants = VARIANTS if weights == a.weights.split(",")[0] else ("unfused", "fused", "fused_act_down")
             for variant in variants:
-                model.fuse_rope_cache = model.fuse_act_down = variant != "unfused"
+                model.fuse_rope_cache = variant != "unfused"
                 model.fuse_decode_attention = variant.startswith("fused")
-                model.decode_attention_splits = 3 if "3_slices" in variant else None
-                model.decode_attention_merge = variant.endswith("merged")
+                model.decode_attention_splits = {"fused_1_slice": 1, "fused_3_slices": 3, "fused_3_merged": 3}.get(variant)
+                model.decode_attention_merge = variant == "fused_3_merged"
+                model.fuse_act_down = variant == "fused_act_down"
                 graph, out = graph_of(step)
                 ms = replay_ms(graph)
                 results[variant] = (ms, out[0].clone(), int(out[1]))
                 log(f"{weights} {variant}: graph {ms * 1000:.0f} us a step ({1000 / ms:.1f} tok/s at batch 1), "
                     f"token {int(out[1])}")
-                if a.profile and (variant == "fused" or variant == "unfused" and weights == "bf16"):
+                if a.profile and variant in ("unfused", "fused"):
                     profile(graph, f"{weights} {variant}")
                 del graph
             base = results["unfused"]

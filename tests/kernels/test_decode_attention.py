@@ -181,3 +181,56 @@ def test_decode_kernels_compile_for_hopper():
         assert pdl == 2, run.stdout  # griddepcontrol.wait and .launch_dependents
         if name.startswith("decode"):
             assert mma > 0 and cp > 0, run.stdout
+
+
+# On the GPU at Llama-3-8B's attention shape (32 query heads over 8 KV heads of 128, 16-token blocks)
+
+def _gpu_case(cache_dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nh, nkv, d, bs = 32, 8, 128, 16
+    seq_lens = [1000, 17, 257, 1, 4000]
+    per = [-(-s // bs) for s in seq_lens]
+    blocks = torch.randperm(sum(per) + 4, device="cuda", generator=g).int()
+    tables = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
+    start, slots = 0, []
+    for i, s in enumerate(seq_lens):
+        tables[i, :per[i]] = blocks[start:start + per[i]]
+        start += per[i]
+        slots.append(int(tables[i, (s - 1) // bs]) * bs + (s - 1) % bs)
+    shape = (sum(per) + 4, bs, nkv, d)
+    kc = (torch.randn(shape, device="cuda", generator=g) * (30 if cache_dtype == FP8 else 1)).to(cache_dtype)
+    vc = (torch.randn(shape, device="cuda", generator=g) * (30 if cache_dtype == FP8 else 1)).to(cache_dtype)
+    scales = {}
+    if cache_dtype == FP8:
+        scales = dict(ks=torch.full((nkv,), 0.03, device="cuda"), vs=torch.full((nkv,), 0.05, device="cuda"),
+                      ko=torch.randn(nkv, d, device="cuda", generator=g) * 0.2)
+    qkv = torch.randn(len(seq_lens), (nh + 2 * nkv) * d, device="cuda", generator=g).to(torch.bfloat16)
+    return dict(qkv=qkv, kc=kc, vc=vc, slots=torch.tensor(slots, device="cuda"),
+                pos=torch.tensor([s - 1 for s in seq_lens], device="cuda"),
+                qsl=torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda"),
+                lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), tables=tables, **scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("splits", [None, 1, 4, -4])  # -4: 4 slices merged by the last to finish
+def test_gpu_matches_the_two_kernels(cache_dtype, splits):
+    c = _gpu_case(cache_dtype)
+    nh, nkv, d = 32, 8, 128
+    rope = Rope(d, 8192, 500000.0, None, "cuda")
+    ks, vs, ko = c.get("ks"), c.get("vs"), c.get("ko")
+    merged, n = splits is not None and splits < 0, None if splits is None else abs(splits)
+    got_k, got_v = c["kc"].clone(), c["vc"].clone()
+    got = decode_attention(c["qkv"].clone(), c["pos"], rope.cos, rope.sin, d, nh, nkv, d, got_k, got_v, c["slots"],
+                           c["qsl"], c["lens"], c["tables"], 4096, 1 / math.sqrt(d), ks, vs, ko, num_splits=n,
+                           merge_in_kernel=merged)
+    two_qkv, two_k, two_v = c["qkv"].clone(), c["kc"].clone(), c["vc"].clone()
+    rope_and_cache(two_qkv, c["pos"], rope.cos, rope.sin, d, nh, nkv, d, two_k, two_v, c["slots"], ks, vs, ko)
+    two = pa.paged_attention(two_qkv[:, :nh * d].view(-1, nh, d), two_k, two_v, c["qsl"], c["lens"], c["tables"], 1,
+                             4096, 1 / math.sqrt(d), k_scale=ks, v_scale=vs, num_splits=n)
+    assert torch.equal(got_k.float(), two_k.float()) and torch.equal(got_v.float(), two_v.float())
+    if merged:
+        torch.testing.assert_close(got, two, atol=2e-2, rtol=2e-2)
+    else:
+        assert torch.equal(got, two)

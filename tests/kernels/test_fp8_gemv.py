@@ -246,14 +246,37 @@ def test_int4_gemv_16_bit_codes_by_their_bits(dtype, block_m):
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="inline PTX: CUDA only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_nibbles_in_ptx_equal_the_elementwise_form(dtype):
+@pytest.mark.parametrize("prmt,block_k", [(1, 128), (2, 128), (1, 256)])  # a PTX piece a nibble, or one for both
+def test_int4_nibbles_in_ptx_equal_the_elementwise_form(dtype, prmt, block_k):
     from kiln.llm.quantize import quantize_int4
 
     g = torch.Generator().manual_seed(7)
     packed, scale, zero = (t.to(DEV) for t in quantize_int4(torch.randn(4096, 4096, generator=g)))
     x = torch.randn(4, 4096, generator=g).to(DEV, dtype)
-    fast = fg.int4_gemv(x, packed, scale, zero, None, config=fg.GemvConfig(64, 128, 2, 4, 4, prmt=True))
-    assert torch.equal(fast, fg.int4_gemv(x, packed, scale, zero, None, config=fg.GemvConfig(64, 128, 2, 4, 4)))
+    fast = fg.int4_gemv(x, packed, scale, zero, None, config=fg.GemvConfig(64, block_k, 2, 4, 4, prmt=prmt))
+    assert torch.equal(fast, fg.int4_gemv(x, packed, scale, zero, None, config=fg.GemvConfig(64, block_k, 2, 4, 4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4])
+def test_activation_in_the_input_load_on_the_gpu(m):
+    """SiLU(gate) * up inside the down projection's GEMV against act_and_mul then the GEMV: the same bits for FP8
+    codes and INT4; BF16 weights to BF16 rounding (the H200 run's BF16 step differed, the FP8 and INT4 steps did
+    not: the dot's operand then comes from registers, which may change the tensor cores' summation order)."""
+    from kiln.llm.fused_ops import act_and_mul
+    from kiln.llm.quantize import quantize_int4
+
+    k = 14336
+    x, codes, scale = operands(m, 4096, k, torch.bfloat16, seed=3)
+    gate_up = torch.randn(m, 2 * k, device=DEV).to(torch.bfloat16)
+    a = act_and_mul(gate_up)
+    assert torch.equal(fg.fp8_gemv(gate_up, codes, scale, act="silu"), fg.fp8_gemv(a, codes, scale))
+    packed, s4, z4 = quantize_int4(torch.randn(4096, k, device=DEV))
+    assert torch.equal(fg.int4_gemv(gate_up, packed, s4, z4, None, act="silu"), fg.int4_gemv(a, packed, s4, z4, None))
+    w16 = (torch.randn(4096, k, device=DEV) * 0.02).to(torch.bfloat16)
+    torch.testing.assert_close(fg.fp8_gemv(gate_up, w16, None, act="silu"), fg.fp8_gemv(a, w16, None),
+                               atol=1e-2, rtol=1e-2)
 
 
 def test_launches_pass_only_the_kernels_parameters(monkeypatch):

@@ -1,7 +1,7 @@
 """The decoder with its CUDA fusions forced on (Triton under TRITON_INTERPRET=1 without a GPU) against its torch
 path: RoPE + the KV-cache write in one kernel (kernels/rope_cache.py, the prefill), with the attention too in
 decode steps (kernels/decode_attention.py), the MLP's activation inside the down projection's GEMV
-(fused_ops.act_and_down), add + RMSNorm. Greedy tokens of a prefill and decode steps over the
+(fused_ops.act_and_down, off by default), add + RMSNorm. Greedy tokens of a prefill and decode steps over the
 paged cache are the same; logits agree to FP32 rounding."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_fused_decoder_gives_the_same_tokens(tiny_llama):
     want, want_logits = _generate(DecoderModel(cfg, tensors, torch.float32, "cpu", fused=False), prompt, 6,
                                   torch.float32)
     fused = DecoderModel(cfg, tensors, torch.float32, "cpu", fused=True)
-    assert fused.fuse_rope_cache and fused.fuse_decode_attention and fused.fuse_act_down
+    assert fused.fuse_rope_cache and fused.fuse_decode_attention and not fused.fuse_act_down  # the last: slower
     got, got_logits = _generate(fused, prompt, 6, torch.float32)
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
@@ -67,6 +67,7 @@ def test_activation_in_the_down_gemv(tiny_llama):
     models = [DecoderModel(cfg, tensors, torch.float16, "cpu", fused=f) for f in (False, True)]
     for m in models:
         quantize_model(m, "fp8")
+    models[1].fuse_act_down = True  # off by default (slower on the H200); its path still gives the same tokens
     down = models[1].layers[0]["down"]
     assert isinstance(down, QuantizedWeight)
     g = torch.Generator().manual_seed(0)

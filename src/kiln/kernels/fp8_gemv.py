@@ -346,11 +346,13 @@ DOT_TILES_MORE = ((64, 256, 4, 4, 16), (128, 256, 8, 3, 16), (64, 512, 8, 3, 16)
                   (128, 256, 8, 3, 8), (64, 256, 4, 4, 8), (32, 256, 4, 4, 16))
 ROW_TILES = ((16, 512, 8), (16, 256, 4), (32, 256, 8), (8, 512, 4))  # (block_n, block_k for 8-bit, warps)
 ROW_TILES_MORE = ((16, 512, 4),)
-INT4_TILES = ((256, 8, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4))  # (block_n, warps, stages); PTX unpacking, m8
-# `full` adds: (block_n, block_k (groups a step times 128), warps, stages, prmt)
-INT4_TILES_MORE = ((128, 256, 8, 3, 1), (256, 256, 8, 3, 1), (64, 256, 4, 4, 1), (128, 512, 8, 2, 1),
-                   (64, 512, 4, 3, 1), (128, 128, 8, 3, 0), (256, 128, 8, 3, 0), (256, 128, 8, 3, 2), (128, 128, 8, 3, 2),
-                   (64, 128, 4, 4, 2))
+# (block_n, block_k (groups a step times 128), warps, stages, prmt): PTX unpacking (1: a piece of PTX for each
+# nibble; 2: one for both, timed beside it), 8 activation columns. The sweep's fastest at M = 1.
+INT4_TILES = ((256, 128, 8, 3, 1), (128, 256, 8, 3, 1), (64, 128, 4, 4, 1), (256, 128, 8, 3, 2), (128, 256, 8, 3, 2))
+# `full` adds the rest of the sweep
+INT4_TILES_MORE = ((128, 128, 8, 3, 1), (128, 128, 4, 4, 1), (256, 256, 8, 3, 1), (64, 256, 4, 4, 1),
+                   (128, 512, 8, 2, 1), (64, 512, 4, 3, 1), (128, 128, 8, 3, 0), (256, 128, 8, 3, 0),
+                   (128, 128, 8, 3, 2), (64, 128, 4, 4, 2))
 
 
 def candidate_configs(n: int, k: int, num_sms: int, codes_dtype: torch.dtype = FP8,
@@ -460,14 +462,12 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
 
 
 def int4_heuristic_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    return GemvConfig(128, 128, split_for(n, k, 128, 128, num_sms), 8, 3, prmt=True, block_m=8)
+    return GemvConfig(256, 128, split_for(n, k, 256, 128, num_sms), 8, 3, prmt=1, block_m=8)
 
 
 def int4_candidate_configs(n: int, k: int, num_sms: int, full: bool = False) -> list[GemvConfig]:
     """int4_gemv's tiles choose_int4_config times (block_k: the groups of 128 one loop step takes, times 128)."""
-    tiles = [(bn, 128, warps, stages, True) for bn, warps, stages in INT4_TILES]
-    if full:
-        tiles += list(INT4_TILES_MORE)
+    tiles = list(INT4_TILES) + (list(INT4_TILES_MORE) if full else [])
     out = []
     for bn, bk, warps, stages, prmt in tiles:
         for waves in (1.0, 2.0):

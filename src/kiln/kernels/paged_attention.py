@@ -440,7 +440,7 @@ def compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                      device: torch.device, min_split_len: int = 256) -> int:
+                      device: torch.device, min_split_len: int = 128) -> int:
     """Slices of the context per (sequence, KV head) for decode: enough programs for four a multiprocessor,
     each slice at least min_split_len keys; 1 (single pass) for prefill or when the batch fills the GPU."""
     if max_query_len != 1:
