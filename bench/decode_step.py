@@ -217,6 +217,14 @@ def main(argv=None) -> int:
                 if a.profile and variant in ("unfused", "fused"):
                     profile(graph, f"{weights} {variant}")
                 del graph
+            if weights == "int4":  # what choose_int4_config timed at M = 1 for each projection (it picks the fastest)
+                from kiln.kernels import fp8_gemv as fg
+
+                for name in ("qkv", "o", "gate_up", "down"):
+                    w = model.layers[0][name]
+                    n, k = w.out_features, w.in_features
+                    timed = sorted((us, c.name) for c, us in fg.tile_timings(n, k, torch.bfloat16, dev, "int4").items())
+                    log(f"int4 {name} tiles timed: " + "; ".join(f"{nm} {us:.1f} us" for us, nm in timed))
             base = results["unfused"]
             for variant in variants[1:]:
                 r = results[variant]
