@@ -149,20 +149,36 @@ def test_heads_interleaved_like_q_after_a_qkv_projection():
 
 
 
-@pytest.mark.parametrize("mask_images", [1, 2])
-def test_window_attention_five_dim_operands_and_mask(mask_images):
-    """Swin's shifted windows: q, k, v [B, W, H, N, D] as views of one QKV projection (heads interleaved), N = 49
-    (not a power of two), the mask [1 or B, W, H, N, N] a relative position bias plus a per-window mask. The
-    kernel reads the mask's window as b % W of its merged batch index."""
+def _window_operands(mask_images, dtype=torch.float32):
+    """Swin's shifted windows: q, k^T, v [B, W, H, N, D] as views of one QKV projection (heads interleaved), N = 49
+    (not a power of two), the mask [1 or B, W, H, N, N] a relative position bias plus a per-window mask."""
     b, w, n, d = 2, 3, 49, 32
-    qkv = _rand(b * w, n, 3, H, d, seed=9)
+    qkv = _rand(b * w, n, 3, H, d, seed=9, dtype=dtype)
     q, k, v = (t.reshape(b, w, n, H, d).transpose(2, 3) for t in qkv.unbind(2))
     bias = _rand(1, 1, H, n, n, seed=4)
     shift = torch.where(_rand(1, w, 1, n, n, seed=5) > 0.5, -100.0, 0.0)
     mask = (bias + shift).expand(mask_images, w, H, n, n).contiguous()
     if mask_images == 2:
         mask[1] += _rand(w, H, n, n, seed=6)  # each image its own mask: both of the mask's leading strides
-    got = _check(q, k.transpose(-1, -2), v, mask, scale=d ** -0.5, k_transposed=True)
+    return q, k.transpose(-1, -2), v, mask.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [c for c, _ in attention.CONFIGS], ids=lambda c: c.name)
+def test_window_attention_on_every_flash_config(config):
+    q, kt, v, mask = _window_operands(2, torch.float16)
+    got = attention.flash_attention(q, kt, v, mask, 32 ** -0.5, True, config=config)
+    want = attention.reference(q, kt, v, mask, 32 ** -0.5, True)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # p rounded to FP16 before p @ v
+
+
+@pytest.mark.parametrize("mask_images", [1, 2])
+def test_window_attention_five_dim_operands_and_mask(mask_images):
+    """The kernel reads the mask's window as b % W of its merged batch index, the image as b // W."""
+    b, w, n, d = 2, 3, 49, 32
+    q, kt, v, mask = _window_operands(mask_images)
+    k = kt.transpose(-1, -2)
+    got = _check(q, kt, v, mask, scale=d ** -0.5, k_transposed=True)
     merged = got.transpose(2, 3).reshape(b * w, n, H * d)  # the head merge after attention: a view
     assert merged.data_ptr() == got.data_ptr()
     assert not attention.supports(q, k.expand(b, w, H, n, d)[:, :1].expand(b, w, H, n, d), v)  # no [B * W] view
