@@ -417,24 +417,37 @@ RANDOM_MODELS = {
 }
 
 
+def write_word_tokenizer(out: Path, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json of a word-level vocabulary covering every id of the model ("<unk>",
+    "<s>", "</s>", then "w3", "w4", ...), so every generated token decodes to a word and the detokenizer moves on
+    as with a real tokenizer (ids outside a smaller vocabulary decode to nothing, and an incremental detokenizer
+    then re-decodes a window that grows with the output)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials)} | {f"w{i}": i for i in range(len(specials), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                           "unk_token": "<unk>", "add_bos_token": False}))
+
+
 def make_random_model(name: str, out: Path, max_positions: int = 2048) -> Path:
     """An HF Llama directory with random BF16 weights of RANDOM_MODELS[name]'s shape (made on the GPU when there
-    is one) and the tiny test tokenizer (tests/llm/tiny.py): prompts are random token ids, the text is not read."""
+    is one) and a word-level tokenizer of its vocabulary (write_word_tokenizer): prompts are random token ids."""
     import torch
     from safetensors.torch import save_file
 
     from kiln.llm.config import ModelConfig
     from kiln.llm.model import expected_shapes
-    from tests.llm.tiny import BOS, EOS, write_tokenizer
-
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, 384)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    shape = RANDOM_MODELS[name]
+    write_word_tokenizer(out, shape["vocab_size"])
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
            "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-           "bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), **RANDOM_MODELS[name]}
+           "bos_token_id": 1, "eos_token_id": 2, **shape}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(dev).manual_seed(0)
