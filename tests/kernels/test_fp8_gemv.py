@@ -133,7 +133,7 @@ def gemv(codes, cfg, block_m, even=True, x="*bf16", act=""):
     cdt = {"*bf16": tl.bfloat16, "*fp16": tl.float16}[codes] if elem == 2 else tl.float16
     cx = dict(X_SCALE=fg.X_SCALE_BF16 if (elem == 1 and x == "*bf16") else 1.0, CDT=cdt, PREC="tf32",
               HAS_SCALE=elem == 1, EVEN=even, PDL=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-              ACT=act)
+              ACT=act, ONE_ROW=act != "" and block_m == 8)
     return source(fg._gemv_kernel, types, cx), cfg
 
 def row(codes, cfg, act=""):
@@ -172,7 +172,7 @@ for x, magic, gps, act in (("*bf16", 0x4300, 1, ""), ("*fp16", 0x6400, 1, ""), (
     types = dict(x_ptr=x, p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", xs_ptr="*fp32", y_ptr=x, part_ptr="*fp32",
                  count_ptr="*i32")
     cx = dict(CDT=tl.bfloat16 if x == "*bf16" else tl.float16, PREC="tf32", HAS_XS=True, MAGIC=magic, PRMT=True,
-              PDL=True, BLOCK_M=16, BLOCK_N=64, GROUP=128, GPS=gps, ACT=act)
+              PDL=True, BLOCK_M=16, BLOCK_N=64, GROUP=128, GPS=gps, ACT=act, ONE_ROW=act != "")
     ptx = triton.compile(source(fg._int4_gemv_kernel, types, cx), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     print(f"int4 {x[1:]}{' groups ' + str(gps) + ' ' + act if act else ''} mma:", len(re.findall(r"\b(?:wgmma|mma)\.", ptx)))

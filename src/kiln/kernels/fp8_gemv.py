@@ -74,11 +74,21 @@ def _store_or_reduce(acc, y_ptr, part_ptr, count_ptr, pid_n, pid_k, rn, rm, M, N
             tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
 
 
+@triton.jit
+def _gated_row(x_ptr, K, cols, ok, rm, ACT: tl.constexpr):
+    """The activation tile [len(cols), len(rm)] of a one-row x = [gate | up]: act(gate) * up at cols for row 0,
+    rounded to x's type (as act_and_mul stores it), zeros in the other columns (as the masked load leaves them).
+    The activation is computed once a column of K, not once for each of the tile's padding rows too."""
+    a = act_mul(tl.load(x_ptr + cols, mask=ok, other=0.0), tl.load(x_ptr + K + cols, mask=ok, other=0.0), ACT)
+    a = a.to(x_ptr.dtype.element_ty)
+    return tl.where(rm[None, :] == 0, a[:, None], tl.zeros_like(a)[:, None])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm,
                  stride_wn, stride_ym, X_SCALE: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr,
                  HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, ONE_ROW: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,16 +106,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN:  # N and every split's K range are whole tiles
             w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            if ACT != "":  # x is [gate | up]: act(gate) * up, rounded as act_and_mul's output is
-                xt = act_mul(xt, tl.load(x_ptrs + K, mask=row_ok, other=0.0), ACT).to(x_ptr.dtype.element_ty)
+            if ACT != "" and ONE_ROW:  # x is [gate | up] (see _gated_row)
+                xt = _gated_row(x_ptr, K, k + rk, rk < BLOCK_K, rm, ACT)
+            else:
+                xt = tl.load(x_ptrs, mask=row_ok, other=0.0)
+                if ACT != "":  # x is [gate | up]: act(gate) * up, rounded as act_and_mul's output is
+                    xt = act_mul(xt, tl.load(x_ptrs + K, mask=row_ok, other=0.0), ACT).to(x_ptr.dtype.element_ty)
         else:
             k_ok = (k + rk) < k_hi
             w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=row_ok & k_ok[:, None], other=0.0)
-            if ACT != "":
-                xt = act_mul(xt, tl.load(x_ptrs + K, mask=row_ok & k_ok[:, None], other=0.0),
-                             ACT).to(x_ptr.dtype.element_ty)
+            if ACT != "" and ONE_ROW:
+                xt = _gated_row(x_ptr, K, k + rk, k_ok, rm, ACT)
+            else:
+                xt = tl.load(x_ptrs, mask=row_ok & k_ok[:, None], other=0.0)
+                if ACT != "":
+                    xt = act_mul(xt, tl.load(x_ptrs + K, mask=row_ok & k_ok[:, None], other=0.0),
+                                 ACT).to(x_ptr.dtype.element_ty)
         if X_SCALE != 1.0:
             xt = xt.to(tl.float32) * X_SCALE
         acc = tl.dot(w.to(CDT), xt.to(CDT), acc, input_precision=PREC)
@@ -221,7 +237,7 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
                       splits, stride_xm, stride_pn, stride_sn, stride_ym, CDT: tl.constexpr, PREC: tl.constexpr,
                       HAS_XS: tl.constexpr, MAGIC: tl.constexpr, PRMT: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GPS: tl.constexpr,
-                      ACT: tl.constexpr):
+                      ACT: tl.constexpr, ONE_ROW: tl.constexpr):
     """The same swapped-tile GEMV over 4-bit codes: each K step is one group of GROUP input channels (packed
     GROUP / 2 bytes a row: low nibble = even channel). The codes less their zero point, q - z, are exact small
     integers in the dot's type (_codes_minus_zero), so the even and odd channels meet the matching columns of x
@@ -266,9 +282,13 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, xs_ptr, y_ptr, part_ptr, count
             ke = k + 2 * rj
             e_ok = row_ok & (ke < k_hi)[:, None]
             o_ok = row_ok & ((ke + 1) < k_hi)[:, None]
-            x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=e_ok, other=0.0)
-            x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=o_ok, other=0.0)
-            if ACT != "":
+            if ACT != "" and ONE_ROW:
+                x_even = _gated_row(x_ptr, K, ke, ke < k_hi, rm, ACT)
+                x_odd = _gated_row(x_ptr, K, ke + 1, (ke + 1) < k_hi, rm, ACT)
+            else:
+                x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=e_ok, other=0.0)
+                x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=o_ok, other=0.0)
+            if ACT != "" and not ONE_ROW:
                 x_even = act_mul(x_even, tl.load(x_ptr + rm[None, :] * stride_xm + (K + ke)[:, None], mask=e_ok,
                                                  other=0.0), ACT).to(x_ptr.dtype.element_ty)
                 x_odd = act_mul(x_odd, tl.load(x_ptr + rm[None, :] * stride_xm + (K + ke + 1)[:, None],
@@ -456,7 +476,7 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, c
         return y
     _gemv_kernel[(tiles, splits)](
         x, codes, s_arg, y, part, counts, M, N, K, k_per_split, splits, x.stride(0), codes.stride(0), y.stride(0),
-        X_SCALE=x_scale, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else "tf32",
+        X_SCALE=x_scale, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else "tf32", ONE_ROW=bool(act) and M == 1,
         BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), **common)
     return y
 
@@ -520,6 +540,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
         HAS_XS=input_scale is not None, MAGIC=magic, PRMT=int(cfg.prmt) if magic != 0 and x.is_cuda else 0,
         PDL=hopper and pdl,
         BLOCK_M=max(cfg.block_m, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, GROUP=group, GPS=gps, ACT=act,
+        ONE_ROW=bool(act) and M == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl))
     return y
 

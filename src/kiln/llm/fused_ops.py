@@ -78,17 +78,19 @@ def act_and_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
 
 
 def act_and_down(gate_up: torch.Tensor, down, hidden_act: str) -> torch.Tensor | None:
-    """down(act(gate) * up) for gate_up [T, 2n], with the activation applied inside the down projection's
-    decode GEMV as it loads its input (one launch instead of two; the same bits as act_and_mul, then the GEMV).
-    None where that GEMV does not run for these rows and this weight (kiln.llm.quantize's rules: too many rows,
-    cuBLAS's matrix, another format, or an activation without a fused form): the caller then runs both."""
+    """down(act(gate) * up) for one row gate_up [1, 2n], with the activation applied inside the down
+    projection's decode GEMV as it loads its input (one launch instead of two; the same bits as act_and_mul, then
+    the GEMV, for FP8/INT8 and INT4 weights). None for more rows (the GEMV's tile would compute the activation
+    for every one of its activation columns) and where that GEMV does not run for this weight
+    (kiln.llm.quantize's rules: cuBLAS's matrix, another format) or the activation has no fused form: the caller
+    then runs both."""
     from kiln.kernels import fp8_gemv as fg
     from kiln.kernels.gated_act import kernel_act
     from kiln.llm.quantize import GEMV_MAX_M, DecodeWeight, QuantizedWeight
 
     act = kernel_act(hidden_act)
     rows = gate_up.shape[0]
-    if act is None or gate_up.dtype not in (torch.bfloat16, torch.float16) or rows == 0:
+    if act is None or gate_up.dtype not in (torch.bfloat16, torch.float16) or rows != 1:
         return None
     if isinstance(down, QuantizedWeight):
         if rows > GEMV_MAX_M:
