@@ -90,3 +90,38 @@ def test_fp8_projections_calibrated_by_kiln_merge_too():
     got = engine.create_execution_context().run({"x": x})
     for name, ref in zip("qkv", _ort(m, x)):  # FP8: a few percent of the range
         assert np.abs(got[name] - ref).max() <= 0.1 * np.abs(ref).max(), name
+
+
+class _FuseThenMerge:
+    @staticmethod
+    def run(g):
+        fuse_gemm.run(g)
+        merge_parallel_gemms.run(g)
+
+
+def test_bias_free_matmuls_and_a_swiglu_gate_merge_into_one_matmul():
+    """Llama's projections: q/k/v plain MatMuls -> one MatMul + Split; gate (SiLU epilogue) + up the same, the
+    gate's SiLU applied to its slice."""
+    nodes = [helper.make_node("MatMul", ["x", f"w{n}"], [f"m{n}"]) for n in "qkv"]
+    nodes += [helper.make_node("Neg", [f"m{n}"], [n]) for n in "qkv"]  # a model output would be a FusedGemm
+    nodes += [helper.make_node("MatMul", ["h", "wg"], ["g"]), helper.make_node("Sigmoid", ["g"], ["sg"]),
+              helper.make_node("Mul", ["g", "sg"], ["silu"]), helper.make_node("MatMul", ["h", "wu"], ["u"]),
+              helper.make_node("Mul", ["silu", "u"], ["gu"])]
+    inits = {"wq": rand(8, 8, seed=1), "wk": rand(8, 4, seed=2), "wv": rand(8, 4, seed=3),
+             "wg": rand(8, 12, seed=4), "wu": rand(8, 12, seed=5)}
+    m = model(nodes, [("x", [2, 5, 8]), ("h", [2, 5, 8])], [("q", [2, 5, 8]), ("k", [2, 5, 4]), ("v", [2, 5, 4]),
+                                                               ("gu", [2, 5, 12])], inits)
+    _, after = check_pass(_FuseThenMerge, m, {"x": rand(2, 5, 8, seed=6), "h": rand(2, 5, 8, seed=7)}, atol=1e-4)
+    assert ops(after) == ["MatMul", "Split", "Neg", "Neg", "Neg", "MatMul", "Split", "Sigmoid", "Mul", "Mul"]
+    assert [tuple(after.initializers[n.inputs[1]].shape) for n in after.nodes if n.op_type == "MatMul"] == \
+        [(8, 16), (8, 24)]
+
+
+def test_matmuls_on_other_inputs_or_computed_weights_stay_apart():
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("MatMul", ["h", "w2"], ["b"]),
+             helper.make_node("MatMul", ["x", "h2"], ["c"])]
+    m = model(nodes, [("x", [2, 8]), ("h", [2, 8]), ("h2", [8, 3])], [("a", [2, 4]), ("b", [2, 4]), ("c", [2, 3])],
+              {"w1": rand(8, 4, seed=1), "w2": rand(8, 4, seed=2)})
+    _, after = check_pass(merge_parallel_gemms, m, {"x": rand(2, 8, seed=3), "h": rand(2, 8, seed=4),
+                                                    "h2": rand(8, 3, seed=5)})
+    assert ops(after) == ["MatMul", "MatMul", "MatMul"]

@@ -3,6 +3,11 @@
 One launch that reads the activation once instead of three. Quantized GEMMs (QGemm) merge
 when they quantize that input alike (same type and scale): the input is then quantized once
 too; their weight scales become one per output channel unless they were one and the same.
+
+Plain MatMuls on constant [K, N] weights (bias-free projections, which fuse_gemm leaves as MatMul: Llama's
+q/k/v and up) merge the same way into one MatMul. A SwiGLU's gate, a FusedGemm whose only epilogue is SiLU,
+joins the MatMuls reading its input: its slice of the wide product gets the SiLU as Sigmoid and Mul, which
+fuse_elementwise joins to the gate * up product that reads both slices (one GEMM fewer, no kernel more).
 """
 
 from __future__ import annotations
@@ -37,8 +42,68 @@ def _weight_scales(view: View, gemms: list[Node], widths: list[int]) -> torch.Te
     return torch.cat([s.expand(n) for s, n in zip(scales, widths)])
 
 
+def _plain_key(view: View, n: Node) -> tuple | None:
+    """What plain GEMMs must share to merge into one MatMul: input, K, weight type. A MatMul on a constant 2-D
+    float weight, or a FusedGemm whose only epilogue is SiLU (a SwiGLU's gate, its SiLU then applied apart)."""
+    if not n.inputs or len(n.inputs) < 2:
+        return None
+    w = view.const(n.inputs[1])
+    if w is None or w.dim() != 2 or not w.dtype.is_floating_point:
+        return None
+    if n.domain == "" and n.op_type == "MatMul":
+        return n.inputs[0], w.shape[0], w.dtype
+    if (n.domain == "kiln" and n.op_type == "FusedGemm" and n.attr("activation", "") == "Silu"
+            and not (len(n.inputs) > 2 and n.inputs[2]) and not n.attr("output_type", "")):
+        return n.inputs[0], w.shape[0], w.dtype
+    return None
+
+
+def _merge_plain(graph: Graph, view: View, gemms: list[Node]) -> None:
+    """One MatMul on the concatenated weights + a Split; a SiLU gate's slice then goes through Sigmoid and Mul."""
+    ws = [view.const(g.inputs[1]) for g in gemms]
+    name = fused_name(gemms)
+    w_name = f"merged_weight:{gemms[0].name}"
+    graph.initializers[w_name] = torch.cat(ws, dim=1)
+    wide = f"{gemms[0].outputs[0]}.merged"
+    merged = Node("MatMul", [gemms[0].inputs[0], w_name], [wide], {}, name=name)
+    split_sizes = f"split_sizes:{gemms[0].name}"
+    graph.initializers[split_sizes] = torch.tensor([w.shape[1] for w in ws], dtype=torch.int64)
+    silu = [g.op_type == "FusedGemm" for g in gemms]
+    parts = [f"{g.outputs[0]}.pre_silu" if act else g.outputs[0] for g, act in zip(gemms, silu)]
+    split = Node("Split", [wide, split_sizes], parts, {"axis": -1}, name=f"split({name})")
+    merged.sources = [s for g in gemms for s in (g.sources or [g.name])]
+    merged.opset = max(13, min(g.opset for g in gemms))
+    split.opset, split.sources = merged.opset, [name]
+    new = [merged, split]
+    for g, part, act in zip(gemms, parts, silu):
+        if act:
+            sig = Node("Sigmoid", [part], [f"{part}.sigmoid"], {}, name=f"{g.outputs[0]}.sigmoid")
+            mul = Node("Mul", [part, sig.outputs[0]], [g.outputs[0]], {}, name=f"{g.outputs[0]}.silu")
+            for m in (sig, mul):
+                m.opset = merged.opset
+            new += [sig, mul]
+    at = min(graph.nodes.index(g) for g in gemms)
+    ids = {id(g) for g in gemms}
+    graph.nodes = [n for n in graph.nodes[:at] if id(n) not in ids] + new + \
+        [n for n in graph.nodes[at:] if id(n) not in ids]
+    view.refresh()
+
+
 def run(graph: Graph) -> None:
     view = View(graph)
+    _merge_fused(graph, view)
+    plain: dict[tuple, list[Node]] = {}
+    for n in graph.nodes:
+        key = _plain_key(view, n)
+        if key is not None:
+            plain.setdefault(key, []).append(n)
+    for gemms in plain.values():
+        # at least one MatMul: SiLU GEMMs alone merged above, as FusedGemms keeping their epilogue
+        if len(gemms) >= 2 and any(g.op_type == "MatMul" for g in gemms):
+            _merge_plain(graph, view, gemms)
+
+
+def _merge_fused(graph: Graph, view: View) -> None:
     groups: dict[tuple, list[Node]] = {}
     for n in graph.nodes:
         key = _key(view, n)
