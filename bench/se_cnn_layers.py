@@ -1,8 +1,8 @@
 """The layers of MobileNetV3-Small and EfficientNet-B0 at batch 32, FP16, channels-last, by candidate: every tactic the
 builder offers the layer at the default level (those whose applies() takes it) beside the reference, as the
 builder's selector times them (kiln.tactics.timer.median_ms: CUDA-graph replays), us. Each candidate's output is
-checked against the reference (max abs error over the output's max abs value). Layers: the RGB stems (over the
-zero-padded 4-channel image, as the engine runs them), depthwise convolutions with their activation, the
+checked against the reference (max abs error over the output's max abs value). Layers: the RGB stems (the
+32-filter one over the zero-padded 4-channel image, as the engine runs it), depthwise convolutions with their activation, the
 squeeze-excite pools and fully connected 1x1 convolutions.
 
     python bench/se_cnn_layers.py [--batch 32] [--only stem,dw,pool,fc]        (GPU)
@@ -25,7 +25,7 @@ from kiln.tactics.timer import median_ms
 
 # (kind, name, C, H, OC, kernel, stride, activation)
 LAYERS = [
-    ("stem", "mnv3s stem 3(4)->16 3x3 s2 HardSwish", 4, 224, 16, 3, 2, "HardSwish"),
+    ("stem", "mnv3s stem 3->16 3x3 s2 HardSwish", 3, 224, 16, 3, 2, "HardSwish"),
     ("stem", "effb0 stem 3(4)->32 3x3 s2 Silu", 4, 224, 32, 3, 2, "Silu"),
     ("dw", "mnv3s dw 16@112 3x3 s2 Relu", 16, 112, 16, 3, 2, "Relu"),
     ("dw", "mnv3s dw 576@7 5x5 HardSwish", 576, 7, 576, 5, 1, "HardSwish"),
@@ -55,8 +55,8 @@ def _layer(kind, c, h, oc, k, stride, act, batch):
     group = c if kind == "dw" else 1
     cin = 1 if kind == "dw" else c
     w = _channels_last_weight((torch.randn(oc, cin, k, k, device="cuda", generator=g) * 0.3).half())
-    if kind == "stem":
-        w[:, 3] = 0  # the zero fourth channel of builder/layout.py's padded stem
+    if kind == "stem" and c == 4:
+        w[:, 3] = 0  # the zero fourth channel of builder/layout.py's padded stem (32 filters or more)
     b = torch.randn(oc, device="cuda", generator=g).half()
     node = Node("FusedConv", ["x", "w", "b"], ["y"],
                 {"kernel_shape": [k, k], "strides": [stride, stride], "pads": [k // 2] * 4, "group": group,

@@ -33,14 +33,27 @@ def test_quantized_gemm_weights_are_stored_k_major_on_a_gpu_only(tmp_path):
                                engine.create_execution_context().run({"x": x})["y"])
 
 
+def _rgb_stem(filters: int):
+    """A 3x3 stride-2 RGB stem of `filters` filters + ReLU reading the image, then a 3x3 convolution to 8 channels."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in [("ws", (filters, 3, 3, 3)), ("w1", (8, filters, 3, 3))]]
+    nodes = [helper.make_node("Conv", ["image", "ws"], ["s"], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["s"], ["r"]), helper.make_node("Conv", ["r", "w1"], ["y"], pads=[1, 1, 1, 1])]
+    g = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, 8, 8])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def test_an_rgb_stem_reading_the_image_gets_a_zero_fourth_channel_and_the_same_results(tmp_path):
-    from kiln.models import DEFAULT_PROFILE, tiny_cnn
+    prof = kiln.Profile({"image": ((2, 3, 16, 16),) * 3})
 
-    def build():
-        return kiln.build(tiny_cnn(), kiln.BuildConfig(device="cpu", progress=False,
-                                                       profiles=[kiln.Profile(dict(DEFAULT_PROFILE))]))
+    def build(filters):
+        return kiln.build(_rgb_stem(filters), kiln.BuildConfig(device="cpu", progress=False, profiles=[prof]))
 
-    engine = build()
+    engine = build(32)
     assert layout.channels_last_weights(engine.graph, "cpu", "float32") == [] == engine.padded_channels
     convs = [n for n in engine.graph.nodes if n.op_type in ("Conv", "FusedConv")]
     nhwc = layout.channels_last_weights(engine.graph, "cuda", "float16")
@@ -55,9 +68,17 @@ def test_an_rgb_stem_reading_the_image_gets_a_zero_fourth_channel_and_the_same_r
     w = again.weights_on_target()[stem[0]]
     assert w.shape[1] == 4 and (w[:, 3] == 0).all() and w.is_contiguous(memory_format=torch.channels_last)
     assert engine.graph.initializers[stem[0]].shape[1] == 3  # the file keeps the model's weight
-    x = torch.randn(2, 3, 32, 32)
-    torch.testing.assert_close(again.create_execution_context().run({"image": x})["probs"],
-                               build().create_execution_context().run({"image": x})["probs"])
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(again.create_execution_context().run({"image": x})["y"],
+                               build(32).create_execution_context().run({"image": x})["y"])
+
+
+def test_a_stem_of_fewer_than_32_filters_keeps_three_channels():
+    """cuDNN's heuristic runs a 16-filter stem over four channels on a slow kernel (builder/layout.py)."""
+    prof = kiln.Profile({"image": ((2, 3, 16, 16),) * 3})
+    engine = kiln.build(_rgb_stem(16), kiln.BuildConfig(device="cpu", progress=False, profiles=[prof]))
+    nhwc = layout.channels_last_weights(engine.graph, "cuda", "float16")
+    assert len(nhwc) == 2 and layout.padded_channel_weights(engine.graph, nhwc) == []
 
 
 def _depthwise_then_pointwise():

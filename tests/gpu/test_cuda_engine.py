@@ -93,15 +93,17 @@ def test_reduced_precision_engines_stay_close(prec):
 
 
 def test_the_rgb_stem_runs_over_four_channels_in_fp16_and_stays_right():
-    model, prof = tiny_cnn(), [kiln.Profile(dict(DEFAULT_PROFILE))]
+    from ..engine.test_layout import _rgb_stem
+
+    model, prof = _rgb_stem(32), [kiln.Profile({"image": ((8, 3, 16, 16),) * 3})]
     fp16 = kiln.build(model, _cfg(profiles=prof, fp16=True))
-    assert len(fp16.padded_channels) == 1  # the stem reads the image; the second convolution keeps 16 channels
+    assert len(fp16.padded_channels) == 1  # the 32-filter stem reads the image; the second convolution does not
     w = fp16.weights_on_target()[fp16.padded_channels[0]]
     assert w.shape[1] == 4 and w.is_contiguous(memory_format=torch.channels_last)
     ref = kiln.build(model, _cfg(profiles=prof)).create_execution_context()
-    x = torch.randn(8, 3, 32, 32, device="cuda")
-    torch.testing.assert_close(fp16.create_execution_context().run({"image": x})["probs"],
-                               ref.run({"image": x})["probs"], rtol=1e-2, atol=1e-2)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    torch.testing.assert_close(fp16.create_execution_context().run({"image": x})["y"],
+                               ref.run({"image": x})["y"], rtol=1e-2, atol=1e-2)
 
 
 def test_engine_is_stamped_with_this_gpu_and_refused_elsewhere(tmp_path):

@@ -62,8 +62,8 @@ class TwoBranchStem(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.k3 = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.k1 = torch.nn.Conv2d(3, 8, 1)
+        self.k3 = torch.nn.Conv2d(3, 32, 3, padding=1)  # 32 filters: padded (builder/layout.MIN_PADDED_FILTERS)
+        self.k1 = torch.nn.Conv2d(3, 32, 1)
 
     def forward(self, x):
         return torch.relu(self.k3(x) + self.k1(x))

@@ -2,8 +2,8 @@
 
 Tensor Core convolution kernels want NHWC; storing the weights channels-last
 makes cuDNN pick NHWC kernels and their outputs stay NHWC down the network, so
-no transposes are added. An RGB stem convolution reading a model input also gets
-a fourth, zero input channel: cuDNN's 4-channel kernels are a third faster, and
+no transposes are added. An RGB stem convolution of 32 filters or more reading a model
+input also gets a fourth, zero input channel: cuDNN's 4-channel kernels are a third faster, and
 the input's cast into channels-last writes the zero channel in the same copy
 (kernels/pad_channels.py). The weights get channels-last strides on every axis, size-1 ones included
 (engine.weights_on_target): `.to(memory_format=torch.channels_last)` leaves a depthwise [C, 1, KH, KW] or a 1x1
@@ -37,15 +37,23 @@ def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> lis
     return _weights(graph, ("Conv", "FusedConv", "QConv"), 4)
 
 
+# The fewest filters a padded stem has: cuDNN's heuristic runs a 16-filter 3x3 stride-2 stem over four channels
+# on a grouped direct kernel an order of magnitude slower than its 3-channel kernel (docs/design/se-cnn.md); 32
+# and 64 filters over four channels run well.
+MIN_PADDED_FILTERS = 32
+
+
 def padded_channel_weights(graph: Graph, channels_last: list[str]) -> list[str]:
-    """Channels-last weights [K, 3, R, S] read only by convolutions of a model input: stored as [K, 4, R, S],
-    the fourth channel zero (the engine's input cast pads the image to match; interpreter.cast_for)."""
+    """Channels-last weights [K, 3, R, S] (K >= MIN_PADDED_FILTERS) read only by convolutions of a model input:
+    stored as [K, 4, R, S], the fourth channel zero (the engine's input cast pads the image to match;
+    interpreter.cast_for)."""
     inputs = {v.name for v in graph.inputs}
     readers = graph.consumers()
 
     def stem(n) -> bool:
+        w = graph.initializers[n.inputs[1]]
         return (n.op_type in ("Conv", "FusedConv") and n.inputs[0] in inputs and n.attr("group", 1) == 1
-                and graph.initializers[n.inputs[1]].shape[1] == 3)
+                and w.shape[1] == 3 and w.shape[0] >= MIN_PADDED_FILTERS)
 
     return sorted(w for w in channels_last if all(stem(n) and n.inputs[1] == w for n in readers.get(w, [])))
 
