@@ -51,3 +51,51 @@ def test_se_block_tactics_are_timed_and_right():
     ref = kiln.build(model, kiln.BuildConfig(device="cpu", progress=False, profiles=prof)).create_execution_context()
     torch.testing.assert_close(eng.create_execution_context().run({"x": x.cuda()})["y"].float().cpu(),
                                ref.run({"x": x})["y"], rtol=3e-2, atol=3e-2)
+
+
+def _channels_last_weight(t):
+    """As the engine stores a convolution weight on a GPU (engine.weights_on_target)."""
+    _, c, h, w = t.shape
+    return torch.empty_strided(t.shape, (c * h * w, 1, w * c, c), dtype=t.dtype, device=t.device).copy_(t)
+
+
+@pytest.mark.parametrize("k, stride, act", [(3, 2, "Relu"), (5, 1, "HardSwish"), (3, 1, "Silu")])
+def test_depthwise_kernel_matches_cudnn_at_mobilenet_shapes(k, stride, act):
+    from kiln.ir.graph import Node
+    from kiln.kernels import depthwise_conv
+    from kiln.ops.fused import fused_conv
+
+    node = Node("FusedConv", ["x", "w", "b"], ["y"], {"kernel_shape": [k, k], "strides": [stride, stride],
+                                                      "pads": [k // 2] * 4, "group": 96, "activation": act},
+                domain="kiln")
+    x = torch.randn(8, 96, 28, 28, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    w = _channels_last_weight(torch.randn(96, 1, k, k, device="cuda").half() * 0.3)
+    b = torch.randn(96, device="cuda").half()
+    want = fused_conv(node, x.float(), w.float(), b.float())
+    for config in depthwise_conv.CONFIGS:
+        got = depthwise_conv.conv2d(node, x, w, b, config=config)
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_spatial_mean_matches_torch_on_a_large_map_of_few_channels():
+    from kiln.kernels import pool
+
+    x = torch.randn(32, 32, 112, 112, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    want = x.float().mean(dim=(2, 3), keepdim=True)
+    for config in pool.MEAN_CONFIGS:
+        torch.testing.assert_close(pool.spatial_mean(x, config=config).float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_narrow_tiles_run_the_3_channel_stem():
+    from kiln.ir.graph import Node
+    from kiln.kernels import conv
+
+    node = Node("FusedConv", ["x", "w", "b"], ["y"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1] * 4,
+                                                      "activation": "HardSwish"}, domain="kiln")
+    x = torch.randn(4, 3, 64, 64, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    w = _channels_last_weight(torch.randn(16, 3, 3, 3, device="cuda").half() * 0.3)
+    b = torch.randn(16, device="cuda").half()
+    want = conv.reference(node, x, w, b)
+    for config in conv.NARROW_CONFIGS:
+        torch.testing.assert_close(conv.conv2d(node, x, w, b, config=config), want, atol=2e-2, rtol=2e-2)
