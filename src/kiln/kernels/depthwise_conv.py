@@ -41,12 +41,16 @@ class DepthwiseConfig:
 
 
 # Wide channel blocks for the wide late layers, narrow ones (more pixels a program) for the 16-32 channel early
-# ones; the builder times each against cuDNN's kernels.
+# ones; the builder times each against cuDNN's kernels. The 1024-element tiles are for the small late layers (7x7
+# and 14x14 maps of 5x5 filters), whose time is the latency of their taps' loads more than bandwidth: smaller
+# programs, more of them to interleave on each SM.
 CONFIGS = [
     DepthwiseConfig(32, 64, 4),
     DepthwiseConfig(16, 128, 4),
     DepthwiseConfig(64, 32, 4),
     DepthwiseConfig(128, 16, 4),
+    DepthwiseConfig(16, 64, 4),
+    DepthwiseConfig(8, 128, 4),
 ]
 
 

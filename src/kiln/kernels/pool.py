@@ -120,7 +120,8 @@ class MeanConfig:
 
 # Narrow channel blocks give a 32-image batch of 16-96 channel early maps enough programs; wide ones suit the
 # small late maps of many channels.
-MEAN_CONFIGS = [MeanConfig(64, 64, 4), MeanConfig(128, 32, 4), MeanConfig(256, 16, 8), MeanConfig(64, 64, 4, True)]
+MEAN_CONFIGS = [MeanConfig(64, 64, 4), MeanConfig(128, 32, 4), MeanConfig(256, 16, 8), MeanConfig(64, 64, 4, True),
+                MeanConfig(128, 32, 4, True)]
 
 
 @triton.jit
