@@ -12,7 +12,9 @@ Variants: "unfused" (RoPE, the cache write and attention apart, the attention in
 (kernels/rope_cache.py, then attention), "fused" (RoPE, the cache write and attention in
 kernels/decode_attention.py, with the engine's context slices for --max-len), "fused_1_slice" and
 "fused_3_slices" (one pass; 3 slices and the merge kernel), "fused_3_merged" (3 slices merged in the attention
-kernel by the last to finish), "fused_act_down" (fused, and SiLU(gate) * up inside the down projection's GEMV).
+kernel by the last to finish), "fused_act_down" (fused, and SiLU(gate) * up inside the down projection's GEMV),
+"fused_prefetch_8mb" / "_24mb" (fused, and that much of each next matrix asked into L2 before the small kernels
+between two GEMVs: kernels/l2_prefetch.py).
 Their logits are compared with the unfused step's: equal bit for bit where the context is sliced alike (the
 unfused attention takes the engine's slices too).
 `--profile` lists one fused replay's kernels (torch.profiler) summed by name: what the step's time is made of.
@@ -39,7 +41,8 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
                  intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
-VARIANTS = ("unfused", "rope_cache", "fused", "fused_1_slice", "fused_3_slices", "fused_3_merged", "fused_act_down")
+VARIANTS = ("unfused", "rope_cache", "fused", "fused_1_slice", "fused_3_slices", "fused_3_merged", "fused_act_down",
+            "fused_prefetch_8mb", "fused_prefetch_24mb")
 T0 = time.perf_counter()
 
 
@@ -202,13 +205,15 @@ def main(argv=None) -> int:
             model = make_model(cfg, weights, dev)
             step = make_step(model, weights, a.ctx, a.max_len, dev)
             results = {}
-            variants = VARIANTS if weights == a.weights.split(",")[0] else ("unfused", "fused", "fused_act_down")
+            variants = VARIANTS if weights == a.weights.split(",")[0] else ("unfused", "fused", "fused_act_down",
+                                                                            "fused_prefetch_8mb")
             for variant in variants:
                 model.fuse_rope_cache = variant != "unfused"
                 model.fuse_decode_attention = variant.startswith("fused")
                 model.decode_attention_splits = {"fused_1_slice": 1, "fused_3_slices": 3, "fused_3_merged": 3}.get(variant)
                 model.decode_attention_merge = variant == "fused_3_merged"
                 model.fuse_act_down = variant == "fused_act_down"
+                model.l2_prefetch_bytes = {"fused_prefetch_8mb": 8 << 20, "fused_prefetch_24mb": 24 << 20}.get(variant, 0)
                 graph, out = graph_of(step)
                 ms = replay_ms(graph)
                 results[variant] = (ms, out[0].clone(), int(out[1]))

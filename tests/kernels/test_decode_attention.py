@@ -116,7 +116,7 @@ import inspect, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kiln.kernels import decode_attention as da, rope_cache as rc
+from kiln.kernels import decode_attention as da, l2_prefetch as lp, rope_cache as rc
 from kiln.llm import fused_ops as fo
 
 def source(kernel, types, cx):
@@ -152,19 +152,23 @@ cases = [("rope+cache bf16", rope_cache("*bf16", "", False), 1),
                                 dict(ACT="silu", BLOCK=1024, PDL=True)), 1),
          ("decode bf16", decode("*bf16", "", False), 3), ("decode fp8 split centred", decode("*fp8e4nv", "fp8", True, True), 3),
          ("decode int8 window cap", decode("*i8", "int8", False, False, True, True), 3),
-         ("decode bf16 split merged in the kernel", decode("*bf16", "", True, merge=True), 3)]
+         ("decode bf16 split merged in the kernel", decode("*bf16", "", True, merge=True), 3),
+         ("l2 prefetch", source(lp._prefetch_kernel, dict(p_ptr="*bf16", nbytes="i64"),
+                                dict(CHUNK=lp.CHUNK, THREADS=128, PDL=True)), 1)]
 for name, src, stages in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages)).asm["ptx"]
     mma = len(re.findall(r"\bmma\.", ptx))
     cp = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", ptx))
-    print(f"{name}: pdl {ptx.count('griddepcontrol')}, mma {mma}, 16-byte cp.async {cp}")
+    print(f"{name}: pdl {ptx.count('griddepcontrol')}, mma {mma}, 16-byte cp.async {cp}, "
+          f"L2 prefetch {ptx.count('cp.async.bulk.prefetch.L2')}")
 """
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU the GPU runs compile the kernels")
 def test_decode_kernels_compile_for_hopper():
-    """What only the compiler refuses; the PDL wait and trigger in every kernel, and the decode kernel's key loop
-    on the tensor cores with its gathered K/V tiles loaded ahead through 16-byte cp.async."""
+    """What only the compiler refuses; the PDL wait and trigger in every kernel, the decode kernel's key loop
+    on the tensor cores with its gathered K/V tiles loaded ahead through 16-byte cp.async, the L2 prefetch's bulk
+    instruction."""
     import subprocess
     import sys
     from pathlib import Path
@@ -175,9 +179,10 @@ def test_decode_kernels_compile_for_hopper():
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = dict(line.split(": ", 1) for line in run.stdout.splitlines())
-    assert len(rows) == 8, run.stdout
+    assert len(rows) == 9, run.stdout
     for name, info in rows.items():
-        pdl, mma, cp = (int(part.split()[-1]) for part in info.split(", "))
+        pdl, mma, cp, prefetch = (int(part.split()[-1]) for part in info.split(", "))
+        assert prefetch == (name == "l2 prefetch"), run.stdout
         assert pdl == 2, run.stdout  # griddepcontrol.wait and .launch_dependents
         if name.startswith("decode"):
             assert mma > 0 and cp > 0, run.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -25,21 +26,23 @@ BS = 4
 TABLE = [5, 2, 7, 0, 3, 6]  # the sequence's blocks, out of order
 
 
-def _generate(model, prompt, steps, dtype):
+def _generate(model, prompt, steps, dtype, device="cpu"):
     """Greedy tokens after `prompt` (one prefill, then one decode step a token) and every step's logits."""
     cfg = model.cfg
     shape = (8, BS, cfg.num_kv_heads, cfg.head_dim)
-    caches = [LayerCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    caches = [LayerCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
               for _ in range(cfg.num_layers)]
     ids, pos0, tokens, logits = list(prompt), 0, [], []
     for _ in range(steps):
         n = len(ids)
         pos = list(range(pos0, pos0 + n))
-        md = AttentionMetadata(torch.tensor([TABLE[p // BS] * BS + p % BS for p in pos]),
-                               torch.tensor([0, n], dtype=torch.int32), torch.tensor([pos0 + n], dtype=torch.int32),
-                               torch.tensor([TABLE], dtype=torch.int32), n, pos0 + n)
-        hidden = model.forward(torch.tensor(ids), torch.tensor(pos), md, caches)
-        out = model.compute_logits(hidden[-1:])
+        def t(v, dt=None):
+            return torch.tensor(v, dtype=dt, device=device)
+
+        md = AttentionMetadata(t([TABLE[p // BS] * BS + p % BS for p in pos]), t([0, n], torch.int32),
+                               t([pos0 + n], torch.int32), t([TABLE], torch.int32), n, pos0 + n)
+        hidden = model.forward(t(ids), t(pos), md, caches)
+        out = model.compute_logits(hidden[-1:]).cpu()
         logits.append(out[0])
         tokens.append(int(out[0].argmax()))
         ids, pos0 = [tokens[-1]], pos0 + n
@@ -80,3 +83,23 @@ def test_activation_in_the_down_gemv(tiny_llama):
     want, _ = _generate(models[0], prompt, 4, torch.float16)
     got, _ = _generate(models[1], prompt, 4, torch.float16)
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_decoder_on_the_gpu(tiny_llama):
+    """On CUDA (FP32): the fused decoder's greedy tokens equal the unfused one's (Triton attention over the same
+    cache, torch norms, RoPE and activation) and its logits agree to FP32 rounding; asking L2 for the next weights
+    changes no result."""
+    hf, tensors, tok = load_hf_dir(tiny_llama)
+    cfg = ModelConfig.from_hf(hf)
+    prompt = tok.encode("The potter lit the fire")
+    unfused = DecoderModel(cfg, tensors, torch.float32, "cuda", fused=False)
+    fused = DecoderModel(cfg, tensors, torch.float32, "cuda")
+    want, want_logits = _generate(unfused, prompt, 8, torch.float32, "cuda")
+    got, got_logits = _generate(fused, prompt, 8, torch.float32, "cuda")
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=0)
+    fused.l2_prefetch_bytes = 1 << 20
+    again, again_logits = _generate(fused, prompt, 8, torch.float32, "cuda")
+    assert again == got and torch.equal(again_logits, got_logits)

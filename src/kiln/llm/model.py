@@ -164,6 +164,9 @@ class DecoderModel:
         self.fuse_act_down = False
         self.decode_attention_splits = None  # context slices of the fused decode attention (None: the kernel's rule)
         self.decode_attention_merge = False  # its slices merged by the last to finish (True) or by a second kernel
+        # Bytes of the next matrix asked into L2 before the small kernels between two GEMVs (kernels/l2_prefetch.py);
+        # 0: none (not timed yet)
+        self.l2_prefetch_bytes = 0
         tensors = normalize_names(tensors)
 
         def w(name):
@@ -257,6 +260,7 @@ class DecoderModel:
         for n, L in enumerate(self.layers):
             x, h = self._add_norm(delta, h, L["input_norm"])
             qkv = F.linear(x, L["qkv"], L.get("qkv_bias"))
+            self._prefetch(L["o"])  # into L2 while attention runs
             q = qkv[:, :qd].view(-1, nh, cfg.head_dim)
             k = qkv[:, qd:qd + kvd].view(-1, nkv, cfg.head_dim)
             v = qkv[:, qd + kvd:].view(-1, nkv, cfg.head_dim)
@@ -273,11 +277,16 @@ class DecoderModel:
                 o = paged_attention(q, k, v, caches[n], md, cfg.softmax_scale, cfg.layer_windows[n],
                                     cfg.attn_logit_softcap)
             o = all_reduce(F.linear(o.reshape(-1, qd), L["o"]), self.shard)  # row-parallel: sum the ranks' parts
+            self._prefetch(L["gate_up"])
             if cfg.sandwich_norms:
                 x, h = self._add_norm(rms_norm(o, L["post_attn_norm"], eps, off), h, L["pre_ffn_norm"])
             else:
                 x, h = self._add_norm(o, h, L["post_attn_norm"])
-            x = all_reduce(self._mlp_down(F.linear(x, L["gate_up"]), L["down"]), self.shard)
+            gate_up = F.linear(x, L["gate_up"])
+            self._prefetch(L["down"])
+            x = all_reduce(self._mlp_down(gate_up, L["down"]), self.shard)
+            if n + 1 < len(self.layers):
+                self._prefetch(self.layers[n + 1]["qkv"])
             delta = rms_norm(x, L["post_ffn_norm"], eps, off) if cfg.sandwich_norms else x
         return self._add_norm(delta, h, self.norm)[0]
 
@@ -327,6 +336,12 @@ class DecoderModel:
                                 md.block_tables, md.max_seq_len, cfg.softmax_scale, cache.k_scale, cache.v_scale,
                                 cache.k_offset, cfg.layer_windows[n], cfg.attn_logit_softcap,
                                 num_splits=self.decode_attention_splits, merge_in_kernel=self.decode_attention_merge)
+
+    def _prefetch(self, weight) -> None:
+        if self.l2_prefetch_bytes and weight.device.type == "cuda":
+            from kiln.kernels.l2_prefetch import prefetch_l2
+
+            prefetch_l2(weight, self.l2_prefetch_bytes)
 
     def _mlp_down(self, gate_up, down):
         """down(act(gate) * up): in the down projection's GEMV where it applies the activation as it loads its
