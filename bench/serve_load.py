@@ -289,13 +289,16 @@ def direct(model: Path, a, prompts, out_lens, warmup=None) -> tuple[dict, tuple]
             "engine_cpu_cores": cpu / wall}, window
 
 
-def offline(model: Path, a, prompts, out_lens, warmup=None) -> dict:
+def offline(model: Path, a, prompts, out_lens, warmup=None, before_measure=None) -> dict:
+    """before_measure(): called once the engine is loaded and warmed up, just before the measured run."""
     from kiln.llm.engine import LLMEngine
 
     engine = LLMEngine.from_model(str(model), **engine_kwargs(a))
     run_requests(engine, [prompts[0][:8]] * 2, [4, 4])  # warm-up, as the served run's
     if warmup:
         run_requests(engine, *warmup)
+    if before_measure is not None:
+        before_measure()
     profile = step_profile.StepProfile(engine)  # the phases the engine process records, for the offline run
     result = run_requests(engine, prompts, out_lens)
     result["step_records"] = profile.records
@@ -538,21 +541,38 @@ def main(argv=None) -> int:
         tmp.cleanup()
         return 0
     placement = cpu_placement.placement(a.engine_cpu)  # the server makes the same choice
+    def at() -> str:
+        return f"[{time.perf_counter() - began:.0f} s into the run]"
+
+    server = None  # told to stop once the clients are done; it exits while the offline engine loads
+
+    def server_gone() -> None:
+        nonlocal server
+        if server is None:
+            return
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        sys.stderr.write(server.stdout.read())  # the server's last lines (drain, the engine process's time)
+        print(f"server exited {at()}", file=sys.stderr, flush=True)
+        server = None
+
     if a.direct:
         served, window = direct(model, a, prompts, out_lens, warmup)
     else:
-        proc, port = start_server(model, a)
+        server, port = start_server(model, a)
+        print(f"server ready {at()}", file=sys.stderr, flush=True)
         try:
             served = load(f"http://127.0.0.1:{port}", prompts, out_lens, a.clients, a.time_limit, a.client_procs,
-                          proc.pid, warmup, placement and placement[1])
+                          server.pid, warmup, placement and placement[1])
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            sys.stderr.write(proc.stdout.read())  # the server's last lines (drain, the engine process's time)
+            server.send_signal(signal.SIGTERM)
         window = served.pop("window")
+    # Said now, so that a run cut short later still reports the served one.
+    print(f"served: {served['output_tok_s']:.1f} output tok/s, {served['requests']} requests in "
+          f"{served['wall_s']:.2f} s, {served['errors']} errors; HTTP process {served.get('server_cpu_cores') or 0:.2f} "
+          f"cores, engine process {served.get('engine_cpu_cores') or 0:.2f} {at()}", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python", "bench/serve_load.py", *(argv or sys.argv[1:])]),
               "model": ("tiny Llama (tests/llm/tiny.py)" if a.tiny else f"random-weight {a.random_model} (BF16)"
@@ -561,19 +581,11 @@ def main(argv=None) -> int:
               "engine_cpu": a.engine_cpu, "direct": a.direct,
               "mean_input_len": sum(len(x) for x in prompts) / len(prompts),
               "mean_output_len": sum(out_lens) / len(out_lens), "served": served}
-    # The engine process's steps while the clients were measured (not the warm-up's).
-    served_steps = step_profile.load(a.step_profile_file) if a.step_profile_file.exists() else []
-    served_steps = [r for r in served_steps if window[0] <= r[step_profile.START] <= window[1]]
-    result["served_steps"] = steps_report(served_steps)
-    # Said now, so that a run cut short during the offline half still reports the served one.
-    print(f"served: {served['output_tok_s']:.1f} output tok/s, {served['requests']} requests in "
-          f"{served['wall_s']:.2f} s, {served['errors']} errors; engine process steps: "
-          f"{step_profile.summary(served_steps)} [{time.perf_counter() - began:.0f} s into the run]", flush=True)
     offline_steps = []
     if not a.skip_offline:
         if placement:  # the offline engine steps where the served one did
             cpu_placement.pin(placement[0])
-        result["offline"] = offline(model, a, prompts, out_lens, warmup)
+        result["offline"] = offline(model, a, prompts, out_lens, warmup, before_measure=server_gone)
         graphs, error = result["offline"].pop("cuda_graphs", None), result["offline"].pop("cuda_graph_error", None)
         if graphs or error:
             import torch
@@ -582,8 +594,13 @@ def main(argv=None) -> int:
                   + (f"; capture failed: {error}" if error else ""), file=sys.stderr)
         offline_steps = result["offline"].pop("step_records")
         result["offline_steps"] = steps_report(offline_steps)
-        print(f"offline: {result['offline']['output_tok_s']:.1f} output tok/s "
-              f"[{time.perf_counter() - began:.0f} s into the run]", flush=True)
+        print(f"offline: {result['offline']['output_tok_s']:.1f} output tok/s; served / offline "
+              f"{served['output_tok_s'] / result['offline']['output_tok_s']:.2f} {at()}", flush=True)
+    server_gone()
+    # The engine process's steps while the clients were measured (not the warm-up's); the server wrote them at exit.
+    served_steps = step_profile.load(a.step_profile_file) if a.step_profile_file.exists() else []
+    served_steps = [r for r in served_steps if window[0] <= r[step_profile.START] <= window[1]]
+    result["served_steps"] = steps_report(served_steps)
     print(render(result))
     print(f"\nEngine steps, the server's engine process (measured window): {step_profile.summary(served_steps)}")
     if not a.skip_offline:
