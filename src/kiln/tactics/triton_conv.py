@@ -4,9 +4,9 @@ from the default level 3 and timed against cuDNN's kernels:
                       layer's bias, residual and activation in the same kernel
   FusedConv, Conv     triton_conv_narrow_<BM>x<BN>x<BK>_w<warps>_s<stages>  kernels/conv.py's implicit GEMM in tiles
                       for few input channels (K walked flat) and at most 64 output channels: an RGB stem. cuDNN's
-                      heuristic runs MobileNetV3's and MobileViT's 16-filter stem on a slow grouped direct kernel
-                      (docs/design/se-cnn.md), and the wide tiles of triton_conv_* (level 4) waste most of each
-                      program on 16 channels.
+                      heuristic ran MobileNetV3's and MobileViT's 16-filter stem over four channels on a slow grouped
+                      direct kernel (docs/design/se-cnn.md), and the wide tiles of triton_conv_* (level 4) waste
+                      most of each program on 16 channels.
   FusedConv, Conv     triton_conv1x1_rows_<BM>x<BN>x<BK>_w<warps>_s<stages>  1x1 convolutions of at most 256 pixel rows
                       as kernels/gemm.py GEMMs with the activation in the epilogue: a squeeze-excite block's fully
                       connected layers on its pooled map, whose channel counts (4, 6, 10, ...) TMA cannot take
@@ -23,8 +23,6 @@ from __future__ import annotations
 import torch
 
 from . import tactic
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _conv_operands(args):
