@@ -22,6 +22,7 @@ the dims' sizes) is paid once per row, not once per element.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import importlib.util
 import math
@@ -280,27 +281,47 @@ def _out_shape(inputs: list[torch.Tensor]):
         return None
 
 
-def _dense(x: torch.Tensor) -> bool:
-    """x's elements fill its memory exactly once, in some order of its dims (contiguous, channels-last, a
+Geometry = tuple[tuple[int, ...], tuple[int, ...]]  # a tensor's (shape, strides)
+
+
+def _dense(shape, strides) -> bool:
+    """The elements fill their memory exactly once, in some order of the dims (contiguous, channels-last, a
     transpose of either)."""
-    dims = sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1)
     expect = 1
-    for s, n in dims:
-        if s != expect:
+    for st, n in sorted((st, n) for st, n in zip(strides, shape) if n != 1):
+        if st != expect:
             return False
         expect *= n
     return True
 
 
+def _dense_strides(shape, order) -> tuple[int, ...]:
+    """Dense strides for `shape` with its dims laid out in `order`, innermost first."""
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d] = step
+        step *= shape[d]
+    return tuple(strides)
+
+
+def output_strides(inputs: list[Geometry], shape) -> tuple[int, ...]:
+    """The output in the memory format of its largest input (one of the output's shape, a dense one first,
+    its strides as they are; else dense in that input's order of dims), else contiguous: a channels-last
+    activation times a per-channel scale, or a channel slice of one plus another, stays channels-last."""
+    shape = tuple(shape)
+    full = [st for sh, st in inputs if tuple(sh) == shape]
+    dense = next((st for st in full if _dense(shape, st)), None)
+    if dense is not None:
+        return tuple(dense)
+    if full:  # innermost first: smallest stride, a later dim before an earlier one where they tie
+        return _dense_strides(shape, sorted(range(len(shape)), key=lambda d: (full[0][d], -d)))
+    return _dense_strides(shape, range(len(shape) - 1, -1, -1))
+
+
 def empty_output(inputs: list[torch.Tensor], shape) -> torch.Tensor:
-    """The output in the memory format of its largest input (one of the output's shape, a dense one first), as
-    torch.empty_like lays it out, else contiguous: a channels-last activation times a per-channel scale, or a
-    channel slice of one plus another, stays channels-last."""
     dtype = next(x.dtype for x in inputs if x.dtype.is_floating_point)
-    full = [x for x in inputs if tuple(x.shape) == tuple(shape)]
-    like = next((x for x in full if _dense(x)), full[0] if full else None)
-    out = None if like is None else torch.empty_like(like, dtype=dtype)
-    return out if out is not None and _dense(out) else torch.empty(shape, dtype=dtype, device=inputs[0].device)
+    strides = output_strides([(tuple(x.shape), x.stride()) for x in inputs], shape)
+    return torch.empty_strided(tuple(shape), strides, dtype=dtype, device=inputs[0].device)
 
 
 @dataclass(frozen=True)
@@ -310,17 +331,24 @@ class Plan:
     strides: tuple[tuple[int, ...], ...]  # each input's strides along them
 
 
-def plan(inputs: list[torch.Tensor], out: torch.Tensor) -> Plan | None:
-    """The merged layout the kernel indexes, or None where it does not apply (more than MAX_RANK dims left
-    after merging, an output that is not dense)."""
-    if not _dense(out):
+def _broadcast_strides(shape, strides, out_shape) -> list[int]:
+    """An input's strides over the output's dims: 0 along the dims it broadcasts (size 1 or missing)."""
+    lead = len(out_shape) - len(shape)
+    return [0 if d < lead or shape[d - lead] == 1 else strides[d - lead] for d in range(len(out_shape))]
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_geometry(inputs: tuple[Geometry, ...], out: Geometry) -> Plan | None:
+    """The merged layout the kernel indexes for inputs and an output of these shapes and strides, or None
+    where it does not apply (an output that is not dense, more than MAX_RANK dims left after merging)."""
+    shape, out_strides = out
+    if not _dense(shape, out_strides):
         return None
-    shape = tuple(out.shape)
-    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -out.stride(d))  # memory order
-    strides = [x.expand(shape).stride() for x in inputs]
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -out_strides[d])  # memory order
+    full = [_broadcast_strides(sh, st, shape) for sh, st in inputs]
     sizes = [shape[d] for d in order]
-    per_input = [[st[d] for d in order] for st in strides]
-    # merge dim j into the dim before it where every input steps over both as over one
+    per_input = [[st[d] for d in order] for st in full]
+    # merge a dim into the one before it where every input steps over both as over one
     k = 0
     while k + 1 < len(sizes):
         if all(s[k] == s[k + 1] * sizes[k + 1] for s in per_input):
@@ -339,8 +367,13 @@ def plan(inputs: list[torch.Tensor], out: torch.Tensor) -> Plan | None:
     dense = [math.prod(sizes[d + 1:]) for d in range(rank)]
     patterns = tuple("=" if s == dense else "".join(
         "0" if v == 0 else "1" if v == 1 else "s" for v in s) for s in per_input)
-    span = max([out.numel()] + [sum((n - 1) * abs(v) for n, v in zip(sizes, s)) + 1 for s in per_input])
+    span = max([math.prod(shape)] + [sum((n - 1) * abs(v) for n, v in zip(sizes, s)) + 1 for s in per_input])
     return Plan(Layout(rank, patterns, wide=span >= 2**31), tuple(sizes), tuple(tuple(s) for s in per_input))
+
+
+def plan(inputs: list[torch.Tensor], out: torch.Tensor) -> Plan | None:
+    return plan_geometry(tuple((tuple(x.shape), tuple(x.stride())) for x in inputs),
+                         (tuple(out.shape), tuple(out.stride())))
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -357,9 +390,14 @@ def supports(inputs: list[torch.Tensor]) -> bool:
     shape = _out_shape(inputs)
     if shape is None:
         return False
-    # planned on meta tensors of the same strides: nothing is allocated on the device to answer
-    metas = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in inputs]
-    return plan(metas, empty_output(metas, shape)) is not None
+    geometry = tuple((tuple(x.shape), tuple(x.stride())) for x in inputs)
+    return plan_geometry(geometry, (tuple(shape), output_strides(list(geometry), shape))) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernel(program: tuple[str, ...], n_inputs: int, layout: Layout | None):
+    """kernel_for, remembered by the program's lines: a layer's later calls skip generating and hashing."""
+    return kernel_for(list(program), n_inputs, layout)
 
 
 BLOCK = 2048  # elements a program writes
@@ -373,7 +411,7 @@ def run(program: list[str], inputs: list[torch.Tensor], block: int = BLOCK, out:
         raise ValueError(f"no generated kernel for inputs {[tuple(x.shape) for x in inputs]} into a "
                          f"{tuple(out.shape)} output of strides {out.stride()}")
     n = out.numel()
-    kernel = kernel_for(program, len(inputs), p.layout)
+    kernel = _kernel(tuple(program), len(inputs), p.layout)
     strides = [s[d] for s, pat in zip(p.strides, p.layout.patterns) if pat != "=" for d in range(p.layout.rank)
                if pat[d] == "s"]
     if p.layout.rank == 1:
