@@ -51,15 +51,16 @@ def _depthwise_run(config):
 def _narrow_applies(config):
     def applies(node, args) -> bool:
         from ..kernels import conv
-        from .triton_gemm import _tile_fits
+        from .triton_gemm import _not_oversized, _tile_fits
 
         x, w, b, z = _conv_operands(args)
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda):
             return False
         if x.dtype not in (torch.float16, torch.bfloat16) or not conv.supports(node, x, w, b, z):
             return False
+        oh, ow = conv.geometry(node, x, w)[3]
         return (x.shape[1] < conv.FLAT_BELOW_C and w.shape[0] <= 64 and config.block_n <= max(16, 2 * w.shape[0])
-                and _tile_fits(config, x, w, False))
+                and _not_oversized(config.block_m, x.shape[0] * oh * ow) and _tile_fits(config, x, w, False))
 
     return applies
 
