@@ -214,3 +214,48 @@ def test_skip_layernorm_tactics_with_a_third_addend_match_the_op_reference():
     for y, s in (triton.fn(node, *args)[:2], library.add_then_layer_norm(node, *args)[:2]):
         torch.testing.assert_close(y, ry, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s, rs)
+
+
+@pytest.mark.parametrize("write_sum", [True, False])
+def test_rms_norm_of_a_residual_sum_matches_the_layer_reference(write_sum):
+    """kiln::RMSNorm(a, gamma, skip) (fuse_rmsnorm's residual Add joined): the norm of a + skip and the sum, one
+    pass of the kernel's RMS mode; without a reader of the sum, no sum is written."""
+    from kiln.ir.graph import Node
+    from kiln.ops.fused import rms_norm
+    from kiln.tactics import _TACTICS, triton_tactics  # noqa: F401  (registers)
+
+    tactic = next(t for t in _TACTICS[("kiln", "RMSNorm")] if t.name == "triton_rms_norm")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 5, 40, generator=g).to(DEV), torch.randn(2, 5, 40, generator=g).to(DEV)
+    gamma = torch.randn(40, generator=g).to(DEV)
+    node = Node("RMSNorm", ["a", "g", "b"], ["y", "s" if write_sum else ""], {"epsilon": 1e-6}, domain="kiln")
+    want_y, want_s = rms_norm(node, a, gamma, b)
+    torch.testing.assert_close(want_s, a + b)
+    assert tactic.applies(node, [a, gamma, b]) == a.is_cuda
+    assert not tactic.applies(node, [a, gamma, b[:, :1]])  # a skip of another shape is no residual
+    y, s = tactic.fn(node, a, gamma, b)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    if write_sum:
+        torch.testing.assert_close(s, want_s, atol=1e-6, rtol=1e-6)
+    else:
+        assert s is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_rms_norm_of_a_residual_sum_at_llama_width_on_the_gpu():
+    """Llama-real's shape (hidden 1024, 32 x 128 rows) in FP16 against the op reference (FP16 add, FP32 norm)."""
+    from kiln.ir.graph import Node
+    from kiln.ops.fused import rms_norm
+    from kiln.tactics import _TACTICS, triton_tactics  # noqa: F401  (registers)
+
+    tactic = next(t for t in _TACTICS[("kiln", "RMSNorm")] if t.name == "triton_rms_norm")
+    a = torch.randn(32, 128, 1024, device="cuda", dtype=torch.float16)
+    b = torch.randn(32, 128, 1024, device="cuda", dtype=torch.float16)
+    gamma = torch.randn(1024, device="cuda", dtype=torch.float16)
+    node = Node("RMSNorm", ["a", "g", "b"], ["y", "s"], {"epsilon": 1e-6}, domain="kiln")
+    want_y, want_s = rms_norm(node, a, gamma, b)
+    assert tactic.applies(node, [a, gamma, b])
+    y, s = tactic.fn(node, a, gamma, b)
+    torch.testing.assert_close(s, want_s, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(y, want_y, atol=2e-2, rtol=1e-2)

@@ -290,7 +290,10 @@ def int4_gemm(node, x, packed, scales, b=None):
 
 
 @register("RMSNorm", domain=KILN)
-def rms_norm(node, x, gamma=None):
-    """x / sqrt(mean(x^2, last axis) + eps) * gamma, computed in FP32."""
-    y = F.rms_norm(x.float(), x.shape[-1:], eps=node.attr("epsilon", 1e-6)).to(x.dtype)
-    return y * gamma.to(x.dtype) if gamma is not None else y
+def rms_norm(node, x, gamma=None, skip=None):
+    """x / sqrt(mean(x^2, last axis) + eps) * gamma, computed in FP32. skip (input 2): x + skip is normalized
+    (a residual add joined to the norm), and is the second output."""
+    s = x if skip is None else x + skip
+    y = F.rms_norm(s.float(), s.shape[-1:], eps=node.attr("epsilon", 1e-6)).to(s.dtype)
+    y = y * gamma.to(s.dtype) if gamma is not None else y
+    return y if skip is None else (y, s)

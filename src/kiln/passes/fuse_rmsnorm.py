@@ -4,6 +4,10 @@
 
 The Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul chain becomes one pass over x instead
 of five kernels and four intermediates.
+
+When x is a residual Add of two computed values (every norm of a decoder layer after the first), the add
+joins the layer as its third input: RMSNorm(a, gamma, b) normalizes a + b and, when anything else reads the
+sum (the next residual Add), writes it as its second output, as kiln::SkipLayerNorm does for LayerNorm.
 """
 
 from __future__ import annotations
@@ -66,6 +70,22 @@ def run(graph: Graph) -> None:
         if other and view.const(other) is not None and view.const(other).dim() == 1:
             gamma, out = other, scale.outputs[0]
             group.append(scale)
-        fused = Node("RMSNorm", [x, gamma], [out], {"epsilon": eps}, name=fused_name(group), domain="kiln")
+        inputs, outputs = [x, gamma], [out]
+        add = _residual_add(view, x)
+        if add is not None:
+            inside = {id(n) for n in group}
+            read_after = x in view.outputs or any(id(n) not in inside for n in view.consumers.get(x, []))
+            inputs, outputs = [add.inputs[0], gamma, add.inputs[1]], [out, x if read_after else ""]
+            group.insert(0, add)
+        fused = Node("RMSNorm", inputs, outputs, {"epsilon": eps}, name=fused_name(group), domain="kiln")
         replace(graph, group, fused)
         view.refresh()
+
+
+def _residual_add(view: View, x: str):
+    """The plain Add of two distinct computed values that produces x, else None (a bias add is no residual)."""
+    add = view.producer.get(x)
+    if (add is None or add.op_type != "Add" or add.domain or len(add.inputs) != 2 or add.inputs[0] == add.inputs[1]
+            or any(not i or view.const(i) is not None for i in add.inputs)):
+        return None
+    return add

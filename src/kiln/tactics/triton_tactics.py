@@ -93,14 +93,19 @@ else:
 def _rms_norm_ok(node, args) -> bool:
     from ..kernels import layernorm
 
-    return len(args) > 1 and args[1] is not None and args[0].is_cuda and layernorm.supports(args[0], args[0], args[1])
+    skip = args[2] if len(args) > 2 and args[2] is not None else args[0]
+    return len(args) > 1 and args[1] is not None and args[0].is_cuda and layernorm.supports(args[0], skip, args[1])
 
 
 @tactic("RMSNorm", "triton_rms_norm", _rms_norm_ok, level=3)
-def triton_rms_norm(node, x, gamma):
+def triton_rms_norm(node, x, gamma, skip=None):
+    """RMSNorm(x [+ skip]): with the residual skip, (the norm, x + skip or None) in the same pass."""
     from ..kernels import layernorm
 
-    return layernorm.rms_norm(x, gamma.to(x.dtype), node.attr("epsilon", 1e-6))
+    if skip is None:
+        return layernorm.rms_norm(x, gamma.to(x.dtype), node.attr("epsilon", 1e-6))
+    return layernorm.skip_layernorm(x, skip, gamma.to(x.dtype), None, node.attr("epsilon", 1e-6),
+                                    write_sum=bool(node.outputs[1:] and node.outputs[1]), rms=True)
 
 
 def _softmax_ok(node, args) -> bool:
