@@ -70,8 +70,8 @@ def _error(out, ref) -> float:
 
 
 def _compile_ahead(layers) -> None:
-    """Every Triton candidate's first call (its compile) in threads, as the builder compiles ahead: compiles run
-    outside the GIL, side by side."""
+    """The layers' Triton candidates' first calls (their compiles) in threads, as the builder compiles ahead:
+    compiles run outside the GIL, side by side."""
     from concurrent.futures import ThreadPoolExecutor
 
     def first_call(node, args, t):
@@ -99,8 +99,8 @@ def main() -> None:
             node, args = _layer(kind, c, h, oc, k, stride, act, a.batch)
             node.precision = "float16"
             layers.append((name, node, args))
-    _compile_ahead(layers)
     for name, node, args in layers:
+        _compile_ahead([(name, node, args)])
         ref_fn = lookup(node.op_type, node.domain).impl
         ref = ref_fn(node, *args)
         times = {"reference": median_ms(lambda f=ref_fn, n=node, a=args: f(n, *a)) * 1e3}
