@@ -5,7 +5,7 @@ import torch
 from kiln.kernels import elementwise
 from kiln.passes import fuse_elementwise
 
-from .util import check_pass, helper, model, ops, rand
+from .util import check_pass, helper, model, onnx, ops, rand
 
 
 def test_chain_becomes_one_program_with_inline_scalars():
@@ -107,3 +107,15 @@ def test_a_lone_binary_op_between_two_activations_is_a_one_line_layer():
     _, after = check_pass(fuse_elementwise, m, {"x": rand(2, 4, 3, 3), "x2": rand(2, 2, 3, 3, seed=1)})
     assert ops(after) == ["Relu", "Split", "ReduceMean", "kiln::Elementwise", "Add"]
     assert after.nodes[3].attrs["program"] == ["Mul t0 i0 i1"]
+
+
+def test_a_lone_op_on_shape_arithmetic_stays():
+    m = model([
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Cast", ["s"], ["f"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["f"], ["n"], keepdims=0),
+        helper.make_node("Mul", ["a", "n"], ["y"]),  # alone (a is an output too); n comes from the shape
+    ], [("x", [2, 3])], [("y", [2, 3]), ("a", [2, 3])], opset=13)
+    _, after = check_pass(fuse_elementwise, m, {"x": rand(2, 3)})
+    assert ops(after)[-1] == "Mul"

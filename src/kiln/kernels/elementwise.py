@@ -381,11 +381,11 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 def supports(inputs: list[torch.Tensor]) -> bool:
     """One float type (FP32, FP16 or BF16) over the float inputs, bool for the others (a Where's condition),
-    shapes that broadcast, no empty input, and a layout of at most MAX_RANK merged dims."""
+    one device, shapes that broadcast, no empty input, and a layout of at most MAX_RANK merged dims."""
     floats = [x for x in inputs if x.dtype.is_floating_point]
     if not floats or floats[0].dtype not in _FLOATS or any(x.dtype != floats[0].dtype for x in floats) \
             or any(not x.dtype.is_floating_point and x.dtype != torch.bool for x in inputs) \
-            or any(x.numel() == 0 for x in inputs):
+            or any(x.numel() == 0 or x.device != inputs[0].device for x in inputs):
         return False
     shape = _out_shape(inputs)
     if shape is None:

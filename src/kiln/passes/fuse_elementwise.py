@@ -109,14 +109,11 @@ def _program(view: View, region: list[Node]):
     return inputs, lines
 
 
-def _computed(view: View, value: str) -> bool:
-    """A value some node computes (an activation), not a weight or a model input."""
-    return value in view.producer and view.const(value) is None
-
-
-def _worth_alone(view: View, n: Node) -> bool:
+def _worth_alone(view: View, n: Node, host: set[str]) -> bool:
+    """A binary op between two activations: values device layers compute, not weights, model inputs or shape
+    arithmetic."""
     return n.op_type in _SINGLE and len(n.inputs) == 2 and n.inputs[0] != n.inputs[1] \
-        and all(_computed(view, i) for i in n.inputs)
+        and all(i in view.producer and i not in host for i in n.inputs)
 
 
 def run(graph: Graph) -> None:
@@ -131,7 +128,7 @@ def run(graph: Graph) -> None:
             continue  # not the end of a chain: it will be fused from its reader
         region = _region(view, root)
         done.update(id(n) for n in region)
-        if len(region) < 2 and not _worth_alone(view, root):
+        if len(region) < 2 and not _worth_alone(view, root, host):
             continue
         inputs, lines = _program(view, region)
         fused = Node("Elementwise", inputs, [root.outputs[0]], {"program": lines}, name=fused_name(region),
