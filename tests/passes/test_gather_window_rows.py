@@ -35,17 +35,27 @@ def _chain(nodes, x_shape, out_shape, inits):
 
 
 def test_chains_that_only_view_or_that_split_the_last_axis_are_left_alone():
-    # a head split read strided (Reshape -> Transpose, no copy), and a 2x2 patch merge that widens the rows
+    # a head split read strided (Reshape -> Transpose, no copy), and a transpose of half rows (the last axis split)
     heads = _chain([helper.make_node("Reshape", ["x0", "h"], ["x1"]),
                     helper.make_node("Transpose", ["x1"], ["x2"], perm=[0, 2, 1, 3]),
                     helper.make_node("Relu", ["x2"], ["y"])], [2, 6, 8], [2, 2, 6, 4], {"h": [2, 6, 2, 4]})
-    merge = _chain([helper.make_node("Reshape", ["x0", "p"], ["x1"]),
-                    helper.make_node("Transpose", ["x1"], ["x2"], perm=[0, 1, 3, 2, 4, 5]),
-                    helper.make_node("Reshape", ["x2", "m"], ["y"])], [1, 4, 4, 3], [1, 2, 2, 12],
-                   {"p": [1, 2, 2, 2, 2, 3], "m": [1, 2, 2, 12]})
-    for m, shape in ((heads, (2, 6, 8)), (merge, (1, 4, 4, 3))):
+    halves = _chain([helper.make_node("Reshape", ["x0", "p"], ["x1"]),
+                     helper.make_node("Transpose", ["x1"], ["x2"], perm=[0, 2, 1, 3]),
+                     helper.make_node("Reshape", ["x2", "m"], ["y"])], [1, 4, 6], [1, 8, 3],
+                    {"p": [1, 4, 2, 3], "m": [1, 8, 3]})
+    for m, shape in ((heads, (2, 6, 8)), (halves, (1, 4, 6))):
         _, after = check_pass(gather_window_rows, m, {"x": rand(*shape)})
         assert "Gather" not in ops(after)
+
+
+def test_patch_merging_gathers_rows_then_views_them_wider():
+    # Swin's patch merging: 2 x 2 neighbouring rows of C become one row of 4C; the last Reshape is a view of the rows
+    m = _chain([helper.make_node("Reshape", ["x0", "p"], ["x1"]),
+                helper.make_node("Transpose", ["x1"], ["x2"], perm=[0, 1, 3, 4, 2, 5]),
+                helper.make_node("Reshape", ["x2", "m"], ["y"])], [1, 4, 4, 3], [1, 2, 2, 12],
+               {"p": [1, 2, 2, 2, 2, 3], "m": [1, 2, 2, 12]})
+    _, after = check_pass(gather_window_rows, m, {"x": rand(1, 4, 4, 3)}, atol=0)
+    assert ops(after).count("Gather") == 1 and ops(after).count("Transpose") == 1  # the index's, on the host
 
 
 def test_zero_pad_is_dropped_and_a_roll_of_rows_gathers_them():

@@ -15,8 +15,10 @@ Matched: a connected set of Slice, Concat, Reshape and Transpose nodes whose val
 inside it, with one input x and one output, that copies (a Concat, or a Transpose that moves axes of more than one
 element before a Reshape) and provably keeps the last axis: x's rank and last size C are known from its producers
 (a Reshape to a constant shape, a MatMul, Gemm or Conv on a constant weight, a Transpose, a LayerNormalization,
-elementwise ops of those), every Reshape ends in C, every Transpose keeps the last axis last, and no Slice or Concat works on
-it. A chain of views only (a Slice, a lone Transpose an attention reads strided) is left alone.
+elementwise ops of those), every Reshape but the last ends in C, every Transpose keeps the last axis last, and no
+Slice or Concat works on it. The last Reshape may merge rows (Swin's patch merging: 2 x 2 rows of C -> one of 4C):
+the gathered rows are contiguous, so any shape of their size is a view of them. A chain of views only (a Slice, a
+lone Transpose an attention reads strided) is left alone.
 """
 
 from __future__ import annotations
@@ -137,7 +139,11 @@ def _keeps_rows(view: View, region: list[Node], x: str):
         r = len(shape)
         if n.op_type == "Reshape":
             t = view.ints(n.inputs[1])
-            if t[-1] != last or 0 in t:
+            if 0 in t and not n.attr("allowzero", 0):
+                return None
+            if n is region[-1]:  # the gathered rows, contiguous, take any shape of their size: a view
+                break
+            if t[-1] != last:
                 return None
             shapes[n.outputs[0]] = [s if s > 0 else None for s in t]
         elif n.op_type == "Transpose":
@@ -188,7 +194,8 @@ def _rewrite(graph: Graph, view: View, region: list[Node], x: str, last: int) ->
     numbers = add("Reshape", [add("Range", [_ints(graph, f"{base}.start", 0), rows, _ints(graph, f"{base}.step", 1)],
                                   "range"), add("Concat", [lead, c("one", [1])], "row_shape", axis=0)], "numbers")
     renamed = {x: numbers}
-    for i, n in enumerate(region):
+    final = region[-1] if region[-1].op_type == "Reshape" else None  # its shape is kept as it is, on the rows
+    for i, n in enumerate(region[:-1] if final else region):
         ins = [renamed.get(v, v) for v in n.inputs]
         if n.op_type == "Pad":
             renamed[n.outputs[0]] = ins[0]
@@ -198,17 +205,22 @@ def _rewrite(graph: Graph, view: View, region: list[Node], x: str, last: int) ->
         out = f"{base}.{i}"
         nodes.append(Node(n.op_type, ins, [out], dict(n.attrs), name=out, opset=n.opset))
         renamed[n.outputs[0]] = out
-    moved = renamed[sink.outputs[0]]
+    moved = renamed[final.inputs[0] if final else sink.outputs[0]]
     index = add("Reshape", [moved, c("flat", [-1])], "index")
-    out_shape = add("Concat", [add("Slice", [add("Shape", [moved], "moved_shape"), c("zero", [0]), c("minus_one", [-1])],
-                                   "moved_lead"), c("width", [last])], "out_shape", axis=0)
+    if final:
+        out_shape = final.inputs[1]
+    else:
+        out_shape = add("Concat", [add("Slice", [add("Shape", [moved], "moved_shape"), c("zero", [0]),
+                                                 c("minus_one", [-1])], "moved_lead"), c("width", [last])],
+                        "out_shape", axis=0)
     table = add("Reshape", [x, c("table_shape", [-1, last])], "table")
     gathered = f"{base}.gathered"
     gather = Node("Gather", [table, index], [gathered], {"axis": 0}, name=f"{base}.gather")
     replace(graph, region, gather)
     at = graph.nodes.index(gather)
     graph.nodes[at:at + 1] = nodes + [gather, Node("Reshape", [gathered, out_shape], [sink.outputs[0]],
-                                                    name=f"{base}.reshape", opset=opset)]
+                                                    dict(final.attrs) if final else {}, name=f"{base}.reshape",
+                                                    opset=opset)]
     view.refresh()
 
 
