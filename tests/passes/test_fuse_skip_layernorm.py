@@ -82,3 +82,27 @@ def test_a_reader_of_the_sum_placed_before_the_norm_runs_after_the_fused_layer()
         {"g": rand(8), "b": rand(8, seed=1)})
     _, after = check_pass(fuse_skip_layernorm, m, {"x": rand(2, 3, 8, seed=2), "r": rand(2, 3, 8, seed=3)}, atol=1e-5)
     assert ops(after) == ["kiln::SkipLayerNorm", "Relu", "Neg"]
+
+
+def test_gpt2_embeddings_token_rows_plus_a_constant_position_table_join_the_norm():
+    """GPT-2: wte[ids] + wpe[0:S] (the position slice folded to a constant [1, S, E]) -> LayerNorm, the sum read
+    by the first residual: one layer, the table as its third addend, the sum its second output."""
+    m = model([
+        helper.make_node("Add", ["tok", "pos"], ["s"]),
+        helper.make_node("LayerNormalization", ["s", "g", "b"], ["y"], axis=-1, epsilon=1e-5),
+        helper.make_node("Add", ["s", "d"], ["z"]),  # the first residual reads the embedding sum
+    ], [("tok", [2, 3, 8]), ("d", [2, 3, 8])], [("y", [2, 3, 8]), ("z", [2, 3, 8])],
+        {"pos": rand(1, 3, 8, seed=4), "g": rand(8), "b": rand(8, seed=1)})
+    _, after = check_pass(fuse_skip_layernorm, m, {"tok": rand(2, 3, 8, seed=2), "d": rand(2, 3, 8, seed=3)},
+                          atol=1e-5)
+    assert ops(after) == ["kiln::SkipLayerNorm", "Add"]
+    assert after.nodes[0].inputs == ["tok", "", "g", "b", "", "pos"] and after.nodes[0].outputs == ["y", "s"]
+
+
+def test_a_bias_vector_added_before_the_norm_stays_apart():
+    m = model([
+        helper.make_node("Add", ["x", "bias"], ["s"]),
+        helper.make_node("LayerNormalization", ["s", "g", "b"], ["y"], axis=-1, epsilon=1e-5),
+    ], [("x", [2, 3, 8])], [("y", [2, 3, 8])], {"bias": rand(8, seed=4), "g": rand(8), "b": rand(8, seed=1)})
+    _, after = check_pass(fuse_skip_layernorm, m, {"x": rand(2, 3, 8, seed=2)}, atol=1e-5)
+    assert ops(after) == ["Add", "LayerNormalization"]

@@ -1,7 +1,9 @@
 """Add + LayerNormalization -> kiln::SkipLayerNorm: the residual add and the norm in one pass.
 
 A sum of three, (x + y) + z with the inner sum read by nothing else, joins too (z as input 5): BERT's embeddings
-(word + token type, then + position, whose table slice is a constant) were a generated add kernel and a norm."""
+(word + token type, then + position, whose table slice is a constant) were a generated add kernel and a norm.
+A computed value plus a constant table of rows (GPT-2's token embeddings + the position table's slice, folded
+to a constant) joins so too, the table as that third addend and no second: a bias vector stays apart."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ def run(graph: Graph) -> None:
         if inner is not None:  # (x + y) + z
             addends, third, nodes = list(inner.inputs), add.inputs[1 - add.inputs.index(inner.outputs[0])], [inner]
         elif _has_const(view, add):
-            continue  # a bias add, not a residual
+            table = _const_table(view, add)
+            if table is None:
+                continue  # a bias add, not a residual
+            addends, third, nodes = [add.inputs[1 - add.inputs.index(table)], ""], table, []
         else:
             addends, third, nodes = list(add.inputs), "", []
         gamma = ln.inputs[1]
@@ -37,6 +42,14 @@ def run(graph: Graph) -> None:
 
 def _plain_add(n) -> bool:
     return n is not None and n.op_type == "Add" and not n.domain and len(n.inputs) == 2
+
+
+def _const_table(view: View, add):
+    """The constant input of `add` when it is a table of rows (2-D or more) added to a computed value, else None."""
+    consts = [i for i in add.inputs if view.const(i) is not None]
+    if len(consts) != 1 or add.inputs[0] == add.inputs[1] or view.const(consts[0]).dim() < 2:
+        return None
+    return consts[0]
 
 
 def _has_const(view: View, n) -> bool:
