@@ -51,7 +51,7 @@ def _line(view: View, n: Node | None) -> tuple[str, list[str], list[float]] | No
     if op == "Clip":
         return _clip(view, n)
     if op == "Where":
-        # a constant condition or two constant values would leave the program without its types
+        # the condition stays an input (bool); two constant values would leave no float input to type the program
         both_constant = all(view.const(i) is not None for i in ins[1:])
         return (op, ins, []) if len(ins) == 3 and all(ins) and not both_constant else None
     if any(not i for i in ins):
