@@ -40,7 +40,7 @@ def test_softmax_read_elsewhere_is_reported():
 def _attention_through_kt_chain(shape, swap_last_two=True):
     """Attention whose K^T is torch's exporter's chain for 4-D K: Reshape(K, [-1, S, D]) -> Transpose ->
     Reshape(K.shape[:-2] + [D, S]); with swap_last_two=False the last Reshape asks for [S, D] instead."""
-    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    i64 = lambda *v: np.array(v, np.int64)
     split = ["lead", "d", "s"] if swap_last_two else ["lead", "s", "d"]
     m = model([
         helper.make_node("Shape", ["k"], ["shp"]),
@@ -107,7 +107,7 @@ def test_swin_window_attention_with_bias_and_shift_mask_is_one_layer_on_five_dim
     from kiln import passes
     from kiln.ir.from_onnx import model_to_graph
 
-    from .swin_block import HEADS, N, SIDE, WINDOW, exported
+    from .swin_block import HEADS, SIDE, WINDOW, N, exported
     from .util import run
 
     module, x, onnx_model = exported()

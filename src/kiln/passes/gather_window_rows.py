@@ -180,7 +180,7 @@ def _ints(graph: Graph, name: str, values) -> str:
 def _rewrite(graph: Graph, view: View, region: list[Node], x: str, last: int) -> None:
     sink = region[-1]
     base, opset = f"{sink.name}.rows", sink.opset
-    c = lambda suffix, values: _ints(graph, f"{base}.{suffix}", values)  # noqa: E731
+    c = lambda suffix, values: _ints(graph, f"{base}.{suffix}", values)
     nodes: list[Node] = []
 
     def add(op, inputs, suffix, **attrs):
