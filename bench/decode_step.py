@@ -14,7 +14,8 @@ kernels/decode_attention.py, with the engine's context slices for --max-len), "f
 "fused_3_slices" (one pass; 3 slices and the merge kernel), "fused_3_merged" (3 slices merged in the attention
 kernel by the last to finish), "fused_act_down" (fused, and SiLU(gate) * up inside the down projection's GEMV),
 "fused_prefetch_8mb" / "_24mb" (fused, and that much of each next matrix asked into L2 before the small kernels
-between two GEMVs: kernels/l2_prefetch.py).
+between two GEMVs: kernels/l2_prefetch.py), "fused_argmax" (fused, the greedy token by kernels/argmax.py instead of
+torch.argmax).
 Their logits are compared with the unfused step's: equal bit for bit where the context is sliced alike (the
 unfused attention takes the engine's slices too).
 `--profile` lists one fused replay's kernels (torch.profiler) summed by name: what the step's time is made of.
@@ -42,7 +43,7 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
                  head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
 VARIANTS = ("unfused", "rope_cache", "fused", "fused_1_slice", "fused_3_slices", "fused_3_merged", "fused_act_down",
-            "fused_prefetch_8mb", "fused_prefetch_24mb")
+            "fused_prefetch_8mb", "fused_prefetch_24mb", "fused_argmax")
 T0 = time.perf_counter()
 
 
@@ -99,6 +100,10 @@ def make_step(model: DecoderModel, weights: str, ctx: int, max_len: int, dev):
 
     def step():
         logits = model.compute_logits(model.forward(ids, pos, md, caches))
+        if getattr(model, "bench_argmax", False):
+            from kiln.kernels.argmax import argmax_rows
+
+            return logits, argmax_rows(logits)
         return logits, logits.argmax(dim=-1)
 
     return step
@@ -214,6 +219,7 @@ def main(argv=None) -> int:
                 model.decode_attention_merge = variant == "fused_3_merged"
                 model.fuse_act_down = variant == "fused_act_down"
                 model.l2_prefetch_bytes = {"fused_prefetch_8mb": 8 << 20, "fused_prefetch_24mb": 24 << 20}.get(variant, 0)
+                model.bench_argmax = variant == "fused_argmax"
                 graph, out = graph_of(step)
                 ms = replay_ms(graph)
                 results[variant] = (ms, out[0].clone(), int(out[1]))

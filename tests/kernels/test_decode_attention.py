@@ -116,7 +116,7 @@ import inspect, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kiln.kernels import decode_attention as da, l2_prefetch as lp, rope_cache as rc
+from kiln.kernels import argmax as am, decode_attention as da, l2_prefetch as lp, rope_cache as rc
 from kiln.llm import fused_ops as fo
 
 def source(kernel, types, cx):
@@ -154,7 +154,9 @@ cases = [("rope+cache bf16", rope_cache("*bf16", "", False), 1),
          ("decode int8 window cap", decode("*i8", "int8", False, False, True, True), 3),
          ("decode bf16 split merged in the kernel", decode("*bf16", "", True, merge=True), 3),
          ("l2 prefetch", source(lp._prefetch_kernel, dict(p_ptr="*bf16", nbytes="i64"),
-                                dict(CHUNK=lp.CHUNK, THREADS=128, PDL=True)), 1)]
+                                dict(CHUNK=lp.CHUNK, THREADS=128, PDL=True)), 1),
+         ("argmax", source(am._argmax_kernel, dict(x_ptr="*fp32", out_ptr="*i64", pv_ptr="*fp32", pi_ptr="*i32",
+                                                    count_ptr="*i32"), dict(BLOCK=am.BLOCK, C_PAD=32, PDL=True)), 1)]
 for name, src, stages in cases:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages)).asm["ptx"]
     mma = len(re.findall(r"\bmma\.", ptx))
@@ -179,7 +181,7 @@ def test_decode_kernels_compile_for_hopper():
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = dict(line.split(": ", 1) for line in run.stdout.splitlines())
-    assert len(rows) == 9, run.stdout
+    assert len(rows) == 10, run.stdout
     for name, info in rows.items():
         pdl, mma, cp, prefetch = (int(part.split()[-1]) for part in info.split(", "))
         assert prefetch == (name == "l2 prefetch"), run.stdout
