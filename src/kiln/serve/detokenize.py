@@ -3,7 +3,7 @@
 The engine process runs its served requests with SamplingParams.detokenize False (unless stop strings need
 the text there), so its step loop does no string work; as vLLM's API server does, this process turns each
 step's new token ids into text. `StreamDetokenizer.fill(deltas)` gives one step's Deltas (async_engine.py)
-their text: kiln.llm.tokenizer.IncrementalDetokenizer's algorithm, token by token per stream (a window of
+their text, `texts(request ids, token ids)` the text of its plain streams' single tokens: kiln.llm.tokenizer.IncrementalDetokenizer's algorithm, token by token per stream (a window of
 tokens before the new ones decoded, the text past the window's prefix emitted, a trailing U+FFFD held back
 until its character completes, the rest flushed at the end), but each round of decodes over every stream of
 the step is one `decode_batch` call of the `tokenizers` object instead of two calls per stream.
@@ -44,6 +44,33 @@ class StreamDetokenizer:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def texts(self, request_ids: list[str], token_ids: list[int]) -> list[str]:
+        """The text each of a step's plain streams (choice 0, one new token, not finishing: step_frames.py's
+        tokens) adds, in order; "" for a request not opened."""
+        requests = self._requests
+        work, order = [], []
+        for rid, tok in zip(request_ids, token_ids):
+            req = requests.get(rid)
+            if req is None:
+                order.append(None)
+                continue
+            streams = req[2]
+            st = streams.get(0)
+            if st is None:
+                st = streams[0] = _Stream(req[0])
+            work.append((st, req[1], (tok,), False))
+            order.append(st)
+        if work:
+            self._decode(work)
+        out = []
+        for st in order:
+            if st is None:
+                out.append("")
+            else:
+                out.append(st.text)
+                st.text = ""
+        return out
 
     def fill(self, deltas: list) -> list:
         """One step's deltas (a request at most once) with each choice's text made here; deltas of requests not

@@ -287,7 +287,8 @@ class EngineProcess:
             sink = sinks.pop(rid, None)
             if sink is not None:
                 sink.put(errors.InputError(message))
-        for delta in self._text.fill(self._frames.decode(tokens, deltas)):
+        text = self._text
+        for delta in self._frames.decode(tokens, text.fill(deltas), text.texts(*tokens)):
             sink = sinks.get(delta[0])
             if sink is not None:
                 sink.put(delta)

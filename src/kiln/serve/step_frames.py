@@ -99,9 +99,12 @@ class StepDecoder:
     def forget(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
 
-    def decode(self, tokens: tuple[list, list], deltas: list) -> list:
+    def decode(self, tokens: tuple[list, list], deltas: list, texts: list[str] | None = None) -> list:
+        """texts: the text of each of tokens' streams (made in this process: detokenize.py), else ""."""
         prompts = self._prompts
-        out = [(rid, prompts.pop(rid, None), False, [(0, "", [tok], None, None, None)]) for rid, tok in zip(*tokens)]
+        rids, ids = tokens
+        out = [(rid, prompts.pop(rid, None), False, [(0, text, [tok], None, None, None)])
+               for rid, tok, text in zip(rids, ids, texts if texts is not None else [""] * len(rids))]
         for d in deltas:
             out.append((d[0], prompts.pop(d[0], None), d[2], d[3]))
         return out
