@@ -200,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=400, help="the graphs' max_seq_len (bench/llm.py's engine: 400)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variants", default="", help="comma-separated, of " + ", ".join(VARIANTS) + " (default: all "
+                    "for the first --weights, unfused, fused, fused_act_down and fused_prefetch_8mb for the others)")
     ap.add_argument("--attention", action="store_true", help="also time the decode attention kernel by context slices")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -210,8 +212,12 @@ def main(argv=None) -> int:
             model = make_model(cfg, weights, dev)
             step = make_step(model, weights, a.ctx, a.max_len, dev)
             results = {}
-            variants = VARIANTS if weights == a.weights.split(",")[0] else ("unfused", "fused", "fused_act_down",
-                                                                            "fused_prefetch_8mb")
+            if a.variants:
+                variants = ("unfused",) + tuple(v for v in a.variants.split(",") if v != "unfused")
+            elif weights == a.weights.split(",")[0]:
+                variants = VARIANTS
+            else:
+                variants = ("unfused", "fused", "fused_act_down", "fused_prefetch_8mb")
             for variant in variants:
                 model.fuse_rope_cache = variant != "unfused"
                 model.fuse_decode_attention = variant.startswith("fused")
