@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from kiln.passes import fuse_rmsnorm
 
@@ -55,3 +56,37 @@ def test_a_bias_add_before_the_norm_stays_apart():
                "g": rand(16, seed=3), "b": rand(16, seed=5)}, opset=18)
     _, after = check_pass(fuse_rmsnorm, m, {"x": rand(2, 16)}, atol=1e-5)
     assert ops(after) == ["Add", "kiln::RMSNorm"]
+
+
+def _fp16_engine_of_zoo_row(name):
+    """(engine, rel L2 of its FP16 output against the FP32 module) for a zoo decoder row at its tiny size, CUDA."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from bench import zoo
+    from bench.zoo_models import ZOO
+
+    entry = next(e for e in ZOO if e.name == name)
+    prep = zoo.prepare(entry, "tiny", 4)
+    engine = zoo.build(prep, "fp16", "cuda", validate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = list(engine.create_execution_context().run({k: v.cuda() for k, v in prep.feeds.items()}).values())
+    return engine, zoo.rel_l2(outs, prep.reference)
+
+
+@pytest.mark.gpu
+def test_llama_fp16_engine_runs_residual_rmsnorms_and_merged_projections_on_the_gpu():
+    """llama_lm (tiny): every norm after the first joins its residual add, q/k/v and gate/up are one GEMM each,
+    and the FP16 engine stays within the zoo's FP16 tolerance of the FP32 model."""
+    from bench import zoo
+
+    engine, err = _fp16_engine_of_zoo_row("llama_lm")
+    norms = [n for n in engine.graph.nodes if n.op_type == "RMSNorm"]
+    joined = [n for n in norms if len(n.inputs) > 2 and n.inputs[2]]
+    assert len(norms) == 5 and len(joined) == 4, [(n.inputs, n.tactic) for n in norms]
+    assert sum(n.op_type == "Split" for n in engine.graph.nodes) == 4  # per layer: q/k/v, gate/up
+    assert err <= zoo.TOLERANCE["fp16"], (err, [n.tactic for n in joined])

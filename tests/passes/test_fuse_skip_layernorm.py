@@ -1,3 +1,5 @@
+import pytest
+
 from kiln.passes import fuse_skip_layernorm
 
 from .util import check_pass, helper, model, ops, rand
@@ -106,3 +108,18 @@ def test_a_bias_vector_added_before_the_norm_stays_apart():
     ], [("x", [2, 3, 8])], [("y", [2, 3, 8])], {"bias": rand(8, seed=4), "g": rand(8), "b": rand(8, seed=1)})
     _, after = check_pass(fuse_skip_layernorm, m, {"x": rand(2, 3, 8, seed=2)}, atol=1e-5)
     assert ops(after) == ["Add", "LayerNormalization"]
+
+
+@pytest.mark.gpu
+def test_gpt2_fp16_engine_joins_the_embedding_sum_and_its_norm_on_the_gpu():
+    """gpt2_lm (tiny): token rows + the position table and ln_1 are one layer, no plain LayerNorm is left, and the
+    FP16 engine stays within the zoo's FP16 tolerance."""
+    from bench import zoo
+
+    from .test_fuse_rmsnorm import _fp16_engine_of_zoo_row
+
+    engine, err = _fp16_engine_of_zoo_row("gpt2_lm")
+    first = next(n for n in engine.graph.nodes if n.op_type == "SkipLayerNorm")
+    assert first.inputs[1] == "" and first.inputs[5] and first.outputs[1], first.inputs
+    assert not any(n.op_type in ("LayerNormalization", "Add") for n in engine.graph.nodes)
+    assert err <= zoo.TOLERANCE["fp16"], (err, first.tactic)
