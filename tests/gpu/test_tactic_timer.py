@@ -40,3 +40,11 @@ def test_an_l2_reset_runs_before_each_call_uncharged_and_keeps_only_whole_device
     add = lambda: x.add(1)  # noqa: E731
     plain, after_reset = median_ms(add), median_ms(add, before=reset)
     assert 0.7 * plain < after_reset < 1.3 * plain
+
+
+def test_the_l2_reset_rereads_a_contiguous_input_with_a_wide_stride_on_a_size_1_axis():
+    # an [N, C, 1, 1] activation in channels-last form is contiguous yet has stride C on its last axis
+    x = torch.empty_strided((64, 1, 1, 1), (1, 512, 512, 512), dtype=torch.float16, device="cuda")
+    reset = L2Reset(torch.device("cuda")).keeping([x])
+    assert [t.numel() for t in reset.keep] == [128]
+    reset()

@@ -137,3 +137,13 @@ def test_missing_for_an_engine():
     assert cal.missing_for(engine) == []
     partial = _cal(x=1.0)
     assert partial.missing_for(engine) == ["y"]
+
+
+def test_values_whose_squares_overflow_fp32_still_save(tmp_path):
+    """An additive attention mask holds float32's lowest value: its square overflows FP32, not the FP64 sums."""
+    x = np.random.default_rng(1).standard_normal((40, 4)).astype(np.float32)
+    x[::7, 0] = np.finfo(np.float32).min
+    cal = calibrate(relu_model(), batches(x, 10), method="max", device="cpu", progress=False)
+    assert all(np.isfinite(s.sumsq) for s in cal.tensors.values())
+    cal.save(tmp_path / "cal.json")  # JSON refuses inf
+    assert Calibration.load(tmp_path / "cal.json").amax == cal.amax

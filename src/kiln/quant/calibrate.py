@@ -189,8 +189,9 @@ def _moments(x: torch.Tensor) -> tuple:
     """(non-finite count, min, max, sum, sum of squares, zero count) of a 1-D float tensor, read back in one
     device sync (a sync per statistic made calibration's statistics cost as much as its forward passes)."""
     f64 = torch.float64
-    vals = torch.stack([(~torch.isfinite(x)).sum().to(f64), x.min().to(f64), x.max().to(f64), x.sum(dtype=f64),
-                        x.square().sum(dtype=f64), (x == 0).sum().to(f64)]).tolist()
+    wide = x.to(f64)  # squares of FP32 values past 1.8e19 (an additive mask's finfo.min) overflow FP32
+    vals = torch.stack([(~torch.isfinite(x)).sum().to(f64), x.min().to(f64), x.max().to(f64), wide.sum(),
+                        wide.square().sum(), (x == 0).sum().to(f64)]).tolist()
     return int(vals[0]), vals[1], vals[2], vals[3], vals[4], int(vals[5])
 
 

@@ -111,7 +111,8 @@ class L2Reset:
         read whole)."""
         other = copy.copy(self)
         other.own_ms = None  # it reads other bytes: its own time
-        other.keep = [t.view(torch.uint8).view(-1) for t in tensors
+        # reshape first: a contiguous tensor may still have a large stride on a size-1 last axis
+        other.keep = [t.reshape(-1).view(torch.uint8) for t in tensors
                       if isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.numel()]
         return other
 
