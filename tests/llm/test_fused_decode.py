@@ -56,10 +56,13 @@ def test_fused_decoder_gives_the_same_tokens(tiny_llama):
     want, want_logits = _generate(DecoderModel(cfg, tensors, torch.float32, "cpu", fused=False), prompt, 6,
                                   torch.float32)
     fused = DecoderModel(cfg, tensors, torch.float32, "cpu", fused=True)
-    assert fused.fuse_rope_cache and fused.fuse_decode_attention and not fused.fuse_act_down  # the last: slower
-    got, got_logits = _generate(fused, prompt, 6, torch.float32)
-    assert got == want
-    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
+    # off by default: fuse_decode_attention (not timed yet), fuse_act_down (slower on the H200)
+    assert fused.fuse_rope_cache and not fused.fuse_decode_attention and not fused.fuse_act_down
+    for decode_attention in (False, True):
+        fused.fuse_decode_attention = decode_attention
+        got, got_logits = _generate(fused, prompt, 6, torch.float32)
+        assert got == want
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
 
 
 def test_activation_in_the_down_gemv(tiny_llama):

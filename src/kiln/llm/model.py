@@ -158,9 +158,11 @@ class DecoderModel:
         self.fused = self.device.type == "cuda" if fused is None else fused
         # Three of those fusions, apart so that a benchmark can time the step without them: RoPE with the
         # KV-cache write (kernels/rope_cache.py); in decode steps (one query a sequence) both with the attention
-        # too (kernels/decode_attention.py); the MLP's activation inside the down projection's GEMV, off: on the
-        # H200 it made the batch-1 step slower (bench/results/H200-decode-step.md).
-        self.fuse_rope_cache = self.fuse_decode_attention = self.fused
+        # too (kernels/decode_attention.py; off until a GPU run times it against the two kernels); the MLP's
+        # activation inside the down projection's GEMV, off: on the H200 it made the batch-1 step slower
+        # (bench/results/H200-decode-step.md).
+        self.fuse_rope_cache = self.fused
+        self.fuse_decode_attention = False
         self.fuse_act_down = False
         self.decode_attention_splits = None  # context slices of the fused decode attention (None: the kernel's rule)
         self.decode_attention_merge = False  # its slices merged by the last to finish (True) or by a second kernel
