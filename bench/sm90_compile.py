@@ -62,7 +62,7 @@ def gemm_source(quant: str, out8: bool, bm=128, bn=128, bk=128, one_k=False, sta
 def flash_source(quant: str, fp8_inputs: bool = False):
     """Flash attention writing 8-bit output (the quantized projection's input), optionally reading FP8 q, k, v
     (an FP8 engine's merged QKV codes): pointer loads, no TMA."""
-    strides = "sqb sqh sqm sqd skb skh skn skd svb svh svn svd smb smh smm smn sob soh som sod".split()
+    strides = "sqb sqh sqm sqd skb skh skn skd svb svh svn svd smb smw MW smh smm smn sob soh som sod".split()
     qkv = "*fp8e4nv" if fp8_inputs else "*fp16"
     sig = {**{p: qkv for p in ("q_ptr", "k_ptr", "v_ptr")}, "m_ptr": "*fp16", "o_ptr": f"*{DTYPES[quant]}",
            "ys_ptr": "*fp32", "qs_ptr": "*fp32", **{p: "i32" for p in ("H", "SQ", "SK", "D", "DV")},
