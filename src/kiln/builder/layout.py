@@ -3,7 +3,7 @@
 Tensor Core convolution kernels want NHWC; storing the weights channels-last
 makes cuDNN pick NHWC kernels and their outputs stay NHWC down the network, so
 no transposes are added. An RGB stem convolution of 32 filters or more reading a model
-input also gets a fourth, zero input channel: cuDNN's 4-channel kernels are a third faster, and
+input also gets a fourth, zero input channel: cuDNN's 4-channel kernels are faster (docs/design/stem.md), and
 the input's cast into channels-last writes the zero channel in the same copy
 (kernels/pad_channels.py). The weights get channels-last strides on every axis, size-1 ones included
 (engine.weights_on_target): `.to(memory_format=torch.channels_last)` leaves a depthwise [C, 1, KH, KW] or a 1x1
@@ -38,7 +38,7 @@ def channels_last_weights(graph: Graph, target_kind: str, precision: str) -> lis
 
 
 # The fewest filters a padded stem has: cuDNN's heuristic runs a 16-filter 3x3 stride-2 stem over four channels
-# on a grouped direct kernel an order of magnitude slower than its 3-channel kernel (docs/design/se-cnn.md); 32
+# on a grouped direct kernel far slower than its 3-channel kernel (docs/design/se-cnn.md); 32
 # and 64 filters over four channels run well.
 MIN_PADDED_FILTERS = 32
 

@@ -159,7 +159,7 @@ class DecoderModel:
         # Three of those fusions, apart so that a benchmark can time the step without them: RoPE with the
         # KV-cache write (kernels/rope_cache.py); in decode steps (one query a sequence) both with the attention
         # too (kernels/decode_attention.py; off until a GPU run times it against the two kernels); the MLP's
-        # activation inside the down projection's GEMV, off: on the H200 it made the batch-1 step slower
+        # activation inside the down projection's GEMV, off: it made the batch-1 step slower
         # (bench/results/H200-decode-step.md).
         self.fuse_rope_cache = self.fused
         self.fuse_decode_attention = False

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.fused import activation
 from . import tactic
-from .library import _conv2d_geometry, _cuda_conv
+from .library import _conv2d_geometry, _cuda_conv, conv_epilogue
 
 
 def _conv_benchmarked(x, w, b, geometry):
@@ -37,13 +36,7 @@ def _applies(node, args) -> bool:
 
 
 def cudnn_conv_benchmarked(node, x, w, b=None, z=None):
-    y = _conv_benchmarked(x, w, b, _conv2d_geometry(node, x, w))
-    if z is not None:
-        y.add_(z)
-    act = node.attr("activation", "")
-    if act == "Relu":
-        return y.relu_()
-    return activation(act, y, node.attr("activation_params", []))
+    return conv_epilogue(node, _conv_benchmarked(x, w, b, _conv2d_geometry(node, x, w)), z)
 
 
 tactic("FusedConv", "cudnn_conv_benchmarked", _applies)(cudnn_conv_benchmarked)

@@ -63,7 +63,11 @@ def cudnn_conv_add_relu(node, x, w, b=None, z=None):
 def conv_inplace_epilogue(node, x, w, b=None, z=None):
     """cuDNN convolution, then the residual add and activation in place (no extra buffers)."""
     s, p, d, g = _conv2d_geometry(node, x, w)
-    y = F.conv2d(x, w, b, s, p, d, g)
+    return conv_epilogue(node, F.conv2d(x, w, b, s, p, d, g), z)
+
+
+def conv_epilogue(node, y, z=None):
+    """A FusedConv's residual add and activation applied to the convolution's output y, in place."""
     if z is not None:
         y.add_(z)
     act = node.attr("activation", "")
