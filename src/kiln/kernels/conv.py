@@ -215,22 +215,34 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
         return False
     if x.device != w.device or x.numel() == 0 or w.numel() == 0:
         return False
-    if b is not None and (b.numel() != w.shape[0] or not b.dtype.is_floating_point or b.device != x.device):
+    if z is not None and not residual_ok(z, qtype):
         return False
-    geo = geometry(node, x, w)
-    if geo is None:
+    out_shape = epilogue_out_shape(node, x, w, b, z)
+    if out_shape is None:
         return False
-    out_shape = (x.shape[0], w.shape[0], *geo[3])
-    if z is not None:
-        if not residual_ok(z, qtype) or z.device != x.device:
-            return False
-        try:
-            if torch.broadcast_shapes(z.shape, out_shape) != torch.Size(out_shape):
-                return False
-        except RuntimeError:
-            return False
     n_out = out_shape[0] * out_shape[1] * out_shape[2] * out_shape[3]
     return max(x.numel(), w.numel(), n_out, z.numel() if z is not None else 0) <= _INT32_MAX
+
+
+def epilogue_out_shape(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                       z: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The convolution's output shape where its bias (one value a filter) and residual (broadcastable to the
+    output) fit it, on x's device; else None."""
+    if b is not None and (b.numel() != w.shape[0] or not b.dtype.is_floating_point or b.device != x.device):
+        return None
+    geo = geometry(node, x, w)
+    if geo is None:
+        return None
+    out_shape = (x.shape[0], w.shape[0], *geo[3])
+    if z is not None:
+        if z.device != x.device:
+            return None
+        try:
+            if torch.broadcast_shapes(z.shape, out_shape) != torch.Size(out_shape):
+                return None
+        except RuntimeError:
+            return None
+    return out_shape
 
 
 def block_k_for(config: TileConfig, channels: int) -> tuple[int, bool]:

@@ -100,7 +100,7 @@ def is_depthwise(node, x: torch.Tensor, w: torch.Tensor) -> bool:
 def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor | None) -> bool:
     """A depthwise 2-D convolution (is_depthwise) of same-dtype 16-bit or FP32 x and w, filters of at most
     MAX_TAPS taps, an activation the epilogue computes, a residual broadcastable to the output."""
-    from .conv import geometry
+    from .conv import epilogue_out_shape
 
     if not is_depthwise(node, x, w) or node.attr("activation", "") not in ACTIVATIONS:
         return False
@@ -108,20 +108,11 @@ def supports(node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, z: 
         return False
     if x.device != w.device or x.numel() == 0 or w.shape[2] * w.shape[3] > MAX_TAPS:
         return False
-    if b is not None and (b.numel() != w.shape[0] or not b.dtype.is_floating_point or b.device != x.device):
+    if z is not None and not z.dtype.is_floating_point:
         return False
-    geo = geometry(node, x, w)
-    if geo is None:
+    out_shape = epilogue_out_shape(node, x, w, b, z)
+    if out_shape is None:
         return False
-    out_shape = (x.shape[0], w.shape[0], *geo[3])
-    if z is not None:
-        if z.device != x.device or not z.dtype.is_floating_point:
-            return False
-        try:
-            if torch.broadcast_shapes(z.shape, out_shape) != torch.Size(out_shape):
-                return False
-        except RuntimeError:
-            return False
     return max(x.numel(), out_shape[0] * out_shape[1] * out_shape[2] * out_shape[3]) <= _INT32_MAX
 
 
