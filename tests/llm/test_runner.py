@@ -1,6 +1,16 @@
 """The model runner's decode path through its static buffers (what captured CUDA graphs read), on the CPU
 target: the step functions the graphs would replay run eagerly over the same buffers, and a request's greedy
-tokens equal those of the plain eager path while sequences join, grow new blocks, finish and leave rows."""
+tokens equal those of the plain eager path while sequences join, grow new blocks, finish and leave rows; the
+greedy tokens taken inside the decode step (graph_argmax, kernels/argmax.py under TRITON_INTERPRET here) equal
+torch.argmax's, stepped one by one and with async decode."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # graph_argmax's Triton kernel on the CPU
 
 from kiln.llm import LLM, SamplingParams
 
@@ -70,3 +80,50 @@ def test_host_mirror_rows_follow_the_tables(tiny_llama):
     assert rows([b, a]) == [[3], [1, 2, 7]]
     c = [8, 9, 10]  # a's sequence freed and given new blocks: a new list of the same length
     assert rows([b, c]) == [[3], [8, 9, 10]]
+
+
+def test_graph_argmax_gives_the_same_tokens(tiny_llama):
+    kw = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4}
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 14, 5, 11, 7)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, **kw).generate(PROMPTS, params)]
+    for async_decode in (False, True):
+        llm = LLM(tiny_llama, **kw)
+        eng = llm.llm_engine
+        runner = eng.runner
+        runner.graph_argmax = True
+        runner.make_static_buffers(4)
+        runner.graphs = {b: runner.static_decode_step(b) for b in (1, 2, 4)}
+        eng.async_decode = async_decode
+        given = []
+
+        def spy(samplers, logits, tokens=None, real=runner._argmax, given=given):
+            given.append(tokens is not None)
+            return real(samplers, logits, tokens)
+
+        runner._argmax = spy
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == want
+        assert any(given) and not all(given)  # decode steps took the graph's tokens, prefill steps torch's
+        s = eng.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_argmax_in_cuda_graphs(tiny_llama):
+    """On CUDA, graphs captured again with graph_argmax: the same greedy tokens as torch.argmax after the
+    replay, with async decode too, and no KV block left taken."""
+    kw = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4, "device": "cuda", "dtype": "fp32"}
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 14, 5, 11, 7)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, **kw).generate(PROMPTS, params)]
+    llm = LLM(tiny_llama, **kw)
+    eng = llm.llm_engine
+    assert eng.runner.graphs and not eng.runner.graph_argmax
+    eng.runner.graph_argmax = True
+    eng.runner.capture_graphs(4)
+    assert sorted(eng.runner.graphs) == [1, 2, 4] and eng.runner.graph_error is None
+    for async_decode in (False, True):
+        eng.async_decode = async_decode
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    s = eng.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]

@@ -62,14 +62,19 @@ def _counters(device: torch.device) -> torch.Tensor:
     return c
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, n] (float) -> int64 [rows]: each row's first maximal column, as torch.argmax(x, dim=-1)."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, n] (float) -> int64 [rows]: each row's first maximal column, as torch.argmax(x, dim=-1);
+    written into `out` (int64 [rows], contiguous) when given, e.g. a CUDA graph's static buffer."""
     if x.dim() != 2 or not x.dtype.is_floating_point or x.shape[0] > MAX_ROWS:
         raise ValueError(f"argmax_rows takes a 2-D float tensor of at most {MAX_ROWS} rows, got {x.dtype} "
                          f"{list(x.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"argmax_rows: out must be a contiguous int64 tensor of {rows} rows, got {out.dtype} "
+                         f"{list(out.shape)}")
     if rows == 0 or n == 0:
         return out
     chunks = triton.cdiv(n, BLOCK)

@@ -84,7 +84,9 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: DecoderModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None, max_num_seqs: int, max_model_len: int,
-                 use_cuda_graphs: bool = True):
+                 use_cuda_graphs: bool = True, graph_argmax: bool = False):
+        """graph_argmax: decode graphs also take each row's argmax (kernels/argmax.py, one launch spread over the
+        GPU, inside the graph), which greedy steps use instead of torch.argmax launched after the replay."""
         self.model = model
         self.cfg = model.cfg
         self.device = model.device
@@ -120,6 +122,8 @@ class ModelRunner:
         # A list to time every graph replay on the GPU into ((bucket, start, end) CUDA events); None: untimed.
         self.graph_times: list | None = None
         self.graph_error: str | None = None
+        self.graph_argmax = graph_argmax
+        self.step_tokens: torch.Tensor | None = None  # the last run_inputs' argmax rows, when its graph took them
         if use_cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(max_num_seqs)
 
@@ -192,6 +196,7 @@ class ModelRunner:
         if self.on_step is not None:
             self.on_step(inputs)
         logits = self.run_inputs(inputs)
+        tokens, self.step_tokens = self.step_tokens, None
         if len(inputs.sample_rows) == len(step.seqs):  # every sequence samples (always in decode-only steps)
             samplers = step.seqs
         else:
@@ -201,10 +206,14 @@ class ModelRunner:
             return LaunchedStep([], None, None)
         if not self.sampler.plain_greedy(samplers):
             return LaunchedStep(samplers, logits, None)
-        return self._argmax(samplers, logits)
+        return self._argmax(samplers, logits, tokens)
 
-    def _argmax(self, samplers, logits: torch.Tensor) -> LaunchedStep:
-        tokens = logits.argmax(dim=-1)
+    def _argmax(self, samplers, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """Greedy tokens of the sampling rows: `tokens` where the decode graph took them, else torch.argmax."""
+        if tokens is None:
+            tokens = logits.argmax(dim=-1)
+        elif self._tokens_host is None:  # a view of the static buffer, which a step queued next would overwrite
+            tokens = tokens.clone()
         if self._tokens_host is None:
             return LaunchedStep(samplers, None, tokens, None, tokens)
         turn = self._tokens_turn = 1 - self._tokens_turn
@@ -234,7 +243,7 @@ class ModelRunner:
             ids = ids.index_select(0, torch.tensor(rows, device=ids.device))
         logits = self._replay(self._bucket(n), [0] * n, positions, slots, seq_lens,
                               [s.block_table for s in step.seqs], ids)
-        return self._argmax(step.seqs, logits[:n])
+        return self._argmax(step.seqs, logits[:n], self.g_tokens[:n] if self.graph_argmax else None)
 
     @torch.inference_mode()
     def collect(self, launched: LaunchedStep) -> tuple[list, list[int], list]:
@@ -253,11 +262,15 @@ class ModelRunner:
         """The forward of one step and its logits [len(sample_rows), vocab] (None when no row samples)."""
         num_seqs = len(x.seq_lens)
         bucket = self._bucket(num_seqs) if x.decode_only else None
+        self.step_tokens = None
         if bucket is not None:
             logits = self._replay(bucket, x.ids, x.positions, x.slots, x.seq_lens, x.tables)
             # Every row is a one-token query; the ones that end their sequence's tokens sample (a one-token
             # prompt chunk mid-prompt does not).
-            return logits[:num_seqs] if len(x.sample_rows) == num_seqs else logits[x.sample_rows]
+            rows = slice(0, num_seqs) if len(x.sample_rows) == num_seqs else x.sample_rows
+            if self.graph_argmax:
+                self.step_tokens = self.g_tokens[rows]
+            return logits[rows]
         dev = self.device
 
         def t(v, dtype):
@@ -291,6 +304,7 @@ class ModelRunner:
         self.g_lens, self.g_tables = self.g_i32[:n], self.g_i32[n:].view(n, w)
         self.g_lens.fill_(1)
         self.g_starts = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.g_tokens = torch.zeros(n, dtype=torch.int64, device=dev)  # graph_argmax: each row's argmax
         pin = dev.type == "cuda"
         self.h_i64 = torch.zeros(self.g_i64.shape, dtype=torch.int64, pin_memory=pin).copy_(self.g_i64)
         self.h_i32 = torch.zeros(self.g_i32.shape, dtype=torch.int32, pin_memory=pin).copy_(self.g_i32)
@@ -308,11 +322,20 @@ class ModelRunner:
                                max_query_len=1, max_seq_len=self.max_model_len)
 
         def run():
-            return self.model.compute_logits(self.model.forward(self.g_ids[:b], self.g_pos[:b], md, self.caches))
+            logits = self.model.compute_logits(self.model.forward(self.g_ids[:b], self.g_pos[:b], md, self.caches))
+            if self.graph_argmax:
+                from kiln.kernels.argmax import argmax_rows
+
+                argmax_rows(logits, out=self.g_tokens[:b])
+            return logits
 
         return run
 
     def capture_graphs(self, max_num_seqs: int) -> None:
+        """Captures the decode graphs at every bucket (again, dropping any held, after a flag that changes the
+        step such as graph_argmax or the model's fusions)."""
+        self.graphs = {}
+        self.graph_error = None
         self.make_static_buffers(max_num_seqs)
         pool = None
         try:
