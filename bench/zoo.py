@@ -191,9 +191,17 @@ def calibration_feeds(prep: Prepared) -> list[dict]:
              for k, v in prep.feeds.items()} for _ in range(8)]
 
 
+EXCLUDE_TACTICS: tuple[str, ...] = ()  # --exclude-tactics: BuildConfig.exclude_tactics of every build (A/B runs)
+TIMING_CACHE: str | None = None  # --timing-cache: one timing cache file for every build (A/B runs rebuild warm)
+
+
 def build(prep: Prepared, precision: str, device: str, progress: bool = False, validate: bool = True):
     shapes = {k: tuple(v.shape) for k, v in prep.feeds.items()}
     extra = dict(PRECISIONS[precision])
+    if EXCLUDE_TACTICS:
+        extra["exclude_tactics"] = EXCLUDE_TACTICS
+    if TIMING_CACHE:
+        extra["timing_cache"] = TIMING_CACHE
     if "int8" in extra or "fp8" in extra:
         extra["calib"] = [{k: v.numpy() for k, v in feeds.items()} for feeds in calibration_feeds(prep)]
     config = BuildConfig(profiles=[Profile({k: (s, s, s) for k, s in shapes.items()})], device=device,
@@ -587,7 +595,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print each timed case's N slowest layers (run layer by layer)")
     ap.add_argument("--shard", default="", help="I/N: every Nth model from the Ith (parallel runs)")
+    ap.add_argument("--exclude-tactics", default="", help="comma-separated tactic name patterns no build may use")
+    ap.add_argument("--timing-cache", default="", help="a timing cache file every build reads and writes")
     a = ap.parse_args(argv)
+    global EXCLUDE_TACTICS, TIMING_CACHE
+    EXCLUDE_TACTICS = tuple(p.strip() for p in a.exclude_tactics.split(",") if p.strip())
+    TIMING_CACHE = a.timing_cache or None
     entries = zoo_models.by_name(a.models.split(",")) if a.models else list(zoo_models.ZOO)
     if a.shard:
         i, n = (int(v) for v in a.shard.split("/"))

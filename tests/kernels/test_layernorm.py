@@ -259,3 +259,15 @@ def test_fp16_rms_norm_of_a_residual_sum_at_llama_width_on_the_gpu():
     y, s = tactic.fn(node, a, gamma, b)
     torch.testing.assert_close(s, want_s, atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(y, want_y, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("launch", [x for x in layernorm.LAUNCHES if x.fill], ids=lambda launch: launch.name)
+def test_filling_launches_pack_narrow_rows_and_mask_the_last_program(launch):
+    """ConvNeXt's channels-last norm: 40-wide rows, many a program (2048 // 64 = 32 for f2048), 100 rows so the last
+    program is partial; rows of a channels-last map seen as [N, H, W, C] (a transposed view)."""
+    assert launch.rows_for(64) > 2 and launch.offered(40) and not launch.offered(768)
+    g = torch.Generator().manual_seed(launch.fill)
+    x = torch.randn(2, 40, 5, 10, generator=g).to(DEV).to(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+    gamma, beta = torch.randn(40, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
+    y = poisoned(lambda: layernorm.layernorm(x, gamma, beta, 1e-6, launch=launch))
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (40,), gamma, beta, 1e-6), atol=1e-4, rtol=1e-4)

@@ -26,21 +26,34 @@ from .pdl import launch_options, start_after_previous
 
 @dataclass(frozen=True)
 class Launch:
-    """How the rows are spread: `rows` per program, `per_warp` elements of the (power-of-two) row block a warp."""
+    """How the rows are spread: `rows` per program, `per_warp` elements of the (power-of-two) row block a warp.
+    With `fill`, a program takes as many rows as fill `fill` elements of row blocks (at least `rows`): narrow
+    rows (ConvNeXt's and MobileViT's 40-160 channels, Swin's 96) would otherwise give one short row a program,
+    a hundred thousand programs at batch 32 that each wait on one small load."""
     rows: int = 1
     per_warp: int = 256
+    fill: int = 0
 
     @property
     def name(self) -> str:
-        return f"r{self.rows}_e{self.per_warp}"
+        return f"f{self.fill}_e{self.per_warp}" if self.fill else f"r{self.rows}_e{self.per_warp}"
+
+    def rows_for(self, block: int) -> int:
+        return max(self.rows, self.fill // block) if self.fill else self.rows
 
     def warps(self, block: int) -> int:
-        return min(16, max(1, block * self.rows // self.per_warp))
+        return min(16, max(1, block * self.rows_for(block) // self.per_warp))
+
+    def offered(self, n_cols: int) -> bool:
+        """A filling launch only for rows narrow enough that it packs many a program (8 or more): wide rows
+        have the fixed launches."""
+        return not self.fill or self.rows_for(triton.next_power_of_2(n_cols)) >= 8
 
 
-# The first is the default; which is fastest depends on the row count and on an FP8 copy (see
+# The first is the default; which is fastest depends on the row count and width and on an FP8 copy (see
 # docs/design/small-kernels.md). The tactics offer each (tactics/triton_tactics.py): the builder times them.
-LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024))
+LAUNCHES = (Launch(1, 256), Launch(1, 512), Launch(1, 1024), Launch(2, 1024), Launch(1, 256, fill=2048),
+            Launch(1, 512, fill=4096))
 
 
 @triton.jit
@@ -133,14 +146,15 @@ def _launch(like, a3, b, gamma, beta, eps, write_sum, q_scale, qtype, rms, parts
     q = torch.empty(like.shape, dtype=QTYPES[qtype], device=like.device) if q_scale is not None else y
     block = triton.next_power_of_2(n)
     pdl = launch_options(like.device)
-    _skip_layernorm_kernel[(triton.cdiv(rows, launch.rows),)](
+    per_program = launch.rows_for(block)
+    _skip_layernorm_kernel[(triton.cdiv(rows, per_program),)](
         parts if parts is not None else like, b if b is not None else like, c if c is not None else like, gamma,
         beta if beta is not None else gamma, y, s, q_scale if q_scale is not None else gamma, q,
         bias if bias is not None else gamma, n, eps, a3.shape[1], rows, a3.stride(0), a3.stride(1),
         b3.stride(0), b3.stride(1), c3.stride(0), c3.stride(1), HAS_SKIP=b is not None, HAS_SKIP2=c is not None,
         HAS_BETA=beta is not None, WRITE_SUM=write_sum,
         QUANT=qtype if q_scale is not None else "", RMS=rms, PARTS=parts.shape[0] if parts is not None else 0,
-        HAS_BIAS=bias is not None, BLOCK=block, ROWS=launch.rows, PDL=bool(pdl), num_warps=launch.warps(block), **pdl)
+        HAS_BIAS=bias is not None, BLOCK=block, ROWS=per_program, PDL=bool(pdl), num_warps=launch.warps(block), **pdl)
     return (y, s if write_sum else None) + ((q,) if q_scale is not None else ())
 
 

@@ -71,8 +71,10 @@ def load_all() -> None:
     if not _loaded:
         from . import (  # noqa: F401  (registering)
             cudnn_benchmark,
+            cudnn_one_epilogue,
             gluon_ws,
             library,
+            resize,
             triton_conv,
             triton_gemm,
             triton_tactics,

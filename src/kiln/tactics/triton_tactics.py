@@ -78,8 +78,18 @@ def _norm_tactics():
                 ("GemmSkipLayerNorm", "cublaslt_then_triton_layernorm", gemm_ln_ok, cublaslt_then_triton_layernorm,
                  "kiln"),
                 ("LayerNormalization", "triton_layernorm", _layernorm_ok, triton_layernorm, "")]:
-            tactic(op, name + suffix, applies, domain=domain, level=3)(
+            tactic(op, name + suffix, _offered(launch, op, applies), domain=domain, level=3)(
                 (lambda run, launch: lambda *args: run(*args, launch=launch))(run, launch))
+
+
+def _offered(launch, op: str, applies):
+    """applies, for the launches that suit the rows' width (a filling launch only for narrow rows)."""
+    def offered(node, args) -> bool:
+        rows = args[3] if op == "GemmSkipLayerNorm" else args[0]  # the GEMM's skip is shaped like its output
+        return (isinstance(rows, torch.Tensor) and rows.dim() > 0 and launch.offered(rows.shape[-1])
+                and applies(node, args))
+
+    return offered
 
 
 try:
