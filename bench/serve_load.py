@@ -354,7 +354,7 @@ def host_steps(model: Path, a) -> None:
             inner[0], t = 0.0, clock()
             outs = engine.step()
             if path == "engine process":
-                marshal.dumps(("step", [], [], *streams.encode(outs), engine.stats(), None))
+                marshal.dumps(("step", [], [], *streams.encode(outs)[0], engine.stats(), None))
             elif path == "thread backend":
                 marshal.dumps([make(o) for o in outs])
             if full:

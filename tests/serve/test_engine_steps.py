@@ -96,7 +96,7 @@ def test_step_frames_decode_to_the_deltas_of_delta_outputs(engine):
         enc.add(rid, fields)
         dec.expect(rid, engine.requests[rid].prompt_token_ids)
 
-    got = steps(add, lambda outs: dec.decode(*marshal.loads(marshal.dumps(enc.encode(outs)))))
+    got = steps(add, lambda outs: dec.decode(*marshal.loads(marshal.dumps(enc.encode(outs)[0]))))
     assert got == want
     assert sorted(rid for rid, _, p in requests if is_plain({f.name: getattr(p, f.name)
                                                              for f in dataclasses.fields(p)})) == ["a", "d", "e"]

@@ -6,7 +6,8 @@ process (the Ray Serve replicas use it); `EngineProcess` (kiln/serve/engine_proc
 process, so the engine's Python work and the HTTP work do not take turns on one interpreter lock.
 
 Both hand out the same items: a request's `Sink` first receives `ACCEPTED` (or the KilnError that refused it),
-then its `Delta`s (what each step added), the last with `finished` set; `EngineFailure` if a step raised. All the
+then its `Delta`s (what each step added), the last with `finished` set; `EngineFailure` if a step raised; from
+an engine process serving several HTTP processes, `QueueFull` instead of ACCEPTED past its global bound. All the
 new items of one step reach the event loop in one call, not one wakeup per token.
 """
 
@@ -29,6 +30,17 @@ class EngineFailure:
     """A step raised (a bug, not the user's input): the engine dropped every request."""
 
     message: str
+
+
+@dataclass
+class QueueFull:
+    """The engine process refused a request: it holds max_num_seqs + max_waiting requests of all the server's HTTP
+    processes together (the service answers 429)."""
+
+    message: str
+
+
+REFUSED_INPUT, REFUSED_FULL = "input", "full"  # the kinds of an engine process's refusal
 
 
 @dataclass

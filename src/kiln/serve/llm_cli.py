@@ -1,7 +1,9 @@
 """`kiln llm serve MODEL`: the OpenAI-compatible server (kiln/serve/openai_server.py) on one engine, or on N
 engine replicas with --replicas N / --autoscale MIN:MAX (Ray Serve, kiln/serve/ray_serve.py).
+--api-servers N runs N HTTP processes on the port in front of the one engine (kiln/serve/api_servers.py).
 
     kiln llm serve ./SmolLM2-135M --port 8000 --apiKey $KEY
+    kiln llm serve ./SmolLM2-135M --api-servers 4
     curl -H "Authorization: Bearer $KEY" localhost:8000/v1/completions \\
          -d '{"model": "SmolLM2-135M", "prompt": "Hello", "max_tokens": 16}'
 
@@ -18,38 +20,59 @@ import os
 
 def cmd_serve(a) -> int:
     from kiln.engine.signing import load_key
+    from kiln.errors import ConfigError
     from kiln.llm.cli import _engine_kwargs
 
+    from . import cpu_placement
+    from .api_servers import ApiServerPool
     from .engine_process import EngineProcess
     from .openai_server import OpenAIServer, run_server
 
     kw = _engine_kwargs(a)
     kw["seed"] = a.seed
+    if a.api_servers < 1:
+        raise ConfigError(f"--api-servers must be at least 1, not {a.api_servers}.")
     if a.replicas is not None or a.autoscale:
+        if a.api_servers != 1:
+            raise ConfigError("--api-servers is for the one-engine server; with --replicas/--autoscale Ray Serve's "
+                              "proxy is the HTTP side.")
         return _serve_on_ray(a, kw)
-    engine = EngineProcess(a.model, kw, load_key(a.verify_key) if getattr(a, "verify_key", None) else None,
-                           step_profile=a.step_profile, engine_cpu=a.engine_cpu)
+    api_key = a.api_key or os.environ.get("KILN_API_KEY")
+    pool = ApiServerPool(a.api_servers, a.host, a.port) if a.api_servers > 1 else None
+    settings = {"model_name": a.served_model_name, "api_key": api_key, "max_waiting": a.max_waiting,
+                "drain_timeout": a.drain_timeout}
+    engine = None
     try:
-        server = OpenAIServer(engine, model_name=a.served_model_name,
-                              api_key=a.api_key or os.environ.get("KILN_API_KEY"), max_waiting=a.max_waiting,
-                              drain_timeout=a.drain_timeout)
+        placement = cpu_placement.placement(a.engine_cpu)
+        engine = EngineProcess(a.model, kw, load_key(a.verify_key) if getattr(a, "verify_key", None) else None,
+                               step_profile=a.step_profile, engine_cpu=a.engine_cpu, api_servers=a.api_servers,
+                               max_waiting=a.max_waiting if pool else None,
+                               on_spawn=pool and (lambda channels: pool.spawn(
+                                   channels, {**settings, "cpus": sorted(placement[1]) if placement else None})))
+        server = OpenAIServer(engine, **settings, metrics_dir=pool and pool.metrics_dir,
+                              server_index=0 if pool else None)
         info = engine.info
 
         pinned = f", engine on CPU {min(engine.placement[0])}" if engine.placement else ""
+        processes = f", {a.api_servers} HTTP processes" if pool else ""
 
         def ready(host, port):
             print(f"kiln llm serve: serving '{server.model_name}' on http://{host}:{port} "
                   f"({info.device}, {info.num_kv_blocks} KV blocks of {info.block_size} tokens, max_model_len "
-                  f"{info.max_model_len}{pinned}{', API key required' if server.api_key else ''})", flush=True)
+                  f"{info.max_model_len}{pinned}{processes}{', API key required' if server.api_key else ''})",
+                  flush=True)
 
         # What startup made (torch and the rest of Kiln are imported here too) lives until exit: out of the
         # collector's sight, its full passes while serving scan only what serving made. Without this, collections
         # took most of this process's time at a saturated stream rate (the per-token objects trigger them).
         gc.collect()
         gc.freeze()
-        run_event_loop(run_server(server, a.host, a.port, ready))
+        run_event_loop(run_server(server, a.host, a.port, ready, sock=pool and pool.sockets[0], pool=pool))
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.stop()
+        if pool is not None:
+            pool.close()
     return 0
 
 
@@ -120,6 +143,10 @@ def add_llm_command(llm_sub) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for admitted requests to finish (default 30)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="HTTP processes on the port, all in front of the one engine process, which batches their "
+                        "requests together (default 1; more when one process's HTTP work cannot keep the engine's "
+                        "batch full: many streams of a fast model)")
     p.add_argument("--engine-cpu", default="none", metavar="auto|none|N",
                    help="the engine process's step loop on a core of its own (auto: the last core; N: that CPU), "
                         "the HTTP process on the others (default none: the kernel places them)")

@@ -4,12 +4,20 @@ Engine state (running and waiting requests, KV-cache usage, prefix-cache queries
 generation tokens) is read at scrape time from the engine's latest stats snapshot (sent with each step);
 latencies are histograms observed by the request handlers, as a client sees them: time to first token, the
 time between tokens after the first, and end-to-end.
+
+With several HTTP processes (--api-servers N) each one's histograms and counters live in prometheus_client's
+multiprocess files (one per process, in a folder the server makes and removes), and a scrape of any process
+sums them all; the engine's numbers come from that process's latest snapshot of the one engine, so every
+process reports the same engine.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -45,20 +53,34 @@ class _EngineCollector:
             yield c
 
 
+def use_multiprocess_files(folder: str) -> None:
+    """This process's metric values from now on in prometheus_client's per-process files in `folder` (what
+    PROMETHEUS_MULTIPROC_DIR set before the import would have chosen)."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        values.ValueClass = values.MultiProcessValue()
+
+
 class ServerMetrics:
-    def __init__(self, stats, model: str):
+    def __init__(self, stats, model: str, multiprocess_dir: str | None = None):
+        """multiprocess_dir: the folder of every HTTP process's metric files (use_multiprocess_files)."""
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model))
+        own = self.registry
+        if multiprocess_dir is not None:  # values go to the files; a scrape reads every process's
+            use_multiprocess_files(multiprocess_dir)
+            MultiProcessCollector(self.registry, path=multiprocess_dir)
+            own = None
         self.model = model
         self.ttft = Histogram("kiln:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=own)
         self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between two tokens of a request.",
-                             ["model_name"], buckets=_TOKEN_BUCKETS, registry=self.registry)
+                             ["model_name"], buckets=_TOKEN_BUCKETS, registry=own)
         self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=own)
         self.finished = Counter("kiln:request_success", "Requests finished, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+                                ["model_name", "finished_reason"], registry=own)
         self.rejected = Counter("kiln:request_rejected", "Requests refused, by HTTP status.",
-                                ["model_name", "status"], registry=self.registry)
+                                ["model_name", "status"], registry=own)
         self.aborted = Counter("kiln:request_aborted", "Requests whose client went away before the end.",
-                               ["model_name"], registry=self.registry)
+                               ["model_name"], registry=own)

@@ -13,7 +13,9 @@ token counts, as OpenAI sends them.
 
 What a request means (parsing, admission and its 429, engine submission, response JSON and SSE chunks) is
 kiln/serve/service.py's; this module is the HTTP layer: routes, the API key, error bodies, streaming writes,
-and the process lifecycle. A client that goes away mid-stream cancels its handler (aiohttp's handler
+and the process lifecycle. With --api-servers N, N such processes share the port and the one engine process
+(kiln/serve/api_servers.py); each response then names its process in `X-Kiln-Api-Server` (its index) and
+`X-Kiln-Api-Server-Pid`. A client that goes away mid-stream cancels its handler (aiohttp's handler
 cancellation), which closes the stream and so aborts its request. SIGTERM (or SIGINT) stops admissions (503),
 lets the admitted requests finish (up to drain_timeout seconds), then exits.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import signal
 import sys
 
@@ -42,12 +45,17 @@ def _not_json(constant: str):
 
 class OpenAIServer:
     def __init__(self, engine, *, model_name: str | None = None, api_key: str | None = None,
-                 max_waiting: int = 1024, drain_timeout: float = 30.0):
+                 max_waiting: int = 1024, drain_timeout: float = 30.0, metrics_dir: str | None = None,
+                 server_index: int | None = None):
+        """metrics_dir, server_index: this process's share of a scaled-out server (kiln/serve/api_servers.py)."""
         self.service = OpenAIService(engine, model_name=model_name, max_waiting=max_waiting,
-                                     drain_timeout=drain_timeout)
+                                     drain_timeout=drain_timeout, metrics_dir=metrics_dir)
         self.engine = engine
         self.model_name = self.service.model_name
         self.api_key = api_key or None
+        self.server_index = server_index
+        self._who = None if server_index is None else {"X-Kiln-Api-Server": str(server_index),
+                                                       "X-Kiln-Api-Server-Pid": str(os.getpid())}
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=8 * 2**20)
@@ -56,7 +64,12 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        if self._who is not None:
+            app.on_response_prepare.append(self._name_process)
         return app
+
+    async def _name_process(self, request, response) -> None:
+        response.headers.update(self._who)
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -126,24 +139,42 @@ class OpenAIServer:
         return resp
 
 
-async def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, ready=None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and stop. `ready(host, port)` is called once listening."""
+async def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, ready=None, *,
+                     sock=None, pool=None, parent=None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop. `ready(host, port)` is called once listening.
+
+    sock: a listening socket to serve on instead of binding host:port. pool (the first of several HTTP
+    processes, kiln/serve/api_servers.py): ready waits for the others, SIGTERM is passed on to them and the
+    engine stops once they have drained. parent (one of the others): told when listening; its going away stops
+    this process as SIGTERM does."""
     loop = asyncio.get_running_loop()
     service = server.service
     service.async_engine.start()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    if sock is not None:
+        site = web.SockSite(runner, sock, backlog=2048)
+    else:
+        site = web.TCPSite(runner, host, port, backlog=2048)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    bound = (sock or site._server.sockets[0]).getsockname()[1] if port == 0 or sock is not None else port
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if parent is not None:
+        parent.listening(stop.set)
+    if pool is not None:
+        await pool.started()
     if ready is not None:
         ready(host, bound)
     await stop.wait()
+    if pool is not None:
+        pool.terminate()
     drained = await service.drain()
-    print(f"kiln llm serve: {'drained' if drained else 'drain timed out with'} "
+    who = "" if server.server_index is None else f"API server {server.server_index}: "
+    print(f"kiln llm serve: {who}{'drained' if drained else 'drain timed out with'} "
           f"{service.admitted} requests in flight; stopping.", file=sys.stderr, flush=True)
+    if pool is not None:
+        await pool.wait(service.drain_timeout + 5.0)
     await runner.cleanup()
     service.async_engine.stop()

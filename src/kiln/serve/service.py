@@ -7,7 +7,8 @@ the way. Each wakeup of a stream takes every delta that arrived since the last a
 (kiln/serve/openai_server.py) and the Ray Serve replicas (kiln/serve/ray_serve.py) are thin layers on it.
 
 Admission is bounded: at most max_num_seqs + max_waiting engine requests at once; past that, 429 with
-Retry-After, and the request reaches no model. A stream that is closed before its end (the client went away)
+Retry-After, and the request reaches no model. This process counts its own; an engine process serving several
+HTTP processes (--api-servers) counts theirs together and refuses past the same bound, which is then a 429 too. A stream that is closed before its end (the client went away)
 aborts its engine requests, which returns their KV blocks to the pool before the engine's next step.
 """
 
@@ -20,10 +21,31 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import KilnError
-from .async_engine import (ACCEPTED, C_FINISH, C_IDS, C_INDEX, C_LOGPROBS, C_TEXT, CHOICES, FINISHED, PROMPT, RID,
-                           AsyncLLMEngine, EngineFailure, Sink)
+from .async_engine import (
+    ACCEPTED,
+    C_FINISH,
+    C_IDS,
+    C_INDEX,
+    C_LOGPROBS,
+    C_TEXT,
+    CHOICES,
+    FINISHED,
+    PROMPT,
+    RID,
+    AsyncLLMEngine,
+    EngineFailure,
+    QueueFull,
+    Sink,
+)
 from .metrics import ServerMetrics
-from .protocol import APIError, GenerationRequest, chat_logprobs, completion_logprobs, parse_chat, parse_completion
+from .protocol import (
+    APIError,
+    GenerationRequest,
+    chat_logprobs,
+    completion_logprobs,
+    parse_chat,
+    parse_completion,
+)
 from .protocol import usage as usage_of
 
 
@@ -68,18 +90,23 @@ def _merged(deltas: list) -> list:
     return [tuple(m) for m in merged.values()]
 
 
+def _queue_full(message: str) -> APIError:
+    return APIError(message, status=429, type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
 def _ints(ids) -> str:
     return "[" + ", ".join(map(str, ids)) + "]"
 
 
 class OpenAIService:
     def __init__(self, engine, *, model_name: str | None = None, max_waiting: int = 1024,
-                 drain_timeout: float = 30.0):
-        """engine: an LLMEngine (stepped on a thread of this process) or an EngineProcess (its own process)."""
+                 drain_timeout: float = 30.0, metrics_dir: str | None = None):
+        """engine: an LLMEngine (stepped on a thread of this process) or an EngineProcess (its own process), or
+        an EngineChannel to one. metrics_dir: the metric files shared by the server's HTTP processes."""
         self.async_engine = AsyncLLMEngine(engine) if hasattr(engine, "step") else engine
         self.info = info = self.async_engine.info
         self.model_name = model_name or info.model_name
-        self.metrics = ServerMetrics(self.async_engine.stats, self.model_name)
+        self.metrics = ServerMetrics(self.async_engine.stats, self.model_name, metrics_dir)
         self._ttft = self.metrics.ttft.labels(self.model_name)
         self._itl = self.metrics.itl.labels(self.model_name)
         self._e2e = self.metrics.e2e.labels(self.model_name)
@@ -119,9 +146,8 @@ class OpenAIService:
             raise APIError("the server is shutting down and takes no new requests.", status=503,
                            type_="server_error", headers={"Retry-After": "5"})
         if self.admitted + count > self.max_admitted:
-            raise APIError(f"the server's queue is full ({self.admitted} requests admitted, at most "
-                           f"{self.max_admitted}); retry later.", status=429, type_="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"})
+            raise _queue_full(f"the server's queue is full ({self.admitted} requests admitted, at most "
+                              f"{self.max_admitted}); retry later.")
         self.admitted += count
 
     def _release(self, count: int) -> None:
@@ -155,6 +181,8 @@ class OpenAIService:
             for item in await sink.take():
                 if item is ACCEPTED:
                     accepted += 1
+                elif isinstance(item, QueueFull):
+                    raise _queue_full(item.message)
                 elif isinstance(item, KilnError):
                     raise APIError(str(item))
                 elif isinstance(item, EngineFailure):

@@ -1,8 +1,8 @@
 """What one engine step produced for every served stream, as the engine process sends it: few objects per step.
 
-The engine process encodes each step (`StepEncoder`), the server decodes it (`StepDecoder`) into
-kiln/serve/async_engine.py's Deltas, the same a DeltaMaker makes of the engine's "delta" RequestOutputs. A
-step's part of the frame is two pieces:
+The engine process encodes each step (`StepEncoder`), one part for each HTTP process it serves, and each
+HTTP process decodes its part (`StepDecoder`) into kiln/serve/async_engine.py's Deltas, the same a DeltaMaker
+makes of the engine's "delta" RequestOutputs. A step's part of a frame is two pieces:
 
     tokens   (request ids, token ids): plain streams that got one token and did not finish, as two flat lists
              (nearly every stream of nearly every step)
@@ -26,65 +26,87 @@ def is_plain(fields: dict) -> bool:
 
 
 class StepEncoder:
-    """In the engine process: its served requests and what each has been sent."""
+    """In the engine process: its served requests, which HTTP process (client) each came from, and what each has
+    been sent."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clients: int = 1):
         self.engine = engine
-        self._plain: dict[str, list] = {}  # request id -> [its Sequence, tokens sent (prompt included)]
+        # per client: request id -> [its Sequence, tokens sent (prompt included)]
+        self._plain: list[dict[str, list]] = [{} for _ in range(clients)]
         self._delta: set[str] = set()  # requests of output_kind "delta"
+        self._owner: dict[str, int] = {}  # every served request -> its client
 
     @staticmethod
     def output_kind(fields: dict) -> str:
         return "final_only" if is_plain(fields) else STREAMED
 
-    def add(self, request_id: str, fields: dict) -> None:
+    def add(self, request_id: str, fields: dict, client: int = 0) -> None:
         """After engine.add_request(request_id, ..., output_kind=output_kind(fields))."""
+        self._owner[request_id] = client
         if is_plain(fields):
             seq = self.engine.requests[request_id].seqs[0]
-            self._plain[request_id] = [seq, len(seq.token_ids)]
+            self._plain[client][request_id] = [seq, len(seq.token_ids)]
         else:
             self._delta.add(request_id)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._plain or request_id in self._delta
+        return request_id in self._owner
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def owned_by(self, client: int) -> list[str]:
+        return [rid for rid, c in self._owner.items() if c == client]
 
     def forget(self, request_id: str) -> None:
-        self._plain.pop(request_id, None)
-        self._delta.discard(request_id)
+        client = self._owner.pop(request_id, None)
+        if client is not None:
+            self._plain[client].pop(request_id, None)
+            self._delta.discard(request_id)
 
     def clear(self) -> None:
-        self._plain.clear()
+        self._owner.clear()
         self._delta.clear()
+        for plain in self._plain:
+            plain.clear()
 
-    def encode(self, outputs: list) -> tuple[tuple[list, list], list]:
-        """((request ids, token ids), deltas) of one step, from its outputs (engine.step())."""
-        plain, delta = self._plain, self._delta
-        deltas = []
+    def encode(self, outputs: list) -> list[tuple[tuple[list, list], list]]:
+        """Per client, ((request ids, token ids), deltas) of one step, from its outputs (engine.step())."""
+        owner, delta = self._owner, self._delta
+        deltas: list[list] = [[] for _ in self._plain]
         for out in outputs:
             rid = out.request_id
-            st = plain.pop(rid, None)
+            client = owner.get(rid)
+            if client is None:
+                continue
+            st = self._plain[client].pop(rid, None)
             if st is not None:  # a plain stream's only output: it finished
+                del owner[rid]
                 seq, sent = st
-                deltas.append((rid, None, True, [(0, "", seq.token_ids[sent:], seq.finish_reason, seq.stop_reason,
-                                                  None)]))
+                deltas[client].append((rid, None, True, [(0, "", seq.token_ids[sent:], seq.finish_reason,
+                                                          seq.stop_reason, None)]))
             elif rid in delta:
                 if out.finished:
                     delta.discard(rid)
-                deltas.append((rid, None, out.finished, [(c.index, c.text, c.token_ids, c.finish_reason,
-                                                          c.stop_reason, c.logprobs) for c in out.outputs]))
-        rids, ids = [], []
-        for rid, st in plain.items():
-            seq, sent = st
-            toks = seq.token_ids
-            n = len(toks)
-            if n == sent + 1:
-                rids.append(rid)
-                ids.append(toks[sent])
-                st[1] = n
-            elif n > sent:
-                deltas.append((rid, None, False, [(0, "", toks[sent:], None, None, None)]))
-                st[1] = n
-        return (rids, ids), deltas
+                    del owner[rid]
+                deltas[client].append((rid, None, out.finished, [(c.index, c.text, c.token_ids, c.finish_reason,
+                                                                  c.stop_reason, c.logprobs) for c in out.outputs]))
+        frames = []
+        for plain, mine in zip(self._plain, deltas):
+            rids, ids = [], []
+            for rid, st in plain.items():
+                seq, sent = st
+                toks = seq.token_ids
+                n = len(toks)
+                if n == sent + 1:
+                    rids.append(rid)
+                    ids.append(toks[sent])
+                    st[1] = n
+                elif n > sent:
+                    mine.append((rid, None, False, [(0, "", toks[sent:], None, None, None)]))
+                    st[1] = n
+            frames.append(((rids, ids), mine))
+        return frames
 
 
 class StepDecoder:
