@@ -9,7 +9,7 @@ got, "cut" in the table):
                against transformers' generate on the same weights (FP32).
   kiln         the 8B shape, BF16 weights and KV, 128 in / 256 out at batch 1 and 64: output tok/s, TTFT, TPOT,
                e2e p50/p99, decode step time, the roofline, host share of the step and its phases.
-  kilnasync    as kiln, each batch run again with LLMEngine.async_decode on (decode steps fed on the device).
+  kilnasync    as kiln, with the variant "async" after the default (--variants adds others: VARIANT_PARTS).
   hf           transformers' generate, eager, same prompts (exactly --hf-output-len new tokens each).
   hfcompile    transformers' generate with its static cache, the forward under torch.compile (compile timed
                apart).
@@ -142,8 +142,9 @@ def make_weights(cfg: dict, device, dtype):
         return None, tensors
 
 
-def correctness(device: str) -> dict:
-    """Tiny Llama: Kiln on `device` against transformers' generate (FP32), token for token."""
+def correctness(device: str, variants=()) -> dict:
+    """Tiny Llama: Kiln on `device` against transformers' generate (FP32), token for token, by default and in
+    each decode variant."""
     from tests.llm.tiny import load_hf_reference, make_tiny_llama
 
     path = make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", heads=6, kv_heads=2, hidden=96)
@@ -153,18 +154,29 @@ def correctness(device: str) -> dict:
     llm = LLM(path, device=device, max_model_len=256, max_num_seqs=8, num_kv_blocks=256)
     prompts = ["Hello world", "The potter lit the fire and", "Once upon a time there was a small kiln", "0 1 2"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    equal = []
+    equal, want = [], []
     for o in outs:
         ids = torch.tensor([o.prompt_token_ids], device=device)
         with torch.no_grad():
             g = ref.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-        equal.append(g[0, ids.shape[1]:].tolist() == o.outputs[0].token_ids)
+        want.append(g[0, ids.shape[1]:].tolist())
+        equal.append(want[-1] == o.outputs[0].token_ids)
     r = llm.llm_engine.runner
+    out = {"prompts": len(prompts), "tokens_equal_to_hf": equal, "cuda_graphs": sorted(r.graphs),
+           "cuda_graph_error": r.graph_error}
+    # The decode variants bench/llm.py times, each against transformers' tokens too.
+    for variant in variants:
+        set_variant(llm.llm_engine, variant, 8)
+        if r.graph_error:
+            out[f"tokens_equal_to_hf_{variant}"] = f"capture failed: {r.graph_error}"
+            continue
+        got = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        out[f"tokens_equal_to_hf_{variant}"] = [o.outputs[0].token_ids == w for o, w in zip(got, want)]
     s = llm.llm_engine.stats()
+    out["blocks_free_after"] = s["kv_blocks_free"] == s["kv_blocks_total"]
     del llm, ref
     gc.collect()
-    return {"prompts": len(prompts), "tokens_equal_to_hf": equal, "cuda_graphs": sorted(r.graphs),
-            "cuda_graph_error": r.graph_error, "blocks_free_after": s["kv_blocks_free"] == s["kv_blocks_total"]}
+    return out
 
 
 def make_engine(tensors, cfg, device, dtype_name, max_len, kv="auto", kv_scales=None, max_seq=64,
@@ -233,27 +245,72 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+# Decode-step variants a section can time on one engine, each against the default in the same run (a variant
+# name joins these with "+"): async (LLMEngine.async_decode: plain-greedy decode steps queued before the last
+# step's tokens reach the host), graph_argmax (the greedy token taken inside the decode graph by
+# kernels/argmax.py), fused_attention (RoPE, the KV write and attention in one kernel: kernels/decode_attention.py),
+# merged (that kernel's context slices merged by the last slice to finish, not by a second kernel).
+VARIANT_PARTS = ("default", "async", "graph_argmax", "fused_attention", "merged")
+
+
+def check_variants(names: list[str]) -> list[str]:
+    for name in names:
+        unknown = set(name.split("+")) - set(VARIANT_PARTS)
+        if unknown:
+            raise SystemExit(f"bench/llm.py: unknown variant part(s) {sorted(unknown)} in {name!r}; parts: "
+                             f"{', '.join(VARIANT_PARTS)} (joined by '+')")
+    return names
+
+
+def set_variant(eng, name: str, max_seq: int) -> None:
+    """Puts the engine in variant `name` (VARIANT_PARTS joined by '+'), capturing its decode graphs again where
+    the step changes (on the CPU target the graphs' step functions over the static buffers stand in for them)."""
+    from kiln.llm.runner import graph_buckets
+
+    parts = set(name.split("+"))
+    r, m = eng.runner, eng.runner.model
+    eng.async_decode = "async" in parts
+    step = ("graph_argmax" in parts, "fused_attention" in parts or "merged" in parts, "merged" in parts)
+    if step == (r.graph_argmax, m.fuse_decode_attention, m.decode_attention_merge) and r.graphs:
+        return
+    r.graph_argmax, m.fuse_decode_attention, m.decode_attention_merge = step
+    if eng.device.type == "cuda":
+        r.capture_graphs(max_seq)
+    else:
+        r.make_static_buffers(max_seq)
+        r.graphs = {b: r.static_decode_step(b) for b in graph_buckets(max_seq)}
+
+
 def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="auto", quant=None,
               kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None,
-              async_too: bool = False) -> dict:
-    """Kiln at each batch (one engine); async_too: each batch also with async_decode on (key batchN_async)."""
+              variants=("default",)) -> dict:
+    """Kiln at each batch (one engine), in each decode variant (keys batchN for the default, batchN_VARIANT for
+    the others). Each variant's prompts and warm-up prompts are its own: none finds its prefix cached."""
     t = time.perf_counter()
     eng = make_engine(tensors, cfg, device, dtype_name, in_len + out_len + 16, kv, kv_scales, max_seq,
                       num_kv_blocks, util, quantized_weights, quant)
     eng.model_name = f"kiln {quant or dtype_name} kv={kv}"
     out = engine_facts(eng, time.perf_counter() - t, quant or dtype_name)
     vocab = cfg["vocab_size"]
-    for b in batches:
-        prompts = bm.random_prompts(vocab, [in_len] * b, seed=b)
-        # Warm-up at the measured shapes (Triton specializes kernels on argument values, e.g. a sequence count
-        # divisible by 16, so a smaller warm-up could leave a compile inside the first timed prefill), with other
-        # prompts than the timed ones, which must not find their prefixes cached.
-        bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + b), [2] * b)
-        out[f"batch{b}"] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
-        if async_too:  # the same prompts again: their prefixes are cached now, decode is what differs
-            eng.async_decode = True
-            out[f"batch{b}_async"] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
-            eng.async_decode = False
+    for vi, variant in enumerate(variants):
+        if variant != "default" or vi:
+            t = time.perf_counter()
+            set_variant(eng, variant, max_seq)
+            out[f"setup_s_{variant}"] = time.perf_counter() - t
+            if eng.runner.graph_error:
+                out[f"error_{variant}"] = eng.runner.graph_error
+                log(f"{variant}: graph capture failed: {eng.runner.graph_error}")
+                continue
+        for b in batches:
+            seed = b + 100 * vi
+            prompts = bm.random_prompts(vocab, [in_len] * b, seed=seed)
+            # Warm-up at the measured shapes (Triton specializes kernels on argument values, e.g. a sequence
+            # count divisible by 16, so a smaller warm-up could leave a compile inside the first timed prefill),
+            # with other prompts than the timed ones, which must not find their prefixes cached.
+            bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + seed), [2] * b)
+            key = f"batch{b}" if variant == "default" else f"batch{b}_{variant}"
+            out[key] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
+            out[key]["variant"] = variant
     del eng
     release()
     return out
@@ -300,6 +357,9 @@ def kv_context(tensors, cfg, device, dtype_name, ctx, batch, fp8) -> dict:
         if not eng.runner.graphs:  # the CPU target (a script check): the graphs' step functions, run eagerly
             eng.runner.make_static_buffers(batch)
             eng.runner.graphs = {batch: eng.runner.static_decode_step(batch)}
+        if kv == "auto":
+            out["capacity"] = kv_capacity(eng, ctx)
+            log(f"KV capacity beside this engine: {out['capacity']}")
         r = bm.decode_step_at_context(eng, batch, ctx)
         r["engine_setup_s"] = time.perf_counter() - t
         bw = bm.copy_bandwidth(eng.device) if eng.device.type == "cuda" else None
@@ -312,6 +372,22 @@ def kv_context(tensors, cfg, device, dtype_name, ctx, batch, fp8) -> dict:
     base, f8 = out["runs"]
     out["fp8_speedup"] = base["step_ms"] / f8["step_ms"]
     out["batch"], out["context"] = batch, ctx
+    return out
+
+
+def kv_capacity(eng, ctx: int, utilization: float = 0.9) -> dict:
+    """KV blocks the engine's sizing rule (engine.kv_blocks_that_fit) finds room for in the device memory free
+    now, for a BF16 and an FP8 cache (the same memory for both), and the sequences of ctx tokens they hold."""
+    from kiln.llm.engine import kv_blocks_that_fit
+
+    per_seq = -(-ctx // eng.block_manager.block_size)
+    out = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        blocks = kv_blocks_that_fit(eng.model, dtype, eng.block_manager.block_size, ctx + 16, utilization, 8192,
+                                    1 << 20)
+        out[name] = {"blocks": blocks, "sequences": blocks // per_seq}
+    out["context"], out["utilization"] = ctx, utilization
+    out["fp8_over_bf16"] = out["fp8"]["sequences"] / max(1, out["bf16"]["sequences"])
     return out
 
 
@@ -381,11 +457,16 @@ def prefix_caching(tensors, cfg, device, dtype_name, prefix_len=1024, suffix_len
     vocab = cfg["vocab_size"]
     prefix = bm.random_prompts(vocab, [prefix_len], seed=5)[0]
     prompts = [prefix + p for p in bm.random_prompts(vocab, [suffix_len] * n, seed=6)]
+    other = bm.random_prompts(vocab, [prefix_len], seed=7)[0]
+    warm = [other + p for p in bm.random_prompts(vocab, [suffix_len] * n, seed=8)]
     for caching in (True, False):
         eng = LLMEngine(cfg, tensors, _NoTokenizer(), dtype=dtype_name, device=device, max_num_seqs=n,
                         max_num_batched_tokens=8192, max_model_len=prefix_len + suffix_len + 16,
                         num_kv_blocks=(n + 2) * ((prefix_len + suffix_len) // 16 + 2),
                         enable_prefix_caching=caching, enforce_eager=True)
+        # Warm-up: the same run over another prefix (the kernels meet this run's shapes before it is timed).
+        bm.run_requests(eng, [other + [7] * suffix_len], [1])
+        bm.run_requests(eng, warm, [1] * n)
         bm.run_requests(eng, [prefix + [7] * suffix_len], [1])  # the earlier request that fills the cache
         r = bm.run_requests(eng, prompts, [1] * n)
         s = eng.stats()
@@ -474,6 +555,101 @@ def _run_row(label: str, r: dict, hf_tok_s=None) -> str:
             f"{_f(r.get('roofline_tok_s'))} | {vs} |")
 
 
+def _runs(res: dict, name: str) -> dict:
+    """{key: run} of a section's timed batches (batchN, batchN_VARIANT), {} where it did not run."""
+    sec = res.get(name)
+    return {k: v for k, v in sec.items() if k.startswith("batch")} if isinstance(sec, dict) else {}
+
+
+def _host_share(r: dict) -> float | None:
+    """A run's host share of the full-batch decode step: from the graphs timed during the run where there, else
+    from the replay after it."""
+    v = r.get("host_fraction_of_step_in_run")
+    return v if v is not None else r.get("host_fraction_of_step")
+
+
+def variant_table(res: dict, labels: dict) -> list[str]:
+    """Each decode variant against the default of the same engine and batch."""
+    rows = []
+    for name, label in labels.items():
+        runs = _runs(res, name)
+        for key, r in sorted(runs.items()):
+            base = runs.get(key.split("_")[0])
+            if r.get("variant", "default") == "default" or not base:
+                continue
+            hs = _host_share(r)
+            graph = r.get("graph_ms_in_run_by_bucket", {})
+            rows.append(f"| {label} | {r['batch']} | {r['variant']} | {r['output_tok_s']:,.1f} | "
+                        f"{r['output_tok_s'] / base['output_tok_s']:.3f}x | "
+                        f"{_f(r.get('decode_step_ms_full_batch') or r.get('decode_step_ms'), '.3f')} / "
+                        f"{_f(base.get('decode_step_ms_full_batch') or base.get('decode_step_ms'), '.3f')} | "
+                        f"{_f(graph.get(r['batch']) or (max(graph.values()) if graph else None), '.3f')} | "
+                        f"{_f(100 * hs if hs is not None else None, '.1f')}% |")
+    if not rows:
+        return []
+    head = ("| run | batch | variant | output tok/s | vs default | decode step ms (variant / default) | "
+            "CUDA graph ms in the run | host share |")
+    return ["## Decode variants against the default (same engine, same batch, this run)", "", head,
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def target_table(res: dict) -> list[str]:
+    """Issue 41's targets that this run measured: the figure, the target and whether it is met. Where decode
+    variants ran, a row's figure is the best variant's (named)."""
+
+    def best(name, batch):
+        runs = [r for k, r in _runs(res, name).items() if k.split("_")[0] == f"batch{batch}"]
+        return max(runs, key=lambda r: r["output_tok_s"], default=None)
+
+    rows = []
+
+    def row(what, value, target, ok, how=""):
+        rows.append(f"| {what} | {value} | {target} | {'met' if ok else 'NOT met'} | {how} |")
+
+    def via(r):
+        return "" if r.get("variant", "default") == "default" else f"variant {r['variant']}"
+
+    b1 = best("kiln", 1)
+    if b1:
+        row("BF16, batch 1, 128/256: output tok/s", f"{b1['output_tok_s']:.1f}", ">= 240", b1["output_tok_s"] >= 240,
+            via(b1))
+        for name, label, goal in (("kiln_fp8", "FP8 weights", 1.7), ("kiln_int4", "INT4 weights", 2.5)):
+            q = best(name, 1)
+            if q:
+                x = q["output_tok_s"] / b1["output_tok_s"]
+                row(f"{label}, batch 1: vs BF16 (best of each)", f"{x:.2f}x ({q['output_tok_s']:.1f} tok/s)",
+                    f">= {goal}x", x >= goal, via(q))
+    b64 = best("kiln", 64)
+    hf64 = (res.get("hf") or {}).get("batch64") if isinstance(res.get("hf"), dict) else None
+    if b64 and hf64 and "output_tok_s" in hf64:
+        x = b64["output_tok_s"] / hf64["output_tok_s"]
+        row("BF16, batch 64, 128/256: vs HF generate (eager)", f"{x:.1f}x ({b64['output_tok_s']:,.0f} against "
+            f"{hf64['output_tok_s']:,.0f} tok/s)", ">= 10x", x >= 10, via(b64))
+    kv = res.get("kvctx")
+    if isinstance(kv, dict) and kv.get("capacity"):
+        x = kv["capacity"]["fp8_over_bf16"]
+        row(f"FP8 KV: sequences of {kv['capacity']['context']} tokens in the same KV memory", f"{x:.2f}x", "2x",
+            x >= 1.99)
+    if isinstance(kv, dict) and kv.get("fp8_speedup"):
+        row(f"FP8 KV: decode step, batch {kv['batch']} at {kv['context']} context", f"{kv['fp8_speedup']:.2f}x",
+            ">= 1.4x", kv["fp8_speedup"] >= 1.4)
+    for name, label in (("kiln", "BF16"), ("kiln_fp8", "FP8")):
+        shares = [(r, _host_share(r)) for k, r in _runs(res, name).items() if r["batch"] == 64]
+        shares = [(r, h) for r, h in shares if h is not None]
+        if shares:
+            r, h = min(shares, key=lambda t: t[1])
+            row(f"{label}, batch 64: host share of a decode step", f"{100 * h:.1f}%", "<= 10%", h <= 0.10, via(r))
+    pc = res.get("prefix_caching")
+    if isinstance(pc, dict) and "ttft_p50_speedup" in pc:
+        row(f"prefix caching, {pc['requests']} requests sharing {pc['prefix_len']} tokens: TTFT p50 off / on",
+            f"{pc['ttft_p50_speedup']:.1f}x ({pc['off']['ttft_ms_p50']:.0f} / {pc['on']['ttft_ms_p50']:.0f} ms)",
+            ">= 5x", pc["ttft_p50_speedup"] >= 5)
+    if not rows:
+        return []
+    return ["## Issue 41 targets measured in this run", "", "| target | measured | goal | | how |",
+            "|---|---|---|---|---|", *rows, ""]
+
+
 def render(res: dict, args) -> str:
     env = res.get("env", {})
     lines = [f"# Kiln-LLM on {env.get('gpu', '?')}: Llama-3-8B shape, random BF16 weights"
@@ -485,7 +661,9 @@ def render(res: dict, args) -> str:
         lines += ["## Correctness (tiny Llama, 6 heads over 2 KV heads, FP32, on the device)", "",
                   f"- greedy tokens equal to transformers' generate: {c.get('tokens_equal_to_hf', c.get('error'))}",
                   f"- CUDA graphs captured at batch sizes {c.get('cuda_graphs')} (error: {c.get('cuda_graph_error')});"
-                  f" all KV blocks free after: {c.get('blocks_free_after')}", ""]
+                  f" all KV blocks free after: {c.get('blocks_free_after')}"]
+        lines += [f"- decode variant {k.removeprefix('tokens_equal_to_hf_')}: greedy tokens equal to transformers': {v}"
+                  for k, v in c.items() if k.startswith("tokens_equal_to_hf_")] + [""]
     hf = res.get("hf") if isinstance(res.get("hf"), dict) else {}
     lines += ["## Throughput and latency", "",
               "| run | batch (max_num_seqs) | ISL/OSL | requests | output tok/s | TTFT p50 / p99 ms | "
@@ -501,8 +679,9 @@ def render(res: dict, args) -> str:
             lines.append(_failed_row(label, run["error"]))
             continue
         for key in sorted(k for k in run if k.startswith("batch")):
-            h = hf.get(key.removesuffix("_async"), {})
-            lines.append(_run_row(label + (", async decode" if key.endswith("_async") else ""), run[key],
+            variant = run[key].get("variant", "default")
+            h = hf.get(key.split("_")[0], {})
+            lines.append(_run_row(label + ("" if variant == "default" else f", {variant}"), run[key],
                                   h.get("output_tok_s")))
     for name, label in (("saturated", "Kiln FP8 weights + FP8 KV, saturated"),
                         ("long", "Kiln FP8 weights + FP8 KV, saturated, long")):
@@ -528,6 +707,7 @@ def render(res: dict, args) -> str:
                          f"| HF generate, {r['mode']}{extra} | {r['batch']} | {args.input_len}/{r['output_len']} | "
                          f"{r['batch']} | {r['output_tok_s']:,.1f} | | {r['step_ms']:.2f} (mean step) | | | | | |")
     lines.append("")
+    lines += variant_table(res, labels)
     kv = res.get("kvctx")
     if isinstance(kv, dict):
         lines += ["## FP8 KV against BF16 KV: one decode step at long context (BF16 weights both)", ""]
@@ -542,6 +722,13 @@ def render(res: dict, args) -> str:
                                  f"{r['kv_bytes_per_step'] / 1e9:.1f} | {_f(r['roofline_step_ms'], '.2f')} |")
             if kv.get("fp8_speedup"):
                 lines.append(f"\nFP8 KV decode step {kv['fp8_speedup']:.2f}x faster than BF16 KV (target >= 1.4x).")
+            cap = kv.get("capacity")
+            if cap:
+                lines.append(f"\nKV capacity (engine.kv_blocks_that_fit, gpu_memory_utilization {cap['utilization']}, the "
+                             f"same free memory beside the BF16-KV engine of this section): BF16 {cap['bf16']['blocks']:,} "
+                             f"blocks = {cap['bf16']['sequences']:,} sequences of {cap['context']} tokens; FP8 "
+                             f"{cap['fp8']['blocks']:,} blocks = {cap['fp8']['sequences']:,} sequences "
+                             f"({cap['fp8_over_bf16']:.2f}x; target 2x).")
         lines.append("")
     ho = res.get("host")
     if isinstance(ho, dict):
@@ -562,6 +749,7 @@ def render(res: dict, args) -> str:
         lines += [f"Sampler call, batch {sm.get('batch')}, vocabulary {sm.get('vocab')} (ms, the wait for the tokens "
                   "included): " + ("; ".join(f"{k} {v:.2f}" for k, v in sm.items() if k not in ("batch", "vocab"))
                                    if "error" not in sm else sm["error"]), ""]
+    lines += target_table(res)
     notes = []
     for name in ("kiln", "kiln_fp8", "kiln_int4", "saturated", "long"):
         run = res.get(name)
@@ -573,7 +761,8 @@ def render(res: dict, args) -> str:
                      f"bandwidth {_f(run.get('copy_bandwidth_GBs'), '.0f')} GB/s")
         for key in sorted(k for k in run if k.startswith("batch") or k == "run"):
             r = run[key]
-            notes.append(f"  - batch {r['batch']}: host phases, us a step (collect = the wait for the GPU's tokens; "
+            v = "" if r.get("variant", "default") == "default" else f", {r['variant']}"
+            notes.append(f"  - batch {r['batch']}{v}: host phases, us a step (collect = the wait for the GPU's tokens; "
                          f"launch_path = tokens on the host to the next step queued): {r.get('host_phases_us_per_step')}")
     pc = res.get("prefix_caching")
     if isinstance(pc, dict):
@@ -617,12 +806,18 @@ def main():
     ap.add_argument("--ctx", type=int, default=4096, help="kvctx: tokens of context per sequence")
     ap.add_argument("--ctx-batch", type=int, default=64, help="kvctx: batch")
     ap.add_argument("--host-batches", type=int, nargs="+", default=[64, 512], help="host: batches")
+    ap.add_argument("--variants", default="default",
+                    help="kiln: decode variants timed on the one engine, comma-separated, each parts of "
+                         f"{'/'.join(VARIANT_PARTS)} joined by '+' (e.g. default,async,graph_argmax+async)")
+    ap.add_argument("--quant-variants", default="default", help="fp8 and int4: decode variants, as --variants")
     ap.add_argument("--time-limit", action="append", default=[], metavar="SECTION=SECONDS",
                     help=f"a section's time limit (repeatable; defaults {LIMITS})")
     ap.add_argument("--sections", default="correctness,kiln,hf,fp8,prefix",
                     help="comma-separated sections to run (default: correctness,kiln,hf,fp8,prefix; also "
                          "hfcompile, saturated, long, kvctx, int4)")
     args = ap.parse_args()
+    args.variants = check_variants(args.variants.split(","))
+    args.quant_variants = check_variants(args.quant_variants.split(","))
     limits = dict(LIMITS)
     for item in args.time_limit:
         name, _, v = item.partition("=")
@@ -658,7 +853,8 @@ def main():
     if unknown:
         ap.error(f"unknown section(s) {unknown}; choose from {sorted(LIMITS)}")
     if "correctness" in want:
-        section(res, "correctness", correctness, device, limit_s=limits["correctness"])
+        checked = [v for v in dict.fromkeys(args.variants + args.quant_variants) if v != "default"]
+        section(res, "correctness", correctness, device, checked, limit_s=limits["correctness"])
         save()
     hf = tensors = None
     if set(want) - {"correctness", "host", "sampler"}:
@@ -680,8 +876,9 @@ def main():
     for name in want:
         limit = limits[name]
         if name in ("kiln", "kilnasync"):
+            variants = args.variants + (["async"] if name == "kilnasync" and "async" not in args.variants else [])
             section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
-                    args.output_len, "auto", None, None, max_b, kv_blocks, 0.85, None, name == "kilnasync",
+                    args.output_len, "auto", None, None, max_b, kv_blocks, 0.85, None, variants,
                     limit_s=limit)
         elif name == "hf":
             section(res, "hf", hf_runs, hf, cfg["vocab_size"], hf_batches, args.input_len, hf_out, limit_s=limit)
@@ -691,7 +888,8 @@ def main():
         elif name == "fp8":
             section(res, "kiln_fp8", lambda: kiln_runs(
                 tensors, cfg, device, dtype_name, args.batches, args.input_len, args.output_len, "fp8", "fp8",
-                fp8()[0], max_b, kv_blocks, quantized_weights=fp8()[1]), limit_s=limit)
+                fp8()[0], max_b, kv_blocks, quantized_weights=fp8()[1], variants=args.quant_variants),
+                limit_s=limit)
         elif name == "saturated":
             section(res, "saturated", saturated, tensors, cfg, device, dtype_name, args.sat_len, args.sat_len,
                     args.sat_seqs, args.sat_prompts, limit, fp8, limit_s=limit + 10)
@@ -705,15 +903,15 @@ def main():
         elif name == "int4":  # batch 1 only: above GEMV_MAX_M rows INT4 still dequantizes its weights each step
             section(res, "kiln_int4", lambda: kiln_runs(
                 tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
-                max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name)),
-                limit_s=limit)
+                max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name),
+                variants=args.quant_variants), limit_s=limit)
         elif name == "sampler":
             section(res, "sampler", sampler_cost, device, cfg["vocab_size"], limit_s=limit)
         elif name == "host":
             section(res, "host", host_overhead, args.host_batches, limit_s=limit)
         elif name == "prefix":
             section(res, "prefix_caching", prefix_caching, tensors, cfg, device, dtype_name,
-                    1024 if not args.tiny else 64, limit_s=limit)
+                    1024 if not args.tiny else 64, 32, 64 if not args.tiny else 8, limit_s=limit)
         save()
         if name in ("hf", "hfcompile") and not {"hf", "hfcompile"} & set(want[want.index(name) + 1:]):
             hf = None  # the HF model's own copies (not the shared weights) go

@@ -11,7 +11,10 @@ torch's SDPA on the same dense shapes as a yardstick.
 
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as an engine replays its steps).
 
-    python bench/llm_attention.py --out DIR        (writes DIR/llm-attention.md; GPU)
+`--quick`: only batch 64 at 8k context (BF16, FP8 and INT8 caches) and a short tile/split sweep of the 8-bit
+caches there, no prefill (issue 41's row: decode attention at 8k context as a share of HBM bandwidth).
+
+    python bench/llm_attention.py --out DIR [--quick]     (writes DIR/llm-attention.md; GPU)
 """
 
 from __future__ import annotations
@@ -38,6 +41,23 @@ PREFILLS = ((1, 4096, 4096), (4, 2048, 2048), (8, 512, 4096))  # (sequences, que
 CHECKED_PREFILL = (512, 4096)  # (query chunk, context) of the prefill tiles' error check
 DEVICE = "cuda"
 CACHE_DTYPES = {"bf16": DTYPE, "fp8": pa.FP8, "int8": torch.int8}
+# (KV cache, block_n, warps, stages, splits or None for choose_num_splits) at batch 64, context 8192
+SWEEP = [("bf16", 128, 4, 3, 1), ("bf16", 128, 4, 3, 4), ("bf16", 128, 4, 2, None), ("bf16", 128, 8, 3, None),
+         ("bf16", 64, 4, 3, None), ("bf16", 64, 8, 4, None),
+         ("fp8", 64, 4, 3, None), ("fp8", 128, 4, 4, None), ("fp8", 256, 4, 3, None), ("fp8", 256, 8, 2, None),
+         ("int8", 64, 4, 3, None), ("int8", 256, 4, 3, None)]
+# --quick: the 8-bit caches, where decode reads the fewest bytes per unit of work: more context slices and deeper
+# pipelines against the default tile (128 keys, 4 warps, 3 stages)
+QUICK_SWEEP = [("fp8", 128, 4, 4, None), ("fp8", 128, 4, 3, 4), ("fp8", 128, 4, 4, 8), ("fp8", 128, 8, 4, None),
+               ("fp8", 64, 4, 4, 4), ("int8", 128, 4, 4, None), ("int8", 128, 4, 3, 4)]
+
+
+def plan(quick: bool) -> tuple[list, list, tuple]:
+    """(decode cases (batch, context, cache), tile sweep at LONG, prefill cases) of a run."""
+    if quick:
+        return [(*LONG, kv) for kv in CACHE_DTYPES], QUICK_SWEEP, ()
+    cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(*LONG, "fp8"), (*LONG, "int8")]
+    return cases, SWEEP, PREFILLS
 
 
 def copy_bandwidth() -> float:
@@ -154,7 +174,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for llm-attention.md")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds after which no new case starts")
+    ap.add_argument("--quick", action="store_true", help="batch 64 at 8k context only (see the docstring)")
     args = ap.parse_args()
+    cases, sweep, prefills = plan(args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -162,7 +184,7 @@ def main() -> None:
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
              f"{props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB. Shape: {HEADS} query heads over "
              f"{KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}, BF16 queries. "
-             "Command: `python bench/llm_attention.py --out DIR`.", ""]
+             f"Command: `python bench/llm_attention.py --out DIR{' --quick' if args.quick else ''}`.", ""]
 
     def write():
         (args.out / "llm-attention.md").write_text("\n".join(lines) + "\n")
@@ -174,15 +196,13 @@ def main() -> None:
     lines += [f"Device-to-device copy (1 GiB, read + written): {bw / 1e9:.0f} GB/s; read (torch.sum of 2 GiB): "
               f"{rbw / 1e9:.0f} GB/s.", ""]
     l2 = props.L2_cache_size
-    pools = {"bf16": Pool(DTYPE, max(BATCHES) * max(CONTEXTS))}
-    for name in ("fp8", "int8"):
-        pools[name] = Pool(CACHE_DTYPES[name], max(BATCHES) * max(CONTEXTS))
+    pools = {name: Pool(CACHE_DTYPES[name], max(b * c for b, c, _ in cases))
+             for name in dict.fromkeys([kv for *_, kv in cases] + [kv for kv, *_ in sweep])}
     print(f"setup {time.time() - t0:.1f}s, copy {bw / 1e9:.0f} GB/s, read {rbw / 1e9:.0f} GB/s", flush=True)
 
     lines += ["## Decode (one query per sequence, splits chosen by choose_num_splits)", "",
               "| batch | context | KV cache | splits | us | MB read | GB/s | of read BW | of copy BW |",
               "|---|---|---|---|---|---|---|---|---|"]
-    cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(*LONG, "fp8"), (*LONG, "int8")]
     for b, c, kv in cases:
         if over():
             lines.append(f"| {b} | {c} | {kv} | | skipped (time budget) | | | | |")
@@ -201,10 +221,6 @@ def main() -> None:
     lines += ["", f"## Decode at batch {LONG[0]}, context {LONG[1]}: tiles and splits", "",
               "| KV cache | block_n | warps | stages | splits | us | GB/s | of read BW | max error vs reference |",
               "|---|---|---|---|---|---|---|---|---|"]
-    sweep = [("bf16", 128, 4, 3, 1), ("bf16", 128, 4, 3, 4), ("bf16", 128, 4, 2, None), ("bf16", 128, 8, 3, None),
-             ("bf16", 64, 4, 3, None), ("bf16", 64, 8, 4, None),
-             ("fp8", 64, 4, 3, None), ("fp8", 128, 4, 4, None), ("fp8", 256, 4, 3, None), ("fp8", 256, 8, 2, None),
-             ("int8", 64, 4, 3, None), ("int8", 256, 4, 3, None)]
     for kv, bn, w, st, splits in sweep:
         if over():
             lines.append(f"| {kv} | {bn} | {w} | {st} | {splits or 'auto'} | skipped (time budget) | | | |")
@@ -222,10 +238,14 @@ def main() -> None:
         print(lines[-1], flush=True)
         write()
 
+    if not prefills:
+        lines += ["", f"Total {time.time() - t0:.0f} s."]
+        write()
+        return
     lines += ["", "## Prefill (BF16 cache; chunks of qlen queries ending at the context's end)", "",
               "| seqs | qlen | context | ms | TFLOP/s | tokens/s | torch SDPA (dense, same causal shape) TFLOP/s |",
               "|---|---|---|---|---|---|---|"]
-    for seqs, qlen, ctx in PREFILLS:
+    for seqs, qlen, ctx in prefills:
         if over():
             lines.append(f"| {seqs} | {qlen} | {ctx} | skipped (time budget) | | | |")
             continue
