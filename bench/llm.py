@@ -72,8 +72,9 @@ class SectionTimeout(Exception):
     pass
 
 
-def section(results: dict, name: str, fn, *args, limit_s: float | None = None):
-    """Runs one section; past limit_s (an alarm in the main thread) it stops with what it had measured."""
+def section(results: dict, name: str, fn, *args, limit_s: float | None = None, partial: dict | None = None):
+    """Runs one section; past limit_s (an alarm in the main thread) it stops with what it had measured: the
+    error, beside what fn had put in `partial` (its output dict, where it takes one) by then."""
     log(f"--- {name}" + (f" (time limit {limit_s:.0f} s)" if limit_s else ""))
 
     def on_alarm(signum, frame):
@@ -86,7 +87,7 @@ def section(results: dict, name: str, fn, *args, limit_s: float | None = None):
     try:
         results[name] = fn(*args)
     except Exception as e:
-        results[name] = {"error": f"{type(e).__name__}: {e}"}
+        results[name] = {**(partial or {}), "error": f"{type(e).__name__}: {e}"}
         if not isinstance(e, SectionTimeout):
             traceback.print_exc()
     finally:
@@ -283,36 +284,44 @@ def set_variant(eng, name: str, max_seq: int) -> None:
 
 def kiln_runs(tensors, cfg, device, dtype_name, batches, in_len, out_len, kv="auto", quant=None,
               kv_scales=None, max_seq=64, num_kv_blocks=None, util=0.85, quantized_weights=None,
-              variants=("default",)) -> dict:
+              variants=("default",), out: dict | None = None) -> dict:
     """Kiln at each batch (one engine), in each decode variant (keys batchN for the default, batchN_VARIANT for
-    the others). Each variant's prompts and warm-up prompts are its own: none finds its prefix cached."""
+    the others). Every variant runs the same prompts with the prefix cache emptied first (none finds its
+    prefix cached), so its output tokens must equal the first variant's (tokens_equal_first)."""
     t = time.perf_counter()
     eng = make_engine(tensors, cfg, device, dtype_name, in_len + out_len + 16, kv, kv_scales, max_seq,
                       num_kv_blocks, util, quantized_weights, quant)
     eng.model_name = f"kiln {quant or dtype_name} kv={kv}"
-    out = engine_facts(eng, time.perf_counter() - t, quant or dtype_name)
+    out = {} if out is None else out  # filled as it goes: a run cut at its time limit keeps what it measured
+    out.update(engine_facts(eng, time.perf_counter() - t, quant or dtype_name))
     vocab = cfg["vocab_size"]
-    for vi, variant in enumerate(variants):
-        if variant != "default" or vi:
-            t = time.perf_counter()
-            set_variant(eng, variant, max_seq)
-            out[f"setup_s_{variant}"] = time.perf_counter() - t
-            if eng.runner.graph_error:
-                out[f"error_{variant}"] = eng.runner.graph_error
-                log(f"{variant}: graph capture failed: {eng.runner.graph_error}")
-                continue
-        for b in batches:
-            seed = b + 100 * vi
-            prompts = bm.random_prompts(vocab, [in_len] * b, seed=seed)
-            # Warm-up at the measured shapes (Triton specializes kernels on argument values, e.g. a sequence
-            # count divisible by 16, so a smaller warm-up could leave a compile inside the first timed prefill),
-            # with other prompts than the timed ones, which must not find their prefixes cached.
-            bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + seed), [2] * b)
-            key = f"batch{b}" if variant == "default" else f"batch{b}_{variant}"
-            out[key] = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
-            out[key]["variant"] = variant
-    del eng
-    release()
+    try:
+        for vi, variant in enumerate(variants):
+            if variant != "default" or vi:
+                t = time.perf_counter()
+                set_variant(eng, variant, max_seq)
+                out[f"setup_s_{variant}"] = time.perf_counter() - t
+                if eng.runner.graph_error:
+                    out[f"error_{variant}"] = eng.runner.graph_error
+                    log(f"{variant}: graph capture failed: {eng.runner.graph_error}")
+                    continue
+            for b in batches:
+                prompts = bm.random_prompts(vocab, [in_len] * b, seed=b)
+                # Warm-up at the measured shapes (Triton specializes kernels on argument values, e.g. a
+                # sequence count divisible by 16, so a smaller warm-up could leave a compile inside the first
+                # timed prefill), with other prompts than the timed ones.
+                eng.block_manager.reset_prefix_cache()
+                bm.run_requests(eng, bm.random_prompts(vocab, [in_len] * b, seed=1000 + b), [2] * b)
+                eng.block_manager.reset_prefix_cache()
+                key = f"batch{b}" if variant == "default" else f"batch{b}_{variant}"
+                out[key] = r = measure(eng, prompts, [out_len] * b, b, out["copy_bandwidth_GBs"])
+                r["variant"] = variant
+                first = out.get(f"batch{b}" if variants[0] == "default" else f"batch{b}_{variants[0]}")
+                if vi and first:
+                    r["tokens_equal_first"] = r["tokens_digest"] == first["tokens_digest"]
+    finally:  # also when cut at the time limit: the next section needs the memory
+        del eng
+        release()
     return out
 
 
@@ -579,7 +588,8 @@ def variant_table(res: dict, labels: dict) -> list[str]:
                 continue
             hs = _host_share(r)
             graph = r.get("graph_ms_in_run_by_bucket", {})
-            rows.append(f"| {label} | {r['batch']} | {r['variant']} | {r['output_tok_s']:,.1f} | "
+            rows.append(f"| {label} | {r['batch']} | {r['variant']} | {r.get('tokens_equal_first')} | "
+                        f"{r['output_tok_s']:,.1f} | "
                         f"{r['output_tok_s'] / base['output_tok_s']:.3f}x | "
                         f"{_f(r.get('decode_step_ms_full_batch') or r.get('decode_step_ms'), '.3f')} / "
                         f"{_f(base.get('decode_step_ms_full_batch') or base.get('decode_step_ms'), '.3f')} | "
@@ -587,10 +597,10 @@ def variant_table(res: dict, labels: dict) -> list[str]:
                         f"{_f(100 * hs if hs is not None else None, '.1f')}% |")
     if not rows:
         return []
-    head = ("| run | batch | variant | output tok/s | vs default | decode step ms (variant / default) | "
-            "CUDA graph ms in the run | host share |")
-    return ["## Decode variants against the default (same engine, same batch, this run)", "", head,
-            "|---|---|---|---|---|---|---|---|", *rows, ""]
+    head = ("| run | batch | variant | tokens equal to the first variant's | output tok/s | vs default | decode "
+            "step ms (variant / default) | CUDA graph ms in the run | host share |")
+    return ["## Decode variants against the default (same engine, same batch, same prompts, this run)", "", head,
+            "|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def target_table(res: dict) -> list[str]:
@@ -677,7 +687,6 @@ def render(res: dict, args) -> str:
             continue
         if "error" in run:
             lines.append(_failed_row(label, run["error"]))
-            continue
         for key in sorted(k for k in run if k.startswith("batch")):
             variant = run[key].get("variant", "default")
             h = hf.get(key.split("_")[0], {})
@@ -753,7 +762,7 @@ def render(res: dict, args) -> str:
     notes = []
     for name in ("kiln", "kiln_fp8", "kiln_int4", "saturated", "long"):
         run = res.get(name)
-        if not isinstance(run, dict) or "error" in run and "run" not in run:
+        if not isinstance(run, dict) or "error" in run and "run" not in run and not _runs(res, name):
             continue
         notes.append(f"- {name}: KV pool {run.get('kv_blocks')} blocks of 16 ({run.get('kv_tokens_capacity')} tokens, "
                      f"{run.get('kv_cache_dtype')}), max_num_seqs {run.get('max_num_seqs')}, CUDA graphs at "
@@ -877,19 +886,21 @@ def main():
         limit = limits[name]
         if name in ("kiln", "kilnasync"):
             variants = args.variants + (["async"] if name == "kilnasync" and "async" not in args.variants else [])
+            part: dict = {}
             section(res, "kiln", kiln_runs, tensors, cfg, device, dtype_name, args.batches, args.input_len,
-                    args.output_len, "auto", None, None, max_b, kv_blocks, 0.85, None, variants,
-                    limit_s=limit)
+                    args.output_len, "auto", None, None, max_b, kv_blocks, 0.85, None, variants, part,
+                    limit_s=limit, partial=part)
         elif name == "hf":
             section(res, "hf", hf_runs, hf, cfg["vocab_size"], hf_batches, args.input_len, hf_out, limit_s=limit)
         elif name == "hfcompile":
             section(res, "hf_compiled", hf_runs, hf, cfg["vocab_size"], hf_batches, args.input_len, hf_out, True,
                     limit_s=limit)
         elif name == "fp8":
-            section(res, "kiln_fp8", lambda: kiln_runs(
+            part = {}
+            section(res, "kiln_fp8", lambda part=part: kiln_runs(
                 tensors, cfg, device, dtype_name, args.batches, args.input_len, args.output_len, "fp8", "fp8",
-                fp8()[0], max_b, kv_blocks, quantized_weights=fp8()[1], variants=args.quant_variants),
-                limit_s=limit)
+                fp8()[0], max_b, kv_blocks, quantized_weights=fp8()[1], variants=args.quant_variants, out=part),
+                limit_s=limit, partial=part)
         elif name == "saturated":
             section(res, "saturated", saturated, tensors, cfg, device, dtype_name, args.sat_len, args.sat_len,
                     args.sat_seqs, args.sat_prompts, limit, fp8, limit_s=limit + 10)
@@ -901,10 +912,11 @@ def main():
             section(res, "kvctx", kv_context, tensors, cfg, device, dtype_name, args.ctx, args.ctx_batch, fp8,
                     limit_s=limit)
         elif name == "int4":  # batch 1 only: above GEMV_MAX_M rows INT4 still dequantizes its weights each step
-            section(res, "kiln_int4", lambda: kiln_runs(
+            part = {}
+            section(res, "kiln_int4", lambda part=part: kiln_runs(
                 tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
                 max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name),
-                variants=args.quant_variants), limit_s=limit)
+                variants=args.quant_variants, out=part), limit_s=limit, partial=part)
         elif name == "sampler":
             section(res, "sampler", sampler_cost, device, cfg["vocab_size"], limit_s=limit)
         elif name == "host":

@@ -15,6 +15,7 @@ copy (what the HBM sustains for a stream of reads and writes).
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 
@@ -109,6 +110,8 @@ def run_requests(engine, prompts: list[list[int]], output_lens: list[int], time_
         "decode_steps": decode_steps,
         "decode_step_ms_by_batch": {b: t / n * ms for b, (n, t) in sorted(by_batch.items())},
         "cuda_graphs": sorted(engine.runner.graphs), "cuda_graph_error": engine.runner.graph_error,
+        # every request's output tokens in request order, hashed: two runs of the same prompts compare by it
+        "tokens_digest": hashlib.sha1(repr([s.token_ids[s.prompt_len:] for s in seqs]).encode()).hexdigest(),
     }
 
 
