@@ -3,8 +3,10 @@
     python bench/serve_load.py MODEL [--clients 256] [--requests 2000] [--time-limit 900] [--device cuda]
     python bench/serve_load.py --tiny --device cpu --clients 32 --requests 200 --max-output 32
     python bench/serve_load.py --tiny --device cpu --clients 256 --threads 1 --host-steps
+    python bench/serve_load.py --suite --device cuda --out bench/results/H200-serve-load
 
-Starts the server as its own process on 127.0.0.1 (`kiln llm serve --port 0`, max_num_seqs = clients), then
+Starts the server as its own process on 127.0.0.1 (`kiln llm serve --port 0 --api-servers N`, max_num_seqs =
+clients; --api-servers, default 4, HTTP processes in front of its one engine process), then
 N clients, each sending its next request as soon as the last one ended, take M requests off one list: prompts
 of random token ids with ShareGPT-like input/output lengths (kiln.llm.benchmark.sharegpt_like_lengths, greedy,
 ignore_eos so each output has its drawn length). Everything is bounded: past --time-limit no request starts and
@@ -21,8 +23,14 @@ vocabulary 128256; about 2.5 GB written to a temporary folder), whose step time 
 along offline generate's path, the server's engine process's and the thread backend's.
 
 The clients run in --client-procs processes (each its own event loop and share of the clients, results
-merged), and the report gives their CPU use beside the server's (its HTTP process and its engine process), so
-a reader can see the load generator was not the limit.
+merged), and the report gives their CPU use beside the server's (its HTTP processes and its engine process), so
+a reader can see the load generator was not the limit. The clients speak HTTP through aiohttp (no openai
+package needed).
+
+--suite runs, one after the other in processes of their own and each bounded in time, the served and offline
+halves for the tiny model and for the random Llama-3.2-1B shape (where the GPU's step time dominates), then,
+time left, the tiny model served with the tokenizers library's thread pool on in the HTTP processes; it writes
+OUT.md and OUT.json (--out OUT).
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ def start_server(model: Path, a) -> tuple[subprocess.Popen, int]:
         cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
     if a.max_model_len:
         cmd += ["--max-model-len", str(a.max_model_len)]
-    cmd += ["--step-profile", str(a.step_profile_file), "--engine-cpu", a.engine_cpu]
+    cmd += ["--step-profile", str(a.step_profile_file), "--engine-cpu", a.engine_cpu, "--api-servers",
+            str(a.api_servers)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline, m = time.monotonic() + 600, None
@@ -83,6 +92,7 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
     async with session.post(f"{url}/v1/completions", json=body) as r:
         if r.status != 200:
             return {"error": f"HTTP {r.status}: {(await r.text())[:200]}"}
+        server = r.headers.get("X-Kiln-Api-Server", "0")
         async for raw in r.content:
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -98,7 +108,7 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
     if tokens != max_tokens:
         return {"error": f"{tokens} tokens streamed, {max_tokens} asked for"}
     return {"ttft": first - t0, "e2e": last - t0, "tokens": tokens,
-            "tpot": (last - first) / (tokens - 1) if tokens > 1 else None}
+            "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "server": server}
 
 
 async def client_share(url: str, prompts, out_lens, clients: int, next_index, start, time_limit: float,
@@ -173,6 +183,18 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
+def server_processes(pid: int) -> tuple[list[int], list[int]]:
+    """(the HTTP processes, the engine process) of the server whose first HTTP process is pid."""
+    http, engine = [pid], []
+    for child in child_pids(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        (engine if b"kiln.serve.engine_process" in cmd else http).append(child)
+    return http, engine
+
+
 def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: int, server_pid: int,
          warmup=None, cpus=None) -> dict:
     """The served run: `procs` client processes (each its own event loop and share of the clients), so the load
@@ -183,7 +205,8 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
     procs = max(1, min(procs, clients))
     shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
     next_index, start = ctx.Value("l", 0), ctx.Barrier(procs + 1)
-    watched = [server_pid, *child_pids(server_pid)]  # the HTTP process and its engine process
+    http, engines = server_processes(server_pid)
+    watched = [*http, *engines]
     done = ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=((url, prompts, out_lens, n, next_index, start,
                                                           time_limit, warmup and (*warmup, k, procs), cpus), done),
@@ -213,7 +236,11 @@ def load(url: str, prompts, out_lens, clients: int, time_limit: float, procs: in
             "client_processes": procs,
             "client_cpu_busiest": max(p["cpu_s"] / p["wall_s"] for p in parts),  # fraction of one core
             "client_cpu_cores": sum(p["cpu_s"] for p in parts) / wall,
-            "server_cpu_cores": cpu[0] / wall, "engine_cpu_cores": sum(cpu[1:]) / wall if cpu[1:] else None,
+            "server_cpu_cores": sum(cpu[:len(http)]) / wall,
+            "http_cpu_cores_each": [c / wall for c in cpu[:len(http)]],
+            "engine_cpu_cores": sum(cpu[len(http):]) / wall if engines else None,
+            "requests_per_api_server": {k: sum(1 for r in results if r["server"] == k)
+                                        for k in sorted({r["server"] for r in results}, key=int)},
             "window": (window_start, window_end)}  # on time.monotonic(): the engine process's steps in it
 
 
@@ -404,11 +431,131 @@ def render(r: dict) -> str:
                      f"{s['engine_cpu_cores']:.2f} cores")
         return "\n".join(lines)
     busiest = f"{s['client_cpu_busiest'] * 100:.0f}%"
+    each = s.get("http_cpu_cores_each") or [s["server_cpu_cores"]]
+    http = (f"HTTP process {s['server_cpu_cores']:.2f} cores" if len(each) == 1 else
+            f"{len(each)} HTTP processes {s['server_cpu_cores']:.2f} cores ({' / '.join(f'{c:.2f}' for c in each)})")
     lines.append(f"\nLoad generator: {s['client_processes']} client processes, {s['client_cpu_cores']:.2f} cores in "
-                 f"all, the busiest at {busiest} of a core. Server CPU: HTTP process {s['server_cpu_cores']:.2f} cores"
+                 f"all, the busiest at {busiest} of a core. Server CPU: {http}"
                  + (f", engine process {s['engine_cpu_cores']:.2f}" if s.get("engine_cpu_cores") is not None else ""))
+    if len(s.get("requests_per_api_server") or {}) > 1:
+        lines.append("\nRequests per HTTP process: " + ", ".join(
+            f"{k}: {v}" for k, v in s["requests_per_api_server"].items()))
     if s["error_kinds"]:
         lines.append(f"\nErrors: {s['error_kinds']}")
+    return "\n".join(lines)
+
+
+def versions(device: str) -> dict:
+    """What ran: Python, torch, Triton, and the GPU's name where one was used."""
+    import platform
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device != "cpu" and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+# The --suite runs: (name, serve_load.py arguments, seconds it may take). The tiny model's decode step is so short
+# that the server's per-token host work shows; the 1B shape's step is a real model's. Each run's served half is
+# bounded by --time-limit, its offline half by the request count.
+SUITE = [
+    ("tiny", ["--tiny", "--clients", "256", "--warmup", "256", "--requests", "1000", "--time-limit", "12"], 60.0),
+    ("llama-1b", ["--random-model", "llama-1b", "--clients", "256", "--warmup", "256", "--requests", "500",
+                  "--max-output", "128", "--time-limit", "15"], 90.0),
+]
+# Then, time left: the tiny model served with the tokenizers library's thread pool on in the HTTP processes (kiln
+# llm serve turns it off there when it runs several), served half only.
+SUITE_EXTRA = ("tiny, tokenizers' thread pool on", ["--tiny", "--clients", "256", "--warmup", "256", "--requests",
+                                                    "1000", "--time-limit", "12", "--skip-offline"], 40.0,
+               {"TOKENIZERS_PARALLELISM": "true"})
+
+
+def suite(a) -> int:
+    """--suite: each run in a process of its own (the GPU's memory freed between them), cut at its seconds
+    (less if the budget has less left); its JSON kept even when the offline half was cut. OUT.md and OUT.json
+    are rewritten after every run, so a suite cut from outside keeps what it finished."""
+    began = time.monotonic()
+    common = ["--device", a.device]
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": " ".join(["python", "bench/serve_load.py", *sys.argv[1:]]), "runs": []}
+    runs = doc["runs"]
+    extra_name, extra_args, extra_s, extra_env = SUITE_EXTRA
+    for name, args, seconds, env in [*((n, x, t, {}) for n, x, t in SUITE), (extra_name, extra_args, extra_s,
+                                                                            extra_env)]:
+        args = [*args, "--api-servers", str(a.api_servers)]
+        left = a.budget - (time.monotonic() - began) - 6  # a cut run gets 5 s to stop
+        if left < (seconds if name == extra_name else 20):
+            print(f"== {name}: not run, {left:.0f} s left of the budget", flush=True)
+            if name != extra_name:
+                runs.append({"name": name, "args": [*args, *common], "env": env, "skipped": True})
+            continue
+        limit = min(seconds, left)
+        out = Path(tempfile.mkdtemp()) / "run.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args, *common, "--json", str(out)]
+        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), "python bench/serve_load.py", *args, *common])
+        print(f"== {name}: {shown} (at most {limit:.0f} s)", flush=True)
+        t = time.monotonic()
+        # Its own process group: a cut stops its server too.
+        proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **env})
+        try:
+            rc = proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = None
+        run = {"name": name, "args": [*args, *common], "env": env, "rc": rc, "seconds": time.monotonic() - t}
+        if out.exists():
+            run["result"] = json.loads(out.read_text())
+        runs.append(run)
+        print(f"== {name}: {'cut at its time limit' if rc is None else f'exit {rc}'} after {run['seconds']:.0f} s",
+              flush=True)
+        Path(f"{a.out}.json").write_text(json.dumps(doc, indent=1))
+        Path(f"{a.out}.md").write_text(suite_markdown(doc))
+    Path(f"{a.out}.json").write_text(json.dumps(doc, indent=1))
+    Path(f"{a.out}.md").write_text(suite_markdown(doc))
+    print(f"wrote {a.out}.md and {a.out}.json", flush=True)
+    return 0 if all(r.get("rc") == 0 for r in runs if not r.get("skipped")) else 1
+
+
+def suite_markdown(doc: dict) -> str:
+    results = [r["result"] for r in doc["runs"] if "result" in r]
+    v = next((r["versions"] for r in results if "versions" in r), {})
+    gpu = v.get("gpu", "the CPU")
+    lines = [f"# Served against offline throughput on {gpu}", "",
+             f"{doc['date']}, torch {v.get('torch', '?')}, Triton {v.get('triton', '-')}, Python "
+             f"{v.get('python', '?')}; the server's engine in its own process, streaming clients on loopback "
+             "(kiln llm serve --api-servers N: N HTTP processes in front of it). Target: served >= 90% of offline.",
+             "", f"`{doc['command']}`", ""]
+    for run in doc["runs"]:
+        r = run.get("result")
+        cmd = "`" + " ".join([*(f"{k}={v}" for k, v in run.get("env", {}).items()), "python bench/serve_load.py",
+                              *run["args"]]) + "`"
+        if r is None:
+            why = ("not run (budget)" if run.get("skipped") else "cut at its time limit before a result"
+                   if run.get("rc") is None else f"no result (exit {run['rc']})")
+            lines += [f"## {run['name']}: {why}", "", cmd, ""]
+            continue
+        s, o = r["served"], r.get("offline")
+        ratio = f"served / offline {s['output_tok_s'] / o['output_tok_s']:.2f}" if o else "served only"
+        http = f"{r['api_servers']} HTTP process{'es' if r['api_servers'] != 1 else ''}"
+        cut = "" if run.get("rc") == 0 else (" (cut at its time limit)" if run.get("rc") is None
+                                              else f" (exit {run['rc']})")
+        env = ", ".join(f"{k}={v}" for k, v in run.get("env", {}).items())
+        lines += [f"## {r['model']}, {http}, {r['clients']} clients{f' ({env})' if env else ''}: {ratio}{cut}", "",
+                  cmd, ""]
+        lines += [r["markdown"] if "markdown" in r else render(r), ""]
     return "\n".join(lines)
 
 
@@ -499,8 +646,21 @@ def main(argv=None) -> int:
     p.add_argument("--host-steps", action="store_true",
                    help="only the engine's host CPU per full decode step along offline generate's path, the "
                         "server engine process's and the thread backend's (no server, no clients)")
+    p.add_argument("--api-servers", type=int, default=4, metavar="N",
+                   help="kiln llm serve --api-servers: HTTP processes in front of the one engine process (default 4)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--suite", action="store_true",
+                   help="the tiny model and the random Llama-3.2-1B shape, served and offline, each bounded in "
+                        "time (SUITE below), then, time left, the tiny model served with tokenizers' thread pool on; "
+                        "writes OUT.md and OUT.json")
+    p.add_argument("--out", metavar="OUT", help="--suite: the results' path without .md / .json")
+    p.add_argument("--budget", type=float, default=160.0,
+                   help="--suite: seconds for all its runs (a run that does not fit is not started; default 160)")
     a = p.parse_args(argv)
+    if a.suite:
+        if not a.out:
+            p.error("--suite needs --out OUT")
+        return suite(a)
     began = time.perf_counter()  # the served and offline lines say when they ended: where a bounded run's time goes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server below
     if sum(map(bool, (a.model, a.tiny, a.random_model))) != 1:
@@ -570,17 +730,21 @@ def main(argv=None) -> int:
             server.send_signal(signal.SIGTERM)
         window = served.pop("window")
     # Said now, so that a run cut short later still reports the served one.
+    http_each = served.get("http_cpu_cores_each") or []
     print(f"served: {served['output_tok_s']:.1f} output tok/s, {served['requests']} requests in "
-          f"{served['wall_s']:.2f} s, {served['errors']} errors; HTTP process {served.get('server_cpu_cores') or 0:.2f} "
-          f"cores, engine process {served.get('engine_cpu_cores') or 0:.2f} {at()}", flush=True)
+          f"{served['wall_s']:.2f} s, {served['errors']} errors; {len(http_each) or 1} HTTP process(es) "
+          f"{served.get('server_cpu_cores') or 0:.2f} cores, engine process {served.get('engine_cpu_cores') or 0:.2f} "
+          f"{at()}", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python", "bench/serve_load.py", *(argv or sys.argv[1:])]),
               "model": ("tiny Llama (tests/llm/tiny.py)" if a.tiny else f"random-weight {a.random_model} (BF16)"
                         if a.random_model else str(model)), "device": a.device,
               "clients": a.clients, "num_requests": a.requests, "threads": a.threads, "warmup": a.warmup,
-              "engine_cpu": a.engine_cpu, "direct": a.direct,
+              "engine_cpu": a.engine_cpu, "direct": a.direct, "api_servers": None if a.direct else a.api_servers,
               "mean_input_len": sum(len(x) for x in prompts) / len(prompts),
               "mean_output_len": sum(out_lens) / len(out_lens), "served": served}
+    if a.json:  # the served half, kept should the offline half be cut
+        Path(a.json).write_text(json.dumps(result, indent=1))
     offline_steps = []
     if not a.skip_offline:
         if placement:  # the offline engine steps where the served one did
@@ -601,12 +765,15 @@ def main(argv=None) -> int:
     served_steps = step_profile.load(a.step_profile_file) if a.step_profile_file.exists() else []
     served_steps = [r for r in served_steps if window[0] <= r[step_profile.START] <= window[1]]
     result["served_steps"] = steps_report(served_steps)
-    print(render(result))
-    print(f"\nEngine steps, the server's engine process (measured window): {step_profile.summary(served_steps)}")
+    result["versions"] = versions(a.device)
+    body = [render(result),
+            f"\nEngine steps, the server's engine process (measured window): {step_profile.summary(served_steps)}"]
     if not a.skip_offline:
-        print(f"Engine steps, offline: {step_profile.summary(offline_steps)}")
-        print("\nStep time by batch (ms per step; phases " + " / ".join(step_profile.PHASES) + "):\n")
-        print(step_profile.comparison_table(served_steps, offline_steps))
+        body.append(f"Engine steps, offline: {step_profile.summary(offline_steps)}")
+        body.append("\nStep time by batch (ms per step; phases " + " / ".join(step_profile.PHASES) + "):\n")
+        body.append(step_profile.comparison_table(served_steps, offline_steps))
+    result["markdown"] = "\n".join(body)
+    print(result["markdown"])
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     tmp.cleanup()

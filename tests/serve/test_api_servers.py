@@ -117,8 +117,8 @@ def test_streams_of_both_processes_are_batched_in_one_engine_and_equal_offline_g
     # Each process's /metrics counts every process's requests, and the same engine.
     after = _metrics_of_each(server.url)
     for index, m in after.items():
-        def grew(name):
-            return m.get(name, 0.0) - before[index].get(name, 0.0)  # a labelled counter is absent until counted
+        def grew(name, m=m, b=before[index]):
+            return m.get(name, 0.0) - b.get(name, 0.0)  # a labelled counter is absent until counted
 
         assert grew("kiln:time_to_first_token_seconds_count") == BOUND
         assert grew("kiln:e2e_request_latency_seconds_count") == BOUND

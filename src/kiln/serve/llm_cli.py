@@ -39,6 +39,10 @@ def cmd_serve(a) -> int:
         return _serve_on_ray(a, kw)
     api_key = a.api_key or os.environ.get("KILN_API_KEY")
     pool = ApiServerPool(a.api_servers, a.host, a.port) if a.api_servers > 1 else None
+    if pool:
+        # Each process decodes only its share of a step's streams, a small batch, faster on the calling thread
+        # than spread over the tokenizers library's thread pool; and N such pools would take cores from the engine.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = {"model_name": a.served_model_name, "api_key": api_key, "max_waiting": a.max_waiting,
                 "drain_timeout": a.drain_timeout}
     engine = None
