@@ -819,6 +819,7 @@ def main():
                     help="kiln: decode variants timed on the one engine, comma-separated, each parts of "
                          f"{'/'.join(VARIANT_PARTS)} joined by '+' (e.g. default,async,graph_argmax+async)")
     ap.add_argument("--quant-variants", default="default", help="fp8 and int4: decode variants, as --variants")
+    ap.add_argument("--quant-batches", type=int, nargs="+", default=None, help="fp8: batches (default: --batches)")
     ap.add_argument("--time-limit", action="append", default=[], metavar="SECTION=SECONDS",
                     help=f"a section's time limit (repeatable; defaults {LIMITS})")
     ap.add_argument("--sections", default="correctness,kiln,hf,fp8,prefix",
@@ -897,9 +898,10 @@ def main():
                     limit_s=limit)
         elif name == "fp8":
             part = {}
-            section(res, "kiln_fp8", lambda part=part: kiln_runs(
-                tensors, cfg, device, dtype_name, args.batches, args.input_len, args.output_len, "fp8", "fp8",
-                fp8()[0], max_b, kv_blocks, quantized_weights=fp8()[1], variants=args.quant_variants, out=part),
+            qb = args.quant_batches or args.batches
+            section(res, "kiln_fp8", lambda part=part, qb=qb: kiln_runs(
+                tensors, cfg, device, dtype_name, qb, args.input_len, args.output_len, "fp8", "fp8", fp8()[0],
+                max(qb), kv_blocks, quantized_weights=fp8()[1], variants=args.quant_variants, out=part),
                 limit_s=limit, partial=part)
         elif name == "saturated":
             section(res, "saturated", saturated, tensors, cfg, device, dtype_name, args.sat_len, args.sat_len,
@@ -915,7 +917,7 @@ def main():
             part = {}
             section(res, "kiln_int4", lambda part=part: kiln_runs(
                 tensors, cfg, device, dtype_name, [1], args.input_len, args.output_len, "auto", "int4-awq", None,
-                max_b, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name),
+                1, kv_blocks, quantized_weights=int4_weights(tensors, cfg, device, dtype_name),
                 variants=args.quant_variants, out=part), limit_s=limit, partial=part)
         elif name == "sampler":
             section(res, "sampler", sampler_cost, device, cfg["vocab_size"], limit_s=limit)
