@@ -331,15 +331,15 @@ class ModelRunner:
 
         return run
 
-    def capture_graphs(self, max_num_seqs: int) -> None:
-        """Captures the decode graphs at every bucket (again, dropping any held, after a flag that changes the
-        step such as graph_argmax or the model's fusions)."""
+    def capture_graphs(self, max_num_seqs: int, buckets: list[int] | None = None) -> None:
+        """Captures the decode graphs at every bucket of max_num_seqs, or at `buckets` alone (again, dropping
+        any held, after a flag that changes the step such as graph_argmax or the model's fusions)."""
         self.graphs = {}
         self.graph_error = None
         self.make_static_buffers(max_num_seqs)
         pool = None
         try:
-            for b in sorted(graph_buckets(max_num_seqs), reverse=True):
+            for b in sorted(buckets or graph_buckets(max_num_seqs), reverse=True):
                 run = self.static_decode_step(b)
                 with torch.inference_mode():
                     stream = torch.cuda.Stream()
