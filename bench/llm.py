@@ -6,21 +6,24 @@ Sections (--sections, comma-separated), each guarded so one failing still leaves
 each bounded by its own time limit (--time-limit NAME=SECONDS; a run past it is cut and measured as far as it
 got, "cut" in the table):
   correctness  a tiny Llama (tests/llm/tiny.py) on CUDA: Kiln's greedy tokens (Triton kernels, CUDA graphs)
-               against transformers' generate on the same weights (FP32).
+               against transformers' generate on the same weights (FP32), also in every --variants entry.
   kiln         the 8B shape, BF16 weights and KV, 128 in / 256 out at batch 1 and 64: output tok/s, TTFT, TPOT,
-               e2e p50/p99, decode step time, the roofline, host share of the step and its phases.
+               e2e p50/p99, decode step time, the roofline, host share of the step and its phases; each of
+               --variants (decode-step variants, VARIANT_PARTS) on the same engine with the same prompts, its
+               tokens compared with the first variant's.
   kilnasync    as kiln, with the variant "async" after the default (--variants adds others: VARIANT_PARTS).
   hf           transformers' generate, eager, same prompts (exactly --hf-output-len new tokens each).
   hfcompile    transformers' generate with its static cache, the forward under torch.compile (compile timed
                apart).
   fp8          FP8 weights (kiln.llm.quantize) and an FP8 KV cache with scales calibrated on random tokens
-               (keys centred), as `kiln` at batch 1 and 64.
+               (keys centred), as `kiln` at --quant-batches (default: --batches) in --quant-variants.
   saturated    ISL/OSL 128/128, FP8 weights + FP8 KV, --sat-prompts requests at once with max_num_seqs
                --sat-seqs (CUDA graphs up to it, the KV pool sized for it): output tok/s.
   long         ISL/OSL 1000/1000, FP8 weights + FP8 KV, --long-prompts requests, max_num_seqs --long-seqs.
   kvctx        FP8 KV against BF16 KV (BF16 weights both): one decode step of batch 64 at --ctx tokens of
-               context, the captured graph timed with the KV blocks filled directly (no prefill).
-  int4         INT4 weights (groups of 128) at batch 1.
+               context, the captured graph timed with the KV blocks filled directly (no prefill); the KV
+               blocks and sequences of that context the engine's sizing rule fits for each cache dtype.
+  int4         INT4 weights (groups of 128) at batch 1, in --quant-variants.
   prefix       64 requests sharing a cached 1,024-token prefix: TTFT with and without prefix caching.
   sampler      one Sampler call at batch 64 over the vocabulary on the device (greedy, temperature, top-k/p,
                seeded, logprobs), the wait for the token ids included.
@@ -31,6 +34,9 @@ Random weights make the text meaningless; the timing is what it is for any weigh
     python bench/llm.py --out DIR            (GPU; writes DIR/H200-llm.md and .json)
     python bench/llm.py --tiny --out DIR     (a tiny config, any device: checks the script itself)
     python bench/llm.py --sections saturated,long,kvctx --out DIR
+    python bench/llm.py --sections kiln,hf --hf-batches 64 --variants default,async,graph_argmax+async --out DIR
+
+The report ends with a table of issue 41's targets this run measured (best variant per row, named).
 """
 
 from __future__ import annotations
