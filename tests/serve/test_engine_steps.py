@@ -65,9 +65,11 @@ def test_delta_outputs_add_up_to_the_final_ones(engine):
     assert engine.stats()["kv_blocks_free"] == KW["num_kv_blocks"]
 
 
-def test_step_frames_decode_to_the_deltas_of_delta_outputs(engine):
+@pytest.mark.parametrize("clients", [1, 2])
+def test_step_frames_decode_to_the_deltas_of_delta_outputs(engine, clients):
     # The engine process's frames (plain streams read off their sequences as flat token lists, the rest as
-    # deltas) decode, step by step, to what a DeltaMaker makes of "delta" outputs of the same requests.
+    # deltas) decode, step by step, to what a DeltaMaker makes of "delta" outputs of the same requests; with two
+    # HTTP processes (clients), each one's part of a step holds its own requests only.
     import marshal
 
     requests = [("a", "Hello world, this is a longer prompt " * 2, SamplingParams(temperature=0, max_tokens=9)),
@@ -88,15 +90,26 @@ def test_step_frames_decode_to_the_deltas_of_delta_outputs(engine):
     make = DeltaMaker()
     want = steps(lambda rid, prompt, p: engine.add_request(rid, prompt, dataclasses.replace(p, output_kind="delta")),
                  lambda outs: [make(o) for o in outs])
-    enc, dec = StepEncoder(engine), StepDecoder()
+    enc, decs = StepEncoder(engine, clients), [StepDecoder() for _ in range(clients)]
+    owner = {rid: i % clients for i, (rid, _, _) in enumerate(requests)}
 
     def add(rid, prompt, p):
         fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "extra"}
         engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=enc.output_kind(fields)))
-        enc.add(rid, fields)
-        dec.expect(rid, engine.requests[rid].prompt_token_ids)
+        enc.add(rid, fields, owner[rid])
+        decs[owner[rid]].expect(rid, engine.requests[rid].prompt_token_ids)
 
-    got = steps(add, lambda outs: dec.decode(*marshal.loads(marshal.dumps(enc.encode(outs)[0]))))
+    def decode(outs):
+        parts = enc.encode(outs)
+        assert len(parts) == clients
+        deltas = []
+        for client, (dec, part) in enumerate(zip(decs, parts)):
+            mine = dec.decode(*marshal.loads(marshal.dumps(part)))
+            assert all(owner[d[0]] == client for d in mine)
+            deltas += mine
+        return deltas
+
+    got = steps(add, decode)
     assert got == want
     assert sorted(rid for rid, _, p in requests if is_plain({f.name: getattr(p, f.name)
                                                              for f in dataclasses.fields(p)})) == ["a", "d", "e"]
