@@ -49,6 +49,12 @@ def _generate(model, prompt, steps, dtype, device="cpu"):
     return tokens, torch.stack(logits)
 
 
+# The interpreter's checks on CPU tensors; with CUDA present Triton would be handed CPU tensors (the GPU test below
+# runs the same comparison on the device).
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through TRITON_INTERPRET")
+
+
+@cpu_only
 def test_fused_decoder_gives_the_same_tokens(tiny_llama):
     hf, tensors, tok = load_hf_dir(tiny_llama)
     cfg = ModelConfig.from_hf(hf)
@@ -65,6 +71,7 @@ def test_fused_decoder_gives_the_same_tokens(tiny_llama):
         torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
 
 
+@cpu_only
 def test_activation_in_the_down_gemv(tiny_llama):
     """FP16 with FP8 weights: the fused model's down projection runs the GEMV with the activation in its input
     load, which equals act_and_mul then the GEMV bit for bit; the tokens equal those of the torch path."""
@@ -92,7 +99,8 @@ def test_activation_in_the_down_gemv(tiny_llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_decoder_on_the_gpu(tiny_llama):
     """On CUDA (FP32): the fused decoder's greedy tokens equal the unfused one's (Triton attention over the same
-    cache, torch norms, RoPE and activation) and its logits agree to FP32 rounding; asking L2 for the next weights
+    cache, torch norms, RoPE and activation) and its logits agree to FP32 rounding, with the decode attention in
+    one kernel too (its slices merged by a second kernel or by the last slice); asking L2 for the next weights
     changes no result."""
     hf, tensors, tok = load_hf_dir(tiny_llama)
     cfg = ModelConfig.from_hf(hf)
@@ -106,3 +114,9 @@ def test_fused_decoder_on_the_gpu(tiny_llama):
     fused.l2_prefetch_bytes = 1 << 20
     again, again_logits = _generate(fused, prompt, 8, torch.float32, "cuda")
     assert again == got and torch.equal(again_logits, got_logits)
+    fused.l2_prefetch_bytes = 0
+    for merge in (False, True):
+        fused.fuse_decode_attention, fused.decode_attention_merge = True, merge
+        one, one_logits = _generate(fused, prompt, 8, torch.float32, "cuda")
+        assert one == want
+        torch.testing.assert_close(one_logits, want_logits, atol=1e-3, rtol=0)
