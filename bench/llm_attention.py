@@ -11,8 +11,9 @@ torch's SDPA on the same dense shapes as a yardstick.
 
 Times are kiln.tactics.timer.median_ms (CUDA-graph replays, as an engine replays its steps).
 
-`--quick`: only batch 64 at 8k context (BF16, FP8 and INT8 caches) and a short tile/split sweep of the 8-bit
-caches there, no prefill (issue 41's row: decode attention at 8k context as a share of HBM bandwidth).
+`--quick`: only batch 64 at 8k context (BF16, FP8 and INT8 caches; issue 41's row: decode attention at 8k
+context as a share of HBM bandwidth) and at 4k (BF16 and FP8), a short tile/split sweep of the 8-bit caches at
+8k, no prefill.
 
     python bench/llm_attention.py --out DIR [--quick]     (writes DIR/llm-attention.md; GPU)
 """
@@ -54,8 +55,8 @@ QUICK_SWEEP = [("fp8", 128, 4, 4, None), ("fp8", 128, 4, 3, 4), ("fp8", 128, 4, 
 
 def plan(quick: bool) -> tuple[list, list, tuple]:
     """(decode cases (batch, context, cache), tile sweep at LONG, prefill cases) of a run."""
-    if quick:
-        return [(*LONG, kv) for kv in CACHE_DTYPES], QUICK_SWEEP, ()
+    if quick:  # and BF16 against FP8 at 4k context, bench/llm.py's kvctx shape
+        return [(*LONG, kv) for kv in CACHE_DTYPES] + [(64, 4096, "bf16"), (64, 4096, "fp8")], QUICK_SWEEP, ()
     cases = [(b, c, "bf16") for c in CONTEXTS for b in BATCHES] + [(*LONG, "fp8"), (*LONG, "int8")]
     return cases, SWEEP, PREFILLS
 
