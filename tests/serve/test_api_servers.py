@@ -20,7 +20,7 @@ from .llm_server import ServerProcess, wait_for
 
 KEY = "scale-out-key"
 MODEL = "tinyllm"
-SEQS, WAITING = 8, 24  # the admission bound of both processes together: 32
+SEQS, WAITING = 8, 8  # the admission bound of both processes together: 16
 BOUND = SEQS + WAITING
 PROMPTS = [f"Once upon a time {' the potter' * (i % 5)} fired pot {i}" for i in range(BOUND)]
 
