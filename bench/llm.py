@@ -394,15 +394,21 @@ def kv_context(tensors, cfg, device, dtype_name, ctx, batch, fp8, out: dict | No
 
 
 def kv_capacity(eng, ctx: int, utilization: float = 0.9) -> dict:
-    """KV blocks the engine's sizing rule (engine.kv_blocks_that_fit) finds room for in the device memory free
-    now, for a BF16 and an FP8 cache (the same memory for both), and the sequences of ctx tokens they hold."""
-    from kiln.llm.engine import kv_blocks_that_fit
+    """KV blocks a pool may take in the device memory free now by the engine's sizing rule (engine.
+    kv_memory_budget, for this engine's batch and token budget), for a BF16 and an FP8 cache (the same memory for
+    both), and the sequences of ctx tokens they hold. (The CPU target has no memory rule: its fixed pool.)"""
+    from kiln.llm import engine as le
 
-    per_seq = -(-ctx // eng.block_manager.block_size)
-    out = {}
+    bs = eng.block_manager.block_size
+    per_seq = -(-ctx // bs)
+    if eng.device.type == "cuda":
+        budget = le.kv_memory_budget(eng.model, utilization, eng.scheduler.max_num_batched_tokens,
+                                     eng.scheduler.max_num_seqs)[0]
+    else:
+        budget = eng.block_manager.num_blocks * le.kv_block_bytes(eng.model, eng.runner.kv_dtype, bs)
+    out = {"budget_GB": budget / 1e9}
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
-        blocks = kv_blocks_that_fit(eng.model, dtype, eng.block_manager.block_size, ctx + 16, utilization, 8192,
-                                    1 << 20)
+        blocks = max(0, budget) // le.kv_block_bytes(eng.model, dtype, bs)
         out[name] = {"blocks": blocks, "sequences": blocks // per_seq}
     out["context"], out["utilization"] = ctx, utilization
     out["fp8_over_bf16"] = out["fp8"]["sequences"] / max(1, out["bf16"]["sequences"])
@@ -742,8 +748,9 @@ def render(res: dict, args) -> str:
                 lines.append(f"\nFP8 KV decode step {kv['fp8_speedup']:.2f}x faster than BF16 KV (target >= 1.4x).")
             cap = kv.get("capacity")
             if cap:
-                lines.append(f"\nKV capacity (engine.kv_blocks_that_fit, gpu_memory_utilization {cap['utilization']}, the "
-                             f"same free memory beside the BF16-KV engine of this section): BF16 {cap['bf16']['blocks']:,} "
+                lines.append(f"\nKV capacity (engine.kv_memory_budget at gpu_memory_utilization {cap['utilization']}: "
+                             f"{cap['budget_GB']:.1f} GB free for a pool beside the BF16-KV engine of this section, the "
+                             f"same bytes for both): BF16 {cap['bf16']['blocks']:,} "
                              f"blocks = {cap['bf16']['sequences']:,} sequences of {cap['context']} tokens; FP8 "
                              f"{cap['fp8']['blocks']:,} blocks = {cap['fp8']['sequences']:,} sequences "
                              f"({cap['fp8_over_bf16']:.2f}x; target 2x).")

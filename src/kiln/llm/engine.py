@@ -116,23 +116,35 @@ def build_rank_model(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, device
     return model
 
 
+def kv_block_bytes(model: DecoderModel, kv_dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one KV block on this rank: K and V of block_size tokens in every layer."""
+    cfg = model.cfg
+    return 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+
+
+def kv_memory_budget(model: DecoderModel, utilization: float, max_tokens: int, max_seqs: int) -> tuple[int, int, int]:
+    """(bytes the KV pool may take, free, total) on this rank's CUDA device: utilization of its memory, less what
+    is in use and the activations of the largest step, the logits of a full decode batch and the CUDA graphs'
+    pools."""
+    if not 0 < utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization = {utilization}: must be in (0, 1].")
+    cfg = model.cfg
+    # An engine closed earlier in this process may still hold its pool in a reference cycle or in torch's cache.
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(model.device)
+    act = max_tokens * (3 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim) * 4
+    reserve = act + max_seqs * cfg.vocab_size * 4 * 3 + (1 << 30)
+    return int(total * utilization) - (total - free) - reserve, free, total
+
+
 def kv_blocks_that_fit(model: DecoderModel, kv_dtype: torch.dtype, block_size: int, max_model_len: int,
                        utilization: float, max_tokens: int, max_seqs: int) -> int:
     """KV blocks for this rank's pool: on CUDA what free memory holds beside the weights and the activations."""
     if model.device.type != "cuda":
         return max(64, -(-max_model_len // 16) * 4)  # CPU: room for a few full-length sequences
-    if not 0 < utilization <= 1:
-        raise ConfigError(f"gpu_memory_utilization = {utilization}: must be in (0, 1].")
-    cfg = model.cfg
-    per_block = 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-    # An engine closed earlier in this process may still hold its pool in a reference cycle or in torch's cache.
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(model.device)
-    # Activations of the largest step, the logits of a full decode batch and CUDA graphs' pools.
-    act = max_tokens * (3 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim) * 4
-    reserve = act + max_seqs * cfg.vocab_size * 4 * 3 + (1 << 30)
-    budget = int(total * utilization) - (total - free) - reserve
+    per_block = kv_block_bytes(model, kv_dtype, block_size)
+    budget, free, total = kv_memory_budget(model, utilization, max_tokens, max_seqs)
     if budget < per_block:
         raise ConfigError(f"no GPU memory left for the KV cache on {model.device} (free {free / 2**30:.1f} GiB of "
                           f"{total / 2**30:.1f}); lower max_num_batched_tokens or raise gpu_memory_utilization.")
