@@ -256,8 +256,10 @@ def release() -> None:
 # name joins these with "+"): async (LLMEngine.async_decode: plain-greedy decode steps queued before the last
 # step's tokens reach the host), graph_argmax (the greedy token taken inside the decode graph by
 # kernels/argmax.py), fused_attention (RoPE, the KV write and attention in one kernel: kernels/decode_attention.py),
-# merged (that kernel's context slices merged by the last slice to finish, not by a second kernel).
-VARIANT_PARTS = ("default", "async", "graph_argmax", "fused_attention", "merged")
+# merged (that kernel's context slices merged by the last slice to finish, not by a second kernel), prefetch
+# (8 MB of each next matrix asked into L2 before the small kernels between two GEMVs: kernels/l2_prefetch.py).
+VARIANT_PARTS = ("default", "async", "graph_argmax", "fused_attention", "merged", "prefetch")
+PREFETCH_BYTES = 8 << 20
 
 
 def check_variants(names: list[str]) -> list[str]:
@@ -277,10 +279,11 @@ def set_variant(eng, name: str, max_seq: int) -> None:
     parts = set(name.split("+"))
     r, m = eng.runner, eng.runner.model
     eng.async_decode = "async" in parts
-    step = ("graph_argmax" in parts, "fused_attention" in parts or "merged" in parts, "merged" in parts)
-    if step == (r.graph_argmax, m.fuse_decode_attention, m.decode_attention_merge) and r.graphs:
+    step = ("graph_argmax" in parts, "fused_attention" in parts or "merged" in parts, "merged" in parts,
+            PREFETCH_BYTES if "prefetch" in parts else 0)
+    if step == (r.graph_argmax, m.fuse_decode_attention, m.decode_attention_merge, m.l2_prefetch_bytes) and r.graphs:
         return
-    r.graph_argmax, m.fuse_decode_attention, m.decode_attention_merge = step
+    r.graph_argmax, m.fuse_decode_attention, m.decode_attention_merge, m.l2_prefetch_bytes = step
     if eng.device.type == "cuda":
         r.capture_graphs(max_seq)
     else:
