@@ -6,6 +6,13 @@ non-zero, with no traceback. Anything else is a bug in Kiln.
 """
 
 
+def summary(error: BaseException, limit: int = 200) -> str:
+    """One line for a finding or a warning about an exception Kiln caught and recovered from: its type and the
+    first line of its message (an AssertionError may carry none)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__
+
+
 class KilnError(Exception):
     """An error caused by the user's input; the message says what and where."""
 

@@ -56,6 +56,8 @@ def test_the_layers_it_takes():
         "stride 2 over an odd map": (_node(stride=2), x, w, b, None, ys, None),
         "a float layer": (Node("FusedConv", ["x", "w"], ["y"], _node().attrs, domain="kiln"), x, w, b, None, ys,
                           None),
+        # RepVGG's 96 channels: a 96-byte K box row has no swizzled shared layout (box_fits)
+        "96 input channels": (_node(), *_layer(96, 128, (7, 9))[:2], b, None, ys, None),
     }
     for why, args in refused.items():
         assert not ws_conv.layer_ok(*args, WIDE), why

@@ -36,10 +36,11 @@ def test_an_int8_output_may_differ_by_one_step():
 
 
 # --- what the selector times, reuses from the timing cache, and skips -------------------------------------------
-def _selector_rig(monkeypatch, times=None, small_only=()):
+def _selector_rig(monkeypatch, times=None, small_only=(), fails=()):
     """Three real tactics for ONNX Relu (A at level 1, B at level 4, C needing 1 MiB of workspace), a clock that
     reports each tactic's time from `times` (name -> fixed ms, or a function of the input's size; CUDA events need
-    a GPU), and a counter of how often each one ran. Tactics in small_only apply to inputs under 100 elements."""
+    a GPU), and a counter of how often each one ran. Tactics in small_only apply to inputs under 100 elements;
+    those in `fails` raise a bare AssertionError (as a Gluon layout check does)."""
     from types import SimpleNamespace
 
     from kiln import tactics
@@ -54,6 +55,8 @@ def _selector_rig(monkeypatch, times=None, small_only=()):
         def fn(node, x):
             runs[name] = runs.get(name, 0) + 1
             last.append((name, x.numel()))
+            if name in fails:
+                raise AssertionError
             return torch.relu(x)
         return fn
 
@@ -111,6 +114,12 @@ def test_excluded_and_capped_tactics_are_reported_not_run_and_not_cached(monkeyp
     assert "tac_b" not in runs and "tac_c" not in runs
     rep, _ = select_once(level=4)  # another build without the exclusions times both
     assert rep["chosen"] == "tac_b" and not rep["excluded"]
+
+
+def test_a_tactic_that_raises_without_a_message_is_dropped_and_the_next_one_runs(monkeypatch):
+    select_once, _ = _selector_rig(monkeypatch, fails=("tac_b",))
+    rep, _ = select_once(level=4)
+    assert rep["chosen"] == "tac_c" and rep["excluded"] == {"tac_b": "failed: AssertionError"}
 
 
 def test_an_exclusion_that_matches_no_tactic_is_refused():

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..engine.interpreter import cast_for
+from ..errors import summary
 from ..ops.registry import lookup
 from ..tactics import candidates, load_all
 from ..tactics.cache import TimingCache, layer_key
@@ -241,7 +242,7 @@ class Selector:
                     continue
                 need = t.workspace(node, args) if t.workspace else 0
             except Exception as e:  # an applicability check that cannot judge these inputs: not offered
-                skipped[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                skipped[t.name] = f"failed: {summary(e, 120)}"
                 continue
             pattern = next((p for p in self.exclude if fnmatch.fnmatchcase(t.name, p)), None)
             if pattern is not None:
@@ -276,7 +277,7 @@ class Selector:
                     continue
                 timings[t.name] = median_ms(lambda: t.fn(node, *args), may_sync=False, before=before)  # checked above
             except Exception as e:  # a candidate that cannot run here is simply not chosen
-                excluded[t.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                excluded[t.name] = f"failed: {summary(e, 120)}"
         self.stats["first_calls_s"] += first
         self.stats["timing_s"] += time.perf_counter() - start - first
         return {"timings": timings, "excluded": excluded}

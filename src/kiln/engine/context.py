@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import InputError, ShapeError
+from ..errors import InputError, ShapeError, summary
 from ..ir import dtypes
 from ..ir.dtypes import FLOAT_TYPES
 from ..ir.graph import reads
@@ -377,7 +377,7 @@ class ExecutionContext:
                 cap.bound[addresses] = self._capture(inputs, bind=True, pool=cap.graph.pool())
         except Exception as e:  # the copying graph still serves these inputs
             torch.cuda.synchronize(self.device)
-            self.capture_failures.append(str(e).splitlines()[0])
+            self.capture_failures.append(summary(e, 300))
             cap.bound[addresses] = None
         return cap.bound[addresses]
 
@@ -389,9 +389,9 @@ class ExecutionContext:
                 return self._capture(inputs)
         except Exception as e:
             torch.cuda.synchronize(self.device)
-            warnings.warn(f"CUDA graph capture failed ({str(e).splitlines()[0][:300]}); this input shape "
+            warnings.warn(f"CUDA graph capture failed ({summary(e, 300)}); this input shape "
                           "runs layer by layer instead (slower at small batch).", CaptureFallbackWarning)
-            self.capture_failures.append(str(e).splitlines()[0])
+            self.capture_failures.append(summary(e, 300))
             return None
 
     def _capture(self, inputs: dict[str, torch.Tensor], bind: bool = False, pool=None) -> _Captured:

@@ -12,7 +12,7 @@ from typing import Iterable, MutableMapping
 
 import torch
 
-from ..errors import KilnError
+from ..errors import KilnError, summary
 from ..ir.dtypes import FLOAT_TYPES
 from ..ir.graph import Graph, Node
 from ..kernels import pad_channels
@@ -118,8 +118,7 @@ def _after_tactic_failure(node: Node, entry, tactic: str, args: list, kwargs: di
     finding), warn once for the layer, and return the reference implementation's outputs."""
     failures = node.__dict__.setdefault("tactic_failures", {})
     if tactic not in failures:
-        failures[tactic] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else \
-            type(error).__name__
+        failures[tactic] = summary(error)
         warnings.warn(f"layer '{node.label}': tactic {tactic} failed ({failures[tactic]}); the layer runs its "
                       "reference implementation instead.", TacticFallbackWarning, stacklevel=3)
     out = entry.impl(node, *args, **kwargs)

@@ -17,8 +17,16 @@ MAXNREG = 128
 LOADER_REGS = gl.constexpr(24)  # the loader's registers where no cap is set
 
 
+def box_fits(inner_bytes: int) -> bool:
+    """Whether an 8-bit TMA box with rows `inner_bytes` long has a swizzled shared layout: rows of 32 or 64 bytes
+    (their own swizzle width) or a whole number of 128-byte swizzles (a 96-byte row fits none)."""
+    return inner_bytes in (32, 64) or (inner_bytes > 0 and inner_bytes % 128 == 0)
+
+
 def box_layout(inner_bytes: int, rank: int):
-    """The shared layout of an 8-bit TMA box whose rows are `inner_bytes` long: the widest swizzle they fill."""
+    """The shared layout of an 8-bit TMA box whose rows are `inner_bytes` long (box_fits): the widest swizzle
+    they fill."""
+    assert box_fits(inner_bytes), inner_bytes
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, inner_bytes), element_bitwidth=8, rank=rank)
 
 

@@ -40,6 +40,7 @@ from .warp_specialized import (
     accumulator_dtype,
     accumulator_layout,
     box_descriptor,
+    box_fits,
     let_next_kernel_start,
     load_resident,
     mma_steps,
@@ -233,6 +234,9 @@ def layer_ok(node, x, w, b, z, y_scale, q_scale, config: WsConfig) -> bool:
     if node.attr("activation", "") not in ("", "Relu") or w.dim() != 4 or w.shape[0] % config.block_n:
         return False
     if config.resident_weights and (w.shape[0] != config.block_n or w[0].numel() * config.block_n > RESIDENT_BYTES):
+        return False
+    bk = block_k_for(config.patch, w.shape[1], True)
+    if bk is None or not box_fits(bk) or not box_fits(config.block_n):  # the boxes' rows: bk and block_n bytes
         return False
     return tma_conv_supports(node, x, w, b, None, config.patch, qtype)
 
