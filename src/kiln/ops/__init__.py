@@ -20,6 +20,7 @@ from . import (  # noqa: F401  (each import registers its family's ops)
     rotary,
     sequence,
     shape,
+    view_chain,
 )
 from .registry import (
     OpEntry,

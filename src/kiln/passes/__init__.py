@@ -26,6 +26,7 @@ from . import (
     fuse_rotary,
     fuse_segment_reductions,
     fuse_skip_layernorm,
+    fuse_view_chains,
     gather_as_slice,
     gather_nd_host_index,
     gather_window_rows,
@@ -69,6 +70,7 @@ PIPELINE = [
     fuse_skip_layernorm,  # residual Add + LayerNorm
     fuse_gemm_skip_layernorm,  # a GEMM feeding only that norm joins it (split-K with the norm summing the parts)
     fuse_rmsnorm,  # x / sqrt(mean(x^2) + eps) * gamma as exporters write it
+    fuse_view_chains,  # Reshape/Transpose chains that would copy twice or more (MobileViT's unfold) -> one copy
     fuse_elementwise,  # remaining chains of elementwise ops -> one generated kernel
     dead_code,  # weights the rewrites replaced
 ]

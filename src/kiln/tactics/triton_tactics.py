@@ -262,3 +262,19 @@ def triton_rotary(node, x, cos, sin):
     from ..kernels import rotary
 
     return rotary.rotary(x, cos, sin, node.attr("split"))
+
+
+def _concat_channels_ok(node, args) -> bool:
+    """Concat along the channels (axis 1) of channels-last images (kernels/concat.py): a C2f block's halves."""
+    from ..kernels import concat
+
+    xs = [a for a in args if a is not None]
+    return (len(xs) == len(args) and all(isinstance(x, torch.Tensor) and x.is_cuda for x in xs)
+            and xs and node.attr("axis", 1) % max(1, xs[0].dim()) == 1 and concat.supports(xs))
+
+
+@tactic("Concat", "triton_concat_channels_last", _concat_channels_ok, domain="", level=3)
+def triton_concat_channels_last(node, *xs):
+    from ..kernels import concat
+
+    return concat.concat_channels(list(xs))
