@@ -88,3 +88,32 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+async def read_completion_stream(chunks) -> tuple[list[int], str, object, str | None]:
+    """A streamed /v1/completions answer (the openai client's chunks, asked with return_token_ids and usage):
+    (token ids, text, usage, the last finish reason)."""
+    tokens, text, usage, finish = [], "", None, None
+    async for chunk in chunks:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            tokens += ch.model_extra["token_ids"]
+            text += ch.text
+            finish = ch.finish_reason or finish
+    return tokens, text, usage, finish
+
+
+def for_each_prompt(url: str, api_key: str, one, prompts) -> list:
+    """asyncio.run of one(client, prompt) for every prompt at once, over one openai.AsyncOpenAI client."""
+    import asyncio
+
+    import openai
+
+    async def all_of():
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+        finally:
+            await c.close()
+
+    return asyncio.run(all_of())

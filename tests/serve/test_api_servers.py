@@ -16,7 +16,7 @@ import torch
 
 from kiln.llm.engine import LLM, SamplingParams
 
-from .llm_server import ServerProcess, wait_for
+from .llm_server import ServerProcess, for_each_prompt, read_completion_stream, wait_for
 
 KEY = "scale-out-key"
 MODEL = "tinyllm"
@@ -84,22 +84,10 @@ def test_streams_of_both_processes_are_batched_in_one_engine_and_equal_offline_g
         raw = await c.completions.with_raw_response.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
-        tokens, text, usage = [], "", None
-        async for chunk in raw.parse():
-            usage = chunk.usage or usage
-            for ch in chunk.choices:
-                tokens += ch.model_extra["token_ids"]
-                text += ch.text
+        tokens, text, usage, _ = await read_completion_stream(raw.parse())
         return int(raw.headers["X-Kiln-Api-Server-Pid"]), tokens, text, usage
 
-    async def all_of():
-        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        try:
-            return await asyncio.gather(*(one(c, p) for p in PROMPTS))
-        finally:
-            await c.close()
-
-    served = asyncio.run(all_of())
+    served = for_each_prompt(server.url, KEY, one, PROMPTS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the server's engine runs (tests/serve/llm_server.py)
     try:

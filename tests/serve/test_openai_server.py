@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.error
@@ -14,7 +13,7 @@ import torch
 
 from kiln.llm.engine import LLM, SamplingParams
 
-from .llm_server import ServerProcess, metrics, wait_for
+from .llm_server import ServerProcess, for_each_prompt, metrics, read_completion_stream, wait_for
 
 KEY = "test-key-123"
 MODEL = "tinyllm"
@@ -58,24 +57,9 @@ def test_64_concurrent_streams_equal_offline_generate(server, offline):
         stream = await c.completions.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
-        tokens, text, usage, finish = [], "", None, None
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for ch in chunk.choices:
-                tokens += ch.model_extra["token_ids"]
-                text += ch.text
-                finish = ch.finish_reason or finish
-        return tokens, text, usage, finish
+        return await read_completion_stream(stream)
 
-    async def all_of():
-        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        try:
-            return await asyncio.gather(*(one(c, p) for p in PROMPTS))
-        finally:
-            await c.close()
-
-    served = asyncio.run(all_of())
+    served = for_each_prompt(server.url, KEY, one, PROMPTS)
     ref = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     for (tokens, text, usage, finish), r in zip(served, ref):
         assert tokens == r.outputs[0].token_ids
