@@ -49,6 +49,7 @@ import zoo_models  # noqa: E402
 
 import kiln  # noqa: E402
 from kiln import BuildConfig, Profile  # noqa: E402
+from kiln.errors import summary as error_summary  # noqa: E402
 
 PRECISIONS = {"fp32": {}, "tf32": {"tf32": True}, "fp16": {"fp16": True}, "bf16": {"bf16": True},
               "int8": {"int8": True, "fp16": True}, "fp8": {"fp8": True, "fp16": True}}
@@ -461,12 +462,6 @@ def print_profile(row: Row, engine, ctx, feeds: dict, top: int, compiled=None) -
               f"{x.name[:70]}", flush=True)
 
 
-def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(e).__name__}: {first[:300]}"
-
-
 def run(entries, precisions, batches, device: str, size: str, timing: bool, torch_compile: bool,
         case_timeout: float, time_limit_s: float, log=print, on_row=None, profile_top: int = 0) -> list[Row]:
     """Every case of every entry; on_row(rows) after each row (main writes the files as it goes)."""
@@ -516,9 +511,9 @@ def _cases(rows, entries, precisions, batches, device, size, timing, torch_compi
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 for r in cases:
-                    r.status = f"failed: export: {_reason(e)}"
+                    r.status = f"failed: export: {error_summary(e, 300)}"
                 rows += cases
-                log(f"{entry.name} b{batch}: export failed: {_reason(e)}")
+                log(f"{entry.name} b{batch}: export failed: {error_summary(e, 300)}")
                 continue
             if prep.spec.fixed_batch is not None and batch != prep.spec.fixed_batch:
                 for r in cases:
@@ -534,7 +529,8 @@ def _cases(rows, entries, precisions, batches, device, size, timing, torch_compi
                 except BaseException as e:  # noqa: BLE001
                     if isinstance(e, KeyboardInterrupt):
                         raise
-                    row = Row(entry.name, precision, batch, source=entry.source, status=f"failed: {_reason(e)}")
+                    row = Row(entry.name, precision, batch, source=entry.source,
+                              status=f"failed: {error_summary(e, 300)}")
                     if os.environ.get("ZOO_TRACEBACK"):
                         traceback.print_exc()
                 finally:
