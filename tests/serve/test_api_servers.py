@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,6 +19,7 @@ import pytest
 import torch
 
 from kiln.llm.engine import LLM, SamplingParams
+from kiln.serve.api_servers import METRICS_PREFIX, metrics_folder
 
 from .llm_server import ServerProcess, for_each_prompt, read_completion_stream, wait_for
 
@@ -195,3 +200,17 @@ def test_the_queue_bound_is_global_and_sigterm_drains_every_process(server):
     out = server.output()
     assert "API server 0: drained" in out and "API server 1: drained" in out
     assert not Path(f"/proc/{worker}").exists()  # the first process reaped it
+
+
+def test_a_killed_servers_metrics_folder_is_removed_by_the_next_server():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{int(gone.stdout)}-")  # as a SIGKILLed server leaves it
+    Path(dead, "histogram_1.db").write_bytes(b"\0" * 64)
+    live = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getppid()}-")  # a running server's
+    try:
+        mine = metrics_folder()
+        assert not os.path.exists(dead) and os.path.isdir(live)
+        assert os.path.basename(mine).startswith(f"{METRICS_PREFIX}{os.getpid()}-")
+        os.rmdir(mine)
+    finally:
+        os.rmdir(live)

@@ -63,6 +63,32 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return out * count if shared else out
 
 
+METRICS_PREFIX = "kiln-serve-metrics-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def metrics_folder() -> str:
+    """A new folder for the multiprocess metric files, named after this process. A server that was killed
+    (SIGKILL, a crash) could not remove its folder: this user's folders whose process is gone go first."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        pid = name[len(METRICS_PREFIX):].split("-")[0]
+        path = os.path.join(tmp, name)
+        if (name.startswith(METRICS_PREFIX) and pid.isdigit() and not _alive(int(pid)) and os.path.isdir(path)
+                and os.stat(path).st_uid == os.getuid()):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
+
+
 class ApiServerPool:
     """The other HTTP processes, seen from the first."""
 
@@ -70,7 +96,7 @@ class ApiServerPool:
         self.count = count
         self.sockets = listen_sockets(host, port, count)
         self.host, self.port = host, self.sockets[0].getsockname()[1]
-        self.metrics_dir = tempfile.mkdtemp(prefix="kiln-serve-metrics-")
+        self.metrics_dir = metrics_folder()
         self.procs: list[subprocess.Popen] = []
         self._control: list[socket.socket] = []
 
