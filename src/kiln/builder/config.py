@@ -35,9 +35,8 @@ class BuildConfig:
     device: str = "auto"  # "auto" (a GPU if there is one), "cuda", "cuda:N" or "cpu"
     cuda_graphs: bool = True
     # Auxiliary streams in the CUDA graph for layers beside the main chain (engine/streams.py); Kiln uses
-    # at most one (trtexec --maxAuxStreams). Off by default: on the H200 (2026-11-30) one same-process
-    # comparison had it 1-3% faster on ResNet-50 (0.354 vs 0.364 ms at batch 1), after a cross-run one
-    # had suggested slower; one run is too little to change every engine's schedule.
+    # at most one (trtexec --maxAuxStreams). Off by default: its gain is within run-to-run noise so far
+    # (docs/design/streams.md).
     max_aux_streams: int = 0
     progress: bool = True
     validate: bool = True  # run each profile once at build time (errors surface now, arena is measured)

@@ -6,8 +6,8 @@ those stay FP32 and the engine records the reason. Shape arithmetic (host
 nodes) always keeps its original types. Weights low-precision layers read are
 stored in that precision (in a copy where other layers read them as stored). A
 layer that computes a model's FP32 output from FP32 sums can write it in FP32
-(attribute output_type): the engine then ends without a cast kernel (2.4 us at
-ResNet-50 batch 1 on an H200, bench/results/H200-trace-resnet50-b1-pad4.md).
+(attribute output_type): the engine then ends without a cast kernel, one launch fewer
+at batch 1 (docs/design/small-kernels.md).
 
 The precision guard (guard()) runs before any weight is narrowed: each FP16/BF16 layer
 is compared with its FP32 self on the same inputs at the profiles' opt shapes, and a

@@ -7,9 +7,9 @@ inputs into the graph's static buffers and replay it, with no Python per layer.
 
 Device inputs fed again from the same addresses (a serving loop's reused buffers) get a
 graph of their own that reads them where they are, as TensorRT's bound tensor addresses do:
-the call makes no input copy (at ResNet-50 batch 1 on an H200 the copy took 7 us of host
-time and 1.5 us of device time, bench/results/H200-host-overhead.log). Up to BOUND_GRAPHS
-per shape, sharing the copying graph's memory pool.
+the call makes no input copy, a host and a device cost that matters at batch 1
+(docs/design/small-kernels.md). Up to BOUND_GRAPHS per shape, sharing the copying graph's
+memory pool.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ class DecoderModel:
         # KV-cache write (kernels/rope_cache.py); in decode steps (one query a sequence) both with the attention
         # too (kernels/decode_attention.py; off until a GPU run times it against the two kernels); the MLP's
         # activation inside the down projection's GEMV, off: it made the batch-1 step slower
-        # (bench/results/H200-decode-step.md).
+        # (docs/design/decode-gemv.md).
         self.fuse_rope_cache = self.fused
         self.fuse_decode_attention = False
         self.fuse_act_down = False
