@@ -71,7 +71,8 @@ def test_help_and_usage_show_the_camel_case_spelling_first():
 
 
 def test_a_camel_case_name_another_flag_holds_is_left_to_it():
-    """compare's --loadInputs (a .npz) and Polygraphy's --load-inputs (JSON) are different flags."""
+    """A parser that declares --loadInputs and --load-inputs as two flags keeps them apart (and says so); Kiln's
+    own commands declare no such pair (compare's --loadInputs reads Polygraphy's JSON too, under both spellings)."""
     p = argparse.ArgumentParser(prog="t")
     p.add_argument("--loadInputs")
     p.add_argument("--load-inputs", dest="load_inputs")
@@ -80,3 +81,6 @@ def test_a_camel_case_name_another_flag_holds_is_left_to_it():
     a = p.parse_args(["--loadInputs", "x.npz", "--load-inputs", "y.json", "--maxTokens", "3"])
     assert (a.loadInputs, a.load_inputs, a.max_tokens) == ("x.npz", "y.json", 3)
     assert camel_case("--max-num-batched-tokens") == "--maxNumBatchedTokens" and camel_case("--fp16") == "--fp16"
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    compare = sub.choices["compare"]
+    assert compare._option_string_actions["--load-inputs"] is compare._option_string_actions["--loadInputs"]

@@ -70,7 +70,7 @@ def test_load_inputs_round_trip_and_engine_mode(mlp_onnx, tmp_path, capsys):
                    "--device", "cpu", "--json", str(report), "--save-outputs", str(tmp_path / "o.json")])
     assert rc == 0, capsys.readouterr()
     res = json.loads(report.read_text())
-    assert res["inputs"] == f"--load-inputs {inputs}" and res["samples"] == 1
+    assert res["inputs"] == f"--loadInputs {inputs}" and res["samples"] == 1
     got = polygraphy_json.load_outputs(tmp_path / "o.json")["kiln-fp32"][0]["y"]
     assert got.shape == (4, 8)
     # the one-engine compare reads and writes the same files
@@ -78,7 +78,7 @@ def test_load_inputs_round_trip_and_engine_mode(mlp_onnx, tmp_path, capsys):
     assert cli.main(["build", f"--onnx={mlp_onnx}", "--shapes=x:4x16", f"--saveEngine={engine}",
                      "--skipInference", "--device", "cpu"]) == 0
     out2 = tmp_path / "o2.json"
-    assert cli.main(["compare", str(mlp_onnx), str(engine), "--load-inputs", str(inputs), "--device", "cpu",
+    assert cli.main(["compare", str(mlp_onnx), str(engine), "--loadInputs", str(inputs), "--device", "cpu",
                      "--save-outputs", str(out2)]) == 0
     runs = polygraphy_json.load_outputs(out2)
     assert set(runs) == {"kiln", "onnxruntime"}

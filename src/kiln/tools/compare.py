@@ -2,8 +2,8 @@
 
 REF is the ONNX model run by onnxruntime on the CPU (the API also takes a
 torch.nn.Module, or MODULE:FACTORY on the command line). Both run on the same
-inputs, in this order of preference: --loadInputs (a .npz, or a folder of .npz
-samples); the calibration data the engine was built with, when its file is still
+inputs, in this order of preference: --loadInputs (a .npz, a folder of .npz
+samples, or Polygraphy's JSON); the calibration data the engine was built with, when its file is still
 there; else synthetic inputs drawn to look like data (token ids over the embedding's
 rows, masks as masks, --valRange NAME:LO,HI), and the report says they are synthetic.
 
@@ -34,8 +34,8 @@ and names the first layer whose error leaves the tolerance: where accuracy is lo
 
 Several backends at once (Polygraphy's `polygraphy run --trt --onnxrt`): `kiln compare model.onnx
 --runners kiln-fp16,kiln-int8,onnxruntime,torch --torch MODULE:FACTORY` builds and runs each on the same
-inputs and prints one table (kiln/tools/runners.py). --saveInputs, --load-inputs and --saveOutputs
-read and write Polygraphy's JSON (kiln/tools/polygraphy_json.py), in both modes.
+inputs and prints one table (kiln/tools/runners.py). --saveInputs, --loadInputs FILE.json and
+--saveOutputs read and write Polygraphy's JSON (kiln/tools/polygraphy_json.py), in both modes.
 """
 
 from __future__ import annotations
@@ -651,14 +651,12 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--torch", metavar="MODULE:FACTORY", help="with --runners: the PyTorch module of the 'torch' runner")
     p.add_argument("--calib", metavar="DATA", help="with --runners: calibration data for kiln-int8/kiln-fp8 (default: "
                    "the compared inputs, and the report says so)")
-    p.add_argument("--load-inputs", dest="load_inputs", metavar="FILE.json", help="inputs from Polygraphy's "
-                   "--save-inputs JSON (a list of feed dicts)")
     p.add_argument("--save-inputs", dest="save_inputs", metavar="FILE.json", help="write the inputs used, in "
                    "Polygraphy's --save-inputs JSON")
     p.add_argument("--save-outputs", dest="save_outputs", metavar="FILE.json", help="write every runner's outputs, "
                    "in Polygraphy's RunResults JSON (--save-outputs)")
-    p.add_argument("--loadInputs", metavar="PATH", help="inputs: a .npz keyed by input name, a folder of .npz "
-                   "samples, or NAME:FILE.npy,...")
+    p.add_argument("--loadInputs", "--load-inputs", metavar="PATH", help="inputs: a .npz keyed by input name, a "
+                   "folder of .npz samples, NAME:FILE.npy,..., or Polygraphy's --save-inputs JSON (FILE.json)")
     p.add_argument("--seed", type=int, default=0, help="seed for synthetic inputs (default 0)")
     p.add_argument("--samples", type=int, default=1, help="number of synthetic input samples (default 1)")
     p.add_argument("--shapes", default="", metavar="SPEC", help="synthetic input shapes, x:4x3x224x224,...")
@@ -685,7 +683,7 @@ def add_command(subparsers) -> argparse.ArgumentParser:
 
 def _run_runners(args, con) -> int:
     from ..engine.synthetic import parse_val_range
-    from . import polygraphy_json, runners
+    from . import runners
 
     if args.engine:
         raise ConfigError("--runners builds its own engines from the model: leave out ENGINE (or drop --runners to "
@@ -700,10 +698,8 @@ def _run_runners(args, con) -> int:
     shapes = parse_shapes(args.shapes or "", "--shapes")
     samples, inputs = None, ""
     model_inputs = runners.input_names(args.reference)
-    if args.load_inputs:
-        samples, inputs = polygraphy_json.load_inputs(args.load_inputs, model_inputs), f"--load-inputs {args.load_inputs}"
-    elif args.loadInputs:
-        samples, inputs = load_samples(args.loadInputs, model_inputs), f"--loadInputs {args.loadInputs}"
+    if args.loadInputs:
+        samples, inputs = load_inputs(args.loadInputs, model_inputs), f"--loadInputs {args.loadInputs}"
     result = runners.run_runners(args.reference, names, samples=samples, inputs=inputs, shapes=shapes,
                                  torch_module=args.torch, calib=args.calib, reference_runner=args.reference_runner,
                                  device=args.device, seed=args.seed, count=args.samples,
@@ -715,6 +711,15 @@ def _run_runners(args, con) -> int:
         atomic_write_json(args.json, result.to_json())
         con.print(f"[I] Results written to {args.json}")
     return {"PASSED": 0, "FAILED": EXIT_FAILED, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[result.verdict]
+
+
+def load_inputs(path: str, input_names: list[str]) -> list[dict]:
+    """--loadInputs: Polygraphy's --save-inputs JSON (a .json file), else what load_samples reads."""
+    if path.lower().endswith(".json"):
+        from . import polygraphy_json
+
+        return polygraphy_json.load_inputs(path, input_names, what="--loadInputs")
+    return load_samples(path, input_names)
 
 
 def _save_polygraphy(args, con, samples, outputs: dict, runtimes: dict | None = None) -> None:
@@ -750,17 +755,9 @@ def run(args) -> int:
     val_range = parse_val_range(args.valRange, [v.name for v in engine.inputs])
     if args.samples < 1:
         raise ConfigError("--samples must be at least 1.")
-    calib = None if (args.loadInputs or args.load_inputs or shapes or val_range) else calibration_samples(
-        engine, args.profile)
-    if args.load_inputs:
-        from .polygraphy_json import load_inputs
-
-        samples = split_to_profile(engine, load_inputs(args.load_inputs, [v.name for v in engine.inputs]),
-                                          args.profile)
-        inputs = f"--load-inputs {args.load_inputs}"
-    elif args.loadInputs:
-        samples = split_to_profile(
-            engine, load_samples(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
+    calib = None if (args.loadInputs or shapes or val_range) else calibration_samples(engine, args.profile)
+    if args.loadInputs:
+        samples = split_to_profile(engine, load_inputs(args.loadInputs, [v.name for v in engine.inputs]), args.profile)
         inputs = f"--loadInputs {args.loadInputs}"
     elif calib:
         samples, inputs = calib
