@@ -195,6 +195,7 @@ def calibration_feeds(prep: Prepared) -> list[dict]:
 
 
 EXCLUDE_TACTICS: tuple[str, ...] = ()  # --exclude-tactics: BuildConfig.exclude_tactics of every build (A/B runs)
+SKIP_PASSES: tuple[str, ...] = ()  # --skip-passes: BuildConfig.skip_passes of every build (A/B runs)
 TIMING_CACHE: str | None = None  # --timing-cache: one timing cache file for every build (A/B runs rebuild warm)
 
 
@@ -203,6 +204,8 @@ def build(prep: Prepared, precision: str, device: str, progress: bool = False, v
     extra = dict(PRECISIONS[precision])
     if EXCLUDE_TACTICS:
         extra["exclude_tactics"] = EXCLUDE_TACTICS
+    if SKIP_PASSES:
+        extra["skip_passes"] = SKIP_PASSES
     if TIMING_CACHE:
         extra["timing_cache"] = TIMING_CACHE
     if "int8" in extra or "fp8" in extra:
@@ -614,10 +617,13 @@ def main(argv=None) -> int:
                     help="print each timed case's N slowest layers (run layer by layer)")
     ap.add_argument("--shard", default="", help="I/N: every Nth model from the Ith (parallel runs)")
     ap.add_argument("--exclude-tactics", default="", help="comma-separated tactic name patterns no build may use")
+    ap.add_argument("--skip-passes", default="", help="comma-separated fusion passes no build runs (kiln build "
+                    "--skipPasses)")
     ap.add_argument("--timing-cache", default="", help="a timing cache file every build reads and writes")
     a = ap.parse_args(argv)
-    global EXCLUDE_TACTICS, TIMING_CACHE
+    global EXCLUDE_TACTICS, SKIP_PASSES, TIMING_CACHE
     EXCLUDE_TACTICS = tuple(p.strip() for p in a.exclude_tactics.split(",") if p.strip())
+    SKIP_PASSES = tuple(p.strip() for p in a.skip_passes.split(",") if p.strip())
     TIMING_CACHE = a.timing_cache or None
     entries = zoo_models.by_name(a.models.split(",")) if a.models else list(zoo_models.ZOO)
     if a.shard:

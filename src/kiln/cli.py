@@ -58,6 +58,8 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dumpPasses", metavar="DIR",
                    help="write the graph after each build pass into DIR as NN-pass.onnx (.txt where ONNX cannot "
                         "hold it), to see what each pass did")
+    p.add_argument("--skipPasses", default="", metavar="NAMES",
+                   help="fusion passes to leave out, to see what one changes: fuse_view_chains,fuse_elementwise")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cuda, cuda:N or cpu")
     p.add_argument("--noCudaGraph", action="store_true", help="run layer by layer instead of one CUDA graph")
     p.add_argument("--maxAuxStreams", type=int, default=0, choices=range(2), metavar="0..1",
@@ -107,7 +109,7 @@ def _config_from_args(a):
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile, precision_constraints=a.precisionConstraints,
         exclude_tactics=tuple(p.strip() for p in a.excludeTactics.split(",") if p.strip()),
-        dump_passes=a.dumpPasses,
+        dump_passes=a.dumpPasses, skip_passes=tuple(p.strip() for p in a.skipPasses.split(",") if p.strip()),
     )
 
 

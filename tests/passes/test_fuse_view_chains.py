@@ -1,5 +1,8 @@
 import numpy as np
+import pytest
 
+import kiln
+from kiln.errors import ConfigError
 from kiln.passes import fuse_view_chains
 
 from .util import check_pass, helper, model, ops, rand
@@ -58,7 +61,14 @@ def test_a_head_split_alone_is_left_as_it_is():
     assert ops(after) == ["Reshape", "Transpose"]
 
 
-def test_off_switch(monkeypatch):
-    monkeypatch.setenv("KILN_VIEW_CHAINS", "0")
-    _, after = check_pass(fuse_view_chains, _unfold_model(), {"x": rand(2, 8, 4, 4)}, atol=0)
-    assert "kiln::ViewChain" not in ops(after)
+def test_skip_passes_leaves_it_out_of_a_build_and_refuses_a_pass_it_cannot_leave_out():
+    m, x = _unfold_model(), rand(2, 8, 4, 4)
+    cfg = dict(shapes={"x": (2, 8, 4, 4)}, device="cpu", progress=False)
+    built = {skip: kiln.build(m, kiln.BuildConfig(skip_passes=skip, **cfg)) for skip in ((), ("fuse_view_chains",))}
+    assert [n.op_type for n in built[()].graph.nodes] == ["ViewChain", "Relu", "ViewChain", "Conv"]
+    assert "ViewChain" not in [n.op_type for n in built[("fuse_view_chains",)].graph.nodes]
+    with_pass, without = (list(e.create_execution_context().run({"x": x}).values())[0] for e in built.values())
+    np.testing.assert_array_equal(with_pass, without)
+    with pytest.raises(ConfigError, match=r"--skipPasses: 'fold_constants' is not a pass the build can leave out; "
+                       r"these can: .*fuse_view_chains"):
+        kiln.build(m, kiln.BuildConfig(skip_passes=("fold_constants",), **cfg))

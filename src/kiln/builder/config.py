@@ -58,6 +58,9 @@ class BuildConfig:
     # A folder for the graph after each build pass (builder/pipeline.py), as NN-pass.onnx (or .txt): to see what
     # each pass did. Not part of the engine.
     dump_passes: str | None = None
+    # Fusion passes (passes.PIPELINE's fuse_* and merge_*) the build leaves out, by name: to see what one changes,
+    # in speed or accuracy (kiln build --skipPasses fuse_view_chains). The others are needed to build at all.
+    skip_passes: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> str | None:
@@ -83,6 +86,7 @@ class BuildConfig:
             "optimization_level": self.optimization_level, "layer_precisions": self.layer_precisions,
             "precision_constraints": self.precision_constraints, "precision_guard": self.precision_guard,
             "exclude_tactics": list(self.exclude_tactics), "time_quantized_cold": self.time_quantized_cold,
+            "skip_passes": list(self.skip_passes),
         }
 
 

@@ -13,7 +13,8 @@
 
 Each pass is run(graph, build): `build` holds what the build knows (config, target, profiles) and what the
 passes after the rewrites decide (capturable, the weight layouts), which the engine keeps. With
-BuildConfig.dump_passes (kiln build --dumpPasses DIR) the graph is written after each pass.
+BuildConfig.dump_passes (kiln build --dumpPasses DIR) the graph is written after each pass; BuildConfig.skip_passes
+(--skipPasses) leaves fusions out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from .. import passes
 from ..engine.profile import Profile
 from ..engine.target import Target
+from ..errors import ConfigError
 from ..ir.graph import Graph
 from . import footprint, layout, placement, precision, quantized_io
 from .config import BuildConfig
@@ -140,12 +142,35 @@ PASSES = [
 ]
 
 
+# Rewrites named like fusions that lower what no layer runs otherwise (Q/DQ pairs, INT4 weights): never skipped.
+LOWERINGS = ("fuse_qdq", "fuse_int4_weights")
+
+
+def skippable() -> list[str]:
+    """The passes BuildConfig.skip_passes may name: the fusions, which only make the graph faster to run."""
+    return [p.name for p in PASSES
+            if p.rewrite and p.name.startswith(("fuse_", "merge_")) and p.name not in LOWERINGS]
+
+
+def check_skip_passes(names) -> None:
+    known = skippable()
+    wrong = [n for n in names if n not in known]
+    if wrong:
+        raise ConfigError(f"--skipPasses: {', '.join(map(repr, wrong))} is not a pass the build can leave out; "
+                          f"these can: {', '.join(known)}.")
+
+
 def run(graph: Graph, build: Build) -> None:
-    """Every pass in order; with dump_passes, the graph before them (00-loaded) and after each (NN-name)."""
+    """Every pass in order, but those config.skip_passes names; with dump_passes, the graph before them
+    (00-loaded) and after each (NN-name)."""
+    skip = set(build.config.skip_passes)
+    check_skip_passes(skip)
     folder = dump_folder(build.config.dump_passes) if build.config.dump_passes else None
     if folder is not None:
         dump_graph(graph, folder, "00-loaded")
     for i, p in enumerate(PASSES, 1):
+        if p.name in skip:
+            continue
         p.run(graph, build)
         if p.rewrite:
             build.step(f"pass: {p.name}")

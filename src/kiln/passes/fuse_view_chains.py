@@ -11,13 +11,11 @@ every value inside the chain has the next node as its only reader. The chain's r
 convolution reads the 4-D result, the layer writes it channels-last (attribute channels_last) on a GPU at
 FP16/BF16, the layout the convolution kernels take. Not in 8-bit builds (builder/quantized_io.py links 8-bit
 values through the Reshapes and Transposes themselves), nor before an attention layer (the attention passes lay
-out q, k and v for its kernels: Whisper's keys would become a transposed view). KILN_VIEW_CHAINS=0 turns the
-pass off (A/B timings).
+out q, k and v for its kernels: Whisper's keys would become a transposed view). `--skipPasses
+fuse_view_chains` leaves it out (A/B timings).
 """
 
 from __future__ import annotations
-
-import os
 
 from ..ir.graph import Graph, Node
 from .rewrite import View, pinned, replace
@@ -69,7 +67,7 @@ def _chains(graph: Graph, view: View):
 
 
 def run(graph: Graph) -> None:
-    if graph.quant_amax or os.environ.get("KILN_VIEW_CHAINS", "1") == "0":
+    if graph.quant_amax:
         return
     view = View(graph)
     for chain in list(_chains(graph, view)):
