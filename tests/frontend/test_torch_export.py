@@ -9,6 +9,7 @@ from torch.export import Dim
 from kiln import Profile
 from kiln.errors import ConfigError, UnsupportedError
 from kiln.frontend import DynamicAxis, ProfileHints, check_model, from_torch
+from kiln.frontend.torch_export import ExportFallbackWarning
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -120,6 +121,34 @@ def test_export_failure_names_module_and_error():
     msg = str(e.value)
     assert "Boom" in msg and "boom inside forward" in msg and "\x1b[" not in msg
     assert len(msg) < 1500
+
+
+class ValueBranch(torch.nn.Module):
+    """Python control flow on a tensor's value: torch.export cannot trace it; the TorchScript exporter traces the
+    branch the example takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        if float(x.abs().sum()) > 0:
+            return torch.relu(self.fc(x)) * 2
+        return self.fc(x)
+
+
+def test_a_module_torch_export_cannot_trace_goes_through_the_torchscript_exporter():
+    torch.manual_seed(0)
+    module = ValueBranch().eval()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    with pytest.warns(ExportFallbackWarning, match=r"ValueBranch: torch.export could not trace it \(torch.onnx."
+                      r"export with dynamo=True, opset 18: .*\); exported with the TorchScript exporter"):
+        model, hints = from_torch(module, (torch.randn(4, 6),), dynamic_shapes={"x": {0: batch}})
+    assert hints.to_profile() == Profile({"x": ((1, 6), (4, 6), (16, 6))})
+    x = torch.randn(9, 6)  # another batch size: the axis is dynamic
+    (got,) = _ort(model, {"x": x})
+    with torch.no_grad():
+        np.testing.assert_allclose(got, module(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_fail_before_exporting():

@@ -1,4 +1,5 @@
-"""PyTorch modules in: export to ONNX with torch.onnx.export(dynamo=True).
+"""PyTorch modules in: export to ONNX with torch.onnx.export(dynamo=True), and with its TorchScript exporter
+where torch.export cannot trace the module (ExportFallbackWarning says so).
 
     model, hints = from_torch(mlp, (x,), dynamic_shapes={"x": {0: Dim("batch", min=1, max=32)}})
     engine = kiln.build(model, BuildConfig(profiles=[hints.to_profile()]))
@@ -122,29 +123,64 @@ def from_torch(
     module.eval()
     try:
         with _quiet():
-            program = torch.onnx.export(
+            model = torch.onnx.export(
                 module, args, dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
                 input_names=input_names, output_names=output_names, verbose=False, report=False,
-            )
+            ).model_proto
     except ImportError as e:
         raise KilnError(
             f"exporting {cls} needs the ONNX exporter's dependencies ({e}); install them with "
             "`pip install onnxscript`."
         ) from None
-    except Exception as e:  # torch.onnx.errors.OnnxExporterError, torch.export UserError, ...
-        raise UnsupportedError(
-            f"exporting {cls} to ONNX failed (torch.onnx.export with dynamo=True, opset {opset}): "
-            f"{_summary(e)}"
-        ) from None
+    except Exception as e:  # noqa: BLE001 - OnnxExporterError, torch.export UserError, ...: try the other exporter
+        model = _torchscript_export(module, args, dynamic_shapes, opset, input_names, output_names,
+                                    f"torch.onnx.export with dynamo=True, opset {opset}: {_summary(e)}")
     finally:
         for m, training in modes.items():
             m.training = training
-    model = program.model_proto
     external = [s.where for s in external_data.iter_tensors(model) if external_data.is_external(s.tensor)]
     if external:  # model_proto serializes in-memory weights; this would be an exporter change
         raise KilnError(f"the exported model of {cls} keeps {external[0]} in an external file; "
                         "Kiln expected embedded weights.")
     return model, profile_hints(model, module, args, dynamic_shapes)
+
+
+class ExportFallbackWarning(UserWarning):
+    """torch.export could not trace the module; the TorchScript exporter made its ONNX model instead."""
+
+
+def _torchscript_export(module, args: tuple, dynamic_shapes, opset: int, input_names, output_names,
+                        failure: str) -> onnx.ModelProto:
+    """The module through torch.onnx's TorchScript exporter (dynamo=False), after torch.export failed on it (5-D
+    attention inputs, views of non-contiguous tensors): the same weights traced on the example inputs, with
+    the dynamic axes of `dynamic_shapes` named after their Dims. Warns, naming torch.export's failure."""
+    cls = type(module).__name__
+    tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters]
+    except (TypeError, ValueError):
+        params = []
+    names = list(input_names or [params[i] if i < len(params) else f"input_{i}" for i in tensor_args])
+    specs = _arg_specs(module, len(args), dynamic_shapes)
+    dynamic_axes = {}
+    for name, i in zip(names, tensor_args):
+        axes = {axis: getattr(dim, "__name__", None) or f"{name}_{axis}" for axis, dim in specs[i].items()}
+        if axes:
+            dynamic_axes[name] = axes
+    buffer = io.BytesIO()
+    try:
+        with _quiet():
+            torch.onnx.export(module, args, buffer, dynamo=False, opset_version=opset, input_names=names,
+                              output_names=output_names, dynamic_axes=dynamic_axes or None)
+        model = onnx.load_from_string(buffer.getvalue())
+    except Exception as e:  # noqa: BLE001 - both exporters' messages go to the user
+        raise UnsupportedError(
+            f"exporting {cls} to ONNX failed: {failure}; the TorchScript exporter (dynamo=False), tried next, "
+            f"said: {_summary(e)}") from None
+    warnings.warn(ExportFallbackWarning(
+        f"{cls}: torch.export could not trace it ({failure}); exported with the TorchScript exporter "
+        "(dynamo=False) instead, which traced the example inputs' path through forward."), stacklevel=3)
+    return model
 
 
 @contextlib.contextmanager
