@@ -78,6 +78,38 @@ def test_a_float_layer_reading_an_int8_layer_passes_the_precision_guard():
     assert zoo.rel_l2(list(out.values()), [ref]) < 0.05
 
 
+class TinyDepthHead(nn.Module):
+    """Convolutions whose last output is near 1e-10 (a random-weight DPT depth head's), below FP16's smallest
+    subnormal (6e-8): stored in FP16 it is all zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+        self.head = nn.Conv2d(16, 1, 1)
+        with torch.no_grad():
+            self.head.weight.mul_(1e-9)
+            self.head.bias.zero_()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_8_bit_layer_whose_output_fp16_cannot_hold_writes_it_in_fp32():
+    torch.manual_seed(0)
+    net, x = TinyDepthHead().eval(), torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = net(x)
+    assert 0 < ref.abs().max() < 6e-8
+    engine = _build(net, x, fp16=True, int8=True)
+    head = next(n for n in engine.graph.nodes if n.op_type == "QConv" and n.outputs[0] == engine.graph.outputs[0].name)
+    assert head.attr("float_type") == "float32" and head.note.startswith("writes FP32 (precision guard): ")
+    [guard] = [f for f in engine.findings if f["kind"] == "precision-guard"]
+    assert head.name in guard["fp32_outputs"]
+    out = engine.create_execution_context().run({"x": x})
+    assert zoo.rel_l2(list(out.values()), [ref]) < 0.1  # all zeros in FP16: 1.0
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name, kind", [("resnet18", "int8"), ("bert", "fp8")])
 def test_zoo_8bit_rows_track_the_fake_quant_reference(name, kind):

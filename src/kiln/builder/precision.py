@@ -91,7 +91,7 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
     error does not condemn the layers after it. Returns one finding summing up what was kept."""
     from ..engine.interpreter import call_node, run_node
 
-    if not any(n.precision == precision and n.placement == "device" for n in graph.nodes):
+    if not any(n.precision in (precision, "int8", "fp8") and n.placement == "device" for n in graph.nodes):
         return []
     device = torch.device(device)
     last = {name: i for i, node in enumerate(graph.nodes) for name in reads(node)}
@@ -118,7 +118,9 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
                         t = uploads[name]
                 args.append(t)
             kept = node.precision
-            judge = kept == precision and not node.note and not entry.uses_scope
+            # Judged: every layer in the low type but those the user pinned there (and INT4 GEMMs, whose type
+            # is their weights'); a layer an 8-bit build left in float ("kept in float") is judged too.
+            judge = kept == precision and not node.note.startswith((PINNED, "INT4")) and not entry.uses_scope
             exact_args = args
             if judge:
                 node.precision = "float32"
@@ -128,6 +130,8 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
                               and entry.narrows(pos) else a for pos, a in enumerate(args)]
             try:
                 exact = call_node(node, exact_args, env)
+                if kept in ("int8", "fp8") and node.domain == "kiln" and node.op_type in INT8_LAYERS:
+                    _widen_8_bit_output(node, exact, precision)
                 if judge:
                     judged += 1
                     node.precision = kept
@@ -143,11 +147,29 @@ def guard(graph: Graph, precision: str, feeds_per_profile: list[dict], device) -
             for name in [n for n in reads(node) if last.get(n) == i and n not in keep]:
                 env.pop(name, None)
     kept_fp32 = [n.name for n in graph.nodes if n.note.startswith(GUARDED)]
+    widened = [n.name for n in graph.nodes if n.note.startswith(WIDENED)]
     label = {"float16": "FP16", "bfloat16": "BF16"}[precision]
     return [{"kind": "precision-guard", "layers_checked": judged // max(1, len(feeds_per_profile)),
-             "kept_fp32": kept_fp32, "reason": f"each {label} layer compared with FP32 on the same inputs at "
-             f"the profiles' opt shapes; kept in FP32 where it overflowed or drifted past "
-             f"{DRIFT_LIMIT[precision]:g} relative L2"}] if kept_fp32 else []
+             "kept_fp32": kept_fp32, "fp32_outputs": widened, "reason": f"each {label} layer compared with FP32 "
+             f"on the same inputs at the profiles' opt shapes; kept in FP32 where it overflowed or drifted past "
+             f"{DRIFT_LIMIT[precision]:g} relative L2; 8-bit layers whose output {label} cannot hold write it in "
+             "FP32"}] if kept_fp32 or widened else []
+
+
+# An 8-bit layer computes in integers (or FP8) and writes its result in the engine's float type (attribute
+# float_type, builder/quantized_io.py): FP32 instead where that type cannot hold it.
+WIDENED = "writes FP32 (precision guard): "
+
+
+def _widen_8_bit_output(node, exact, precision: str) -> None:
+    """An 8-bit layer whose FP32-run output overflows or loses itself when stored in the build's float type
+    (a random-weight depth head's 1e-10 values under FP16's smallest subnormal) writes FP32 (float_type)."""
+    low = _LOW[precision]
+    stored = [t.to(low) if isinstance(t, torch.Tensor) and t.dtype in _FLOATS else t for t in exact]
+    reason = _judge(stored, exact, precision)
+    if reason:
+        node.attrs["float_type"] = "float32"
+        node.note = WIDENED + reason.replace("drifts in", "its output drifts when stored in", 1)
 
 
 def sample_inputs(values, shapes: dict) -> dict[str, torch.Tensor]:

@@ -116,8 +116,8 @@ def link(graph: Graph, float_precision: str) -> None:
     float_type = float_precision if float_precision in ("float16", "bfloat16") else "float32"
     for n in graph.nodes:
         if _quantized(n):
-            n.attrs["float_type"] = float_type
-    _biases_in(graph, float_type, readers)
+            n.attrs.setdefault("float_type", float_type)  # FP32 where the precision guard widened it
+    _biases_in(graph, readers)
     for n in graph.nodes:
         out = n.outputs[0] if n.outputs else ""
         users = readers.get(out, [])
@@ -281,16 +281,21 @@ def _before_views(value: str, made_by: dict, readers: dict, outputs: set) -> str
         value = p.inputs[0]
 
 
-def _biases_in(graph: Graph, float_type: str, readers: dict) -> None:
+def _biases_in(graph: Graph, readers: dict) -> None:
     """Quantized layers' constant biases stored in their float type, as their reference adds them: a tactic that
-    wants the float type (cuBLASLt's FP8 GEMM) then casts nothing per call."""
+    wants the float type (cuBLASLt's FP8 GEMM) then casts nothing per call. A bias its readers want in two types
+    stays as it is."""
     from ..ir.dtypes import from_name
 
-    dtype = from_name(float_type)
     for n in graph.nodes:
         bias = _input(n, 4) if _quantized(n) else ""
         t = graph.initializers.get(bias)
-        if t is not None and t.dtype != dtype and all(_quantized(r) for r in readers.get(bias, [])):
+        users = readers.get(bias, [])
+        types = {r.attr("float_type") for r in users if _quantized(r)}
+        if t is None or len(types) != 1 or not all(_quantized(r) for r in users):
+            continue
+        dtype = from_name(types.pop())
+        if t.dtype != dtype:
             graph.initializers[bias] = t.to(dtype)
 
 
