@@ -18,8 +18,8 @@ PyTorch reference with the engine's rounding (bench/fake_quant.py), and they pas
 the share of rows (and sequence steps) whose argmax over the last axis of an output of rank 2 or 3 matches the
 reference's (class scores; for hidden states it means little); a reduced-precision row of a real ONNX file (no
 torch or fake-quant reference to set its bound) whose every prediction stayed passes with a note: PP-OCR's
-softmax over 6625 characters moves its confidences under BF16's and 8-bit rounding, not its answers. A detector whose entry names a mask threshold (PP-OCR's text
-map, binarized at 0.3 by its post-processing) passes at any precision when its mask agrees with the reference's
+softmax over 6625 characters moves its confidences under BF16's and 8-bit rounding, not its answers. A detector
+whose entry names a mask threshold (PP-OCR's text map, binarized at 0.3 by its post-processing) passes at any precision when its mask agrees with the reference's
 on at least 99.9% of the elements; the column then holds that share. An object detector whose entry names its
 score outputs and confidence cut (PP-PicoDet's, at 0.5) passes when its detections, the (anchor, class) pairs
 above the cut, overlap the reference's at an intersection over union of at least 0.9; the column holds it.

@@ -108,9 +108,13 @@ def _config_from_args(a):
         workspace_bytes=parse_mem_pool(a.memPoolSize) if a.memPoolSize else None,
         cuda_graphs=not a.noCudaGraph, max_aux_streams=a.maxAuxStreams, optimization_level=a.builderOptimizationLevel,
         timing_cache=a.timingCacheFile, precision_constraints=a.precisionConstraints,
-        exclude_tactics=tuple(p.strip() for p in a.excludeTactics.split(",") if p.strip()),
-        dump_passes=a.dumpPasses, skip_passes=tuple(p.strip() for p in a.skipPasses.split(",") if p.strip()),
+        exclude_tactics=_names(a.excludeTactics), dump_passes=a.dumpPasses, skip_passes=_names(a.skipPasses),
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """'a, b,,c' -> ('a', 'b', 'c'): a comma-separated list of names (--excludeTactics, --skipPasses)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _note_emulated(precision: str, device: str, a) -> None:

@@ -156,10 +156,7 @@ def _torchscript_export(module, args: tuple, dynamic_shapes, opset: int, input_n
     the dynamic axes of `dynamic_shapes` named after their Dims. Warns, naming torch.export's failure."""
     cls = type(module).__name__
     tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    try:
-        params = [p for p in inspect.signature(module.forward).parameters]
-    except (TypeError, ValueError):
-        params = []
+    params = _forward_params(module)
     names = list(input_names or [params[i] if i < len(params) else f"input_{i}" for i in tensor_args])
     specs = _arg_specs(module, len(args), dynamic_shapes)
     dynamic_axes = {}
@@ -221,14 +218,19 @@ def _finite(v) -> int | None:
     return v if v < 2**62 else None
 
 
+def _forward_params(module: torch.nn.Module) -> list[str]:
+    """The names of forward's parameters, in order ([] where Python cannot tell them)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def _arg_specs(module: torch.nn.Module, n_args: int, dynamic_shapes) -> list[dict[int, object]]:
     """dynamic_shapes as one {axis: spec} per positional argument."""
     per_arg: list = [None] * n_args
     if isinstance(dynamic_shapes, dict):
-        try:
-            params = [p for p in inspect.signature(module.forward).parameters]
-        except (TypeError, ValueError):
-            params = []
+        params = _forward_params(module)
         for key, spec in dynamic_shapes.items():
             if key in params and params.index(key) < n_args:
                 per_arg[params.index(key)] = spec

@@ -1,8 +1,8 @@
 """Greedy tokens: the argmax of each row of a step's logits [rows, vocab] in one launch spread over the GPU.
 
 torch's argmax reduces each row of a 128k vocabulary in one block of threads, so one SM does a batch-1 step's
-whole reduction. Here each row is cut into chunks of BLOCK columns, one program a chunk: each writes its chunk's largest value and the first column holding it, counts itself in the row's
-counter, and the program that arrives last reduces the row's chunks (largest value, then the smallest column
+whole reduction. Here each row is cut into chunks of BLOCK columns, one program a chunk: each writes its
+chunk's largest value and the first column holding it, counts itself in the row's counter, and the program that arrives last reduces the row's chunks (largest value, then the smallest column
 among those holding it: torch.argmax's first maximal index) and resets the counter (kernels/fp8_gemv.py's
 split-K pattern). NaN counts as larger than every number, as in torch.
 """
